@@ -1,0 +1,48 @@
+"""Shared command-line plumbing for `smolnet` and `smoltrain`.
+
+Each subcommand lives in its own module exposing `add_arguments(parser)` and
+`run(args) -> int`; only the chosen one is imported, so `--help` and light commands
+never pay for heavy imports such as torch.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import SmolError
+
+
+def dispatch(prog: str, description: str, commands: dict[str, tuple[str, str]], argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module_name, help_text) in commands.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            module.add_arguments(p)
+            p.set_defaults(_run=module.run)
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    from smolnet.inventory import InventoryError
+    from smolnet.remote import RemoteError
+    from smolnet.secret import SecretError
+
+    try:
+        return int(args._run(args) or 0)
+    except SmolError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return e.code
+    except InventoryError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except (RemoteError, SecretError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,248 @@
+"""One way to run things on a host: a command, a background process, a small file.
+
+SSH (paramiko) for remote hosts, a local subprocess for `ansible_connection: local`.
+Every call has a timeout and every failure names the host and the cause, because
+"it hung" and "it failed" are the two least useful things a cluster tool can say.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import select
+import shlex
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from .inventory import Host
+
+
+class RemoteError(Exception):
+    """`host: cause` in one line."""
+
+    def __init__(self, host: str, cause: str):
+        super().__init__(f"{host}: {cause}")
+        self.host = host
+        self.cause = cause
+
+
+@dataclass
+class Result:
+    rc: int
+    stdout: str
+    stderr: str
+
+
+@dataclass
+class Proc:
+    """A background process started on a host."""
+    host: str
+    pid: int
+    log: str | None = None
+
+
+def _cmdline(argv: Sequence[str] | str) -> str:
+    return argv if isinstance(argv, str) else " ".join(shlex.quote(str(a)) for a in argv)
+
+
+class Remote:
+    """Base class: run, start, stop, alive, put_file. Use connect(host)."""
+
+    def __init__(self, host: Host):
+        self.host = host
+
+    def run(self, argv, timeout: float = 30.0, stdin: bytes | None = None, check: bool = False) -> Result:
+        raise NotImplementedError  # ok: abstract
+
+    def start(self, argv, stdin: bytes | None = None, log: str | None = None, timeout: float = 15.0) -> Proc:
+        """Start argv detached (own session), feed stdin, return its pid."""
+        log = log or "/dev/null"
+        # `exec` keeps the pid; stdin stays the channel/pipe so the secret can be fed.
+        script = f"echo SMOLPID:$$; exec {_cmdline(argv)} >>{shlex.quote(log)} 2>&1"
+        out = self._spawn(["setsid", "sh", "-c", script], stdin or b"", timeout)
+        for line in out.splitlines():
+            if line.startswith("SMOLPID:"):
+                return Proc(self.host.name, int(line.split(":", 1)[1]), log)
+        raise RemoteError(self.host.name, f"could not start {_cmdline(argv)[:80]}: no pid reported")
+
+    def _spawn(self, argv, stdin: bytes, timeout: float) -> str:
+        raise NotImplementedError  # ok: abstract
+
+    def alive(self, proc: Proc, timeout: float = 10.0) -> bool:
+        return self.run(["kill", "-0", str(proc.pid)], timeout=timeout).rc == 0
+
+    def stop(self, proc: Proc, timeout: float = 5.0) -> None:
+        """TERM, wait, then KILL; quiet if it is already gone."""
+        self.run(["kill", "-TERM", str(proc.pid)], timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive(proc, timeout=timeout):
+                return
+            time.sleep(0.1)
+        self.run(["kill", "-KILL", str(proc.pid)], timeout=timeout)
+
+    def put_file(self, path: str, data: bytes, mode: int = 0o600, timeout: float = 30.0) -> None:
+        """Write atomically (temp file + rename) so a reader never sees half a file."""
+        d = os.path.dirname(path) or "."
+        tmp = f"{path}.smoltmp"
+        script = (f"umask 077 && mkdir -p {shlex.quote(d)} && cat > {shlex.quote(tmp)} && "
+                  f"chmod {mode:o} {shlex.quote(tmp)} && mv -f {shlex.quote(tmp)} {shlex.quote(path)}")
+        self.run(["sh", "-c", script], timeout=timeout, stdin=data, check=True)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class LocalRemote(Remote):
+    def run(self, argv, timeout: float = 30.0, stdin: bytes | None = None, check: bool = False) -> Result:
+        shell = isinstance(argv, str)
+        try:
+            p = subprocess.run(["sh", "-c", argv] if shell else list(argv), input=stdin or b"",
+                               capture_output=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise RemoteError(self.host.name, f"timed out after {timeout:g}s running {_cmdline(argv)[:80]}") from None
+        except FileNotFoundError as e:
+            raise RemoteError(self.host.name, f"command not found: {e.filename}") from None
+        res = Result(p.returncode, p.stdout.decode(errors="replace"), p.stderr.decode(errors="replace"))
+        if check and res.rc != 0:
+            raise RemoteError(self.host.name, f"{_cmdline(argv)[:80]} exited {res.rc}: {res.stderr.strip()[-200:]}")
+        return res
+
+    def _spawn(self, argv, stdin: bytes, timeout: float) -> str:
+        p = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            p.stdin.write(stdin)
+            p.stdin.close()
+            ready, _, _ = select.select([p.stdout], [], [], timeout)
+            if not ready:
+                raise RemoteError(self.host.name, f"timed out starting {_cmdline(argv)[:80]}")
+            line = p.stdout.readline().decode(errors="replace")
+            p.stdout.close()
+        except (BrokenPipeError, OSError) as e:
+            raise RemoteError(self.host.name, f"could not start process: {e}") from None
+        return line
+
+
+def _classify(host: Host, exc: BaseException) -> RemoteError:
+    import paramiko
+
+    where = f"{host.address}:{host.port}"
+    if isinstance(exc, paramiko.BadHostKeyException):
+        return RemoteError(host.name, f"host key changed for {where} (possible reinstall or "
+                                      "man-in-the-middle; fix known_hosts)")
+    if isinstance(exc, paramiko.AuthenticationException):
+        return RemoteError(host.name, f"auth failed for {host.user or 'default user'}@{where}")
+    if isinstance(exc, paramiko.SSHException) and "not found in known_hosts" in str(exc):
+        return RemoteError(host.name, f"unknown host key for {where} (add it to known_hosts)")
+    if isinstance(exc, (socket.timeout, TimeoutError)):
+        return RemoteError(host.name, f"timed out connecting to {where}")
+    if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError):
+        errs = {e.errno for e in exc.errors.values() if isinstance(e, OSError)}
+        if errs & {errno.ECONNREFUSED}:
+            return RemoteError(host.name, f"connection refused by {where}")
+        return RemoteError(host.name, f"unreachable: {where}")
+    if isinstance(exc, ConnectionRefusedError):
+        return RemoteError(host.name, f"connection refused by {where}")
+    if isinstance(exc, OSError) and exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN):
+        return RemoteError(host.name, f"unreachable: {where}")
+    if isinstance(exc, OSError):
+        return RemoteError(host.name, f"cannot connect to {where}: {exc.strerror or exc}")
+    return RemoteError(host.name, f"ssh error with {where}: {exc}")
+
+
+class SSHRemote(Remote):
+    def __init__(self, host: Host, connect_timeout: float = 10.0):
+        super().__init__(host)
+        import paramiko
+
+        client = paramiko.SSHClient()
+        if host.host_key_checking:
+            try:
+                client.load_system_host_keys()
+            except OSError:
+                pass
+            if host.known_hosts_file and os.path.exists(host.known_hosts_file):
+                client.load_host_keys(host.known_hosts_file)
+            client.set_missing_host_key_policy(paramiko.RejectPolicy())
+        else:
+            client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+        try:
+            client.connect(host.address, port=host.port, username=host.user or "root",
+                           key_filename=host.key_file, timeout=connect_timeout,
+                           banner_timeout=connect_timeout, auth_timeout=connect_timeout,
+                           allow_agent=host.key_file is None, look_for_keys=host.key_file is None)
+        except Exception as e:  # every paramiko failure becomes one named line
+            client.close()
+            raise _classify(host, e) from None
+        self.client = client
+
+    def _exec(self, cmd: str, stdin: bytes, timeout: float):
+        try:
+            chan = self.client.get_transport().open_session(timeout=timeout)
+            chan.settimeout(timeout)
+            chan.exec_command(cmd)
+            if stdin:
+                chan.sendall(stdin)
+            chan.shutdown_write()
+        except Exception as e:
+            raise RemoteError(self.host.name, f"ssh channel failed: {e}") from None
+        return chan
+
+    def run(self, argv, timeout: float = 30.0, stdin: bytes | None = None, check: bool = False) -> Result:
+        cmd = _cmdline(argv)
+        chan = self._exec(cmd, stdin or b"", timeout)
+        out, err = bytearray(), bytearray()
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                if time.monotonic() > deadline:
+                    raise RemoteError(self.host.name, f"timed out after {timeout:g}s running {cmd[:80]}")
+                if chan.recv_ready():
+                    out += chan.recv(65536)
+                elif chan.recv_stderr_ready():
+                    err += chan.recv_stderr(65536)
+                elif chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
+                    break
+                else:
+                    time.sleep(0.005)
+            rc = chan.recv_exit_status()
+        finally:
+            chan.close()
+        res = Result(rc, out.decode(errors="replace"), err.decode(errors="replace"))
+        if check and rc != 0:
+            raise RemoteError(self.host.name, f"{cmd[:80]} exited {rc}: {res.stderr.strip()[-200:]}")
+        return res
+
+    def _spawn(self, argv, stdin: bytes, timeout: float) -> str:
+        chan = self._exec(_cmdline(argv), stdin, timeout)
+        buf = bytearray()
+        try:
+            while b"\n" not in buf:
+                data = chan.recv(4096)
+                if not data:
+                    break
+                buf += data
+        except socket.timeout:
+            raise RemoteError(self.host.name, f"timed out starting {_cmdline(argv)[:80]}") from None
+        finally:
+            chan.close()
+        return buf.decode(errors="replace")
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def connect(host: Host, timeout: float = 10.0) -> Remote:
+    """A Remote for host: local subprocesses or an SSH session."""
+    if host.local:
+        return LocalRemote(host)
+    return SSHRemote(host, connect_timeout=timeout)

@@ -1,0 +1,184 @@
+"""The smolcluster wire: HMAC challenge-response, then frames.
+
+A frame is a fixed 20-byte binary header, a small JSON header and raw payload bytes.
+Nothing executable ever crosses: no pickle, no eval. Every length is checked against
+a bound before a single byte is allocated for it, and every read has a deadline.
+
+Handshake (mutual, fixed sizes, so nothing unbounded is read before it succeeds):
+  server -> client: MAGIC_AUTH + nonce_s (32 bytes)
+  client -> server: nonce_c (32) + HMAC(secret, b"client" + nonce_s + nonce_c)
+  server -> client: HMAC(secret, b"server" + nonce_c + nonce_s)
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import socket
+import struct
+import time
+
+MAGIC_AUTH = b"SMOLAUTH1"
+NONCE_BYTES = 32
+MAC_BYTES = 32
+FRAME_MAGIC = b"SMOL"
+FRAME_VERSION = 1
+# magic, version, kind, reserved, json length, payload length
+FRAME_HEADER = struct.Struct("!4sBBHIQ")
+MAX_JSON_BYTES = 64 * 1024
+DEFAULT_MAX_PAYLOAD = 1 << 30
+
+
+class WireError(Exception):
+    """A peer sent something we will not accept; the connection must be closed."""
+
+
+class AuthError(WireError):
+    pass
+
+
+class PeerClosed(WireError):
+    pass
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _remaining(deadline: float | None) -> float | None:
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("timed out waiting for peer")
+    return left
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill view completely from sock (short reads looped) or raise."""
+    got = 0
+    n = len(view)
+    while got < n:
+        sock.settimeout(_remaining(deadline))
+        try:
+            k = sock.recv_into(view[got:], n - got)
+        except socket.timeout:
+            raise TimeoutError("timed out waiting for peer") from None
+        if k == 0:
+            raise PeerClosed(f"peer closed the connection after {got} of {n} bytes")
+        got += k
+
+
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    buf = bytearray(n)
+    recv_exact_into(sock, memoryview(buf), deadline)
+    return bytes(buf)
+
+
+def send_all(sock: socket.socket, data, deadline: float | None = None) -> None:
+    view = memoryview(data).cast("B")
+    while len(view):
+        sock.settimeout(_remaining(deadline))
+        try:
+            k = sock.send(view)
+        except socket.timeout:
+            raise TimeoutError("timed out sending to peer") from None
+        view = view[k:]
+
+
+def _mac(secret: bytes, role: bytes, a: bytes, b: bytes) -> bytes:
+    return hmac.new(secret, role + a + b, hashlib.sha256).digest()
+
+
+def server_handshake(sock: socket.socket, secret: bytes, timeout: float = 5.0) -> None:
+    """Prove the peer knows the secret before anything else is read from it."""
+    deadline = _deadline(timeout)
+    nonce_s = os.urandom(NONCE_BYTES)
+    send_all(sock, MAGIC_AUTH + nonce_s, deadline)
+    reply = recv_exact(sock, NONCE_BYTES + MAC_BYTES, deadline)
+    nonce_c, mac = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
+    if not hmac.compare_digest(mac, _mac(secret, b"client", nonce_s, nonce_c)):
+        raise AuthError("peer failed the cluster-secret challenge")
+    send_all(sock, _mac(secret, b"server", nonce_c, nonce_s), deadline)
+
+
+def client_handshake(sock: socket.socket, secret: bytes, timeout: float = 5.0) -> None:
+    deadline = _deadline(timeout)
+    hello = recv_exact(sock, len(MAGIC_AUTH) + NONCE_BYTES, deadline)
+    if hello[: len(MAGIC_AUTH)] != MAGIC_AUTH:
+        raise AuthError("peer is not a smolcluster endpoint")
+    nonce_s = hello[len(MAGIC_AUTH):]
+    nonce_c = os.urandom(NONCE_BYTES)
+    send_all(sock, nonce_c + _mac(secret, b"client", nonce_s, nonce_c), deadline)
+    proof = recv_exact(sock, MAC_BYTES, deadline)
+    if not hmac.compare_digest(proof, _mac(secret, b"server", nonce_c, nonce_s)):
+        raise AuthError("peer does not know the cluster secret")
+
+
+def pack_header(kind: int, meta: dict | None, payload_len: int) -> bytes:
+    """Fixed header + JSON header, ready to send before the payload."""
+    js = json.dumps(meta or {}, separators=(",", ":")).encode() if meta else b""
+    if len(js) > MAX_JSON_BYTES:
+        raise WireError(f"JSON header of {len(js)} bytes exceeds {MAX_JSON_BYTES}")
+    return FRAME_HEADER.pack(FRAME_MAGIC, FRAME_VERSION, kind, 0, len(js), payload_len) + js
+
+
+def parse_header(raw: bytes, max_payload: int = DEFAULT_MAX_PAYLOAD) -> tuple[int, int, int]:
+    """Validate a fixed header; returns (kind, json_len, payload_len)."""
+    if len(raw) != FRAME_HEADER.size:
+        raise WireError(f"frame header is {len(raw)} bytes, expected {FRAME_HEADER.size}")
+    magic, version, kind, _reserved, json_len, payload_len = FRAME_HEADER.unpack(raw)
+    if magic != FRAME_MAGIC:
+        raise WireError("bad frame magic")
+    if version != FRAME_VERSION:
+        raise WireError(f"unsupported frame version {version}")
+    if json_len > MAX_JSON_BYTES:
+        raise WireError(f"JSON header length {json_len} exceeds {MAX_JSON_BYTES}")
+    if payload_len > max_payload:
+        raise WireError(f"payload length {payload_len} exceeds {max_payload}")
+    return kind, json_len, payload_len
+
+
+def parse_meta(raw: bytes) -> dict:
+    if not raw:
+        return {}
+    try:
+        meta = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise WireError(f"bad JSON header: {e}") from None
+    if not isinstance(meta, dict):
+        raise WireError("JSON header is not an object")
+    return meta
+
+
+def send_frame(sock: socket.socket, kind: int, meta: dict | None = None, payload=b"",
+               timeout: float | None = 30.0) -> int:
+    """Send one frame; the payload (any buffer) is sent without copying. Returns header bytes."""
+    view = memoryview(payload).cast("B")
+    head = pack_header(kind, meta, len(view))
+    deadline = _deadline(timeout)
+    if len(view) and len(view) < 64 * 1024:
+        send_all(sock, head + bytes(view), deadline)  # one segment for small messages
+    else:
+        send_all(sock, head, deadline)
+        if len(view):
+            send_all(sock, view, deadline)
+    return len(head)
+
+
+def recv_frame_header(sock: socket.socket, timeout: float | None = 30.0,
+                      max_payload: int = DEFAULT_MAX_PAYLOAD) -> tuple[int, dict, int]:
+    """Read the fixed and JSON headers; the caller then reads payload_len bytes itself."""
+    deadline = _deadline(timeout)
+    kind, json_len, payload_len = parse_header(recv_exact(sock, FRAME_HEADER.size, deadline), max_payload)
+    meta = parse_meta(recv_exact(sock, json_len, deadline)) if json_len else {}
+    return kind, meta, payload_len
+
+
+def recv_frame(sock: socket.socket, timeout: float | None = 30.0,
+               max_payload: int = DEFAULT_MAX_PAYLOAD) -> tuple[int, dict, bytes]:
+    deadline = _deadline(timeout)
+    kind, meta, n = recv_frame_header(sock, _remaining(deadline), max_payload)
+    payload = recv_exact(sock, n, deadline) if n else b""
+    return kind, meta, payload

@@ -1,0 +1,17 @@
+"""`smoltrain`: planning and training on top of smolnet."""
+from __future__ import annotations
+
+from smolnet.climain import dispatch
+
+COMMANDS = {
+    "plan": ("smoltrain.commands.plan", "predict bytes per token, step time and the bottleneck of a strategy"),
+    "run": ("smoltrain.commands.run", "train a small GPT with a parallelism strategy"),
+    "bench": ("smoltrain.commands.bench", "benchmark collectives (allreduce) on the transport"),
+    "calibrate": ("smoltrain.commands.calibrate", "measure this host's matmul FLOP/s and memory bandwidth"),
+    "worker": ("smoltrain.commands.worker", "internal: one rank of a run, started by `smoltrain run`"),
+    "demo": ("smoltrain.commands.demo", "walk the whole flow on the built-in cluster"),
+}
+
+
+def main(argv=None) -> int:
+    return dispatch("smoltrain", "Plan and train across a small cluster.", COMMANDS, argv)

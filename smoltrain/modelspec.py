@@ -1,0 +1,109 @@
+"""Shapes of the built-in models: what the planner counts and the trainer builds.
+
+Published shapes for the real models; `tiny` is ours, sized to train in seconds on a
+CPU and to split evenly over 1, 2 or 3 ranks (6 layers, 6 heads).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+
+class ModelSpecError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    vocab: int
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int                 # MLP inner width (per expert for MoE)
+    ctx: int                 # maximum sequence length
+    tied_embeddings: bool = True
+    gated_mlp: bool = False  # SwiGLU (3 matrices) instead of GELU (2)
+    experts: int = 1         # MoE experts per layer (1 = dense)
+    top_k: int = 1           # experts each token visits
+    learned_pos: bool = True  # learned position embeddings (GPT) vs rotary (Llama)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def attn_params(self) -> int:
+        h = self.hidden
+        return h * h + 2 * h * self.kv_dim + h * h  # q, k, v, out
+
+    def mlp_params(self) -> int:
+        per = (3 if self.gated_mlp else 2) * self.hidden * self.ffn
+        return per * self.experts + (self.hidden * self.experts if self.experts > 1 else 0)
+
+    def layer_params(self) -> int:
+        return self.attn_params() + self.mlp_params() + 4 * self.hidden  # + norms
+
+    def embedding_params(self) -> int:
+        emb = self.vocab * self.hidden
+        pos = self.ctx * self.hidden if self.learned_pos else 0
+        head = 0 if self.tied_embeddings else self.vocab * self.hidden
+        return emb + pos + head + 2 * self.hidden  # + final norm
+
+    def params(self) -> int:
+        return self.layers * self.layer_params() + self.embedding_params()
+
+    def active_params(self) -> int:
+        """Parameters one token touches (MoE: only top_k experts)."""
+        if self.experts == 1:
+            return self.params()
+        per_expert = (3 if self.gated_mlp else 2) * self.hidden * self.ffn
+        return self.params() - self.layers * per_expert * (self.experts - self.top_k)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["params"] = self.params()
+        d["head_dim"] = self.head_dim
+        return d
+
+
+BUILTIN: dict[str, ModelSpec] = {
+    "tiny": ModelSpec("tiny", vocab=256, layers=6, hidden=96, heads=6, kv_heads=6, ffn=384, ctx=64),
+    "gpt2-124m": ModelSpec("gpt2-124m", vocab=50257, layers=12, hidden=768, heads=12, kv_heads=12,
+                           ffn=3072, ctx=1024),
+    "llama-3.2-1b": ModelSpec("llama-3.2-1b", vocab=128256, layers=16, hidden=2048, heads=32, kv_heads=8,
+                              ffn=8192, ctx=131072, tied_embeddings=True, gated_mlp=True, learned_pos=False),
+    "llama-3.1-8b": ModelSpec("llama-3.1-8b", vocab=128256, layers=32, hidden=4096, heads=32, kv_heads=8,
+                              ffn=14336, ctx=131072, tied_embeddings=False, gated_mlp=True, learned_pos=False),
+    "mixtral-8x7b": ModelSpec("mixtral-8x7b", vocab=32000, layers=32, hidden=4096, heads=32, kv_heads=8,
+                              ffn=14336, ctx=32768, tied_embeddings=False, gated_mlp=True, experts=8, top_k=2,
+                              learned_pos=False),
+}
+
+
+def get_model(name_or_file: str) -> ModelSpec:
+    """A built-in name, or a JSON file with ModelSpec's fields."""
+    if name_or_file in BUILTIN:
+        return BUILTIN[name_or_file]
+    p = Path(name_or_file)
+    if p.suffix == ".json" and p.exists():
+        try:
+            d = json.loads(p.read_text())
+            d.setdefault("name", p.stem)
+            fields = set(ModelSpec.__dataclass_fields__)
+            spec = ModelSpec(**{k: v for k, v in d.items() if k in fields})
+        except (ValueError, TypeError) as e:
+            raise ModelSpecError(f"{p}: not a model description: {e}") from None
+        if spec.hidden % spec.heads or spec.heads % spec.kv_heads:
+            raise ModelSpecError(f"{p}: hidden must divide by heads and heads by kv_heads")
+        return spec
+    raise ModelSpecError(f"unknown model {name_or_file!r} (built-in: {', '.join(BUILTIN)}, or a .json file)")
+
+
+def with_overrides(spec: ModelSpec, **kw) -> ModelSpec:
+    return replace(spec, **{k: v for k, v in kw.items() if v is not None})
