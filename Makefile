@@ -22,7 +22,7 @@ test: setup
 	$(BIN)/pytest -q -ra
 
 demo: setup
-	$(BIN)/python -m smolcluster_demo
+	$(BIN)/smoltrain demo $(DEMO_ARGS)
 
 check-inventory:
 	@test -f "$(INVENTORY)" || { echo "error: $(INVENTORY) not found; copy inventory/hosts.example.yml to $(INVENTORY) and edit it (or use INVENTORY=inventory/sim.yml after 'make sim-up')" >&2; exit 2; }

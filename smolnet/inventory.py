@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -82,6 +83,14 @@ def _int(value, what: str, host: str, lo: int | None = None, hi: int | None = No
     return n
 
 
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(str(text))
+    except ValueError:
+        return False
+    return True
+
+
 def _bool(value) -> bool:
     if isinstance(value, bool):
         return value
@@ -118,7 +127,9 @@ def _load_ansible(path: Path):
 
 def _host(name: str, v: dict) -> Host:
     local = str(v.get("ansible_connection", "")).strip() == "local"
-    address = v.get("ansible_host")
+    address = v.get("ansible_host") or v.get("cluster_ip")
+    if not address and _is_ip(name):
+        address = name                       # Ansible connects to the inventory name itself
     if not address and local:
         address = "127.0.0.1"
     if not address:
@@ -128,7 +139,10 @@ def _host(name: str, v: dict) -> Host:
     try:
         ipaddress.ip_address(cluster_ip)
     except ValueError:
-        raise InventoryError(f"host {name}: cluster_ip {cluster_ip!r} is not an IP address") from None
+        if v.get("cluster_ip"):
+            raise InventoryError(f"host {name}: cluster_ip {cluster_ip!r} is not an IP address") from None
+        raise InventoryError(f"host {name}: ansible_host {cluster_ip!r} is not an IP address; set cluster_ip "
+                             "to the address measurement and training traffic should use") from None
     mtu = _int(v.get("mtu", 1500), "mtu", name, MIN_MTU, MAX_MTU)
     rate = v.get("link_rate_mbit")
     if rate is not None and str(rate).strip() != "":
@@ -150,11 +164,12 @@ def _host(name: str, v: dict) -> Host:
                              f"got {torch_device!r}")
     hkc = v.get("smol_host_key_checking", v.get("ansible_host_key_checking", True))
     ssh_args = str(v.get("ansible_ssh_common_args", "")) + " " + str(v.get("ansible_ssh_extra_args", ""))
-    if "StrictHostKeyChecking=no" in ssh_args.replace(" ", ""):
+    if re.search(r"StrictHostKeyChecking[=\s]+[\"']?(no|off)\b", ssh_args, re.IGNORECASE):
         hkc = False
     known_hosts = v.get("smol_known_hosts_file")
-    if not known_hosts and "UserKnownHostsFile=" in ssh_args:
-        known_hosts = ssh_args.split("UserKnownHostsFile=", 1)[1].split()[0]
+    m = re.search(r"UserKnownHostsFile[=\s]+[\"']?([^\s\"']+)", ssh_args, re.IGNORECASE)
+    if not known_hosts and m:
+        known_hosts = m.group(1)
     iface = v.get("cluster_iface")
     return Host(
         name=name,

@@ -1,7 +1,8 @@
 """Shapes of the built-in models: what the planner counts and the trainer builds.
 
 Published shapes for the real models; `tiny` is ours, sized to train in seconds on a
-CPU and to split evenly over 1, 2 or 3 ranks (6 layers, 6 heads).
+CPU and to split evenly over 1, 2 or 3 ranks (6 layers, 6 heads); its head is
+untied so pipeline stages share no weights and only activations cross the links.
 """
 from __future__ import annotations
 
@@ -73,7 +74,8 @@ class ModelSpec:
 
 
 BUILTIN: dict[str, ModelSpec] = {
-    "tiny": ModelSpec("tiny", vocab=256, layers=6, hidden=96, heads=6, kv_heads=6, ffn=384, ctx=64),
+    "tiny": ModelSpec("tiny", vocab=256, layers=6, hidden=96, heads=6, kv_heads=6, ffn=384, ctx=64,
+                      tied_embeddings=False),
     "gpt2-124m": ModelSpec("gpt2-124m", vocab=50257, layers=12, hidden=768, heads=12, kv_heads=12,
                            ffn=3072, ctx=1024),
     "llama-3.2-1b": ModelSpec("llama-3.2-1b", vocab=128256, layers=16, hidden=2048, heads=32, kv_heads=8,

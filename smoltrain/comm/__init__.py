@@ -1,0 +1,25 @@
+"""Collective communication for strategies: one interface, two backends.
+
+    from smoltrain.comm import make_comm
+    comm = make_comm("socket", rank, world_size, "10.0.0.1", 7700, secret)
+"""
+from __future__ import annotations
+
+from .base import ByteCounter, Comm, CommError
+
+BACKENDS = ("socket", "torch")
+
+
+def make_comm(backend: str, rank: int, world_size: int, coordinator_addr: str, port: int, secret: bytes,
+              timeout: float = 30.0, device="cpu", addrs: list[str] | None = None) -> Comm:
+    """Join the group. socket: authenticated, counts real bytes; torch: gloo/nccl, trusted network."""
+    if backend == "socket":
+        from .socket_comm import SocketComm
+        return SocketComm(rank, world_size, coordinator_addr, port, secret, timeout=timeout, device=device, addrs=addrs)
+    if backend == "torch":
+        from .torch_comm import TorchComm
+        return TorchComm(rank, world_size, coordinator_addr, port, secret, timeout=timeout, device=device, addrs=addrs)
+    raise CommError(f"unknown comm backend {backend!r} (choose from {', '.join(BACKENDS)})")
+
+
+__all__ = ["BACKENDS", "ByteCounter", "Comm", "CommError", "make_comm"]

@@ -1,0 +1,214 @@
+"""All-reduce sweep: the socket backend and gloo side by side, in the same processes.
+
+Each rank holds both communicators; for every size the two backends take turns
+(alternating which goes first, round after round), so machine noise hits both alike.
+Per iteration the slowest rank's time counts; a backend's figure is the median over
+all its iterations. Sizes from 4 KB to 256 MB, fewer iterations for big ones.
+
+    flock /tmp/smol-bench.lock .venv/bin/python bench/bench_allreduce.py --worlds 2,4 --json /tmp/ar.json
+    flock /tmp/smol-bench.lock .venv/bin/python bench/bench_allreduce.py --sim --worlds 2   # 1 Gbit sim link
+
+--sim builds a two-host `uniform` sim (tc-shaped 1000 Mbit links) and runs each rank in
+its host's network namespace; the result is compared with the link's TCP goodput.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+SIZES = ["4K", "16K", "64K", "256K", "1M", "4M", "16M", "64M", "256M"]
+
+
+def iters_for(nbytes: int, budget: int) -> int:
+    return max(3, min(30, budget // max(nbytes, 1)))
+
+
+# ------------------------------------------------------------------------- rank
+def worker(a) -> None:
+    import torch
+
+    from smoltrain.comm import make_comm
+
+    torch.set_num_threads(1)
+    secret = sys.stdin.buffer.readline().strip()
+    addrs = a.addrs.split(",")
+    sock = make_comm("socket", a.rank, a.world, a.coord, a.port, secret, timeout=120, addrs=addrs)
+    gloo = make_comm("torch", a.rank, a.world, a.coord, a.port + a.world + 2, secret, timeout=120, addrs=addrs)
+    comms = {"socket": sock, "torch": gloo}
+    from smoltrain.commands.bench import parse_bytes
+
+    for size in a.sizes.split(","):
+        nbytes = parse_bytes(size)
+        k = iters_for(nbytes, a.budget)
+        buf = torch.ones(nbytes // 4)
+        times = {"socket": [], "torch": []}
+        for rnd in range(a.rounds):
+            order = ["socket", "torch"] if rnd % 2 == 0 else ["torch", "socket"]
+            for name in order:
+                c = comms[name]
+                c.all_reduce(buf)  # warm-up
+                sock.barrier()
+                t = torch.zeros(k, dtype=torch.float64)
+                for i in range(k):
+                    t0 = time.perf_counter()
+                    c.all_reduce(buf)
+                    t[i] = time.perf_counter() - t0
+                everyone = torch.zeros(a.world * k, dtype=torch.float64)
+                sock.all_gather(everyone, t)
+                times[name] += everyone.view(a.world, k).max(dim=0).values.tolist()
+        if a.rank == 0:
+            print(json.dumps({"world_size": a.world, "bytes": nbytes, "iters": k * a.rounds,
+                              "seconds": times}), flush=True)
+        del buf
+    sock.close()
+    gloo.close()
+
+
+# ------------------------------------------------------------------- controller
+def launch(world: int, addrs: list[str], netns: list[str | None], ifaces: list[str], a) -> list[dict]:
+    from smoltrain.comm.launch import free_port_base
+
+    port = free_port_base(2 * world + 4, addrs[0]) if not any(netns) else 47000
+    secret = secrets.token_hex(16).encode()
+    procs = []
+    for r in range(world):
+        argv = [sys.executable, os.path.abspath(__file__), "--rank", str(r), "--world", str(world),
+                "--coord", addrs[0], "--port", str(port), "--addrs", ",".join(addrs),
+                "--sizes", a.sizes, "--rounds", str(a.rounds), "--budget", str(a.budget)]
+        if netns[r]:
+            argv = ["ip", "netns", "exec", netns[r]] + argv
+        env = dict(os.environ, PYTHONWARNINGS="ignore", GLOO_SOCKET_IFNAME=ifaces[r], OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, env=env))
+    for p in procs:
+        p.stdin.write(secret + b"\n")
+        p.stdin.close()
+    try:
+        out, err = procs[0].stdout.read(), b""
+        procs[0].wait(timeout=a.timeout)
+        err = procs[0].stderr.read()
+        for p in procs[1:]:
+            p.wait(timeout=30)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if procs[0].returncode:
+        raise SystemExit(f"rank 0 failed: {err.decode(errors='replace')[-2000:]}")
+    return [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    out = []
+    for row in rows:
+        n, b = row["world_size"], row["bytes"]
+        entry = {"world_size": n, "bytes": b, "iters": row["iters"]}
+        for name, ts in row["seconds"].items():
+            p50 = statistics.median(ts)
+            alg = b / p50 / 1e9
+            entry[name] = {"seconds_p50": p50, "algbw_gbps": alg, "busbw_gbps": alg * 2 * (n - 1) / n}
+        entry["busbw_ratio"] = entry["socket"]["busbw_gbps"] / entry["torch"]["busbw_gbps"]
+        out.append(entry)
+    return out
+
+
+def sim_hosts():
+    from smolnet import sim
+
+    st = sim.up(name="x1", scenario="uniform", hosts=2, subnet="10.213.31.0/24", rate_mbit=1000,
+                inventory="/tmp/smol-bench-x1.yml")
+    hosts = st["hosts"]
+    ifaces = []
+    for h in hosts:
+        p = subprocess.run(["ip", "netns", "exec", h["netns"], "ip", "-o", "-4", "addr", "show"],
+                           capture_output=True, text=True, timeout=10)
+        iface = next(ln.split()[1] for ln in p.stdout.splitlines() if f" {h['address']}/" in ln)
+        ifaces.append(iface)
+    return [h["address"] for h in hosts], [h["netns"] for h in hosts], ifaces
+
+
+def iperf_goodput(addrs, netns) -> float:
+    """Measured TCP goodput of the sim link, Mbit/s (iperf3, 3 s, host 1 -> host 0)."""
+    srv = subprocess.Popen(["ip", "netns", "exec", netns[0], "iperf3", "-s", "-1", "-B", addrs[0], "-p", "5299"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(0.5)
+        p = subprocess.run(["ip", "netns", "exec", netns[1], "iperf3", "-c", addrs[0], "-p", "5299", "-t", "3",
+                            "-J"], capture_output=True, text=True, timeout=30)
+        return json.loads(p.stdout)["end"]["sum_received"]["bits_per_second"] / 1e6
+    finally:
+        srv.kill()
+        srv.wait()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worlds", default="2,4")
+    ap.add_argument("--sizes", default=",".join(SIZES))
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--budget", type=int, default=64 << 20, help="bytes per size per round (sets iterations)")
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--sim", action="store_true", help="run on a two-host sim with 1 Gbit links")
+    ap.add_argument("--json")
+    ap.add_argument("--rank", type=int)
+    ap.add_argument("--world", type=int)
+    ap.add_argument("--coord")
+    ap.add_argument("--port", type=int)
+    ap.add_argument("--addrs")
+    a = ap.parse_args()
+    if a.rank is not None:
+        worker(a)
+        return 0
+    doc = {"command": " ".join(sys.argv), "runs": []}
+    goodput = None
+    try:
+        if a.sim:
+            from smolnet.sim_scenarios import tcp_goodput_mbit
+            addrs, netns, ifaces = sim_hosts()
+            goodput = {"tbf_model_mbit": tcp_goodput_mbit(1000, 1500), "iperf3_mbit": iperf_goodput(addrs, netns)}
+            doc["link"] = goodput
+        t0 = time.monotonic()
+        for w in [int(x) for x in a.worlds.split(",")]:
+            if a.sim:
+                if w != 2:
+                    continue
+                rows = launch(w, addrs, netns, ifaces, a)
+            else:
+                rows = launch(w, ["127.0.0.1"] * w, [None] * w, ["lo"] * w, a)
+            doc["runs"] += summarize(rows)
+        doc["wall_s"] = time.monotonic() - t0
+    finally:
+        if a.sim:
+            from smolnet import sim
+            sim.down(name="x1")
+    print(f"{'N':>2} {'bytes':>10} {'socket us':>10} {'gloo us':>10} {'socket GB/s':>11} {'gloo GB/s':>10} {'ratio':>6}")
+    for e in doc["runs"]:
+        s, g = e["socket"], e["torch"]
+        extra = ""
+        if goodput:
+            link = goodput["iperf3_mbit"] / 8e3
+            extra = f"  socket/link {s['busbw_gbps'] / link:.2f}  gloo/link {g['busbw_gbps'] / link:.2f}"
+        print(f"{e['world_size']:>2} {e['bytes']:>10} {s['seconds_p50'] * 1e6:>10.0f} {g['seconds_p50'] * 1e6:>10.0f} "
+              f"{s['busbw_gbps']:>11.3f} {g['busbw_gbps']:>10.3f} {e['busbw_ratio']:>6.2f}{extra}")
+    if goodput:
+        print(f"link goodput: iperf3 {goodput['iperf3_mbit']:.0f} Mbit/s, tbf model {goodput['tbf_model_mbit']:.0f}")
+    if a.json:
+        tmp = a.json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(tmp, a.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

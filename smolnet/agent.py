@@ -1,0 +1,217 @@
+"""The measurement agent: one per host, on `smol_agent_port` (TCP and UDP).
+
+TCP connections prove the cluster secret first, then send one request frame:
+  ping, facts                       -> a reply with this host's state
+  throughput {dst, port, ...}       -> this agent sends to the agent at dst, replies with the
+                                       receiver-side figure (built-in or iperf3)
+  rtt {dst, port, count}            -> round trips to the agent at dst
+  pmtu {dst, port}                  -> effective MTU towards dst (UDP probes, acked by dst)
+  iperf3_server {lifetime}          -> starts a one-test iperf3 server, replies with its port
+  sink_open / sink_data / echo      -> the far end of the above
+UDP datagrams on the same port are MTU probes; only authenticated ones get an ack.
+
+The controller only ever sends control messages; test traffic flows agent to agent,
+over the hosts' own link. A peer that misbehaves loses its connection, never the agent.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+from . import control, facts, iperf, pmtu, rtt, throughput, wire
+
+log = logging.getLogger("smolnet.agent")
+
+MAX_CONNECTIONS = 64
+HANDSHAKE_TIMEOUT = 5.0
+REQUEST_TIMEOUT = 10.0
+VERSION = 1
+
+
+class Agent:
+    def __init__(self, bind: str, port: int, secret: bytes, iface: str | None = None,
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT, request_timeout: float = REQUEST_TIMEOUT):
+        self.handshake_timeout = handshake_timeout
+        self.request_timeout = request_timeout
+        self.bind = bind
+        self.port = port
+        self.secret = secret
+        self.iface = iface
+        self.sinks = throughput.SinkRegistry()
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.stopping = threading.Event()
+        self.started = time.time()
+        self.stats = {"accepted": 0, "rejected": 0, "errors": 0, "udp_acked": 0, "udp_dropped": 0}
+        self.tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            self.tcp.bind((bind, port))
+            self.udp.bind((bind, self.tcp.getsockname()[1]))
+        except OSError:
+            self.tcp.close()
+            self.udp.close()
+            raise
+        self.port = self.tcp.getsockname()[1]
+        self.tcp.listen(128)
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        threading.Thread(target=self._udp_loop, name="udp", daemon=True).start()
+        self.tcp.settimeout(0.5)
+        while not self.stopping.is_set():
+            try:
+                conn, peer = self.tcp.accept()
+            except socket.timeout:
+                continue
+            except OSError as e:
+                if self.stopping.is_set():
+                    break
+                log.warning("accept failed: %s", e)
+                time.sleep(0.1)
+                continue
+            if not self.slots.acquire(blocking=False):
+                log.warning("%s:%d dropped: %d connections already open", peer[0], peer[1], MAX_CONNECTIONS)
+                self.stats["rejected"] += 1
+                conn.close()
+                continue
+            self.stats["accepted"] += 1
+            threading.Thread(target=self._handle, args=(conn, peer), daemon=True).start()
+
+    def start_background(self) -> threading.Thread:
+        t = threading.Thread(target=self.serve_forever, name="agent", daemon=True)
+        t.start()
+        return t
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for s in (self.tcp, self.udp):
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    # -- UDP: MTU probe acks -----------------------------------------------------------
+    def _udp_loop(self) -> None:
+        buf = bytearray(65536)
+        view = memoryview(buf)
+        self.udp.settimeout(0.5)
+        while not self.stopping.is_set():
+            try:
+                n, peer = self.udp.recvfrom_into(view)
+            except socket.timeout:
+                continue
+            except OSError:
+                if self.stopping.is_set():
+                    return
+                continue
+            try:
+                ack = pmtu.answer_probe(self.secret, view[:n])
+                if ack is None:
+                    self.stats["udp_dropped"] += 1
+                    continue
+                self.udp.sendto(ack, peer)
+                self.stats["udp_acked"] += 1
+            except Exception as e:  # never let one datagram end the loop
+                log.warning("udp from %s: %s", peer, e)
+
+    # -- TCP: one request per connection ---------------------------------------------------
+    def _handle(self, conn: socket.socket, peer) -> None:
+        who = f"{peer[0]}:{peer[1]}"
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            wire.server_handshake(conn, self.secret, timeout=self.handshake_timeout)
+            kind, meta, _ = wire.recv_frame_header(conn, timeout=self.request_timeout, max_payload=0)
+            if kind != control.KIND_REQUEST:
+                raise wire.WireError(f"expected a request frame, got kind {kind}")
+            self._dispatch(conn, meta)
+        except wire.AuthError as e:
+            self.stats["rejected"] += 1
+            log.warning("%s rejected: %s", who, e)
+        except (wire.WireError, TimeoutError, ValueError) as e:
+            self.stats["errors"] += 1
+            log.warning("%s dropped: %s", who, e)
+            self._error(conn, str(e))
+        except OSError as e:
+            self.stats["errors"] += 1
+            log.warning("%s dropped: %s", who, e)
+        except Exception as e:  # a bug must cost one connection, not the agent
+            self.stats["errors"] += 1
+            log.exception("%s: internal error: %s", who, e)
+            self._error(conn, f"internal error: {e}")
+        finally:
+            try:
+                conn.close()
+            finally:
+                self.slots.release()
+
+    def _error(self, conn: socket.socket, msg: str) -> None:
+        try:
+            wire.send_frame(conn, control.KIND_ERROR, {"error": msg[:500]}, timeout=2.0)
+        except Exception:
+            pass
+
+    def _reply(self, conn: socket.socket, meta: dict) -> None:
+        wire.send_frame(conn, control.KIND_REPLY, meta, timeout=REQUEST_TIMEOUT)
+
+    def _dispatch(self, conn: socket.socket, req: dict) -> None:
+        op = req.get("op")
+        if op == "ping":
+            self._reply(conn, {"ok": True, "version": VERSION, "hostname": socket.gethostname(),
+                               "bind": self.bind, "port": self.port, "iperf3": iperf.available(),
+                               "uptime_s": round(time.time() - self.started, 1)})
+        elif op == "facts":
+            iface = req.get("iface") if isinstance(req.get("iface"), str) else None
+            self._reply(conn, facts.collect_facts(self.bind, iface or self.iface))
+        elif op == "echo":
+            rtt.serve_echo(conn, req)
+        elif op == "sink_open":
+            s = self.sinks.open(req)
+            try:
+                self._reply(conn, {"session": s.id})
+                result = s.measure()
+            finally:
+                self.sinks.close(s)
+            self._reply(conn, result)
+        elif op == "sink_data":
+            throughput.serve_sink_data(conn, req, self.sinks)
+        elif op == "iperf3_server":
+            lifetime = min(max(float(req.get("lifetime", 60)), 1.0), 300.0)
+            try:
+                port, _ = iperf.start_server(self.bind, lifetime)
+            except iperf.IperfError as e:
+                raise ValueError(str(e)) from None
+            self._reply(conn, {"port": port})
+        elif op in ("throughput", "rtt", "pmtu"):
+            self._reply(conn, self._probe(op, req))
+        else:
+            raise wire.WireError(f"unknown op {str(op)[:40]!r}")
+
+    def _probe(self, op: str, req: dict) -> dict:
+        """Probes this agent runs towards another agent, on behalf of the controller."""
+        dst = str(req.get("dst", ""))
+        try:
+            socket.inet_aton(dst)
+        except OSError:
+            raise ValueError(f"dst {dst[:40]!r} is not an IPv4 address") from None
+        port = int(req.get("port", 0))
+        if not 1 <= port <= 65535:
+            raise ValueError(f"port {port} outside 1..65535")
+        try:
+            if op == "rtt":
+                return rtt.measure_rtt(dst, port, self.secret, count=int(req.get("count", 300)),
+                                       source=self.bind)
+            if op == "pmtu":
+                return pmtu.measure_pmtu(dst, port, self.secret, source=self.bind)
+            duration = float(req.get("duration", 3.0))
+            omit = float(req.get("omit", 1.0))
+            streams = int(req.get("streams", 4))
+            if req.get("backend") == "iperf3":
+                return iperf.run_client(dst, port, duration, omit, streams, source=self.bind)
+            return throughput.send_builtin(dst, port, self.secret, duration, omit, streams, source=self.bind)
+        except (control.AgentError, iperf.IperfError) as e:
+            raise ValueError(str(e)) from None
+        except OSError as e:
+            raise ValueError(f"{op} to {dst}:{port}: {e.strerror or e}") from None

@@ -1,0 +1,95 @@
+"""`smolnet sim up|down|status`: the single-machine cluster of namespaced hosts."""
+from __future__ import annotations
+
+import sys
+
+from ..errors import UsageError
+
+
+def add_arguments(p) -> None:
+    sub = p.add_subparsers(dest="action", metavar="ACTION")
+    u = sub.add_parser("up", help="build the sim and write its inventory")
+    u.add_argument("--name", default="smol", help="sim name (default smol); several sims can run side by side")
+    u.add_argument("--scenario", default="home", choices=("home", "uniform", "mtu-lab"))
+    u.add_argument("--hosts", type=int, default=None, help="number of hosts (scenario uniform; default 3)")
+    u.add_argument("--subnet", default="10.213.0.0/24", help="IPv4 subnet of the sim switch")
+    u.add_argument("--rate-mbit", type=float, default=None,
+                   help="shape every host to this rate both ways (0 = unshaped; uniform default 1000)")
+    u.add_argument("--mtu", type=int, default=None, help="interface and switch MTU (scenario uniform; default 1500)")
+    u.add_argument("--inventory", default="inventory/sim.yml", help="where to write the inventory")
+    u.add_argument("--loopback", action="store_true",
+                   help="no namespaces: local hosts on 127.x addresses (automatic without root)")
+    d = sub.add_parser("down", help="remove everything `sim up` made")
+    d.add_argument("--name", default="smol")
+    s = sub.add_parser("status", help="show the sim's hosts and whether they are alive")
+    s.add_argument("--name", default="smol")
+    s.add_argument("--json", action="store_true", help="print the state as JSON")
+
+
+def _rate(h: dict) -> str:
+    def fmt(r):
+        return f"{r:g}" if r else "unshaped"
+    return f"{fmt(h.get('down_mbit'))}/{fmt(h.get('up_mbit'))}"
+
+
+def _table(st: dict):
+    from rich.table import Table
+
+    loop = st["mode"] == "loopback"
+    where = "loopback (no namespaces, no shaping)" if loop else f"{st['subnet']}, controller {st['controller']}"
+    t = Table(title=f"sim {st['name']}: scenario {st['scenario']}, {where}",
+              caption=f"inventory {st['inventory']}")
+    t.add_column("host", no_wrap=True)
+    t.add_column("address", no_wrap=True)
+    t.add_column("device")
+    t.add_column("mtu (port)", no_wrap=True)
+    t.add_column("down/up Mbit/s", no_wrap=True)
+    t.add_column("netns")
+    t.add_column("sshd pid")
+    for h in st["hosts"]:
+        ok = h.get("ok", True)
+        sshd = "local" if loop else (str(h["pid_sshd"]) if h.get("sshd_alive") else "[red]dead[/]")
+        t.add_row(h["name"], h["address"], h["device"],
+                  str(h["mtu"]) if loop else f"{h['mtu']} ({h['port_mtu']})",
+                  "unshaped" if loop else _rate(h), h.get("netns") or "-",
+                  sshd if ok else f"[red]{sshd}[/]")
+    return t
+
+
+def run(args) -> int:
+    from rich.console import Console
+
+    from .. import sim
+
+    con = Console()
+    if args.action == "up":
+        kw = dict(name=args.name, scenario=args.scenario, hosts=args.hosts, subnet=args.subnet,
+                  inventory=args.inventory, rate_mbit=args.rate_mbit, mtu=args.mtu)
+        loopback = True if args.loopback else None
+        try:
+            with con.status(f"building sim {args.name} ({args.scenario})"):
+                st = sim.up(loopback=loopback, **kw)
+        except sim.SimUnavailable as e:
+            print(f"smolnet: {e}; falling back to loopback hosts "
+                  "(ansible_connection: local, no namespaces, no shaping)", file=sys.stderr)
+            st = sim.up(loopback=True, **kw)
+        con.print(_table(sim.status(args.name) or st))
+        con.print(f"inventory written to {st['inventory']}; tear down with: smolnet sim down --name {st['name']}")
+        return 0
+    if args.action == "down":
+        st = sim.down(args.name)
+        con.print(f"sim {args.name} removed" if st else f"sim {args.name} is not up (nothing to do)")
+        return 0
+    if args.action == "status":
+        st = sim.status(args.name)
+        if st is None:
+            con.print(f"sim {args.name} is not up (start it with: smolnet sim up --name {args.name})")
+            return 1
+        if args.json:
+            import json
+
+            print(json.dumps(st, indent=2))
+        else:
+            con.print(_table(st))
+        return 0 if all(h.get("ok", True) for h in st["hosts"]) else 1
+    raise UsageError("usage: smolnet sim up|down|status [--name NAME] (see smolnet sim --help)")

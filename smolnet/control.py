@@ -1,0 +1,76 @@
+"""Talking to a measurement agent: authenticate, send one request frame, read one reply.
+
+The controller and the agents themselves (an agent sending to another agent) use the
+same few calls. One request per connection keeps the agent's state trivial.
+"""
+from __future__ import annotations
+
+import socket
+
+from . import wire
+
+KIND_REQUEST = 1
+KIND_REPLY = 2
+KIND_ERROR = 3
+KIND_DATA = 4
+MAX_REPLY_PAYLOAD = 0  # replies carry JSON only
+
+
+class AgentError(Exception):
+    """The agent could not be reached, refused us, or reported a failure."""
+
+
+def open_agent(addr: str, port: int, secret: bytes, timeout: float = 5.0,
+               source: str | None = None) -> socket.socket:
+    """A TCP connection to an agent that has passed the mutual secret check."""
+    try:
+        sock = socket.create_connection((addr, port), timeout=timeout,
+                                        source_address=(source, 0) if source else None)
+    except OSError as e:
+        raise AgentError(f"cannot connect to agent at {addr}:{port}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        wire.client_handshake(sock, secret, timeout=timeout)
+    except wire.AuthError as e:
+        sock.close()
+        raise AgentError(f"agent at {addr}:{port}: {e}") from None
+    except wire.PeerClosed:
+        # the server hangs up right after a failed challenge; it never tells us why
+        sock.close()
+        raise AgentError(f"agent at {addr}:{port} closed the connection during the handshake: "
+                         "it rejects our cluster secret") from None
+    except (wire.WireError, TimeoutError, OSError) as e:
+        sock.close()
+        raise AgentError(f"agent at {addr}:{port}: handshake failed: {e}") from None
+    return sock
+
+
+def send_request(sock: socket.socket, op: str, /, timeout: float = 10.0, **params) -> None:
+    wire.send_frame(sock, KIND_REQUEST, {"op": op, **params}, timeout=timeout)
+
+
+def read_reply(sock: socket.socket, timeout: float, where: str = "agent") -> dict:
+    try:
+        kind, meta, _ = wire.recv_frame(sock, timeout=timeout, max_payload=MAX_REPLY_PAYLOAD)
+    except TimeoutError:
+        raise AgentError(f"{where}: no reply within {timeout:g}s") from None
+    except (wire.WireError, OSError) as e:
+        raise AgentError(f"{where}: {e}") from None
+    if kind == KIND_ERROR:
+        raise AgentError(f"{where}: {meta.get('error', 'failed')}")
+    if kind != KIND_REPLY:
+        raise AgentError(f"{where}: unexpected frame kind {kind}")
+    return meta
+
+
+def call(addr: str, port: int, secret: bytes, op: str, /, timeout: float = 10.0,
+         connect_timeout: float = 5.0, **params) -> dict:
+    """One request, one reply, connection closed."""
+    sock = open_agent(addr, port, secret, timeout=connect_timeout)
+    try:
+        send_request(sock, op, **params)
+        return read_reply(sock, timeout, where=f"agent at {addr}:{port} ({op})")
+    except (wire.WireError, TimeoutError, OSError) as e:
+        raise AgentError(f"agent at {addr}:{port} ({op}): {e}") from None
+    finally:
+        sock.close()

@@ -1,0 +1,578 @@
+"""SocketComm: hand-written, authenticated collectives over plain TCP that count every byte.
+
+Every message is a smolnet.wire frame (fixed header, small JSON header, raw tensor
+bytes). Tensor memory is sent straight from the tensor (sendmsg of a memoryview, no
+copy) and received with recv_into straight into the destination tensor, or into one
+chunk-sized staging buffer when it must be added (reduce-scatter).
+
+Collectives are built from one engine, `_transfer`: a list of sends (run by a sender
+thread) and a list of receives (run by the calling thread), cut into chunks of
+`chunk_bytes`. A send may depend on a receive: chunk k of a send starts as soon as
+chunk k of the receive it forwards has arrived (and been reduced), so sending,
+receiving and reducing overlap. When every message fits comfortably in the kernel's
+socket buffers the engine runs inline on the calling thread (no thread hand-off:
+small collectives are latency-bound).
+
+Algorithms and the payload each rank sends (S = buffer bytes, N = world size):
+- all_reduce: ring reduce-scatter then ring all-gather over N segments. Segment i has
+  numel//N elements plus one for i < numel % N. Rank r sends every segment but
+  (r+1)%N during reduce-scatter and every segment but (r+2)%N during all-gather:
+  2*S - seg[(r+1)%N] - seg[(r+2)%N] bytes, all to rank (r+1)%N. That is exactly
+  2(N-1)/N*S when numel divides by N, and the ranks together always send 2(N-1)*S.
+- reduce_scatter / all_gather: ring, (N-1)/N of the full buffer per rank.
+- broadcast: pipelined chain src -> src+1 -> ...; every rank but the last sends S.
+- all_to_all: rank r sends inps[j] to j (j != r).
+- send/recv: one frame; barrier: an empty frame to every peer (framing only).
+Framing (header bytes) is counted apart from payload in `counter.framing`.
+
+Failure: any error on a link becomes a CommError naming the peer rank and its address.
+The rank that saw it tells every other peer (an ABORT frame, at a frame boundary), so
+ranks that are not neighbours of the dead peer raise a CommError naming it too,
+instead of waiting for their own timeout. After a failure the Comm refuses further use.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+import time
+
+import torch
+
+from smolnet import wire
+
+from . import rendezvous as rdv
+from .base import ByteCounter, Comm, CommError
+
+log = logging.getLogger("smoltrain.comm")
+
+K_DATA = 10
+K_ABORT = 11
+
+CHUNK_BYTES = 512 * 1024
+INLINE_BYTES = 64 * 1024
+HEADER_SIZE = wire.FRAME_HEADER.size
+DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16,
+                              torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool)}
+
+
+class _RemoteAbort(Exception):
+    """Another rank reported a failure; carries its CommError fields."""
+
+    def __init__(self, message: str, peer: int | None):
+        super().__init__(message)
+        self.peer = peer
+
+
+class _Sendq:
+    """What a sender thread reports back: bytes per peer and its first error."""
+
+    def __init__(self):
+        self.payload: dict[int, int] = {}
+        self.framing: dict[int, int] = {}
+        self.error: BaseException | None = None
+        self.error_peer: int | None = None
+        self.mid_frame: set[int] = set()
+
+
+def _byte_view(flat: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous 1-D CPU tensor, no copy (works for bfloat16 too)."""
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def _segments(n: int, parts: int) -> list[tuple[int, int]]:
+    """Element ranges of `parts` nearly equal segments; the first n % parts get one more."""
+    base, extra = divmod(n, parts)
+    out, lo = [], 0
+    for i in range(parts):
+        hi = lo + base + (1 if i < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+def ring_allreduce_bytes(numel: int, elem_size: int, world_size: int, rank: int) -> int:
+    """Payload bytes rank `rank` sends in one ring all-reduce (the uneven-split rule above)."""
+    if world_size == 1 or numel == 0:
+        return 0
+    seg = [hi - lo for lo, hi in _segments(numel, world_size)]
+    return (2 * numel - seg[(rank + 1) % world_size] - seg[(rank + 2) % world_size]) * elem_size
+
+
+class _Staged:
+    """A contiguous CPU view of a tensor; copies back on finish() when staging was needed."""
+
+    def __init__(self, tensor: torch.Tensor, writeback: bool):
+        self.orig = tensor
+        t = tensor.detach()
+        self.copied = t.device.type != "cpu" or not t.is_contiguous()
+        self.work = t.to("cpu").contiguous() if self.copied else t
+        if self.copied and self.work.data_ptr() == t.data_ptr():
+            self.work = self.work.clone()
+        self.flat = self.work.reshape(-1)
+        self.writeback = writeback
+
+    def finish(self) -> None:
+        if self.copied and self.writeback:
+            with torch.no_grad():
+                self.orig.copy_(self.work.view_as(self.orig))
+
+
+class SocketComm(Comm):
+    backend = "socket"
+
+    def __init__(self, rank: int, world_size: int, coordinator_addr: str, port: int, secret: bytes,
+                 timeout: float = 30.0, device="cpu", addrs: list[str] | None = None,
+                 chunk_bytes: int = CHUNK_BYTES, sockbuf: int | None = None):
+        if not (0 <= rank < world_size):
+            raise CommError(f"rank {rank} is outside world size {world_size}")
+        if addrs is not None and len(addrs) != world_size:
+            raise CommError(f"{len(addrs)} addresses for world size {world_size}")
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device(device) if device else torch.device("cpu")
+        self._peer_timeout = float(timeout)
+        self.counter = ByteCounter()
+        self.chunk_bytes = max(64, chunk_bytes - chunk_bytes % 8)
+        self._seq = 0
+        self._failed: CommError | None = None
+        self._closed = False
+        self._hdr = bytearray(HEADER_SIZE)
+        my_addr = addrs[rank] if addrs else coordinator_addr
+        my_port = rdv.data_port(port, rank)
+        self._socks: dict[int, socket.socket] = {}
+        self._where = [f"{my_addr}:{my_port}"] * world_size
+        if world_size == 1:
+            return
+        listener = rdv.listen(my_addr, my_port, backlog=max(16, world_size))
+        try:
+            table = rdv.rendezvous(rank, world_size, coordinator_addr, port, secret, my_addr, my_port, timeout)
+            self._where = [f"{a}:{p}" for a, p in table]
+            self._socks = rdv.connect_mesh(rank, table, listener, secret, timeout, sockbuf)
+        finally:
+            listener.close()
+        self._apply_timeout()
+
+    @property
+    def peer_timeout(self) -> float:
+        return self._peer_timeout
+
+    @peer_timeout.setter
+    def peer_timeout(self, seconds: float) -> None:
+        self._peer_timeout = float(seconds)
+        self._apply_timeout()
+
+    def _apply_timeout(self) -> None:
+        """Kernel-side timeouts (SO_RCVTIMEO/SO_SNDTIMEO) on blocking sockets: one syscall per
+        send or receive instead of poll + syscall, and every wait is still bounded."""
+        sec = max(self._peer_timeout, 0.001)
+        tv = struct.pack("ll", int(sec), int((sec - int(sec)) * 1e6))
+        for s in getattr(self, "_socks", {}).values():
+            s.settimeout(None)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+    # ----------------------------------------------------------------- plumbing
+    def _who(self, peer: int) -> str:
+        return f"rank {peer} ({self._where[peer]})"
+
+    def _check_usable(self) -> None:
+        if self._failed is not None:
+            raise CommError(f"communicator unusable after an earlier failure: {self._failed}", self._failed.peer)
+        if self._closed:
+            raise CommError("communicator is closed")
+
+    def _check_peer(self, peer: int) -> None:
+        if not isinstance(peer, int) or not (0 <= peer < self.world_size) or peer == self.rank:
+            raise CommError(f"rank {self.rank}: bad peer rank {peer!r} (world size {self.world_size})")
+
+    def _sock(self, peer: int) -> socket.socket:
+        s = self._socks.get(peer)
+        if s is None:
+            raise CommError(f"no connection to {self._who(peer)}", peer)
+        return s
+
+    def _recv_into(self, sock: socket.socket, view: memoryview, peer: int) -> None:
+        got, n = 0, len(view)
+        while got < n:
+            k = sock.recv_into(view[got:], n - got)
+            if k == 0:
+                raise wire.PeerClosed("closed the connection" + (f" mid-message ({got} of {n} bytes)" if got else ""))
+            got += k
+
+    @staticmethod
+    def _sendv(sock: socket.socket, bufs: list) -> None:
+        """Send all buffers in order (scatter-gather, no copies); socket timeout bounds each wait."""
+        bufs = [memoryview(b).cast("B") for b in bufs if len(b)]
+        while bufs:
+            k = sock.sendmsg(bufs)
+            while k and bufs:
+                if k >= len(bufs[0]):
+                    k -= len(bufs[0])
+                    bufs.pop(0)
+                else:
+                    bufs[0] = bufs[0][k:]
+                    k = 0
+
+    def _send_frame(self, peer: int, view: memoryview, meta: dict | None, kind: int = K_DATA) -> int:
+        head = wire.pack_header(kind, meta, len(view))
+        self._sendv(self._sock(peer), [head, view])
+        return len(head)
+
+    def _recv_frame(self, peer: int, view: memoryview, expect: dict | None) -> None:
+        """Receive one data frame of exactly len(view) payload bytes into view."""
+        sock = self._sock(peer)
+        hdr = memoryview(self._hdr)
+        self._recv_into(sock, hdr, peer)
+        kind, json_len, payload_len = wire.parse_header(bytes(self._hdr), max_payload=max(len(view), 0))
+        meta = {}
+        if json_len:
+            raw = bytearray(json_len)
+            self._recv_into(sock, memoryview(raw), peer)
+            meta = wire.parse_meta(bytes(raw))
+        if kind == K_ABORT:
+            raise _RemoteAbort(str(meta.get("why", "aborted"))[:500], meta.get("peer") if isinstance(meta.get("peer"), int) else peer)
+        if kind != K_DATA:
+            raise wire.WireError(f"unexpected frame kind {kind}")
+        if expect is not None and meta != expect:
+            raise wire.WireError(f"collective mismatch: peer sent {meta}, this rank expected {expect}")
+        if payload_len != len(view):
+            raise wire.WireError(f"sent {payload_len} payload bytes, this rank expected {len(view)} "
+                                 f"(mismatched shapes or dtypes)")
+        if payload_len:
+            self._recv_into(sock, view, peer)
+
+    def _error(self, peer: int | None, exc: BaseException, op: str) -> CommError:
+        if isinstance(exc, CommError):
+            return exc
+        if isinstance(exc, _RemoteAbort):
+            err = CommError(f"{exc} (reported by {self._who(peer)})" if peer is not None else str(exc), exc.peer)
+            err.root = str(exc)  # forwarded as is, so the story does not grow at every hop
+            return err
+        if isinstance(exc, (socket.timeout, TimeoutError, BlockingIOError)):
+            what = f"did not respond within {self.peer_timeout:g}s"
+        elif isinstance(exc, wire.PeerClosed):
+            what = str(exc)
+        elif isinstance(exc, wire.WireError):
+            what = f"sent a bad frame: {exc}"
+        elif isinstance(exc, (ConnectionResetError, BrokenPipeError)):
+            what = "closed the connection (reset)"
+        elif isinstance(exc, OSError):
+            what = f"link failed: {exc.strerror or exc}"
+        else:
+            what = f"failed: {exc!r}"
+        where = self._who(peer) if peer is not None else "a peer"
+        return CommError(f"{where} {what} during {op} (seen by rank {self.rank})", peer)
+
+    def _fail(self, err: CommError, dirty: set[int] = frozenset()) -> CommError:
+        """Tell every reachable peer why we stop, then drop all links; returns err to raise."""
+        if self._failed is None:
+            self._failed = err
+            meta = {"peer": err.peer, "why": getattr(err, "root", str(err))[:1000]}
+            for peer, sock in self._socks.items():
+                if peer == err.peer or peer in dirty:
+                    continue
+                try:
+                    sock.settimeout(1.0)
+                    self._sendv(sock, [wire.pack_header(K_ABORT, meta, 0)])
+                except (OSError, wire.WireError):
+                    pass
+            self._drop_links()
+        return err
+
+    def _drop_links(self) -> None:
+        for s in self._socks.values():
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    # -------------------------------------------------------------- the engine
+    def _chunks(self, n: int, elem: int) -> list[tuple[int, int]]:
+        """Byte ranges of the chunks of an n-byte message; an empty message is one empty frame."""
+        if n == 0:
+            return [(0, 0)]
+        step = max(elem, self.chunk_bytes - self.chunk_bytes % elem)
+        return [(a, min(n, a + step)) for a in range(0, n, step)]
+
+    def _transfer(self, op: str, sends: list, recvs: list, elem: int = 1, dtype=None) -> None:
+        """Run sends [(peer, view, dep)] and receives [(peer, view, acc)] as one collective step.
+
+        dep: index of the receive whose chunk k must complete before chunk k of this send
+        (same chunking), or None. acc: a tensor to add the received chunk into (the view
+        is then only used for its size) or None to receive straight into the view.
+        """
+        self._seq += 1
+        seq = self._seq
+        rchunks = [self._chunks(len(v), elem) for _, v, _ in recvs]
+        base, acc_n = [], 0
+        for c in rchunks:
+            base.append(acc_n)
+            acc_n += len(c)
+        staging = None
+        if any(a is not None for _, _, a in recvs):
+            biggest = max(len(v) for _, v, a in recvs if a is not None)
+            staging = torch.empty(min(biggest, self.chunk_bytes) // elem, dtype=dtype)
+            staging_bytes = _byte_view(staging) if staging.numel() else memoryview(b"")
+        schunks = [self._chunks(len(v), elem) for _, v, _ in sends]
+        largest = max([len(v) for _, v, _ in sends] + [len(v) for _, v, _ in recvs] + [0])
+        stats = _Sendq()
+
+        def do_send(i: int, k: int, peer: int, view: memoryview, a: int, b: int) -> None:
+            meta = {"o": op, "q": seq, "i": i} if k == 0 else None
+            stats.mid_frame.add(peer)
+            framing = self._send_frame(peer, view[a:b], meta)
+            stats.mid_frame.discard(peer)
+            stats.payload[peer] = stats.payload.get(peer, 0) + (b - a)
+            stats.framing[peer] = stats.framing.get(peer, 0) + framing
+
+        def do_recv(j: int, k: int, a: int, b: int) -> None:
+            peer, view, acc = recvs[j]
+            expect = {"o": op, "q": seq, "i": j} if k == 0 else None
+            if acc is None:
+                self._recv_frame(peer, view[a:b], expect)
+            else:
+                self._recv_frame(peer, staging_bytes[: b - a], expect)
+                if b > a:
+                    acc[a // elem: b // elem].add_(staging[: (b - a) // elem])
+
+        state = {"done": 0, "abort": False}
+        cur = {"peer": None}
+        try:
+            if largest <= INLINE_BYTES:
+                self._inline(sends, recvs, schunks, rchunks, do_send, do_recv, cur)
+            else:
+                self._threaded(sends, recvs, schunks, rchunks, base, do_send, do_recv, cur, state, stats)
+        except BaseException as e:
+            peer = cur["peer"]
+            if stats.error is not None and not isinstance(e, _RemoteAbort):
+                e, peer = stats.error, stats.error_peer
+            err = self._error(peer, e, op)
+            raise self._fail(err, stats.mid_frame) from None
+        for p, n in stats.payload.items():
+            self.counter.add(p, n, stats.framing.get(p, 0))
+
+    def _inline(self, sends, recvs, schunks, rchunks, do_send, do_recv, cur) -> None:
+        ri = 0
+
+        def recv_upto(j):
+            nonlocal ri
+            while ri <= j:
+                cur["peer"] = recvs[ri][0]
+                for k, (a, b) in enumerate(rchunks[ri]):
+                    do_recv(ri, k, a, b)
+                ri += 1
+
+        for i, (peer, view, dep) in enumerate(sends):
+            if dep is not None:
+                recv_upto(dep)
+            cur["peer"] = peer
+            for k, (a, b) in enumerate(schunks[i]):
+                do_send(i, k, peer, view, a, b)
+        recv_upto(len(recvs) - 1)
+
+    def _threaded(self, sends, recvs, schunks, rchunks, base, do_send, do_recv, cur, state, stats) -> None:
+        cond = threading.Condition()
+        timeout = self.peer_timeout
+
+        def sender():
+            peer = None
+            try:
+                for i, (peer, view, dep) in enumerate(sends):
+                    for k, (a, b) in enumerate(schunks[i]):
+                        if dep is not None:
+                            need = base[dep] + k + 1
+                            if state["done"] < need:
+                                with cond:
+                                    end = time.monotonic() + timeout
+                                    while state["done"] < need and not state["abort"]:
+                                        left = end - time.monotonic()
+                                        if left <= 0:
+                                            raise TimeoutError("waited too long for data to forward")
+                                        cond.wait(left)
+                        if state["abort"]:
+                            return
+                        do_send(i, k, peer, view, a, b)
+            except BaseException as e:
+                stats.error, stats.error_peer = e, peer
+
+        th = threading.Thread(target=sender, name=f"smol-send-r{self.rank}", daemon=True)
+        th.start()
+        try:
+            for j, chunks in enumerate(rchunks):
+                cur["peer"] = recvs[j][0]
+                for k, (a, b) in enumerate(chunks):
+                    if stats.error is not None:
+                        raise stats.error
+                    do_recv(j, k, a, b)
+                    with cond:
+                        state["done"] += 1
+                        cond.notify()
+        except BaseException:
+            state["abort"] = True
+            with cond:
+                cond.notify_all()
+            th.join(min(2.0, timeout))
+            raise
+        th.join(timeout + 1.0)
+        if th.is_alive():
+            raise TimeoutError("sender did not finish")
+        if stats.error is not None:
+            raise stats.error
+
+    # ------------------------------------------------------------ collectives
+    def send(self, tensor, dst: int) -> None:
+        self._check_usable()
+        self._check_peer(dst)
+        st = _Staged(tensor, writeback=False)
+        view = _byte_view(st.flat)
+        meta = {"o": "p2p", "dt": str(st.flat.dtype), "n": st.flat.numel()}
+        try:
+            framing = self._send_frame(dst, view, meta)
+        except BaseException as e:
+            raise self._fail(self._error(dst, e, "send"), {dst}) from None
+        self.counter.add(dst, len(view), framing)
+
+    def recv(self, tensor, src: int) -> None:
+        self._check_usable()
+        self._check_peer(src)
+        st = _Staged(tensor, writeback=True)
+        view = _byte_view(st.flat)
+        try:
+            self._recv_frame(src, view, {"o": "p2p", "dt": str(st.flat.dtype), "n": st.flat.numel()})
+        except BaseException as e:
+            raise self._fail(self._error(src, e, "recv")) from None
+        st.finish()
+
+    def broadcast(self, tensor, src: int) -> None:
+        self._check_usable()
+        if not (0 <= src < self.world_size):
+            raise CommError(f"bad broadcast source {src}")
+        if self.world_size == 1 or tensor.numel() == 0:
+            return
+        st = _Staged(tensor, writeback=self.rank != src)
+        view = _byte_view(st.flat)
+        n = self.world_size
+        pos = (self.rank - src) % n
+        nxt, prv = (self.rank + 1) % n, (self.rank - 1) % n
+        recvs = [(prv, view, None)] if pos > 0 else []
+        sends = [(nxt, view, 0 if pos > 0 else None)] if pos < n - 1 else []
+        self._transfer("broadcast", sends, recvs, st.flat.element_size(), st.flat.dtype)
+        st.finish()
+
+    def all_reduce(self, tensor, op: str = "sum") -> None:
+        self._check_usable()
+        if op not in ("sum", "avg"):
+            raise CommError(f"unsupported reduce op {op!r} (sum or avg)")
+        n = self.world_size
+        if n == 1 or tensor.numel() == 0:
+            return
+        st = _Staged(tensor, writeback=True)
+        flat, es = st.flat, st.flat.element_size()
+        view = _byte_view(flat)
+        segs = _segments(flat.numel(), n)
+        r = self.rank
+        nxt, prv = (r + 1) % n, (r - 1) % n
+        sends, recvs = [], []
+        for t in range(n - 1):  # reduce-scatter: rank r ends up owning segment (r+1) % n
+            slo, shi = segs[(r - t) % n]
+            rlo, rhi = segs[(r - t - 1) % n]
+            sends.append((nxt, view[slo * es: shi * es], t - 1 if t else None))
+            recvs.append((prv, view[rlo * es: rhi * es], flat[rlo:rhi]))
+        for t in range(n - 1):  # all-gather: pass the owned segments around
+            slo, shi = segs[(r + 1 - t) % n]
+            rlo, rhi = segs[(r - t) % n]
+            sends.append((nxt, view[slo * es: shi * es], n - 2 + t))
+            recvs.append((prv, view[rlo * es: rhi * es], None))
+        self._transfer("all_reduce", sends, recvs, es, flat.dtype)
+        if op == "avg":
+            if flat.is_floating_point():
+                flat.div_(n)
+            else:
+                flat.div_(n, rounding_mode="floor")
+        st.finish()
+
+    def reduce_scatter(self, out, inp, op: str = "sum") -> None:
+        self._check_usable()
+        if op not in ("sum", "avg"):
+            raise CommError(f"unsupported reduce op {op!r} (sum or avg)")
+        n, r = self.world_size, self.rank
+        if inp.numel() != n * out.numel() or inp.dtype != out.dtype:
+            raise CommError(f"reduce_scatter: input has {inp.numel()} {inp.dtype} elements, output "
+                            f"{out.numel()} {out.dtype}; input must be world_size x output")
+        m = out.numel()
+        work = inp.detach().to("cpu").reshape(-1).clone()  # reduced in place; the caller's input stays intact
+        if n > 1 and m > 0:
+            es = work.element_size()
+            view = _byte_view(work)
+            nxt, prv = (r + 1) % n, (r - 1) % n
+            sends, recvs = [], []
+            for t in range(n - 1):  # ends with rank r owning segment r
+                s, g = (r - t - 1) % n, (r - t - 2) % n
+                sends.append((nxt, view[s * m * es:(s + 1) * m * es], t - 1 if t else None))
+                recvs.append((prv, view[g * m * es:(g + 1) * m * es], work[g * m:(g + 1) * m]))
+            self._transfer("reduce_scatter", sends, recvs, es, work.dtype)
+        mine = work[r * m:(r + 1) * m]
+        if op == "avg":
+            mine = mine / n if mine.is_floating_point() else torch.div(mine, n, rounding_mode="floor")
+        with torch.no_grad():
+            out.copy_(mine.view_as(out))
+
+    def all_gather(self, out, inp) -> None:
+        self._check_usable()
+        n, r = self.world_size, self.rank
+        if out.numel() != n * inp.numel() or inp.dtype != out.dtype:
+            raise CommError(f"all_gather: output has {out.numel()} {out.dtype} elements, input "
+                            f"{inp.numel()} {inp.dtype}; output must be world_size x input")
+        m = inp.numel()
+        st = _Staged(out, writeback=True)
+        flat = st.flat
+        with torch.no_grad():
+            flat[r * m:(r + 1) * m].copy_(inp.detach().reshape(-1))
+        if n > 1 and m > 0:
+            es = flat.element_size()
+            view = _byte_view(flat)
+            nxt, prv = (r + 1) % n, (r - 1) % n
+            sends, recvs = [], []
+            for t in range(n - 1):
+                s, g = (r - t) % n, (r - t - 1) % n
+                sends.append((nxt, view[s * m * es:(s + 1) * m * es], t - 1 if t else None))
+                recvs.append((prv, view[g * m * es:(g + 1) * m * es], None))
+            self._transfer("all_gather", sends, recvs, es, flat.dtype)
+        st.finish()
+
+    def all_to_all(self, outs: list, inps: list) -> None:
+        self._check_usable()
+        n, r = self.world_size, self.rank
+        if len(outs) != n or len(inps) != n:
+            raise CommError(f"all_to_all needs {n} inputs and {n} outputs, got {len(inps)} and {len(outs)}")
+        with torch.no_grad():
+            outs[r].copy_(inps[r])
+        if n == 1:
+            return
+        ins = [_Staged(t, writeback=False) for t in inps]
+        got = [_Staged(t, writeback=True) for t in outs]
+        sends = [((r + k) % n, _byte_view(ins[(r + k) % n].flat), None) for k in range(1, n)]
+        recvs = [((r - k) % n, _byte_view(got[(r - k) % n].flat), None) for k in range(1, n)]
+        self._transfer("all_to_all", sends, recvs, 1, None)
+        for j, g in enumerate(got):
+            if j != r:
+                g.finish()
+
+    def barrier(self) -> None:
+        self._check_usable()
+        if self.world_size == 1:
+            return
+        n, r = self.world_size, self.rank
+        empty = memoryview(b"")
+        sends = [((r + k) % n, empty, None) for k in range(1, n)]
+        recvs = [((r - k) % n, empty, None) for k in range(1, n)]
+        self._transfer("barrier", sends, recvs)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._drop_links()
+            self._socks = {}

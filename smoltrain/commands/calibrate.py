@@ -1,0 +1,142 @@
+"""`smoltrain calibrate`: measure this host's matmul FLOP/s and memory bandwidth with torch.
+
+The plan uses the result for `generic` hosts instead of guessed figures. Besides the peak
+matmul rate it times real training steps of a model (default `tiny`, batch 8 x 64), because
+small models reach a small fraction of the peak and the plan should know which fraction.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+from datetime import datetime, timezone
+
+from smolnet.errors import UsageError
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--out", help="where to write the profile (default ~/.config/smolcluster/calibration.json)")
+    p.add_argument("--seconds", type=float, default=0.3, help="time per measurement (default 0.3)")
+    p.add_argument("--model", default="tiny", help="model whose training step sets the achieved fraction "
+                                                   "(none: skip)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--json", metavar="FILE", help="also write the profile here")
+
+
+def _timed(fn, seconds: float) -> float:
+    """Seconds per call: best of repeated batches, after one warm-up call."""
+    fn()
+    best, deadline = float("inf"), time.perf_counter() + max(0.05, seconds)
+    while True:
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        if time.perf_counter() > deadline:
+            return best
+
+
+def measure_matmul(torch, n: int, dtype, seconds: float) -> float:
+    a = torch.randn(n, n, dtype=torch.float32).to(dtype)
+    b = torch.randn(n, n, dtype=torch.float32).to(dtype)
+    return 2 * n ** 3 / _timed(lambda: torch.mm(a, b), seconds)
+
+
+def measure_copy(torch, nbytes: int, seconds: float) -> float:
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _timed(lambda: dst.copy_(src), seconds)   # read + write
+
+
+def measure_train(torch, model_name: str, batch: int, seq: int, seconds: float) -> dict:
+    """Achieved FLOP/s of real fwd+bwd+update steps (6 FLOPs per param per token + attention)."""
+    from smoltrain.model import build_model
+    from smoltrain.modelspec import get_model
+
+    spec = get_model(model_name)
+    model = build_model(spec, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, spec.vocab, (batch, seq))
+
+    def step():
+        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, spec.vocab), x.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    sec = _timed(step, seconds)
+    mm = spec.layers * spec.layer_params() + spec.vocab * spec.hidden
+    flops = batch * seq * (6 * mm + 12 * spec.layers * spec.hidden * seq)
+    return {"model": model_name, "batch": batch, "seq": seq, "step_s": sec, "flops": flops / sec}
+
+
+def calibrate(seconds: float = 0.3, model: str | None = "tiny", batch: int = 8, seq: int = 64,
+              threads: int | None = None) -> dict:
+    import psutil
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    sizes = [256, 512, 1024]
+    mm32 = [{"n": n, "flops": measure_matmul(torch, n, torch.float32, seconds / 3)} for n in sizes]
+    f32 = max(m["flops"] for m in mm32)
+    f16 = measure_matmul(torch, 512, torch.bfloat16, seconds / 3)
+    bw = max(measure_copy(torch, nb, seconds / 2) for nb in (16 << 20, 64 << 20))
+    doc = {"schema": "smoltrain.calibration/1",
+           "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+           "host": socket.gethostname(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "flops_fp32": f32, "flops_fp16": f16, "mem_bw": bw,
+           "memory_bytes": psutil.virtual_memory().total, "matmul_fp32": mm32}
+    if model and model != "none":
+        tr = measure_train(torch, model, batch, seq, seconds)
+        doc["train"] = tr
+        doc["train_efficiency"] = min(1.0, tr["flops"] / f32)
+    return doc
+
+
+def write_atomic(path: str, doc: dict) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def run(args) -> int:
+    from rich.console import Console
+
+    from smoltrain.modelspec import ModelSpecError, get_model
+    from smoltrain.planner.devices import calibration_path
+
+    if args.seconds <= 0 or args.seconds > 60:
+        raise UsageError("--seconds must be in (0, 60]")
+    if args.model and args.model != "none":
+        try:
+            get_model(args.model)
+        except ModelSpecError as e:
+            raise UsageError(str(e)) from None
+    con = Console()
+    with con.status("measuring matmul FLOP/s, memory bandwidth and a training step ..."):
+        doc = calibrate(args.seconds, args.model, args.batch, args.seq, args.threads)
+    out = str(calibration_path(args.out))
+    write_atomic(out, doc)
+    if args.json:
+        write_atomic(args.json, doc)
+    con.print(f"matmul fp32 {doc['flops_fp32'] / 1e9:,.1f} GFLOP/s, bf16 {doc['flops_fp16'] / 1e9:,.1f} GFLOP/s, "
+              f"memory {doc['mem_bw'] / 1e9:,.1f} GB/s, {doc['threads']} threads")
+    if "train" in doc:
+        t = doc["train"]
+        con.print(f"{t['model']} training step {t['step_s'] * 1e3:.1f} ms at batch {t['batch']} x {t['seq']}: "
+                  f"{t['flops'] / 1e9:,.1f} GFLOP/s, {doc['train_efficiency']:.0%} of the matmul peak")
+    con.print(f"wrote {out}; `smoltrain plan` uses it for generic hosts")
+    return 0

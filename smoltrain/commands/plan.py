@@ -1,0 +1,166 @@
+"""`smoltrain plan`: bytes per token, step time and the bottleneck, before anything runs."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+from smolnet.errors import UsageError
+
+MODELS_HELP = "tiny, gpt2-124m, llama-3.2-1b, llama-3.1-8b, mixtral-8x7b, or a .json shape"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--strategy", help="dp, fsdp, syncps, edp, mp, pp, tp, ep, sp, or all (rank them)")
+    p.add_argument("--mode", default="train", choices=("train", "infer"))
+    p.add_argument("--model", default="tiny", help=MODELS_HELP)
+    p.add_argument("--world", type=int, help="ranks (default: inventory hosts, links-report hosts, else 2)")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
+    p.add_argument("--batch", type=int, default=8, help="global batch in sequences (train)")
+    p.add_argument("--seq", type=int, default=64, help="sequence length (train) or context length (infer)")
+    p.add_argument("--microbatches", type=int, default=1)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--links", metavar="REPORT.json", help="a smolnet.links/1 report (smolnet matrix)")
+    src.add_argument("--link-class", help="1gbe, 2.5gbe, 10gbe, 25gbe, 100gbe, 200gbe, tb4, tb5 (or loopback)")
+    p.add_argument("-i", "--inventory", help="inventory: host names, device profiles, rank order")
+    p.add_argument("--calibration", metavar="FILE",
+                   help="profile from `smoltrain calibrate` for generic hosts "
+                        "(default ~/.config/smolcluster/calibration.json when present)")
+    p.add_argument("--json", metavar="FILE", help="write the plan (smoltrain.plan/1; --strategy all: "
+                                                  "smoltrain.plans/1 with a list under 'plans')")
+    p.add_argument("--chart", metavar="PNG", help="bytes per token and step time split, per strategy")
+    p.add_argument("--compare", metavar="RUN.json", help="predicted vs measured for a smoltrain run report")
+    p.add_argument("--no-what-if", action="store_true", help="skip the table over link classes")
+
+
+def _write_json(path: str, doc) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+class _ReportHost:
+    """A rank known only from a links report: its name and device profile."""
+
+    def __init__(self, name: str, device: str | None):
+        self.name, self.device, self.local, self.link_rate_mbit, self.vars = name, device or "generic", False, None, {}
+
+
+def _hosts(args, links_doc):
+    """Hosts in rank order: the inventory's (coordinator first), else the links report's."""
+    if args.inventory:
+        from smolnet.inventory import load_inventory
+
+        inv = load_inventory(args.inventory)
+        return [inv.coordinator] + [h for h in inv.hosts if h.name != inv.coordinator.name]
+    if links_doc is not None:
+        from smoltrain.planner.devices import DEVICES
+
+        out = []
+        for h in links_doc.get("hosts") or []:
+            dev = h.get("device") if h.get("device") in DEVICES else "generic"
+            out.append(_ReportHost(h["name"], dev))
+        if not out:
+            from smoltrain.planner.links import report_hosts
+            out = [_ReportHost(n, None) for n in report_hosts(links_doc)]
+        return out
+    return None
+
+
+def run(args) -> int:
+    from rich.console import Console
+
+    from smoltrain.modelspec import ModelSpecError, get_model
+    from smoltrain.planner import STRATEGIES, render
+    from smoltrain.planner.devices import get_link_class, load_calibration
+    from smoltrain.planner.links import read_report
+    from smoltrain.planner.plan import link_model, make_plan, resolve_ranks, what_if, what_if_sentence
+
+    con = Console()
+    run_doc = None
+    if args.compare:
+        from smoltrain.planner.compare import read_run, run_request
+        run_doc = read_run(args.compare)
+        req = run_request(run_doc)
+        args.strategy = args.strategy or req["strategy"]
+        if args.strategy != req["strategy"]:
+            raise UsageError(f"--strategy {args.strategy} differs from the run's {req['strategy']}")
+        args.model, args.world, args.dtype = req["model"], req["world"], req["dtype"]
+        args.batch, args.seq, args.microbatches, args.mode = req["batch"], req["seq"], req["microbatches"], "train"
+    if not args.strategy:
+        raise UsageError("--strategy is required (dp, fsdp, syncps, edp, mp, pp, tp, ep, sp or all)")
+    if args.strategy != "all" and args.strategy not in STRATEGIES:
+        raise UsageError(f"unknown strategy {args.strategy!r} (one of {', '.join(STRATEGIES)}, or all)")
+    try:
+        model = get_model(args.model)
+    except ModelSpecError as e:
+        raise UsageError(str(e)) from None
+    if args.link_class:
+        get_link_class(args.link_class)
+    links_doc = read_report(args.links) if args.links else None
+    hosts = _hosts(args, links_doc)
+    if run_doc is not None and hosts is None:
+        from smoltrain.planner.compare import is_local_names, run_hosts
+        names = run_hosts(run_doc)
+        if not is_local_names(names):
+            hosts = [_ReportHost(n, None) for n in names]
+    world = args.world or (len(hosts) if hosts else 2)
+    if world < 1:
+        raise UsageError(f"--world must be positive, got {world}")
+    if hosts is not None and world > len(hosts):
+        raise UsageError(f"--world {world} is larger than the {len(hosts)} hosts available")
+    calibration = load_calibration(args.calibration, required=bool(args.calibration))
+    ranks = resolve_ranks(world, hosts, calibration)
+    lm = link_model([r.name for r in ranks], hosts[:world] if hosts else None, links_doc, args.link_class)
+    kw = dict(dtype=args.dtype, batch=args.batch, seq=args.seq, microbatches=args.microbatches, mode=args.mode)
+
+    if args.strategy == "all":
+        plans, skipped = [], []
+        for s in STRATEGIES:
+            try:
+                plans.append(make_plan(s, model, world, ranks=ranks, lm=lm, **kw))
+            except UsageError as e:
+                skipped.append({"strategy": s, "reason": str(e)})
+        if not plans:
+            raise UsageError(f"no strategy can run this: {skipped[0]['reason']}")
+        render.ranking_table(con, plans, skipped)
+        best = render.rank_plans(plans)[0]
+        con.print(f"  best here: [bold]{best['strategy']}[/], {best['tokens_per_s']:,.1f} tokens/s, "
+                  f"bottleneck {best['bottleneck']}")
+        if args.json:
+            _write_json(args.json, {"schema": "smoltrain.plans/1",
+                                    "ranking": [p["strategy"] for p in render.rank_plans(plans)],
+                                    "plans": plans, "skipped": skipped})
+        if args.chart:
+            render.chart(plans, args.chart)
+        return 0
+
+    plan = make_plan(args.strategy, model, world, ranks=ranks, lm=lm, **kw)
+    render.summary(con, plan)
+    render.links_table(con, plan)
+    render.memory_table(con, plan)
+    for n in plan["notes"]:
+        con.print(f"  [dim]note: {n}[/]")
+    if not args.no_what_if:
+        rows = what_if(args.strategy, model, world, ranks, **kw)
+        plan["what_if"] = rows
+        render.what_if_table(con, rows, what_if_sentence(plan, rows))
+    out = plan
+    if run_doc is not None:
+        from smoltrain.planner.compare import compare, render as render_cmp
+        out = compare(plan, run_doc)
+        render_cmp(con, out)
+    if args.json:
+        _write_json(args.json, out)
+    if args.chart:
+        render.chart([plan], args.chart)
+    return 0

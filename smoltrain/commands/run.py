@@ -1,0 +1,184 @@
+"""`smoltrain run`: train the small GPT with one strategy, locally or across the inventory."""
+from __future__ import annotations
+
+import os
+import tempfile
+
+from smolnet.errors import UsageError
+
+STRATEGY_NAMES = ("dp", "fsdp", "syncps", "edp", "mp", "pp", "tp")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--strategy", required=True, help="dp, fsdp, syncps, edp, mp, pp or tp")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--local", type=int, metavar="N", help="run N worker processes on loopback")
+    where.add_argument("-i", "--inventory", help="run one worker per `cluster` host of this inventory")
+    p.add_argument("--backend", default="socket", choices=("socket", "torch"))
+    p.add_argument("--model", default="tiny", help="built-in model name or a .json shape (default tiny)")
+    p.add_argument("--data", help="text file or folder (default: this Python's standard library sources)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batch", type=int, default=8, help="global batch, in sequences")
+    p.add_argument("--seq", type=int, default=64, help="sequence length in bytes (tokens)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--microbatches", type=int, default=4, help="pp microbatches (default 4)")
+    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"), help="pp schedule")
+    p.add_argument("--shares", help="dp/fsdp per-rank batch shares, e.g. 2,1,1, or 'auto' (device profiles)")
+    p.add_argument("--checkpoint-dir", help="write checkpoints here (state dicts, safetensors)")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every K steps")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    p.add_argument("--json", help="write the run report (smoltrain.run/1) here")
+    p.add_argument("--out", default="reports", help="folder for the loss-curve PNG (default reports/)")
+    p.add_argument("--links", help="links.json for the plan shown before the run")
+    p.add_argument("--secret-file", help="cluster secret (default ~/.config/smolcluster/secret, created if missing)")
+    p.add_argument("--barrier-timeout", type=float, default=30.0, help="syncps/edp: drop a worker this late")
+    p.add_argument("--timeout", type=float, default=120.0, help="give up after this long without word from workers")
+    p.add_argument("--pace", type=float, default=0.0, help="make each step last at least this many seconds (demos)")
+    p.add_argument("--print-torchrun", action="store_true", help="print torchrun command lines and exit")
+    p.add_argument("--external", action="store_true", help="start no workers; wait for them (e.g. from torchrun)")
+    p.add_argument("--control-port", type=int, default=0, help="port of the control channel (default: any free)")
+    p.add_argument("--data-cap-mb", type=float, default=2.0, help="use at most this much of the corpus")
+
+
+def _shares(text: str | None, hosts) -> list[float] | None:
+    if not text:
+        return None
+    if text == "auto":
+        if not hosts:
+            return None
+        try:
+            from smoltrain.planner.devices import get_device
+            return [get_device(h.device).flops("fp32") for h in hosts]
+        except Exception:
+            return None
+    try:
+        out = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--shares {text}: expected numbers like 2,1,1") from None
+    if any(x <= 0 for x in out):
+        raise UsageError("--shares must all be positive")
+    return out
+
+
+def run(args) -> int:
+    from rich.console import Console
+
+    from smolnet.secret import ensure_secret
+    from smoltrain.modelspec import ModelSpecError, get_model
+
+    console = Console(stderr=False)
+    if args.strategy not in STRATEGY_NAMES:
+        raise UsageError(f"unknown strategy {args.strategy!r} (choose from {', '.join(STRATEGY_NAMES)})")
+    if args.local is None and not args.inventory:
+        raise UsageError("give --local N or -i INVENTORY")
+    try:
+        spec = get_model(args.model)
+    except ModelSpecError as e:
+        raise UsageError(str(e)) from None
+
+    from smoltrain.launch import Controller, Placement, check_usage, plot_losses, route_source, write_json
+
+    hosts = None
+    if args.local is not None:
+        if args.local < 1:
+            raise UsageError("--local needs at least 1 worker")
+        placements = [Placement(f"rank{r}", "127.0.0.1") for r in range(args.local)]
+    else:
+        from smolnet.inventory import load_inventory
+        inv = load_inventory(args.inventory)
+        hosts = [inv.coordinator] + [h for h in inv.hosts if h.name != inv.coordinator.name]
+        placements = [Placement(h.name, h.cluster_ip, h) for h in hosts]
+    world = len(placements)
+    data = os.path.abspath(args.data) if args.data else None
+    cfg = {
+        "strategy": args.strategy, "backend": args.backend, "model": spec.name if args.model == spec.name else args.model,
+        "data": data, "data_cap": int(args.data_cap_mb * (1 << 20)), "steps": args.steps, "batch": args.batch,
+        "seq": args.seq, "lr": args.lr, "seed": args.seed, "microbatches": args.microbatches,
+        "schedule": args.schedule, "shares": _shares(args.shares, hosts), "checkpoint_dir": None,
+        "checkpoint_every": args.checkpoint_every, "start_step": 0, "barrier_timeout": args.barrier_timeout,
+        "timeout": max(60.0, args.timeout), "pace": args.pace,
+        "devices": [getattr(p.host, "torch_device", "cpu") if p.host else "cpu" for p in placements],
+    }
+    check_usage(cfg, spec, world)
+
+    from smoltrain.data import corpus_digest, load_corpus
+    corpus = load_corpus(data, cfg["data_cap"])
+    cfg["data_bytes"], cfg["data_digest"] = len(corpus), corpus_digest(corpus)
+
+    if args.checkpoint_dir:
+        cfg["checkpoint_dir"] = os.path.abspath(args.checkpoint_dir)
+    if args.resume:
+        if not args.checkpoint_dir:
+            raise UsageError("--resume needs --checkpoint-dir")
+        from smoltrain import checkpoint
+        expect = {k: cfg[k] for k in ("strategy", "model", "seed", "batch", "seq")}
+        expect["world_size"] = world
+        parts = ["server"] if args.strategy in ("syncps", "edp") else [f"rank{r}" for r in range(world)]
+        cfg["start_step"] = checkpoint.latest(cfg["checkpoint_dir"], expect, parts)
+        if cfg["start_step"] >= cfg["steps"]:
+            raise UsageError(f"checkpoint is at step {cfg['start_step']}, not before --steps {cfg['steps']}")
+
+    # where ranks meet
+    if hosts is None:
+        from smoltrain.comm.launch import free_port_base
+        cfg["coord_addr"], cfg["port"] = "127.0.0.1", free_port_base(world)
+        cfg["addrs"] = ["127.0.0.1"] * world
+        bind = control_addr = "127.0.0.1"
+    else:
+        from smoltrain.comm.launch import inventory_group
+        cfg["coord_addr"], cfg["port"], cfg["addrs"] = inventory_group(hosts)
+        control_addr = route_source(hosts[0].cluster_ip)
+        bind = control_addr
+    cfg["ps_addr"], cfg["ps_port"], cfg["ps_bind"] = cfg["coord_addr"], cfg["port"], cfg["coord_addr"]
+
+    if args.print_torchrun:
+        for r, p in enumerate(placements):
+            print(f"# on {p.name}: smoltrain worker reads the cluster secret on stdin")
+            print(f"torchrun --nnodes {world} --node-rank {r} --nproc-per-node 1 --master-addr {cfg['coord_addr']} "
+                  f"--master-port {cfg['port'] + world + 2} -m smoltrain worker --control {control_addr}:7799 "
+                  f"--rank {r} < ~/.config/smolcluster/secret")
+        print(f"# then, on this machine: smoltrain run --strategy {args.strategy} "
+              f"{'--local ' + str(world) if hosts is None else '-i ' + args.inventory} --backend {args.backend} "
+              f"--external --control-port 7799")
+        return 0
+
+    plan = None
+    try:
+        from smoltrain.planner import plan_for_run
+    except ImportError:
+        plan_for_run = None
+    if plan_for_run is not None:
+        links = None
+        if args.links:
+            import json
+            links = json.loads(open(args.links).read())
+        try:
+            plan = plan_for_run(strategy=args.strategy, model=spec, world=world, dtype="fp32", batch=args.batch,
+                                seq=args.seq, microbatches=args.microbatches, hosts=hosts, links=links)
+            console.print(f"plan: {plan['step_s'] * 1e3:.1f} ms/step predicted, bottleneck "
+                          f"{plan['bottleneck']} ({plan.get('bottleneck_where')}), "
+                          f"{plan['bytes_per_step'] / 1e6:.2f} MB/step on the busiest rank")
+        except Exception as e:  # the plan is advice; never block a run on it
+            console.print(f"plan unavailable: {e}")
+
+    secret = ensure_secret(args.secret_file)
+    log_dir = tempfile.mkdtemp(prefix="smoltrain-logs-")
+    cfg["control_port"] = args.control_port
+    ctl = Controller(cfg, placements, secret, console, log_dir, external=args.external)
+    console.print(f"{args.strategy} on {world} rank(s) ({args.backend}), model {spec.name}, "
+                  f"batch {args.batch}x{args.seq}, steps {cfg['start_step']}..{args.steps}, logs {log_dir}")
+    if cfg["start_step"]:
+        ctl.events.append({"step": cfg["start_step"], "kind": "resume", "who": "all"})
+    doc = ctl.run(bind, control_addr, connect_timeout=max(60.0, args.timeout), idle_timeout=args.timeout)
+    if plan is not None:
+        doc["plan"] = plan
+    if args.json:
+        write_json(args.json, doc)
+    png = os.path.join(args.out, f"run-{args.strategy}-{args.backend}-{world}.png")
+    plot_losses(doc, png)
+    total = sum(b["bytes"] for b in doc["bytes"])
+    console.print(f"final loss {doc['final_loss']:.4f}, {doc['tokens_per_s'] or 0:,.0f} tokens/s, "
+                  f"{total / 1e6:.2f} MB sent in all; loss curve {png}"
+                  + (f"; report {args.json}" if args.json else ""))
+    return 0

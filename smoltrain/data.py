@@ -1,0 +1,108 @@
+"""Byte-level training data: nothing to download, nothing to tokenize.
+
+The default corpus is the Python standard library's own `.py` sources on this
+machine (sorted paths, capped in size), so every host with the same Python has
+the same bytes. `--data` takes any text file or folder instead.
+
+Batches depend on the seed and the step only: step k draws the same B windows of
+T+1 bytes for any world size, and each rank takes its slice of them. That is what
+lets every synchronous strategy reproduce the `--local 1` loss curve, and what
+lets `--resume` continue exactly without saving a data-loader state.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+from pathlib import Path
+
+import torch
+
+from smolnet.errors import UsageError
+
+DEFAULT_CAP_BYTES = 2 << 20
+TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".c", ".h", ".json", ".yml", ".yaml", ".toml", ".cfg", ".sh"}
+
+
+def _files(root: Path, suffixes: set[str]):
+    """Files under root in a fixed order (sorted, depth first), lazily: we stop at the cap."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("__pycache__", "site-packages", "dist-packages"))
+        for f in sorted(filenames):
+            if os.path.splitext(f)[1] in suffixes:
+                yield Path(dirpath) / f
+
+
+def load_corpus(path: str | None = None, cap_bytes: int = DEFAULT_CAP_BYTES) -> bytes:
+    """The training bytes: a file, a folder of text files, or the stdlib sources."""
+    if path is None:
+        root = Path(sysconfig.get_paths()["stdlib"])
+        files = _files(root, {".py"})
+    else:
+        root = Path(path).expanduser()
+        if not root.exists():
+            raise UsageError(f"--data {path}: no such file or folder")
+        files = iter([root]) if root.is_file() else _files(root, TEXT_SUFFIXES)
+    chunks, size = [], 0
+    for f in files:
+        try:
+            b = f.read_bytes()
+        except OSError:
+            continue
+        chunks.append(b)
+        size += len(b)
+        if size >= cap_bytes:
+            break
+    data = b"".join(chunks)[:cap_bytes]
+    if len(data) < 2:
+        raise UsageError(f"--data {path or root}: no text to train on")
+    return data
+
+
+def corpus_digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+class Batches:
+    """Global batches of byte windows, a pure function of (seed, step)."""
+
+    def __init__(self, data: bytes, batch: int, seq: int, seed: int):
+        if len(data) <= seq + 1:
+            raise UsageError(f"corpus has {len(data)} bytes, fewer than --seq {seq} + 1")
+        self.tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+        self.batch, self.seq, self.seed = batch, seq, seed
+
+    def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        starts = torch.randint(0, len(self.tokens) - self.seq - 1, (self.batch,), generator=gen)
+        win = torch.stack([self.tokens[s: s + self.seq + 1] for s in starts.tolist()])
+        return win[:, :-1], win[:, 1:]
+
+    def slice(self, step: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequences [lo, hi) of step's global batch."""
+        x, y = self.global_batch(step)
+        return x[lo:hi], y[lo:hi]
+
+
+def split_batch(batch: int, shares: list[float]) -> list[tuple[int, int]]:
+    """Cut B sequences into contiguous [lo, hi) ranges proportional to `shares`
+    (largest remainder; every rank gets at least one sequence)."""
+    n = len(shares)
+    if batch < n:
+        raise UsageError(f"--batch {batch} is smaller than the {n} ranks sharing it")
+    if any(s <= 0 for s in shares):
+        raise UsageError("--shares must all be positive")
+    total = sum(shares)
+    ideal = [batch * s / total for s in shares]
+    counts = [max(1, int(x)) for x in ideal]
+    while sum(counts) > batch:
+        i = max(range(n), key=lambda j: counts[j] - ideal[j] if counts[j] > 1 else -1e9)
+        counts[i] -= 1
+    while sum(counts) < batch:
+        i = max(range(n), key=lambda j: ideal[j] - counts[j])
+        counts[i] += 1
+    out, lo = [], 0
+    for c in counts:
+        out.append((lo, lo + c))
+        lo += c
+    return out

@@ -1,0 +1,320 @@
+"""The controller side of `smoltrain run`: place ranks, start workers, gather what they measure.
+
+Ranks are placed on `--local N` loopback processes (names rank0..rank{N-1}) or on
+the inventory's `cluster` hosts (coordinator first, so it is rank 0), started over
+SSH with the secret on standard input. Every worker dials back to the control
+channel; the controller shows progress and writes the run report from what the
+workers measured. A worker that fails stops the run with its one-line reason
+(except in edp/syncps, where a worker may leave and the run goes on).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from smolnet.errors import SmolError, UsageError
+
+from . import checkpoint
+from .control import ControlServer
+
+ELASTIC = ("syncps", "edp")
+LOSS_PARTS = {"dp": "all", "fsdp": "all"}  # others: one rank (or the server) reports the loss
+
+
+@dataclass
+class Placement:
+    name: str
+    address: str
+    host: object = None  # smolnet Host, or None for --local
+
+
+def route_source(addr: str) -> str:
+    """This machine's address on the route to addr (where workers can reach the controller)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect((addr, 9))
+        return s.getsockname()[0]
+    except OSError:
+        return "0.0.0.0"
+    finally:
+        s.close()
+
+
+class Controller:
+    def __init__(self, cfg: dict, placements: list[Placement], secret: bytes, console, log_dir: str,
+                 external: bool = False):
+        self.cfg, self.placements, self.secret, self.console = cfg, placements, secret, console
+        self.log_dir, self.external = log_dir, external
+        self.world = len(placements)
+        self.names = [p.name for p in placements]
+        self.strategy = cfg["strategy"]
+        self.joined = 0
+        self.procs: dict[str, object] = {}    # name -> Popen (local) or (Remote, Proc)
+        self.connected: dict[str, dict] = {}  # name -> hello
+        self.finished: set[str] = set()
+        self.closed: set[str] = set()
+        self.steps: dict[int, dict] = {}
+        self.events: list[dict] = []
+        self.links: dict[tuple[str, str], int] = {}
+        self.state_bytes: dict[str, dict] = {}
+        self.saved: dict[int, set] = {}
+        self.sent: dict[str, int] = {}
+        self.shown = cfg.get("start_step", 0) - 1
+
+    # --- configs handed to workers ---
+    def config_for(self, hello: dict) -> dict:
+        if hello.get("join"):
+            if self.strategy != "edp":
+                raise ValueError(f"{self.strategy} does not admit joiners (only edp does)")
+            self.joined += 1
+            name, rank = f"join{self.joined}", -1
+        else:
+            rank = int(hello.get("rank", -1))
+            if not 0 <= rank < self.world or self.names[rank] in self.connected:
+                raise ValueError(f"rank {rank} is not expected or already connected")
+            name = self.names[rank]
+        return dict(self.cfg, name=name, rank=rank, world_size=self.world, names=self.names)
+
+    # --- starting and stopping workers ---
+    def start_workers(self, control_addr: str, port: int) -> None:
+        for r, p in enumerate(self.placements):
+            argv = ["-m", "smoltrain", "worker", "--control", f"{control_addr}:{port}", "--rank", str(r)]
+            if p.host is None or p.host.local:
+                log = open(os.path.join(self.log_dir, f"{p.name}.log"), "wb")
+                python = sys.executable if p.host is None else p.host.python
+                proc = subprocess.Popen([python, *argv], stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+                proc.stdin.write(self.secret + b"\n")
+                proc.stdin.close()
+                self.procs[p.name] = proc
+            else:
+                from smolnet.remote import connect
+                remote = connect(p.host)
+                proc = remote.start([p.host.python, *argv], stdin=self.secret + b"\n",
+                                    log=f"/tmp/smoltrain-{p.name}.log")
+                self.procs[p.name] = (remote, proc)
+
+    def stop_workers(self) -> None:
+        for name, proc in self.procs.items():
+            try:
+                if isinstance(proc, subprocess.Popen):
+                    if proc.poll() is None:
+                        proc.kill()
+                    proc.wait(timeout=10)
+                else:
+                    remote, rproc = proc
+                    if name not in self.finished:
+                        remote.stop(rproc)
+                    remote.close()
+            except Exception:  # best effort: never mask the real failure
+                pass
+
+    def log_tail(self, name: str) -> str:
+        path = os.path.join(self.log_dir, f"{name}.log")
+        try:
+            lines = [ln for ln in Path(path).read_text(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            return ""
+        return lines[-1][:200] if lines else ""
+
+    # --- the message loop ---
+    def handle(self, who: str | None, msg: dict, progress) -> None:
+        kind = msg.get("type")
+        if kind == "log" or who is None:
+            self.console.log(f"{who or 'control'}: {msg.get('message')}")
+        elif kind == "connected":
+            self.connected[who] = msg["hello"]
+            self.console.print(f"worker {who} pid {msg['hello'].get('pid')} on {msg['hello'].get('host')}")
+        elif kind == "step":
+            rec = self.steps.setdefault(msg["step"], {"parts": {}, "step_s": 0.0, "comm_s": 0.0})
+            rec["step_s"] = max(rec["step_s"], msg["step_s"])
+            rec["comm_s"] = max(rec["comm_s"], msg["comm_s"])
+            if msg.get("loss") is not None:
+                rec["parts"][who] = msg["loss"]
+            self.sent[who] = msg.get("sent", 0)
+        elif kind == "loss":
+            rec = self.steps.setdefault(msg["step"], {"parts": {}, "step_s": 0.0, "comm_s": 0.0})
+            rec["parts"]["server"] = msg["loss"]
+        elif kind == "event":
+            self.events.append({"step": msg["step"], "kind": msg["kind"], "who": msg["name"]})
+            self.console.print(f"event: {msg['kind']} {msg['name']} at step {msg['step']}")
+        elif kind == "saved":
+            parts = self.saved.setdefault(msg["step"], set())
+            parts.add(msg["part"])
+            need = 1 if self.strategy in ELASTIC else self.world
+            if len(parts) == need:
+                meta = {k: self.cfg[k] for k in ("strategy", "model", "seed", "batch", "seq")}
+                meta["world_size"] = self.world
+                checkpoint.mark_complete(self.cfg["checkpoint_dir"], msg["step"], meta)
+                self.events.append({"step": msg["step"], "kind": "checkpoint", "who": "all"})
+        elif kind == "done":
+            self.finished.add(who)
+            for src, dst, n in msg["links"]:
+                self.links[(src, dst)] = self.links.get((src, dst), 0) + int(n)
+            self.state_bytes[who] = msg.get("state_bytes", {})
+        elif kind == "error":
+            if self.strategy in ELASTIC and who != self.names[0]:
+                self.console.log(f"{who} failed: {msg['message']}")
+            else:
+                raise SmolError(f"{who}: {msg['message']}")
+        elif kind == "closed":
+            self.closed.add(who)
+            if who not in self.finished and not (self.strategy in ELASTIC and who != self.names[0]):
+                raise SmolError(f"{who}: worker exited before finishing ({self.log_tail(who) or 'no log'})")
+        self._show(progress)
+
+    def _show(self, progress) -> None:
+        need = self.world if self.strategy in LOSS_PARTS else 1
+        while self.shown + 1 in self.steps and len(self.steps[self.shown + 1]["parts"]) >= need:
+            self.shown += 1
+            rec = self.steps[self.shown]
+            loss = sum(v for _, v in sorted(rec["parts"].items()))
+            tps = self.cfg["batch"] * self.cfg["seq"] / max(rec["step_s"], 1e-9)
+            mb = sum(self.sent.values()) / 1e6
+            line = f"step {self.shown + 1}/{self.cfg['steps']} loss {loss:.4f} tok/s {tps:,.0f} sent {mb:.2f} MB"
+            if progress is not None:
+                progress.update(progress.task_ids[0], completed=self.shown + 1, description=line)
+            else:
+                self.console.print(line)
+
+    def all_done(self) -> bool:
+        expected = set(self.names) | set(self.connected)
+        return all(n in self.finished or n in self.closed for n in expected) and set(self.names) <= set(self.connected)
+
+    def check_processes(self) -> None:
+        for name, proc in self.procs.items():
+            if isinstance(proc, subprocess.Popen) and proc.poll() not in (None, 0) and name not in self.connected:
+                raise SmolError(f"{name}: worker exited with status {proc.returncode} "
+                                f"({self.log_tail(name) or 'no log'})")
+
+    def run(self, bind: str, control_addr: str, connect_timeout: float, idle_timeout: float) -> dict:
+        server = ControlServer(bind, self.secret, self.config_for, port=self.cfg.get("control_port", 0))
+        self.console.print(f"control channel {control_addr}:{server.port}")
+        started = time.monotonic()
+        try:
+            if not self.external:
+                self.start_workers(control_addr, server.port)
+            progress = None
+            if self.console.is_terminal:
+                from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+                progress = Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                                    console=self.console)
+                progress.add_task("starting", total=self.cfg["steps"], completed=self.cfg.get("start_step", 0))
+                progress.start()
+            try:
+                last = time.monotonic()
+                while not self.all_done():
+                    try:
+                        who, msg = server.messages.get(timeout=0.5)
+                    except Exception:  # queue.Empty
+                        self.check_processes()
+                        now = time.monotonic()
+                        if len(self.connected) < self.world and now - started > connect_timeout:
+                            missing = [n for n in self.names if n not in self.connected]
+                            raise SmolError(f"{', '.join(missing)}: never connected within {connect_timeout:.0f}s "
+                                            f"({self.log_tail(missing[0]) or 'host unreachable?'})")
+                        if now - last > idle_timeout:
+                            raise SmolError(f"no word from any worker for {idle_timeout:.0f}s")
+                        continue
+                    last = time.monotonic()
+                    self.handle(who, msg, progress)
+            finally:
+                if progress is not None:
+                    progress.stop()
+        except BaseException:
+            self.stop_workers()
+            raise
+        finally:
+            server.close()
+        for proc in self.procs.values():
+            if isinstance(proc, subprocess.Popen):
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        self.stop_workers()
+        return self.report()
+
+    def report(self) -> dict:
+        start, steps = self.cfg.get("start_step", 0), self.cfg["steps"]
+        tokens = self.cfg["batch"] * self.cfg["seq"]
+        rows = []
+        for k in range(start, steps):
+            rec = self.steps.get(k)
+            if rec is None or not rec["parts"]:
+                raise SmolError(f"step {k}: no loss reported")
+            loss = sum(v for _, v in sorted(rec["parts"].items()))
+            rows.append({"step": k, "loss": loss, "step_s": rec["step_s"], "comm_s": rec["comm_s"], "tokens": tokens})
+        total_s = sum(r["step_s"] for r in rows)
+        order = {n: i for i, n in enumerate(self.names)}
+        links = sorted(self.links.items(), key=lambda kv: (order.get(kv[0][0], 1 << 20), kv[0][0],
+                                                             order.get(kv[0][1], 1 << 20), kv[0][1]))
+        return {
+            "schema": "smoltrain.run/1",
+            "strategy": self.strategy,
+            "backend": self.cfg["backend"],
+            "world_size": self.world,
+            "hosts": self.names,
+            "config": {k: v for k, v in self.cfg.items() if k not in ("addrs", "coord_addr", "port", "ps_addr",
+                                                                     "ps_port", "ps_bind", "control_port")},
+            "steps": rows,
+            "bytes": [{"src": s, "dst": d, "bytes": n} for (s, d), n in links],
+            "events": sorted(self.events, key=lambda e: (e["step"], e["kind"] != "resume")),
+            "final_loss": rows[-1]["loss"] if rows else None,
+            "tokens_per_s": (tokens * len(rows) / total_s) if total_s > 0 else None,
+            "state_bytes": self.state_bytes,
+        }
+
+
+def write_json(path: str | os.PathLike, doc: dict) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=p.name + ".", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, p)
+
+
+def plot_losses(doc: dict, path: str | os.PathLike) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([s["step"] + 1 for s in doc["steps"]], [s["loss"] for s in doc["steps"]], marker=".")
+    for e in doc["events"]:
+        if e["kind"] in ("join", "leave"):
+            ax.axvline(e["step"] + 1, color="red" if e["kind"] == "leave" else "green", ls="--", lw=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (mean over the global batch)")
+    ax.set_title(f"{doc['strategy']} on {doc['world_size']} ranks ({doc['backend']})")
+    fig.tight_layout()
+    tmp = p.with_name(p.stem + f".tmp{os.getpid()}.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, p)
+
+
+def check_usage(cfg: dict, spec, world: int) -> None:
+    from .strategies import check_world
+    check_world(cfg["strategy"], spec, world)
+    if cfg["seq"] > spec.ctx or cfg["seq"] < 1:
+        raise UsageError(f"--seq {cfg['seq']} must be between 1 and the model's context {spec.ctx}")
+    if cfg["steps"] < 1 or cfg["batch"] < 1:
+        raise UsageError("--steps and --batch must be positive")
+    if cfg["strategy"] in ("dp", "fsdp", "syncps", "edp") and cfg["batch"] < world:
+        raise UsageError(f"--batch {cfg['batch']} is smaller than the {world} ranks sharing it")
+    if cfg["strategy"] == "pp" and cfg["microbatches"] > cfg["batch"]:
+        raise UsageError(f"--microbatches {cfg['microbatches']} exceeds --batch {cfg['batch']}")
+    if cfg.get("shares") and len(cfg["shares"]) != world:
+        raise UsageError(f"--shares has {len(cfg['shares'])} entries for {world} ranks")

@@ -1,0 +1,150 @@
+"""What each rank holds and computes: parameters, FLOPs, memory traffic and memory footprint.
+
+Footprint per rank = weights + gradients + optimizer state (Adam: two fp32 moments, plus an
+fp32 master copy when training in 16-bit) + activations (Korthikanti et al. 2022: per layer
+s*b*h*(34 + 5*heads*s/h) bytes at 16 bits, tp: s*b*h*(10 + 24/t + 5*heads*s/(h*t))) + logits
++ KV cache (inference). It is compared with each device's memory; 10% stays for the OS.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from smoltrain.modelspec import ModelSpec
+
+from .traffic import dtype_bytes, expert_params, split_layers
+
+ADAM_BYTES = 8          # two fp32 moments per owned parameter
+MASTER_BYTES = 4        # fp32 master weights when training in bf16/fp16
+OPT_TRAFFIC = 28        # Adam step: read p, g, m, v and write p, m, v (fp32)
+HEADROOM = 0.9          # share of device memory a training process can count on
+
+
+@dataclass
+class RankWork:
+    layers: int             # transformer layers this rank runs
+    params_held: float      # parameters stored on this rank (at rest)
+    params_owned: float     # parameters this rank keeps optimizer state for
+    matmul_params: float    # parameters this rank multiplies per token it processes
+    tokens: float           # tokens this rank processes per step (infer: per generated token)
+    attn_share: float = 1.0  # share of attention heads (tp) this rank computes
+    kv_positions: float = 0  # KV cache positions held (infer)
+    gathered: float = 0.0   # transient full copy (fsdp all-gather)
+
+
+@dataclass
+class Memory:
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    kv_cache: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations + self.kv_cache
+
+    def to_dict(self) -> dict:
+        d = {k: int(v) for k, v in asdict(self).items()}
+        d["total"] = int(self.total)
+        return d
+
+
+def _emb_in(model: ModelSpec) -> int:
+    return model.vocab * model.hidden + (model.ctx * model.hidden if model.learned_pos else 0)
+
+
+def _head(model: ModelSpec) -> int:
+    return model.vocab * model.hidden
+
+
+def layout(strategy: str, mode: str, model: ModelSpec, world: int, batch: int, seq: int) -> list[RankWork]:
+    """Per rank: what it stores, owns and computes, per step (train) or per token (infer)."""
+    N, L, P = world, model.layers, model.params()
+    lp = model.layer_params()
+    lp_active = lp if (mode == "train" or model.experts == 1) else \
+        (model.active_params() - model.embedding_params()) / L
+    train = mode == "train"
+    toks_all = batch * seq if train else 1
+    kv = 0 if train else seq
+    head = _head(model)
+    full_matmul = L * lp_active + head
+    if strategy in ("dp", "syncps", "edp", "sp", "fsdp"):
+        toks = toks_all / N if train else 1
+        out = []
+        for r in range(N):
+            owned = P / N if strategy == "fsdp" else (P if strategy in ("dp", "sp") or r == 0 or not train else 0)
+            held = P / N if strategy == "fsdp" else P
+            out.append(RankWork(L, held, owned, full_matmul, toks,
+                                kv_positions=kv / N if strategy == "sp" else kv,
+                                gathered=P if strategy == "fsdp" else 0.0))
+            if strategy == "sp" and not train:
+                out[-1].tokens = 1 / N   # each rank attends over its share; matmuls split by position
+        return out
+    if strategy == "tp":
+        held = L * lp / N + model.embedding_params()
+        return [RankWork(L, held, held, L * lp_active / N + head, toks_all, 1 / N, kv) for _ in range(N)]
+    if strategy in ("pp", "mp"):
+        out = []
+        for r, nl in enumerate(split_layers(L, N)):
+            held = nl * lp
+            mm = nl * lp_active
+            if r == 0:
+                held += _emb_in(model)
+            if r == N - 1:
+                held += 2 * model.hidden + (head if (not model.tied_embeddings or N > 1) else 0)
+                mm += head
+            out.append(RankWork(nl, held, held, mm, toks_all, kv_positions=kv))
+        return out
+    if strategy == "ep":
+        ex = expert_params(model)
+        held = P - ex + ex / N
+        active = model.active_params() - model.embedding_params() + head
+        if train:
+            return [RankWork(L, held, held, active, toks_all / N) for _ in range(N)]
+        # decode: rank 0 runs attention for the sequence; the experts' share is small
+        return [RankWork(L, held, held, active, 1 if r == 0 else 0, kv_positions=kv if r == 0 else 0)
+                for r in range(N)]
+    raise ValueError(strategy)
+
+
+def flops(w: RankWork, model: ModelSpec, mode: str, seq: int) -> float:
+    """6 FLOPs per parameter per token in training (2 in decode), plus attention over seq."""
+    attn = w.layers * model.hidden * seq * w.attn_share
+    if mode == "train":
+        return w.tokens * (6 * w.matmul_params + 12 * attn)
+    return w.tokens * 2 * w.matmul_params + 4 * attn * (w.kv_positions / seq if seq else 0)
+
+
+def memory_traffic(w: RankWork, model: ModelSpec, mode: str, dtype: str, batch: int, seq: int,
+                   strategy: str) -> float:
+    """Bytes moved to and from memory per step: what a memory-bound rank waits for."""
+    a = dtype_bytes(dtype)
+    if mode == "train":
+        weights = w.gathered or w.params_held
+        return weights * 3 * a + w.params_owned * OPT_TRAFFIC + 2 * _activations(w, model, a, seq, strategy)
+    kv = 2 * w.layers * model.kv_dim * w.kv_positions * a * w.attn_share
+    return w.matmul_params * a + kv
+
+
+def _activations(w: RankWork, model: ModelSpec, a: int, seq: int, strategy: str) -> float:
+    h, heads = model.hidden, model.heads
+    per_token = h * (34 + 5 * heads * seq / h)
+    if strategy == "tp":
+        t = 1 / w.attn_share
+        per_token = h * (10 + 24 / t + 5 * heads * seq / (h * t))
+    logits = w.tokens * model.vocab * 4 if w.matmul_params >= _head(model) else 0
+    return w.tokens * w.layers * per_token * a / 2 + logits
+
+
+def memory(w: RankWork, model: ModelSpec, mode: str, dtype: str, seq: int, strategy: str) -> Memory:
+    a = dtype_bytes(dtype)
+    kv = 2 * w.layers * model.kv_dim * w.kv_positions * a * w.attn_share
+    if mode == "infer":
+        return Memory(w.params_held * a + w.gathered * a, 0, 0, 0, kv)
+    master = MASTER_BYTES if a < 4 else 0
+    grads_full = w.gathered or w.params_held     # fsdp holds the full gradient before reduce-scatter
+    return Memory(weights=w.params_held * a + w.gathered * a,
+                  grads=grads_full * a,
+                  optimizer=w.params_owned * (ADAM_BYTES + master),
+                  activations=_activations(w, model, a, seq, strategy),
+                  kv_cache=0)

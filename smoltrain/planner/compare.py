@@ -1,0 +1,119 @@
+"""Predicted against measured: the plan for a finished `smoltrain run`, link by link.
+
+Measured bytes are the transport's payload counters summed over the run, divided by the
+number of steps; step time is the median over steps after the first (warm-up).
+"""
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from pathlib import Path
+
+from smolnet.errors import UsageError
+
+RUN_SCHEMA = "smoltrain.run/1"
+COMPARE_SCHEMA = "smoltrain.compare/1"
+TOLERANCE = 0.02
+
+
+def read_run(path: str) -> dict:
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{p}: no such run report") from None
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{p}: cannot read run report: {e}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("config"), dict) or "bytes" not in doc:
+        raise UsageError(f"{p}: not a {RUN_SCHEMA} report (needs config and bytes)")
+    return doc
+
+
+def run_request(run: dict) -> dict:
+    """The plan arguments that describe a run: strategy, model, world, batch, seq, ..."""
+    cfg = run["config"]
+    req = {"strategy": cfg.get("strategy") or run.get("strategy"),
+           "model": cfg.get("model", "tiny"),
+           "world": int(cfg.get("world_size") or run.get("world_size") or 0),
+           "dtype": cfg.get("dtype", "fp32"),
+           "batch": int(cfg.get("batch", 8)), "seq": int(cfg.get("seq", 64)),
+           "microbatches": int(cfg.get("microbatches") or 1)}
+    if not req["strategy"] or req["world"] < 1:
+        raise UsageError("run report lacks config.strategy or world_size")
+    return req
+
+
+def run_hosts(run: dict) -> list[str]:
+    """Host names in rank order: config.hosts when present, else rank0..rankN-1."""
+    cfg = run["config"]
+    names = cfg.get("hosts") or run.get("hosts")
+    if names:
+        return [h["name"] if isinstance(h, dict) else str(h) for h in names]
+    world = int(cfg.get("world_size") or run.get("world_size") or 0)
+    return [f"rank{r}" for r in range(world)]
+
+
+def is_local_names(names: list[str]) -> bool:
+    return all(re.fullmatch(r"rank\d+", n) for n in names)
+
+
+def measured_steps(run: dict) -> int:
+    steps = run.get("steps") or []
+    return len(steps) or int(run.get("config", {}).get("steps") or 1)
+
+
+def _median_after_warmup(values: list[float]) -> float | None:
+    vals = [v for v in values if isinstance(v, (int, float))]
+    if len(vals) > 2:
+        vals = vals[1:]
+    return statistics.median(vals) if vals else None
+
+
+def compare(plan: dict, run: dict) -> dict:
+    steps = measured_steps(run)
+    measured: dict[tuple[str, str], float] = {}
+    for b in run.get("bytes") or []:
+        key = (b["src"], b["dst"])
+        measured[key] = measured.get(key, 0.0) + float(b["bytes"]) / steps
+    predicted = {(ln["src"], ln["dst"]): float(ln["bytes_per_step"]) for ln in plan["links"]}
+    rows = []
+    for key in sorted(set(measured) | set(predicted)):
+        p, m = predicted.get(key, 0.0), measured.get(key, 0.0)
+        ratio = (m / p) if p else (1.0 if m == 0 else None)
+        rows.append({"src": key[0], "dst": key[1], "predicted_bytes_per_step": p,
+                     "measured_bytes_per_step": m, "ratio": ratio,
+                     "within_2pct": ratio is not None and abs(ratio - 1) <= TOLERANCE})
+    step_m = _median_after_warmup([s.get("step_s") for s in run.get("steps") or []])
+    comm_m = _median_after_warmup([s.get("comm_s") for s in run.get("steps") or []])
+    return {"schema": COMPARE_SCHEMA, "strategy": plan["strategy"], "world_size": plan["world_size"],
+            "steps": steps, "links": rows,
+            "bytes_within_2pct": all(r["within_2pct"] for r in rows),
+            "step_s": {"predicted": plan["step_s"], "measured": step_m},
+            "comm_s": {"predicted": plan["comm_s_per_step"], "measured": comm_m},
+            "tokens_per_s": {"predicted": plan["tokens_per_s"], "measured": run.get("tokens_per_s")},
+            "plan": plan}
+
+
+def render(con, cmp: dict) -> None:
+    from rich.table import Table
+
+    from .plan import human_bytes, human_s
+
+    t = Table(title=f"{cmp['strategy']}: predicted vs measured per step ({cmp['steps']} steps)",
+              title_justify="left")
+    for c in ("src", "dst", "predicted", "measured", "measured/predicted"):
+        t.add_column(c)
+    for r in cmp["links"]:
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.4f}"
+        color = "green" if r["within_2pct"] else "red"
+        t.add_row(r["src"], r["dst"], human_bytes(r["predicted_bytes_per_step"]),
+                  human_bytes(r["measured_bytes_per_step"]), f"[{color}]{ratio}[/]")
+    for what in ("step_s", "comm_s"):
+        p, m = cmp[what]["predicted"], cmp[what]["measured"]
+        ratio = f"{m / p:.2f}" if p and m else "-"
+        t.add_row(f"[bold]{what.replace('_s', ' time')}[/]", "", human_s(p) if p is not None else "-",
+                  human_s(m) if m is not None else "-", ratio)
+    con.print(t)
+    verdict = "all links within 2%" if cmp["bytes_within_2pct"] else "[red]some links differ by more than 2%[/]"
+    con.print(f"  bytes: {verdict}")

@@ -1,0 +1,120 @@
+"""The links the plan lays traffic on: measured (a smolnet.links/1 report) or a link class.
+
+Each directed pair gets a goodput (Mbit/s) and a per-message latency alpha; a ring or a
+star then takes its time from these. Latency alpha is half the measured application-level
+round trip (one way), which already includes a Python peer on each end.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from smolnet.errors import UsageError
+
+from .devices import get_link_class
+
+LINKS_SCHEMA = "smolnet.links/1"
+
+
+@dataclass
+class Link:
+    rate_mbit: float | None    # None or 0: down
+    rtt_us: float
+    status: str = "ok"
+
+    @property
+    def up(self) -> bool:
+        return bool(self.rate_mbit) and self.status != "down"
+
+    @property
+    def bytes_per_s(self) -> float:
+        return (self.rate_mbit or 0.0) * 1e6 / 8
+
+    @property
+    def alpha_s(self) -> float:
+        return self.rtt_us / 2 * 1e-6
+
+
+@dataclass
+class LinkModel:
+    """Directed links between named hosts, and where the figures came from."""
+    source: dict
+    links: dict[tuple[str, str], Link] = field(default_factory=dict)
+    default: Link | None = None     # used for every pair when built from a link class
+
+    def get(self, src: str, dst: str) -> Link:
+        if (src, dst) in self.links:
+            return self.links[(src, dst)]
+        if self.default is not None:
+            return self.default
+        raise UsageError(f"links report has no measurement {src} -> {dst} "
+                         f"(run `smolnet matrix` again over these hosts)")
+
+    def egress_bytes_per_s(self, host: str, peers: list[str]) -> float:
+        """A host's own NIC: the best goodput it showed towards anyone (the others shared it)."""
+        rates = [self.get(host, p).bytes_per_s for p in peers if p != host]
+        return max(rates) if rates else 0.0
+
+    def ingress_bytes_per_s(self, host: str, peers: list[str]) -> float:
+        rates = [self.get(p, host).bytes_per_s for p in peers if p != host]
+        return max(rates) if rates else 0.0
+
+
+def from_class(name: str) -> LinkModel:
+    lc = get_link_class(name)
+    return LinkModel(source={"kind": "link-class", "link_class": lc.name, "rated_mbit": lc.rated_mbit,
+                             "goodput_mbit": lc.goodput_mbit, "rtt_us": lc.rtt_us},
+                     default=Link(lc.goodput_mbit, lc.rtt_us))
+
+
+def read_report(path: str) -> dict:
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{p}: no such links report (run `smolnet matrix -i INVENTORY`)") from None
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{p}: cannot read links report: {e}") from None
+    if not isinstance(doc, dict) or doc.get("schema") != LINKS_SCHEMA:
+        raise UsageError(f"{p}: not a {LINKS_SCHEMA} report")
+    doc.setdefault("_path", str(p))
+    return doc
+
+
+def report_hosts(doc: dict) -> list[str]:
+    names = [h.get("name") for h in doc.get("hosts") or [] if isinstance(h, dict) and h.get("name")]
+    if not names:  # older or partial reports: take the names from the links themselves
+        for ln in doc.get("links") or []:
+            for k in ("src", "dst"):
+                if ln.get(k) and ln[k] not in names:
+                    names.append(ln[k])
+    return names
+
+
+def from_report(doc: dict, hosts: list[str]) -> LinkModel:
+    """Links among `hosts` from a report; a clear error when the report lacks any of them."""
+    where = doc.get("_path", "links report")
+    if not isinstance(doc, dict) or doc.get("schema") != LINKS_SCHEMA:
+        raise UsageError(f"{where}: not a {LINKS_SCHEMA} report")
+    known = set(report_hosts(doc))
+    missing = [h for h in hosts if h not in known]
+    if missing:
+        raise UsageError(f"{where} lacks hosts {', '.join(missing)} of the inventory "
+                         f"(it has {', '.join(sorted(known)) or 'none'}; run `smolnet matrix` again)")
+    model = LinkModel(source={"kind": "links-report", "path": where, "created": doc.get("created")})
+    for ln in doc.get("links") or []:
+        src, dst = ln.get("src"), ln.get("dst")
+        if src not in hosts or dst not in hosts:
+            continue
+        rtt = ln.get("rtt_us") or {}
+        p50 = rtt.get("p50") if isinstance(rtt, dict) else rtt
+        status = ln.get("status", "ok")
+        rate = ln.get("throughput_mbit")
+        model.links[(src, dst)] = Link(float(rate) if rate and status != "down" else None,
+                                       float(p50) if p50 else 200.0, status)
+    absent = [f"{a} -> {b}" for a in hosts for b in hosts if a != b and (a, b) not in model.links]
+    if absent:
+        raise UsageError(f"{where}: no measurement for {', '.join(absent[:4])}"
+                         f"{' ...' if len(absent) > 4 else ''} (run `smolnet matrix` again)")
+    return model

@@ -1,0 +1,323 @@
+"""Build one smoltrain.plan/1 document: traffic per link, time per step, memory per rank and
+the bottleneck, in words. Everything else in the planner (CLI, tables, chart, compare) reads
+these documents.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from smolnet.errors import UsageError
+from smoltrain.modelspec import ModelSpec
+
+from . import capacity, timing
+from .devices import LINK_CLASSES, DeviceProfile, get_device, load_calibration
+from .links import Link, LinkModel, from_class, from_report
+from .traffic import Traffic, bytes_per_token, dtype_bytes, traffic
+
+PLAN_SCHEMA = "smoltrain.plan/1"
+REPLICATED_INFER = ("dp", "syncps", "edp")
+
+
+@dataclass
+class Rank:
+    name: str
+    device: DeviceProfile
+    memory_bytes: float
+
+
+def rank_names(world: int, hosts=None) -> list[str]:
+    return [h.name for h in hosts[:world]] if hosts else [f"rank{r}" for r in range(world)]
+
+
+def _profile(device: str, calibration) -> DeviceProfile:
+    if device == "generic" and calibration is not None:
+        return calibration
+    return get_device(device)
+
+
+def resolve_ranks(world: int, hosts=None, calibration=None) -> list[Rank]:
+    if hosts is not None and len(hosts) < world:
+        raise UsageError(f"world {world} is larger than the {len(hosts)} hosts of the inventory")
+    out = []
+    for r, name in enumerate(rank_names(world, hosts)):
+        host = hosts[r] if hosts else None
+        prof = _profile(getattr(host, "device", "generic") or "generic", calibration)
+        mem = prof.memory_bytes
+        gb = (getattr(host, "vars", None) or {}).get("smol_memory_gb")
+        if gb is not None:
+            try:
+                mem = float(gb) * 1e9
+            except (TypeError, ValueError):
+                raise UsageError(f"host {name}: smol_memory_gb must be a number, got {gb!r}") from None
+        out.append(Rank(name, prof, mem))
+    return out
+
+
+def link_model(names: list[str], hosts=None, links: dict | None = None, link_class: str | None = None) -> LinkModel:
+    """Measured links first, then a named class, then the inventory's rated speeds."""
+    if links is not None and link_class is not None:
+        raise UsageError("give either a links report or a link class, not both")
+    if links is not None:
+        return from_report(links, names)
+    if link_class is not None:
+        return from_class(link_class)
+    if hosts is None or all(getattr(h, "local", False) for h in hosts):
+        lm = from_class("loopback")
+        lm.source["assumed"] = "no links report or link class; ranks on this machine"
+        return lm
+    rates = [h.link_rate_mbit for h in hosts if getattr(h, "link_rate_mbit", None)]
+    if rates:
+        lc = LINK_CLASSES["1gbe"]
+        good = min(rates) * lc.goodput_mbit / lc.rated_mbit
+        return LinkModel(source={"kind": "inventory", "rated_mbit": min(rates), "goodput_mbit": good,
+                                 "rtt_us": lc.rtt_us, "assumed": "link_rate_mbit from the inventory"},
+                         default=Link(good, lc.rtt_us))
+    lm = from_class("1gbe")
+    lm.source["assumed"] = "no links report, link class or link_rate_mbit; 1 GbE assumed"
+    return lm
+
+
+def human_bytes(n: float) -> str:
+    for unit, k in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= k:
+            return f"{n / k:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def human_s(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3g} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s * 1e6:.3g} us"
+
+
+def make_plan(strategy: str, model: ModelSpec, world: int, dtype: str = "fp32", batch: int = 8,
+              seq: int = 64, microbatches: int = 1, mode: str = "train", ranks: list[Rank] | None = None,
+              lm: LinkModel | None = None, overlap: bool = True) -> dict:
+    if mode == "infer":
+        batch, microbatches = 1, 1   # the contract's bytes per token are for batch-1 decode
+    if strategy != "pp":
+        microbatches = 1   # only pp cuts the batch into microbatches (as smoltrain run does)
+    tr: Traffic = traffic(strategy, mode, model, world, dtype, batch, seq, microbatches)
+    ranks = ranks or resolve_ranks(world)
+    names = [r.name for r in ranks]
+    lm = lm or from_class("1gbe")
+    train = mode == "train"
+    a = dtype_bytes(dtype)
+
+    # compute and memory per rank
+    works = capacity.layout(strategy, mode, model, world, batch, seq)
+    per_rank = []
+    for r, (w, rk) in enumerate(zip(works, ranks)):
+        fl = capacity.flops(w, model, mode, seq)
+        mt = capacity.memory_traffic(w, model, mode, dtype, batch, seq, strategy)
+        t_fl = fl / rk.device.flops(dtype)
+        t_mem = mt / rk.device.mem_bw
+        mem = capacity.memory(w, model, mode, dtype, seq, strategy)
+        per_rank.append({"rank": r, "name": rk.name, "device": rk.device.name, "flops_per_step": fl,
+                         "memory_traffic_bytes": mt, "compute_s": max(t_fl, t_mem),
+                         "bound": "compute" if t_fl >= t_mem else "memory-bandwidth",
+                         "memory": mem.to_dict(), "memory_available": int(rk.memory_bytes * capacity.HEADROOM),
+                         "fits": mem.total <= rk.memory_bytes * capacity.HEADROOM})
+
+    # communication and the step
+    link_b = tr.link_bytes()
+    link_m = tr.link_msgs()
+    link_s = timing.link_seconds(tr, names, lm)
+    down = [(s, d) for (s, d) in link_b if not lm.get(names[s], names[d]).up]
+    bubble = 0.0
+    if strategy in ("pp", "mp") and world > 1:
+        stage = [p["compute_s"] for p in per_rank]
+        if train:
+            hop = lambda s, d: lm.get(names[s], names[d])  # noqa: E731
+            mb = batch * seq * model.hidden * a / microbatches
+            hop_f = [hop(r, r + 1).alpha_s + mb / hop(r, r + 1).bytes_per_s if hop(r, r + 1).up else math.inf
+                     for r in range(world - 1)]
+            hop_b = [hop(r + 1, r).alpha_s + mb / hop(r + 1, r).bytes_per_s if hop(r + 1, r).up else math.inf
+                     for r in range(world - 1)]
+            compute_s, comm_s = timing.pipeline(stage, hop_f, hop_b, microbatches, True)
+            tied = {i for i, ph in enumerate(tr.phases) if not ph.what.startswith("tied")}
+            extra = timing.comm_cost(tr, names, lm, skip=tied)
+            comm_s += extra.total_s
+            bubble = (world - 1) / (microbatches + world - 1)
+        else:
+            compute_s = sum(stage)
+            comm_s = timing.comm_cost(tr, names, lm).total_s
+        cc = timing.comm_cost(tr, names, lm)
+    else:
+        slowest = max(per_rank, key=lambda p: p["compute_s"])
+        compute_s = slowest["compute_s"]
+        cc = timing.comm_cost(tr, names, lm)
+        comm_s = cc.total_s
+        if overlap and train and cc.overlappable_s > 0:
+            comm_s = comm_s - cc.overlappable_s + timing.exposed_overlap(
+                cc.overlappable_s, cc.last_bucket_s, 2 / 3 * compute_s)
+    step_s = compute_s + comm_s
+    finite = math.isfinite(step_s)
+    tokens_step = batch * seq if train else 1
+    if not train and strategy in REPLICATED_INFER:
+        tps = sum(1 / p["compute_s"] for p in per_rank if p["compute_s"] > 0)
+    else:
+        tps = tokens_step / step_s if finite and step_s > 0 else 0.0
+
+    # bottleneck, in words
+    bn, where = _bottleneck(tr, per_rank, names, lm, link_b, link_s, compute_s, comm_s, cc, down, bubble)
+    busiest = tr.rank_bytes()
+    links_out = []
+    for (s, d), b in sorted(link_b.items()):
+        ln = lm.get(names[s], names[d])
+        links_out.append({"src": names[s], "dst": names[d], "bytes_per_step": int(round(b)),
+                          "messages_per_step": link_m.get((s, d), 0),
+                          "seconds_per_step": link_s[(s, d)] if math.isfinite(link_s[(s, d)]) else None,
+                          "rate_mbit": ln.rate_mbit or 0.0, "rtt_us": ln.rtt_us})
+    doc = {
+        "schema": PLAN_SCHEMA,
+        "strategy": strategy,
+        "mode": mode,
+        "model": {"name": model.name, "params": model.params(), "layers": model.layers,
+                  "hidden": model.hidden, "heads": model.heads, "kv_heads": model.kv_heads,
+                  "ffn": model.ffn, "vocab": model.vocab, "experts": model.experts,
+                  "top_k": model.top_k, "tied_embeddings": model.tied_embeddings},
+        "world_size": world,
+        "dtype": dtype,
+        "batch": batch,
+        "seq": seq,
+        "microbatches": microbatches,
+        "tokens_per_step": tokens_step,
+        "bytes_per_token": bytes_per_token(tr, batch, seq),
+        "bytes_per_step": int(round(max(busiest))) if busiest else 0,
+        "total_bytes_per_step": int(round(sum(link_b.values()))),
+        "links": links_out,
+        "compute_s_per_step": compute_s,
+        "comm_s_per_step": comm_s if finite else None,
+        "step_s": step_s if finite else None,
+        "tokens_per_s": tps,
+        "bubble_fraction": bubble,
+        "bottleneck": bn,
+        "bottleneck_where": where,
+        "ranks": per_rank,
+        "phases": [{"what": ph.what, "rounds": ph.repeat,
+                    "bytes_per_round": int(round(sum(t.nbytes for t in ph.transfers)))} for ph in tr.phases],
+        "link_source": lm.source,
+        "notes": tr.notes + ([] if train else ["infer: one generated token per step, batch-1 decode, "
+                                               f"KV cache over {seq} positions"]),
+    }
+    return doc
+
+
+def _bottleneck(tr, per_rank, names, lm, link_b, link_s, compute_s, comm_s, cc, down, bubble=0.0):
+    unfit = [p for p in per_rank if not p["fits"]]
+    if unfit:
+        p = max(unfit, key=lambda p: p["memory"]["total"] / max(1, p["memory_available"]))
+        return "capacity", (f"rank {p['rank']} ({p['name']}, {p['device']}) needs "
+                            f"{human_bytes(p['memory']['total'])} of {human_bytes(p['memory_available'])} "
+                            f"usable memory")
+    if down:
+        s, d = down[0]
+        return "link", f"link {names[s]} -> {names[d]} is down; the plan cannot run over it"
+    if comm_s > compute_s and link_b:
+        (s, d), sec = max(link_s.items(), key=lambda kv: kv[1])
+        ln = lm.get(names[s], names[d])
+        if cc.alpha_s > (cc.total_s - cc.alpha_s):
+            msgs = tr.link_msgs().get((s, d), 0)
+            return "latency", (f"{msgs} messages per step wait {ln.rtt_us:.0f} us round trips on "
+                               f"{names[s]} -> {names[d]}; "
+                               f"latency is {human_s(cc.alpha_s)} of {human_s(comm_s)} communication")
+        lim = cc.limiter if "link" in cc.limiter or "lin" in cc.limiter else f"link {names[s]} -> {names[d]}"
+        if "link " in lim:
+            return "link", (f"{lim} ({ln.rate_mbit or 0:.0f} Mbit/s) carries "
+                            f"{human_bytes(link_b[(s, d)])} per step, busy {human_s(sec)} against "
+                            f"{human_s(compute_s)} of compute")
+        return "link", (f"{lim} carries the star's traffic, {human_s(comm_s)} per step against "
+                        f"{human_s(compute_s)} of compute")
+    p = max(per_rank, key=lambda p: p["compute_s"])
+    what = "FLOPs" if p["bound"] == "compute" else "memory traffic"
+    if tr.strategy in ("pp", "mp") and tr.world > 1:
+        how = ("decode runs the stages one after another" if tr.mode == "infer"
+               else f"pipeline bubble {bubble:.0%} of the step")
+        return p["bound"], (f"{tr.world} stages, slowest rank {p['rank']} ({p['name']}, {p['device']}) "
+                            f"with {human_s(p['compute_s'])} of {what} per step; {how}; "
+                            f"communication adds {human_s(comm_s)}")
+    return p["bound"], (f"rank {p['rank']} ({p['name']}, {p['device']}): {human_s(p['compute_s'])} of "
+                        f"{what} per step; communication adds {human_s(comm_s)}")
+
+
+def plan_for_run(strategy, model: ModelSpec, world: int, dtype: str = "fp32", batch: int = 8, seq: int = 64,
+                 microbatches: int = 1, mode: str = "train", hosts=None, links: dict | None = None,
+                 link_class: str | None = None, *, calibration=None, overlap: bool = True) -> dict:
+    """The plan `smoltrain run` shows before launching and writes beside what it measured.
+
+    Host names are the inventory's, or rank0..rank{N-1} when `hosts` is None (`--local N`).
+    `calibration`: a DeviceProfile, a calibration file path, False to ignore, or None to use
+    ~/.config/smolcluster/calibration.json for `generic` hosts when it exists.
+    """
+    if isinstance(calibration, (str, os.PathLike)):
+        calibration = load_calibration(str(calibration), required=True)
+    elif calibration is None:
+        calibration = load_calibration(None)
+    elif calibration is False:
+        calibration = None
+    ranks = resolve_ranks(world, hosts, calibration)
+    if hosts is None and world > 1:
+        ranks = share_machine(ranks)
+    lm = link_model([r.name for r in ranks], hosts[:world] if hosts else None, links, link_class)
+    doc = make_plan(strategy, model, world, dtype, batch, seq, microbatches, mode, ranks, lm, overlap)
+    if hosts is None and world > 1:
+        doc["notes"].append(f"--local: the {world} ranks share this machine, each gets 1/{world} of its "
+                            f"FLOP/s and memory bandwidth")
+    return doc
+
+
+def share_machine(ranks: list[Rank]) -> list[Rank]:
+    """Ranks of a --local run split one machine's compute and memory bandwidth."""
+    from dataclasses import replace
+
+    n = len(ranks)
+    return [Rank(r.name, replace(r.device, flops_fp32=r.device.flops_fp32 / n, flops_fp16=r.device.flops_fp16 / n,
+                                 mem_bw=r.device.mem_bw / n), r.memory_bytes / n) for r in ranks]
+
+
+WHAT_IF_CLASSES = ("1gbe", "2.5gbe", "10gbe", "tb4", "25gbe", "tb5", "100gbe", "200gbe")  # by goodput
+COMM_BOUND = ("link", "latency")
+
+
+def what_if(strategy: str, model: ModelSpec, world: int, ranks: list[Rank], **kw) -> list[dict]:
+    """The same plan over every link class: where the links stop being the bottleneck."""
+    rows = []
+    for name in WHAT_IF_CLASSES:
+        d = make_plan(strategy, model, world, ranks=ranks, lm=from_class(name), **kw)
+        rows.append({"link_class": name, "goodput_mbit": LINK_CLASSES[name].goodput_mbit,
+                     "rtt_us": LINK_CLASSES[name].rtt_us, "step_s": d["step_s"],
+                     "comm_s_per_step": d["comm_s_per_step"], "tokens_per_s": d["tokens_per_s"],
+                     "bottleneck": d["bottleneck"]})
+    return rows
+
+
+def describe_links(source: dict) -> str:
+    kind = source.get("kind")
+    if kind == "link-class":
+        return f"your {source['link_class']} links"
+    if kind == "links-report":
+        return "your measured links"
+    if kind == "inventory":
+        return f"your {source['rated_mbit']:.0f} Mbit/s links (rated, from the inventory)"
+    return "your links"
+
+
+def what_if_sentence(plan: dict, rows: list[dict]) -> str:
+    """One line: which link class this strategy needs, or that the link is not the bottleneck."""
+    s, per_tok = plan["strategy"], human_bytes(plan["bytes_per_token"])
+    yours = describe_links(plan["link_source"])
+    if plan["bottleneck"] not in COMM_BOUND:
+        return (f"{s} over {yours} sends {per_tok} per token; the link is not the bottleneck "
+                f"({plan['bottleneck']} is)")
+    ok = next((r for r in rows if r["bottleneck"] not in COMM_BOUND), None)
+    if ok is None:
+        last = rows[-1]
+        return (f"{s} sends {per_tok} per token and stays {last['bottleneck']}-bound even on "
+                f"{last['link_class']}; pick a strategy that sends less")
+    return (f"{s} needs {ok['link_class']} here (over {yours} it is {plan['bottleneck']}-bound, "
+            f"{per_tok} per token)")

@@ -1,0 +1,113 @@
+"""Time per step: compute per rank (FLOPs or memory traffic, whichever is slower), and the
+alpha-beta cost of each communication phase on the links it uses.
+
+A phase costs, per round, the slowest of: each transfer (messages x alpha + bytes / goodput),
+and each host NIC shared by several transfers (bytes out / its egress goodput, bytes in / its
+ingress goodput); so the slowest link rules a ring and the server NIC rules a star.
+Overlap: gradient buckets (1 MB in smoltrain's dp; DDP uses 25 MB) hide behind the backward
+pass, except the last bucket. Pipelines: GPipe schedule, bubble (p-1)/(m+p-1).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .links import LinkModel
+from .traffic import Phase, Traffic
+
+
+@dataclass
+class PhaseCost:
+    seconds: float          # per step, all rounds
+    alpha_s: float          # of which latency
+    limiter: str            # "link a -> b" or "host a egress" ...
+
+
+def phase_cost(ph: Phase, names: list[str], lm: LinkModel) -> PhaseCost:
+    best, best_alpha, limiter = 0.0, 0.0, ""
+    out_b: dict[int, float] = {}
+    in_b: dict[int, float] = {}
+    for t in ph.transfers:
+        ln = lm.get(names[t.src], names[t.dst])
+        alpha = t.msgs * ln.alpha_s
+        sec = alpha + (t.nbytes / ln.bytes_per_s if ln.up else math.inf)
+        if sec > best:
+            best, best_alpha, limiter = sec, alpha, f"link {names[t.src]} -> {names[t.dst]}"
+        out_b[t.src] = out_b.get(t.src, 0.0) + t.nbytes
+        in_b[t.dst] = in_b.get(t.dst, 0.0) + t.nbytes
+    peers = list(names)
+    for (table, rate_of, word) in ((out_b, lm.egress_bytes_per_s, "uplink"),
+                                   (in_b, lm.ingress_bytes_per_s, "downlink")):
+        for r, b in table.items():
+            if sum(1 for t in ph.transfers if (t.src if word == "uplink" else t.dst) == r) < 2:
+                continue
+            rate = rate_of(names[r], peers)
+            sec = (b / rate if rate else math.inf) + best_alpha
+            if sec > best:
+                best, limiter = sec, f"{names[r]}'s {word}"
+    return PhaseCost(best * ph.repeat, best_alpha * ph.repeat, limiter)
+
+
+@dataclass
+class CommCost:
+    total_s: float
+    alpha_s: float
+    overlappable_s: float
+    last_bucket_s: float
+    limiter: str
+    limiter_s: float
+
+
+def comm_cost(tr: Traffic, names: list[str], lm: LinkModel, skip: set[int] = frozenset()) -> CommCost:
+    total = alpha = ov = last = 0.0
+    limiter, limiter_s = "", -1.0
+    for i, ph in enumerate(tr.phases):
+        if i in skip:
+            continue
+        c = phase_cost(ph, names, lm)
+        total += c.seconds
+        alpha += c.alpha_s
+        if ph.overlap_backward:
+            ov += c.seconds
+            last = c.seconds / ph.buckets
+        if c.seconds > limiter_s:
+            limiter, limiter_s = c.limiter, c.seconds
+    return CommCost(total, alpha, ov, last, limiter, limiter_s)
+
+
+def exposed_overlap(comm_s: float, last_bucket_s: float, backward_s: float) -> float:
+    """Buckets start when their gradients are ready; the last one is always exposed."""
+    if comm_s <= 0:
+        return 0.0
+    return last_bucket_s + max(0.0, comm_s - last_bucket_s - backward_s)
+
+
+def link_seconds(tr: Traffic, names: list[str], lm: LinkModel) -> dict[tuple[int, int], float]:
+    """How long each directed link is busy per step: messages x alpha + bytes / goodput."""
+    out: dict[tuple[int, int], float] = {}
+    for ph in tr.phases:
+        for t in ph.transfers:
+            ln = lm.get(names[t.src], names[t.dst])
+            sec = ph.repeat * (t.msgs * ln.alpha_s + (t.nbytes / ln.bytes_per_s if ln.up else math.inf))
+            out[(t.src, t.dst)] = out.get((t.src, t.dst), 0.0) + sec
+    return out
+
+
+def pipeline(stage_s: list[float], hop_f: list[float], hop_b: list[float], m: int,
+             train: bool) -> tuple[float, float]:
+    """GPipe step: returns (compute seconds on the critical path, communication seconds).
+
+    Forward: the first microbatch crosses every stage and hop; the other m-1 follow one slot
+    behind, a slot being the slowest stage or hop. Backward likewise with 2/3 of the compute.
+    """
+    if train:
+        tf = [s / 3 / m for s in stage_s]
+        tb = [2 * s / 3 / m for s in stage_s]
+    else:
+        tf, tb = [s / m for s in stage_s], []
+    comp = sum(tf) + (m - 1) * max(tf)
+    total = sum(tf) + sum(hop_f) + (m - 1) * max(tf + hop_f)
+    if train:
+        comp += sum(tb) + (m - 1) * max(tb)
+        total += sum(tb) + sum(hop_b) + (m - 1) * max(tb + hop_b)
+    return comp, total - comp

@@ -1,0 +1,267 @@
+"""Bytes each strategy puts on each directed link, per step (train) or per token (infer).
+
+Counting follows CONTRACT.md §4: tensor payload only; ring all-reduce sends 2(N-1)/N of the
+buffer from each rank to its ring successor, reduce-scatter and all-gather (N-1)/N each. The
+result is a list of phases (transfers that run at the same time, repeated serially) so the
+timing model can charge latency per message and bandwidth per byte on the right links.
+
+Layouts on real links: ring neighbours (rank r sends to r+1 mod N) for dp, fsdp, tp and sp;
+a star around rank 0 for syncps and edp (rank 0 is the server and also a worker, so it
+exchanges with ranks 1..N-1); stage boundaries r -> r+1 for pp and mp (gradients r+1 -> r);
+all pairs for ep.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from smolnet.errors import UsageError
+from smoltrain.modelspec import ModelSpec
+
+STRATEGIES = ("dp", "fsdp", "syncps", "edp", "mp", "pp", "tp", "ep", "sp")
+MODES = ("train", "infer")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+BUCKET_BYTES = 1e6      # smoltrain's dp bucket size (bucket_mb=1.0)
+TOKEN_ID_BYTES = 8      # the sampled token id returns to stage 0 as one int64
+LSE_BYTES = 4           # ring-attention decode carries one fp32 log-sum-exp per head
+
+
+@dataclass
+class Transfer:
+    src: int
+    dst: int
+    nbytes: float       # per repetition
+    msgs: int = 1       # messages per repetition (latency is paid per message)
+
+
+@dataclass
+class Phase:
+    """Transfers that run concurrently; `repeat` serial rounds of them per step."""
+    what: str
+    transfers: list[Transfer]
+    repeat: int = 1
+    overlap_backward: bool = False   # dp buckets may hide behind the backward pass
+    buckets: int = 1                 # gradient buckets the rounds are grouped in
+
+
+@dataclass
+class Traffic:
+    strategy: str
+    mode: str
+    world: int
+    phases: list[Phase] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def link_bytes(self) -> dict[tuple[int, int], float]:
+        out: dict[tuple[int, int], float] = {}
+        for ph in self.phases:
+            for t in ph.transfers:
+                out[(t.src, t.dst)] = out.get((t.src, t.dst), 0.0) + t.nbytes * ph.repeat
+        return out
+
+    def link_msgs(self) -> dict[tuple[int, int], int]:
+        out: dict[tuple[int, int], int] = {}
+        for ph in self.phases:
+            for t in ph.transfers:
+                out[(t.src, t.dst)] = out.get((t.src, t.dst), 0) + t.msgs * ph.repeat
+        return out
+
+    def rank_bytes(self) -> list[float]:
+        sent = [0.0] * self.world
+        for (src, _), b in self.link_bytes().items():
+            sent[src] += b
+        return sent
+
+
+def dtype_bytes(dtype: str) -> int:
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise UsageError(f"unknown dtype {dtype!r} (one of {', '.join(DTYPE_BYTES)})") from None
+
+
+def split_layers(layers: int, world: int) -> list[int]:
+    """Layers per stage: as even as possible, the first stages take the remainder."""
+    base, extra = divmod(layers, world)
+    return [base + (1 if r < extra else 0) for r in range(world)]
+
+
+def padded(n: int, world: int) -> int:
+    """FSDP's flat buffer is padded to a multiple of the world size."""
+    return int(math.ceil(n / world) * world)
+
+
+def expert_params(model: ModelSpec) -> int:
+    """Parameters that live in experts (sharded by ep); the router stays replicated."""
+    if model.experts == 1:
+        return 0
+    per = (3 if model.gated_mlp else 2) * model.hidden * model.ffn
+    return model.layers * per * model.experts
+
+
+def fsdp_units(model: ModelSpec) -> list[int]:
+    """Parameters per fsdp unit, as smoltrain's model cuts it: embeddings, each block, head.
+
+    The head unit holds the LM head matrix even when it is tied to the embedding."""
+    emb = model.vocab * model.hidden + (model.ctx * model.hidden if model.learned_pos else 0)
+    head = 2 * model.hidden + model.vocab * model.hidden
+    return [emb] + [model.layer_params()] * model.layers + [head]
+
+
+def bucketed_all_reduce(world: int, nbytes: float, what: str, bucket: float = BUCKET_BYTES) -> list[Phase]:
+    """Gradients all-reduced in ~1 MB buckets (as smoltrain's dp) that overlap the backward pass."""
+    if world < 2 or nbytes <= 0:
+        return []
+    n = max(1, math.ceil(nbytes / bucket))
+    phases = all_reduce(world, nbytes / n, what, overlap=True)
+    phases[0].repeat *= n
+    phases[0].buckets = n
+    return phases
+
+
+def _ring(world: int, nbytes_per_rank: float, repeat: int, what: str, overlap: bool = False) -> Phase:
+    return Phase(what, [Transfer(r, (r + 1) % world, nbytes_per_rank) for r in range(world)], repeat, overlap)
+
+
+def all_reduce(world: int, nbytes: float, what: str, overlap: bool = False) -> list[Phase]:
+    """Ring all-reduce of `nbytes`: 2(N-1) rounds, each rank sends a 1/N chunk per round."""
+    if world < 2:
+        return []
+    return [_ring(world, nbytes / world, 2 * (world - 1), what, overlap)]
+
+
+def gather_or_scatter(world: int, nbytes: float, what: str) -> list[Phase]:
+    """Ring all-gather or reduce-scatter of a full buffer of `nbytes`: N-1 rounds."""
+    if world < 2:
+        return []
+    return [_ring(world, nbytes / world, world - 1, what)]
+
+
+def validate(strategy: str, mode: str, model: ModelSpec, world: int, batch: int, seq: int,
+             microbatches: int) -> None:
+    if strategy not in STRATEGIES:
+        raise UsageError(f"unknown strategy {strategy!r} (one of {', '.join(STRATEGIES)}, or all)")
+    if mode not in MODES:
+        raise UsageError(f"unknown mode {mode!r} (train or infer)")
+    for what, v in (("world", world), ("batch", batch), ("seq", seq), ("microbatches", microbatches)):
+        if not isinstance(v, int) or v < 1:
+            raise UsageError(f"{what} must be a positive integer, got {v!r}")
+    if strategy in ("pp", "mp") and world > model.layers:
+        raise UsageError(f"{strategy} over {world} ranks needs at least {world} layers; "
+                         f"{model.name} has {model.layers}")
+    if strategy == "pp" and model.layers % world:
+        raise UsageError(f"pp: {model.layers} layers of {model.name} do not divide over {world} stages")
+    if strategy == "tp" and (model.heads % world or model.ffn % world):
+        raise UsageError(f"tp over {world} ranks needs heads and ffn divisible by the world; "
+                         f"{model.name} has {model.heads} heads, ffn {model.ffn}")
+    if strategy == "ep":
+        if model.experts < 2:
+            raise UsageError(f"ep needs a mixture-of-experts model; {model.name} is dense "
+                             f"(try --model mixtral-8x7b)")
+        if model.experts % world:
+            raise UsageError(f"ep over {world} ranks needs experts divisible by the world; "
+                             f"{model.name} has {model.experts}")
+    if strategy == "sp" and seq % world:
+        raise UsageError(f"sp over {world} ranks needs seq divisible by the world, got seq {seq}")
+    if mode == "train" and strategy == "pp" and microbatches > batch:
+        raise UsageError(f"pp cannot cut batch {batch} into {microbatches} microbatches")
+    if mode == "train" and seq > model.ctx:
+        raise UsageError(f"seq {seq} is longer than {model.name}'s context ({model.ctx})")
+
+
+def traffic(strategy: str, mode: str, model: ModelSpec, world: int, dtype: str = "fp32",
+            batch: int = 8, seq: int = 64, microbatches: int = 1) -> Traffic:
+    """Every byte the strategy sends per step (train) or per generated token (infer)."""
+    validate(strategy, mode, model, world, batch, seq, microbatches)
+    a = dtype_bytes(dtype)
+    N, h, L, P = world, model.hidden, model.layers, model.params()
+    tr = Traffic(strategy, mode, N)
+    ph = tr.phases
+    if mode == "train":
+        if strategy == "dp":
+            ph += bucketed_all_reduce(N, P * a, "all-reduce gradients")
+        elif strategy == "fsdp":
+            units = fsdp_units(model)
+            pad = sum(padded(u, N) for u in units)
+            for what in ("all-gather parameters (forward)", "all-gather parameters (backward)",
+                         "reduce-scatter gradients"):
+                for u in units:
+                    ph += gather_or_scatter(N, padded(u, N) * a, what)
+            if pad != P:
+                tr.notes.append(f"each unit's flat buffer is padded to a multiple of {N}: "
+                                f"{pad} elements instead of {P}")
+        elif strategy in ("syncps", "edp"):
+            if N > 1:
+                ph.append(Phase("workers push gradients", [Transfer(r, 0, P * a) for r in range(1, N)]))
+                ph.append(Phase("server returns parameters", [Transfer(0, r, P * a) for r in range(1, N)]))
+            tr.notes.append("rank 0 is the parameter server and also a worker; it exchanges with ranks 1..N-1")
+            if strategy == "edp":
+                tr.notes.append("edp: bytes per step as syncps; workers do not wait for each other, and a "
+                                "joiner also pulls the parameters and optimizer state (~3x params) once")
+        elif strategy in ("mp", "pp"):
+            m = 1 if strategy == "mp" else microbatches
+            mb = batch * seq * h * a / m
+            fwd = [Transfer(r, r + 1, mb) for r in range(N - 1)]
+            bwd = [Transfer(r + 1, r, mb) for r in range(N - 1)]
+            if fwd:
+                ph.append(Phase("activations forward", fwd, m))
+                ph.append(Phase("activation gradients backward", bwd, m))
+            if model.tied_embeddings and N > 1:
+                E = model.vocab * h * a
+                ph.append(Phase("tied embedding gradient sync (first <-> last stage)",
+                                [Transfer(0, N - 1, E), Transfer(N - 1, 0, E)]))
+                tr.notes.append("tied embeddings: the first and last stages both hold the embedding "
+                                "and all-reduce its gradient once per step")
+        elif strategy == "tp":
+            # Megatron: 2 all-reduces of b*s*h forward per layer and 2 backward, per microbatch.
+            if N > 1:
+                ph.append(_ring(N, batch * seq * h * a / microbatches / N,
+                                4 * L * microbatches * 2 * (N - 1), "all-reduce activations (2 fwd + 2 bwd per layer)"))
+            tr.notes.append("embeddings and LM head replicated: nothing else crosses the links")
+        elif strategy == "ep":
+            dense = P - expert_params(model)
+            ph += bucketed_all_reduce(N, dense * a, "all-reduce non-expert gradients")
+            per_pair = batch * seq / N * model.top_k * h * a / N
+            pairs = [Transfer(r, j, per_pair) for r in range(N) for j in range(N) if r != j]
+            if pairs:
+                ph.append(Phase("all-to-all dispatch/combine (2 fwd + 2 bwd per layer)", pairs, 4 * L))
+            tr.notes.append("ep assumes uniform routing with capacity factor 1; the busiest expert sets the time")
+        elif strategy == "sp":
+            kv = 2 * batch * (seq // N) * model.kv_dim * a
+            if N > 1:
+                ph.append(_ring(N, kv, 3 * (N - 1) * L, "ring attention K,V (fwd) and K,V,dK,dV (bwd)"))
+            ph += bucketed_all_reduce(N, P * a, "all-reduce gradients")
+    else:  # infer: one generated token, batch 1, KV cache over `seq` positions
+        if strategy in ("dp", "syncps", "edp"):
+            tr.notes.append("inference: every rank serves its own request stream; nothing crosses the links")
+        elif strategy == "fsdp":
+            ph += gather_or_scatter(N, padded(P, N) * a, "all-gather parameters per token")
+        elif strategy in ("mp", "pp"):
+            hops = [Phase(f"hidden state stage {r} -> {r + 1}", [Transfer(r, r + 1, h * a)]) for r in range(N - 1)]
+            ph += hops
+            if N > 1:
+                ph.append(Phase("sampled token id back to stage 0", [Transfer(N - 1, 0, TOKEN_ID_BYTES)]))
+                tr.notes.append("the last stage returns the sampled token id to stage 0 as one int64 (8 bytes)")
+        elif strategy == "tp":
+            if N > 1:
+                ph.append(_ring(N, h * a / N, 2 * L * 2 * (N - 1), "all-reduce hidden state (2 per layer)"))
+        elif strategy == "ep":
+            share = model.top_k * h * a / N
+            if N > 1:
+                ph.append(Phase("dispatch token to experts", [Transfer(0, j, share) for j in range(1, N)], L))
+                ph.append(Phase("combine expert outputs", [Transfer(j, 0, share) for j in range(1, N)], L))
+            tr.notes.append("ep decode: rank 0 runs attention for the sequence; experts answer it")
+        elif strategy == "sp":
+            if N > 1:
+                ph.append(Phase("ring-attention decode: q and partial (out, lse) around the ring",
+                                [Transfer(r, (r + 1) % N, 2 * h * a + model.heads * LSE_BYTES)
+                                 for r in range(N)], L))
+                tr.notes.append("sp decode: the KV cache is split by position; q and the running "
+                                "(out, lse) go once around the ring per layer")
+    return tr
+
+
+def bytes_per_token(tr: Traffic, batch: int, seq: int) -> float:
+    """What the busiest rank sends per token (contract §4)."""
+    busiest = max(tr.rank_bytes()) if tr.world else 0.0
+    return busiest if tr.mode == "infer" else busiest / (batch * seq)

@@ -1,0 +1,148 @@
+"""One rank of a run: join the group, build the strategy, loop over steps, report.
+
+Started by `smoltrain run` as `smoltrain worker` (locally or over SSH), with the
+cluster secret on standard input. Everything else (the run configuration) comes
+from the controller over the authenticated control channel, so nothing secret
+or long ever sits on a command line.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+
+import torch
+
+from .checkpoint import load_part, save_part
+from .control import ControlClient
+from .data import Batches, load_corpus
+from .modelspec import get_model
+from .strategies import Context, Stopwatch, TimedComm, load_strategy
+
+PS_STRATEGIES = ("syncps", "edp")
+
+
+class Reporter:
+    """What a rank tells the controller; thread-safe (the PS server reports too)."""
+
+    def __init__(self, client: ControlClient, name: str):
+        self.client, self.name = client, name
+
+    def _send(self, msg: dict) -> None:
+        try:
+            self.client.send(dict(msg, who=self.name))
+        except (OSError, TimeoutError) as e:
+            raise ConnectionError(f"lost the controller: {e}") from None
+
+    def step(self, step, loss, step_s, comm_s, sent):
+        self._send({"type": "step", "step": step, "loss": loss, "step_s": step_s, "comm_s": comm_s, "sent": sent})
+
+    def loss(self, step, loss):
+        self._send({"type": "loss", "step": step, "loss": loss})
+
+    def event(self, step, kind, who):
+        self._send({"type": "event", "step": step, "kind": kind, "name": who})
+
+    def saved(self, step, part):
+        self._send({"type": "saved", "step": step, "part": part})
+
+    def log(self, message):
+        self._send({"type": "log", "message": message})
+
+    def done(self, links, state_bytes):
+        self._send({"type": "done", "links": [list(x) for x in links], "state_bytes": state_bytes})
+
+    def error(self, message):
+        self._send({"type": "error", "message": message})
+
+
+def checkpoint_due(cfg: dict, completed: int) -> bool:
+    if not cfg.get("checkpoint_dir"):
+        return False
+    every = cfg.get("checkpoint_every") or 0
+    return completed == cfg["steps"] or (every > 0 and completed % every == 0)
+
+
+def worker_main(control_addr: str, control_port: int, secret: bytes, rank: int, join: bool) -> int:
+    client = ControlClient(control_addr, control_port, secret,
+                           {"rank": rank, "join": join, "pid": os.getpid(), "host": socket.gethostname()})
+    rep = Reporter(client, client.config["name"])
+    try:
+        train(client.config, secret, rep)
+        return 0
+    except BaseException as e:  # tell the controller in one line, keep the trace in the log
+        traceback.print_exc()
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        try:
+            rep.error(f"{type(e).__name__}: {msg}")
+        except ConnectionError:
+            pass
+        return 1
+    finally:
+        client.close()
+
+
+def train(cfg: dict, secret: bytes, rep: Reporter) -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(cfg["seed"])
+    spec = get_model(cfg["model"])
+    batches = Batches(load_corpus(cfg.get("data"), cfg.get("data_cap", 4 << 20)), cfg["batch"], cfg["seq"], cfg["seed"])
+    rank, world, name = cfg["rank"], cfg["world_size"], cfg["name"]
+    ps = cfg["strategy"] in PS_STRATEGIES
+    comm = None
+    if not ps and world > 1:
+        from .comm import make_comm
+        comm = TimedComm(make_comm(cfg["backend"], rank, world, cfg["coord_addr"], cfg["port"], secret,
+                                   timeout=cfg.get("timeout", 60.0), addrs=cfg.get("addrs")))
+    start = cfg.get("start_step", 0)
+    extra = dict(cfg, secret=secret)
+    if ps and rank == 0:
+        if start and cfg.get("checkpoint_dir"):
+            extra["server_state"] = load_part(cfg["checkpoint_dir"], start, "server")
+
+        def save_server(step, server):
+            if checkpoint_due(cfg, step + 1):
+                save_part(cfg["checkpoint_dir"], step + 1, "server", server.state_tensors())
+                rep.saved(step + 1, "server")
+        extra["server_saver"] = save_server
+    ctx = Context(rank=rank, world=world, spec=spec, batches=batches, batch=cfg["batch"], seq=cfg["seq"],
+                  lr=cfg["lr"], seed=cfg["seed"], comm=comm, shares=cfg.get("shares") or [],
+                  microbatches=cfg.get("microbatches", 1), schedule=cfg.get("schedule", "1f1b"),
+                  cfg=extra, reporter=rep, name=name, comm_timer=Stopwatch())
+    strat = load_strategy(cfg["strategy"])(ctx)
+    if start and not ps:
+        strat.load_state_tensors(load_part(cfg["checkpoint_dir"], start, f"rank{rank}"))
+    pace = cfg.get("pace") or 0.0
+    step = start
+    try:
+        while True:
+            t0 = time.perf_counter()
+            if hasattr(strat, "next_step"):
+                nxt = strat.next_step(step)
+                if nxt is None:
+                    break
+                step = nxt
+            elif step >= cfg["steps"]:
+                break
+            loss = strat.train_step(step)
+            if pace:
+                time.sleep(max(0.0, pace - (time.perf_counter() - t0)))
+            step_s = time.perf_counter() - t0
+            comm_s = (comm.take_seconds() if comm else 0.0) + ctx.comm_timer.take()
+            sent = comm.counter.total_payload() if comm else 0
+            rep.step(step, loss if strat.loss_owner else None, step_s, comm_s, sent)
+            if not ps and checkpoint_due(cfg, step + 1):
+                save_part(cfg["checkpoint_dir"], step + 1, f"rank{rank}", strat.state_tensors())
+                rep.saved(step + 1, f"rank{rank}")
+            step += 1
+    finally:
+        strat.close()
+    if hasattr(strat, "link_bytes"):
+        links = strat.link_bytes()
+    else:
+        names = cfg["names"]
+        links = [(name, names[dst], n) for dst, n in sorted(comm.counter.payload.items())] if comm else []
+    rep.done(links, strat.state_bytes())
+    if comm:
+        comm.close()

@@ -1,0 +1,88 @@
+"""mp: naive model parallelism: consecutive layers on consecutive ranks.
+
+Rank r holds a run of units (rank 0 also the embeddings, the last rank also the
+LM head) and only their optimizer state. One step with the whole global batch:
+  forward:  rank 0 embeds and runs its layers, sends the boundary activation
+            (B x T x hidden fp32) straight to rank 1, which runs its layers and
+            sends on, ...; the last rank computes the loss;
+  backward: the last rank sends the gradient of its input activation to the
+            rank before it, and so back to rank 0.
+Transfers go peer to peer between neighbours, never through a hub, and only one
+rank computes at a time (that idle time is what `pp` removes).
+
+What crosses the wire, per step and per boundary: B*T*hidden*4 bytes forward
+(rank r -> r+1) and the same backward (r+1 -> r). The loss lives on the last
+rank, which reports it to the controller over the control channel (not a
+strategy transfer, so not counted).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..model import build_model, loss_sum, split_units
+from ..optim import AdamW
+from . import Context, Strategy
+
+
+class StageStrategy(Strategy):
+    """Shared by mp and pp: this rank's units, optimizer, and neighbour sends."""
+
+    def __init__(self, ctx: Context):
+        super().__init__(ctx)
+        full = build_model(ctx.spec, ctx.seed)
+        ranges = split_units(len(full.units), ctx.spec.layers, ctx.world)
+        self.stage = nn.Sequential(*[full.units[i] for i in ranges[ctx.rank]])
+        self.first, self.last = ctx.rank == 0, ctx.rank == ctx.world - 1
+        self.loss_owner = self.last
+        self.params = list(self.stage.parameters())
+        self.opt = AdamW(self.params, lr=ctx.lr)
+
+    def act_shape(self, n_seq: int) -> tuple[int, int, int]:
+        return (n_seq, self.ctx.seq, self.ctx.spec.hidden)
+
+    def recv_from(self, src: int, n_seq: int) -> torch.Tensor:
+        t = torch.empty(self.act_shape(n_seq))
+        self.ctx.comm.recv(t, src)
+        return t
+
+    def send_to(self, t: torch.Tensor, dst: int) -> None:
+        self.ctx.comm.send(t.detach().contiguous(), dst)
+
+    def apply_update(self) -> None:
+        self.opt.step([p.grad for p in self.params])
+        for p in self.params:
+            p.grad = None
+
+    def state_tensors(self) -> dict:
+        st = {f"param.{n}": p.detach() for n, p in self.stage.named_parameters()}
+        st.update(self.opt.state_tensors())
+        return st
+
+    def load_state_tensors(self, state: dict) -> None:
+        with torch.no_grad():
+            for n, p in self.stage.named_parameters():
+                p.copy_(state[f"param.{n}"])
+        self.opt.load_state_tensors(state)
+
+
+class ModelParallel(StageStrategy):
+    def train_step(self, step: int) -> float | None:
+        r, b = self.ctx.rank, self.ctx.batch
+        x, y = self.ctx.batches.global_batch(step)
+        inp = x if self.first else self.recv_from(r - 1, b).requires_grad_(True)
+        out = self.stage(inp)
+        if self.last:
+            loss = loss_sum(out, y, self.ctx.global_tokens)
+            loss.backward()
+        else:
+            self.send_to(out, r + 1)
+            grad = self.recv_from(r + 1, b)
+            out.backward(grad)
+        if not self.first:
+            self.send_to(inp.grad, r - 1)
+        self.apply_update()
+        return float(loss.item()) if self.last else None
+
+
+STRATEGY = ModelParallel

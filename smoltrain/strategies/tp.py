@@ -1,0 +1,122 @@
+"""tp: Megatron tensor parallelism: column- and row-parallel attention and MLP.
+
+Every rank sees the whole global batch and holds every layer, but only 1/N of
+each block's matrices:
+  attention: q, k, v are column-parallel (rank r computes heads
+             [r*H/N, (r+1)*H/N) in full); the output projection is row-parallel
+             (rank r multiplies its heads' slice of the input dimension);
+  MLP:       fc is column-parallel (ffn/N hidden units each), proj row-parallel.
+A row-parallel product leaves each rank with a partial sum of the output, so:
+  g = all-reduce forward, identity backward (after each row-parallel layer);
+  f = identity forward, all-reduce backward (before each column-parallel layer),
+because the input gradient of a column-parallel layer is likewise a partial sum.
+
+What crosses the wire: per layer 2 all-reduces (sum) of the activations forward
+(attention out, MLP out) and 2 of their gradients backward (the f's before
+attention and MLP), each of B*T*hidden*4 bytes, so every rank sends
+4 * 2(N-1)/N * B*T*hidden*4 bytes per layer per step. The embeddings, LayerNorms
+and LM head are replicated: their inputs and incoming gradients are identical on
+every rank, so their gradients are too and nothing else crosses.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..model import Attention, MLP, build_model, loss_sum
+from ..optim import AdamW
+from . import Context, Strategy
+
+
+class _AllReduceBackward(torch.autograd.Function):
+    """f: identity forward, all-reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        ctx.comm.all_reduce(grad, op="sum")
+        return grad, None
+
+
+class _AllReduceForward(torch.autograd.Function):
+    """g: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        x = x.contiguous().clone()
+        comm.all_reduce(x, op="sum")
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class ParallelBlock(nn.Module):
+    """A transformer block holding rank r's slice of attention heads and MLP units."""
+
+    def __init__(self, full, rank: int, world: int, comm):
+        super().__init__()
+        self.comm = comm
+        self.ln1, self.ln2 = full.ln1, full.ln2
+        a = full.attn
+        heads = a.heads // world
+        width = heads * a.head_dim
+        cols = slice(rank * width, (rank + 1) * width)
+        self.attn = Attention(a.q.in_features, heads, a.head_dim)
+        ffn = full.mlp.fc.out_features // world
+        units = slice(rank * ffn, (rank + 1) * ffn)
+        self.mlp = MLP(full.mlp.fc.in_features, ffn)
+        with torch.no_grad():
+            for name in ("q", "k", "v"):  # column-parallel: output rows
+                getattr(self.attn, name).weight.copy_(getattr(a, name).weight[cols])
+            self.attn.out.weight.copy_(a.out.weight[:, cols])  # row-parallel: input columns
+            self.mlp.fc.weight.copy_(full.mlp.fc.weight[units])
+            self.mlp.proj.weight.copy_(full.mlp.proj.weight[:, units])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = _AllReduceBackward.apply(self.ln1(x), self.comm)
+        x = x + _AllReduceForward.apply(self.attn(h), self.comm)
+        h = _AllReduceBackward.apply(self.ln2(x), self.comm)
+        return x + _AllReduceForward.apply(self.mlp(h), self.comm)
+
+
+class TensorParallel(Strategy):
+    def __init__(self, ctx: Context):
+        super().__init__(ctx)
+        self.loss_owner = ctx.rank == 0  # every rank computes the same loss; one reports it
+        full = build_model(ctx.spec, ctx.seed)
+        units = list(full.units)
+        if ctx.world > 1:
+            units = [units[0]] + [ParallelBlock(b, ctx.rank, ctx.world, ctx.comm) for b in units[1:-1]] + [units[-1]]
+        self.model = nn.Sequential(*units)
+        self.params = list(self.model.parameters())
+        self.opt = AdamW(self.params, lr=ctx.lr)
+
+    def train_step(self, step: int) -> float | None:
+        x, y = self.ctx.batches.global_batch(step)
+        loss = loss_sum(self.model(x), y, self.ctx.global_tokens)
+        loss.backward()
+        self.opt.step([p.grad for p in self.params])
+        for p in self.params:
+            p.grad = None
+        return float(loss.item()) if self.loss_owner else None
+
+    def state_tensors(self) -> dict:
+        st = {f"param.{n}": p.detach() for n, p in self.model.named_parameters()}
+        st.update(self.opt.state_tensors())
+        return st
+
+    def load_state_tensors(self, state: dict) -> None:
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                p.copy_(state[f"param.{n}"])
+        self.opt.load_state_tensors(state)
+
+
+STRATEGY = TensorParallel

@@ -1,0 +1,127 @@
+"""What each rank does in the comm tests; returns plain data the test process checks.
+
+Inputs are small integers, so sums are exact in every dtype (bfloat16 included) whatever
+the reduction order, and every rank can compute the reference result by itself.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64}
+
+
+def value(seed: int, numel: int, dtype) -> torch.Tensor:
+    return ((torch.arange(numel, dtype=torch.int64) * 7 + seed * 3) % 9 - 4).to(dtype)
+
+
+def sizes(n: int) -> list[int]:
+    """Zero, tiny, not divisible by n, and one large enough for the threaded, multi-chunk path."""
+    return [0, 1, n + 1, 1001, 300_007]
+
+
+def _payload(comm) -> dict:
+    return {str(k): v for k, v in comm.counter.payload.items() if v}
+
+
+def _framing(comm) -> int:
+    return sum(comm.counter.framing.values())
+
+
+def collectives(comm, params) -> dict:
+    """Every collective against a locally computed reference; records bytes per call."""
+    n, r = comm.world_size, comm.rank
+    calls, bad = [], []
+
+    def record(name, ok, **info):
+        calls.append(dict(info, name=name, payload=_payload(comm), framing=_framing(comm)))
+        if not ok:
+            bad.append(f"{name} {info}")
+        comm.counter.reset()
+
+    comm.counter.reset()
+    dtypes = params.get("dtypes", list(DTYPES))
+    for dname in dtypes:
+        dt = DTYPES[dname]
+        for numel in sizes(n):
+            if dname != "float32" and numel > 2000:
+                continue  # the big size once is enough
+            t = value(r, numel, dt)
+            comm.all_reduce(t)
+            ref = sum(value(q, numel, torch.int64) for q in range(n)).to(dt)
+            record("all_reduce", torch.equal(t, ref), dtype=dname, numel=numel, es=t.element_size())
+    # avg
+    t = value(r, 1001, torch.float32)
+    comm.all_reduce(t, op="avg")
+    ref = sum(value(q, 1001, torch.float64) for q in range(n)) / n
+    record("all_reduce_avg", torch.allclose(t.double(), ref, atol=1e-6), dtype="float32", numel=1001, es=4)
+    # a non-contiguous tensor (staged through a contiguous copy and written back)
+    base = value(r, 6 * 5, torch.float32).view(6, 5)
+    tv = base.t()
+    comm.all_reduce(tv)
+    ref = sum(value(q, 30, torch.float32) for q in range(n)).view(6, 5)
+    record("all_reduce_noncontig", torch.equal(base, ref), dtype="float32", numel=30, es=4)
+    # reduce_scatter and all_gather, odd and zero per-rank sizes
+    for dname in dtypes:
+        dt = DTYPES[dname]
+        for m in [0, 1, 3, 70_001 if dname == "float32" else 333]:
+            inp = value(r + 10, n * m, dt)
+            keep = inp.clone()
+            out = torch.empty(m, dtype=dt)
+            comm.reduce_scatter(out, inp)
+            ref = sum(value(q + 10, n * m, torch.int64) for q in range(n))[r * m:(r + 1) * m].to(dt)
+            record("reduce_scatter", torch.equal(out, ref) and torch.equal(inp, keep), dtype=dname, numel=m,
+                   es=out.element_size())
+            inp = value(r + 20, m, dt)
+            out = torch.empty(n * m, dtype=dt)
+            comm.all_gather(out, inp)
+            ref = torch.cat([value(q + 20, m, dt) for q in range(n)])
+            record("all_gather", torch.equal(out, ref), dtype=dname, numel=m, es=out.element_size())
+    # broadcast from every rank
+    for src in range(n):
+        for numel in (0, 5, 300_007 if src == 0 else 17):
+            t = value(r + 30, numel, torch.float32)
+            comm.broadcast(t, src)
+            record("broadcast", torch.equal(t, value(src + 30, numel, torch.float32)), src=src, numel=numel, es=4)
+    # all_to_all with uneven sizes, zeros included: m(i -> j) elements
+    def m(i, j):
+        return (i + 2 * j) % 3 * 5
+
+    inps = [value(100 * r + j, m(r, j), torch.int64) for j in range(n)]
+    outs = [torch.empty(m(j, r), dtype=torch.int64) for j in range(n)]
+    comm.all_to_all(outs, inps)
+    ok = all(torch.equal(outs[j], value(100 * j + r, m(j, r), torch.int64)) for j in range(n))
+    record("all_to_all", ok, sizes=[m(r, j) * 8 for j in range(n)])
+    # point to point around the ring: rank 0 starts, everyone else receives, then forwards
+    if n > 1:
+        for numel, dname in ((1001, "float32"), (0, "float32"), (77, "bfloat16"), (200_000, "float32")):
+            dt = DTYPES[dname]
+            got = torch.empty(numel, dtype=dt)
+            if r == 0:
+                comm.send(value(0, numel, dt), 1)
+                comm.recv(got, n - 1)
+            else:
+                comm.recv(got, r - 1)
+                comm.send(got, (r + 1) % n)
+            record("p2p", torch.equal(got, value(0, numel, dt)), numel=numel, es=got.element_size())
+    comm.barrier()
+    record("barrier", True)
+    return {"calls": calls, "bad": bad}
+
+
+def killed(comm, params) -> dict:
+    """All-reduce a few MB in a loop until a peer is killed; the victim never returns."""
+    buf = torch.ones(params.get("numel", 1 << 20))
+    i = 0
+    while True:
+        comm.all_reduce(buf)
+        i += 1
+        if i == 3:
+            with open(os.path.join(params["dir"], f"running{comm.rank}"), "w") as f:
+                f.write("1")
+        if i > 100_000:
+            return {"iterations": i}
+        if params.get("sleep"):
+            time.sleep(params["sleep"])

@@ -1,0 +1,95 @@
+"""Both comm backends: every collective against a torch reference, and exact byte counts.
+
+Each (backend, world size) group runs all of comm_cases.collectives once (module-scoped
+fixture); the tests below check its correctness flags and its byte counters against
+the textbook volumes written out here independently of the implementation.
+"""
+from __future__ import annotations
+
+import pytest
+
+from commtools import run_group
+
+WORLDS = [1, 2, 3, 4, 5]
+BACKENDS = ["socket", "torch"]
+
+
+@pytest.fixture(scope="module", params=[(b, n) for b in BACKENDS for n in WORLDS], ids=lambda p: f"{p[0]}-{p[1]}")
+def group(request):
+    backend, n = request.param
+    params = {"chunk_bytes": 96 * 1024}  # many chunks per segment: exercises the pipeline
+    if n == 5:
+        params["dtypes"] = ["float32", "bfloat16"]  # keep the largest group cheap
+    res = run_group("collectives", n, backend, params, timeout=120)
+    for r, x in enumerate(res):
+        assert x is not None, f"rank {r} of {backend}x{n} produced nothing (hung or crashed)"
+        assert x["ok"], f"rank {r} of {backend}x{n} failed: {x.get('error')} {x.get('trace', '')}"
+    return backend, n, [x["result"] for x in res]
+
+
+def segs(numel: int, n: int) -> list[int]:
+    base, extra = divmod(numel, n)
+    return [base + (1 if i < extra else 0) for i in range(n)]
+
+
+def expected(call: dict, r: int, n: int) -> dict[str, int]:
+    """Textbook payload bytes rank r sends per destination for one call."""
+    name, nxt = call["name"], str((r + 1) % n)
+    if n == 1 or name == "barrier":
+        return {}
+    es = call.get("es", 0)
+    if name.startswith("all_reduce"):
+        s = segs(call["numel"], n)
+        b = (2 * call["numel"] - s[(r + 1) % n] - s[(r + 2) % n]) * es
+        return {nxt: b} if b else {}
+    if name in ("reduce_scatter", "all_gather"):
+        b = (n - 1) * call["numel"] * es
+        return {nxt: b} if b else {}
+    if name == "broadcast":
+        b = call["numel"] * es
+        return {nxt: b} if b and (r - call["src"]) % n != n - 1 else {}
+    if name == "all_to_all":
+        return {str(j): b for j, b in enumerate(call["sizes"]) if j != r and b}
+    if name == "p2p":
+        b = call["numel"] * es
+        return {nxt: b} if b else {}
+    raise AssertionError(name)
+
+
+def test_every_collective_matches_reference(group):
+    backend, n, results = group
+    for r, res in enumerate(results):
+        assert res["bad"] == [], f"{backend} x{n} rank {r}: wrong results in {res['bad'][:5]}"
+        names = {c["name"] for c in res["calls"]}
+        assert {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "barrier"} <= names
+
+
+def test_byte_counters_equal_textbook_volumes(group):
+    backend, n, results = group
+    for r, res in enumerate(results):
+        for c in res["calls"]:
+            assert c["payload"] == expected(c, r, n), f"{backend} x{n} rank {r}: {c}"
+
+
+def test_ring_allreduce_volume_identities(group):
+    """Divisible: every rank sends exactly 2(N-1)/N of the buffer; any size: ranks together 2(N-1)x."""
+    backend, n, results = group
+    calls = [[c for c in res["calls"] if c["name"] == "all_reduce"] for res in results]
+    for i, c0 in enumerate(calls[0]):
+        sent = [sum(calls[r][i]["payload"].values()) for r in range(n)]
+        size = c0["numel"] * c0["es"]
+        assert sum(sent) == 2 * (n - 1) * size
+        if c0["numel"] % n == 0:
+            assert all(s * n == 2 * (n - 1) * size for s in sent)
+
+
+def test_socket_counts_framing_apart(group):
+    backend, n, results = group
+    if backend != "socket" or n == 1:
+        pytest.skip("only the socket backend sees its own framing")
+    for res in results:
+        for c in res["calls"]:
+            if c["payload"]:
+                assert c["framing"] > 0, c  # headers are counted, apart from the payload
+        barrier = [c for c in res["calls"] if c["name"] == "barrier"][0]
+        assert barrier["payload"] == {} and barrier["framing"] >= 20 * (n - 1)

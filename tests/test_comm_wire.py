@@ -1,0 +1,199 @@
+"""The transport's front door: frame parsing under garbage, and the secret check before anything else."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from smolnet import wire
+from smoltrain.comm import CommError, make_comm
+from smoltrain.comm.launch import free_port_base
+from smoltrain.comm.socket_comm import K_DATA, SocketComm, _RemoteAbort
+
+SECRET = b"wire-test-secret-0123456789"
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _feed(data: bytes) -> socket.socket:
+    """A socket that yields exactly `data`, then end of stream."""
+    a, b = socket.socketpair()
+    a.sendall(data)
+    a.close()
+    return b
+
+
+@FUZZ
+@given(st.binary(max_size=64))
+def test_parse_header_accepts_only_bounded_valid_headers(raw):
+    try:
+        kind, json_len, payload_len = wire.parse_header(raw, max_payload=1 << 20)
+    except wire.WireError:
+        return
+    assert raw[:4] == wire.FRAME_MAGIC and len(raw) == wire.FRAME_HEADER.size
+    assert json_len <= wire.MAX_JSON_BYTES and payload_len <= 1 << 20
+
+
+@FUZZ
+@given(st.binary(max_size=512), st.booleans())
+def test_recv_frame_on_garbage_raises_wire_error_only(junk, with_magic):
+    data = (wire.FRAME_MAGIC + bytes([wire.FRAME_VERSION]) + junk) if with_magic else junk
+    s = _feed(data)
+    try:
+        wire.recv_frame(s, timeout=2.0, max_payload=1 << 16)
+    except wire.WireError:
+        pass
+    finally:
+        s.close()
+
+
+@FUZZ
+@given(st.dictionaries(st.text(max_size=8), st.integers(), max_size=4), st.binary(max_size=300), st.data())
+def test_truncated_frames_are_detected(meta, payload, data):
+    frame = wire.pack_header(K_DATA, meta, len(payload)) + payload
+    cut = data.draw(st.integers(0, len(frame) - 1))
+    s = _feed(frame[:cut])
+    with pytest.raises(wire.PeerClosed):
+        wire.recv_frame(s, timeout=2.0)
+    s.close()
+    s = _feed(frame)
+    kind, got_meta, got = wire.recv_frame(s, timeout=2.0)
+    assert (kind, got_meta, got) == (K_DATA, meta, payload)
+    s.close()
+
+
+@pytest.mark.parametrize("json_len,payload_len", [(wire.MAX_JSON_BYTES + 1, 0), (0, 1 << 40), (0, (1 << 64) - 1)])
+def test_oversized_lengths_rejected_before_reading_on(json_len, payload_len):
+    head = wire.FRAME_HEADER.pack(wire.FRAME_MAGIC, wire.FRAME_VERSION, K_DATA, 0, json_len, payload_len)
+    a, b = socket.socketpair()
+    a.sendall(head + b"rest")
+    with pytest.raises(wire.WireError):
+        wire.recv_frame(b, timeout=2.0, max_payload=1 << 20)
+    b.settimeout(2.0)
+    assert b.recv(16) == b"rest"  # only the fixed header was consumed: nothing was allocated for the rest
+    a.close()
+    b.close()
+
+
+def _reader(data: bytes) -> SocketComm:
+    """The SocketComm frame reader on a socket fed with `data` (world of one, no network)."""
+    comm = SocketComm(0, 1, "127.0.0.1", 1, SECRET, timeout=2.0)
+    comm._socks = {1: _feed(data)}
+    comm._socks[1].settimeout(2.0)
+    return comm
+
+
+@FUZZ
+@given(st.binary(max_size=400), st.integers(0, 64))
+def test_socketcomm_frame_reader_never_overruns(junk, want):
+    comm = _reader(wire.FRAME_MAGIC + bytes([wire.FRAME_VERSION]) + junk)
+    buf = bytearray(want)
+    try:
+        comm._recv_frame(1, memoryview(buf), None)
+    except (wire.WireError, _RemoteAbort):
+        pass
+    finally:
+        comm._socks[1].close()
+
+
+def test_socketcomm_rejects_wrong_sizes_and_mismatched_collectives():
+    comm = _reader(wire.pack_header(K_DATA, None, 8) + b"x" * 8)
+    with pytest.raises(wire.WireError, match="8 exceeds 4"):
+        comm._recv_frame(1, memoryview(bytearray(4)), None)  # a bigger payload never lands in a smaller buffer
+    comm = _reader(wire.pack_header(K_DATA, None, 2) + b"xy")
+    with pytest.raises(wire.WireError, match="expected 4"):
+        comm._recv_frame(1, memoryview(bytearray(4)), None)
+    comm = _reader(wire.pack_header(K_DATA, {"o": "all_gather", "q": 1, "i": 0}, 4) + b"abcd")
+    with pytest.raises(wire.WireError, match="collective mismatch"):
+        comm._recv_frame(1, memoryview(bytearray(4)), {"o": "all_reduce", "q": 1, "i": 0})
+
+
+# ------------------------------------------------------------------- secret
+def _rank_in_thread(rank, n, port, secret, out, timeout=15.0):
+    def go():
+        try:
+            out[rank] = make_comm("socket", rank, n, "127.0.0.1", port, secret, timeout=timeout)
+        except Exception as e:  # reported through `out`
+            out[rank] = e
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    return t
+
+
+def _intruder(port: int, send: bytes) -> bytes:
+    """Connect, read the challenge, send `send`, return whatever comes back before the close."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    try:
+        hello = wire.recv_exact(s, len(wire.MAGIC_AUTH) + wire.NONCE_BYTES, time.monotonic() + 5)
+        assert hello.startswith(wire.MAGIC_AUTH)
+        try:
+            s.sendall(send)
+            s.settimeout(5)
+            back = b""
+            while True:
+                chunk = s.recv(4096)
+                if not chunk:
+                    return back
+                back += chunk
+        except (ConnectionResetError, BrokenPipeError):
+            return b""
+    finally:
+        s.close()
+
+
+def test_strangers_are_dropped_before_any_payload_and_the_group_still_forms(caplog):
+    port = free_port_base(2)
+    out: dict = {}
+    t0 = _rank_in_thread(0, 2, port, SECRET, out)
+    deadline = time.monotonic() + 10
+    while True:  # wait for the rendezvous to listen
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    # a frame claiming a 1 GB payload sent instead of the challenge answer: dropped, nothing echoed
+    huge = wire.FRAME_HEADER.pack(wire.FRAME_MAGIC, 1, K_DATA, 0, 0, 1 << 30)
+    assert _intruder(port, huge + b"\0" * 100) == b""
+    # a wrong answer to the challenge
+    assert _intruder(port, b"\0" * (wire.NONCE_BYTES + wire.MAC_BYTES)) == b""
+    # a client with the wrong secret learns it was refused, with a clear error naming rank 0
+    bad: dict = {}
+    _rank_in_thread(1, 2, port, b"not-the-right-secret-at-all", bad).join(20)
+    assert isinstance(bad[1], CommError) and bad[1].peer == 0, bad
+    assert "secret" in str(bad[1])
+    # ... and the real rank 1 still gets in
+    t1 = _rank_in_thread(1, 2, port, SECRET, out)
+    t0.join(20)
+    t1.join(20)
+    assert not isinstance(out[0], Exception) and not isinstance(out[1], Exception), out
+    results = {}
+
+    def reduce(r):
+        x = torch.full((1000,), float(r + 1))
+        out[r].all_reduce(x)
+        results[r] = x
+
+    ts = [threading.Thread(target=reduce, args=(r,)) for r in (0, 1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(20)
+    assert torch.equal(results[0], torch.full((1000,), 3.0)) and torch.equal(results[1], results[0])
+    for c in out.values():
+        c.close()
+    assert sum("cluster-secret challenge" in r.getMessage() for r in caplog.records) >= 2
+
+
+def test_rendezvous_gives_up_naming_the_missing_rank():
+    port = free_port_base(3)
+    t = time.monotonic()
+    with pytest.raises(CommError) as e:
+        make_comm("socket", 0, 3, "127.0.0.1", port, SECRET, timeout=1.0)
+    assert time.monotonic() - t < 5
+    assert e.value.peer == 1 and "1, 2" in str(e.value)
