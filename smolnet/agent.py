@@ -28,6 +28,7 @@ MAX_CONNECTIONS = 64
 HANDSHAKE_TIMEOUT = 5.0
 REQUEST_TIMEOUT = 10.0
 VERSION = 1
+OPS = ("ping", "facts", "echo", "sink_open", "sink_data", "iperf3_server", "throughput", "rtt", "pmtu")
 
 
 class Agent:
@@ -43,6 +44,7 @@ class Agent:
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.stopping = threading.Event()
         self.started = time.time()
+        self.ops: dict[str, int] = {}
         self.stats = {"accepted": 0, "rejected": 0, "errors": 0, "udp_acked": 0, "udp_dropped": 0}
         self.tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -158,6 +160,8 @@ class Agent:
 
     def _dispatch(self, conn: socket.socket, req: dict) -> None:
         op = req.get("op")
+        if isinstance(op, str) and op in OPS:
+            self.ops[op] = self.ops.get(op, 0) + 1
         if op == "ping":
             self._reply(conn, {"ok": True, "version": VERSION, "hostname": socket.gethostname(),
                                "bind": self.bind, "port": self.port, "iperf3": iperf.available(),

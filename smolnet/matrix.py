@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from itertools import chain
 import time
 from dataclasses import dataclass, field
 
@@ -71,9 +72,9 @@ class AgentPool:
     errors: dict[str, str] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def _ping(self, host: Host) -> dict:
+    def _ping(self, host: Host, connect_timeout: float = 3.0) -> dict:
         return control.call(host.cluster_ip, host.agent_port, self.secret, "ping",
-                            timeout=5.0, connect_timeout=3.0)
+                            timeout=5.0, connect_timeout=connect_timeout)
 
     def _argv(self, host: Host) -> list[str]:
         python = sys.executable if host.local and host.python == "python3" else host.python
@@ -112,9 +113,10 @@ class AgentPool:
 
     def _start(self, host: Host) -> dict:
         remote = connect(host)
-        log = (f"/tmp/smolnet-agent-{host.name}-{host.agent_port}.log" if host.local
-               else f"/tmp/smolnet-agent-{host.agent_port}.log")
+        # named per host: sim hosts (and loopback ones) share one /tmp
+        log = f"/tmp/smolnet-agent-{host.name}-{host.agent_port}.log"
         try:
+            remote.run(["rm", "-f", log], timeout=10.0)     # so old errors are not read as new ones
             proc = remote.start(self._argv(host), stdin=self.secret + b"\n", log=log)
         except RemoteError:
             remote.close()
@@ -123,14 +125,14 @@ class AgentPool:
             self.started[host.name] = Started(remote, proc)
         deadline = time.monotonic() + AGENT_START_TIMEOUT
         last = None
-        checks = 0
+        checked = time.monotonic()
         while time.monotonic() < deadline:
             try:
-                return self._ping(host)
+                return self._ping(host, connect_timeout=1.0)
             except control.AgentError as e:
                 last = e
-            checks += 1
-            if checks % 5 == 0:      # about once a second: did it die? (a zombie still passes kill -0)
+            if time.monotonic() - checked >= 1.0:   # did it die? (a zombie still passes kill -0)
+                checked = time.monotonic()
                 failed = self._start_failure(remote, proc, log)
                 if failed:
                     raise control.AgentError(f"agent exited at start: {failed}")
@@ -229,10 +231,12 @@ def measure(m: Measurement, hosts: list[Host], duration: float, backend: str, se
     """Idle probes (RTT, MTU) then throughput, round by round. progress(desc) is called per step."""
     pool = m.pool
     secret = pool.secret
+    live = [h.name for h in hosts if h.name in pool.endpoints]
     if pairs:
-        rounds = [[p] for p in pairs]
+        rounds = [[p] for p in pairs if p[0] in live and p[1] in live]
     else:
-        rounds = directed_rounds([h.name for h in hosts], sequential)
+        rounds = directed_rounds(live, sequential)      # hosts already down take no slot
+    scheduled = set(chain.from_iterable(rounds))
 
     def step(desc: str) -> None:
         if progress:
@@ -274,6 +278,11 @@ def measure(m: Measurement, hosts: list[Host], duration: float, backend: str, se
                 r["error"] = why
         step(f"throughput {a} → {b}")
 
+    for a, b in m.raw:
+        if (a, b) not in scheduled:
+            m.raw[(a, b)]["error"] = m.skip_reason(a, b) or "not scheduled"
+            step(f"{a} → {b} skipped")
+            step(f"{a} → {b} skipped")
     for rnd in rounds:
         run_parallel([lambda a=a, b=b: idle(a, b) for a, b in rnd], 120.0)
     for rnd in rounds:

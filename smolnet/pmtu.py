@@ -30,6 +30,7 @@ ACK_MAGIC = b"SMTA"
 NONCE = 16
 TAG = 16
 HEAD = struct.Struct("!4s16sI16s")   # magic, nonce, size, tag
+MIN_WAIT = 0.05
 
 
 def _tag(secret: bytes, role: bytes, nonce: bytes, size: int) -> bytes:
@@ -100,10 +101,12 @@ def measure_pmtu(dst: str, port: int, secret: bytes, source: str | None = None,
         except OSError:
             local = 1500
         hi = max(MIN_PROBE, min(int(local), MAX_PROBE))
-        probes = 0
+        t0 = time.monotonic()
         if not _try(sock, secret, MIN_PROBE, tries, wait):
             return {"mtu_effective": None, "local_mtu": local, "probes": 1,
                     "error": f"no acknowledgement from {dst}:{port} even for {MIN_PROBE}-byte packets"}
+        # a lost probe costs `wait`; scale it to the path (ten round trips, 50 ms at least)
+        wait = min(wait, max(MIN_WAIT, 10 * (time.monotonic() - t0)))
         if _try(sock, secret, hi, tries, wait):
             return {"mtu_effective": hi, "local_mtu": local, "probes": 2, "error": None}
         good, bad = MIN_PROBE, hi
@@ -115,6 +118,7 @@ def measure_pmtu(dst: str, port: int, secret: bytes, source: str | None = None,
                 good = mid
             else:
                 bad = mid
-        return {"mtu_effective": good, "local_mtu": local, "probes": probes, "error": None}
+        return {"mtu_effective": good, "local_mtu": local, "probes": probes, "error": None,
+                "wait_s": round(wait, 3)}
     finally:
         sock.close()

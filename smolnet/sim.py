@@ -343,6 +343,9 @@ def _build(st: dict, specs: list[HostSpec]) -> None:
     net.ipn(None, "link", "set", ctl, "up")
     # Set after the ports join: a bridge follows its smallest port unless told otherwise.
     net.ipn(sw, "link", "set", "br0", "mtu", str(max_port))
+    for h in st["hosts"]:
+        net.steer_flows(h["netns"], ["eth0"])
+    net.steer_flows(sw, [h["port"] for h in st["hosts"]] + ["pc"])
     _save(st)
 
     for h in st["hosts"]:

@@ -13,10 +13,6 @@ import json
 import os
 from pathlib import Path
 
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
-
 from smolnet.errors import SmolError
 
 MATCH_KEYS = ("strategy", "world_size", "model", "seed", "batch", "seq")
@@ -27,6 +23,8 @@ def step_dir(root: str | os.PathLike, step: int) -> Path:
 
 
 def save_part(root: str | os.PathLike, step: int, part: str, tensors: dict) -> Path:
+    from safetensors.torch import save_file
+
     d = step_dir(root, step)
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"{part}.safetensors"
@@ -37,6 +35,9 @@ def save_part(root: str | os.PathLike, step: int, part: str, tensors: dict) -> P
 
 
 def load_part(root: str | os.PathLike, step: int, part: str) -> dict:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
     path = step_dir(root, step) / f"{part}.safetensors"
     if not path.exists():
         raise SmolError(f"checkpoint {path}: missing")
@@ -81,4 +82,6 @@ def latest(root: str | os.PathLike, expect: dict, parts: list[str] | None = None
 
 
 def tensors_equal(a: dict, b: dict) -> bool:
+    import torch
+
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

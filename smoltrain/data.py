@@ -16,8 +16,6 @@ import os
 import sysconfig
 from pathlib import Path
 
-import torch
-
 from smolnet.errors import UsageError
 
 DEFAULT_CAP_BYTES = 2 << 20
@@ -69,16 +67,20 @@ class Batches:
     def __init__(self, data: bytes, batch: int, seq: int, seed: int):
         if len(data) <= seq + 1:
             raise UsageError(f"corpus has {len(data)} bytes, fewer than --seq {seq} + 1")
+        import torch
+
         self.tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
         self.batch, self.seq, self.seed = batch, seq, seed
 
-    def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def global_batch(self, step: int):
+        import torch
+
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         starts = torch.randint(0, len(self.tokens) - self.seq - 1, (self.batch,), generator=gen)
         win = torch.stack([self.tokens[s: s + self.seq + 1] for s in starts.tolist()])
         return win[:, :-1], win[:, 1:]
 
-    def slice(self, step: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def slice(self, step: int, lo: int, hi: int):
         """Sequences [lo, hi) of step's global batch."""
         x, y = self.global_batch(step)
         return x[lo:hi], y[lo:hi]

@@ -172,7 +172,8 @@ class Controller:
 
     def _show(self, progress) -> None:
         need = self.world if self.strategy in LOSS_PARTS else 1
-        while self.shown + 1 in self.steps and len(self.steps[self.shown + 1]["parts"]) >= need:
+        while (self.shown + 1 in self.steps and len(self.steps[self.shown + 1]["parts"]) >= need
+               and self.steps[self.shown + 1]["step_s"] > 0):
             self.shown += 1
             rec = self.steps[self.shown]
             loss = sum(v for _, v in sorted(rec["parts"].items()))

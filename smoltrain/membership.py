@@ -124,7 +124,7 @@ class ParameterServer:
             new, self.pending = self.pending, []
         for m in sorted(new, key=lambda c: (c.order, c.name)):
             self.members.append(m)
-            if not first:
+            if not first or m.order >= self.expected:  # a newcomer, not one of the starting ranks
                 self.ctx.reporter.event(step, "join", m.name)
         self.members.sort(key=lambda c: (c.order, c.name))
 

@@ -130,7 +130,7 @@ def train(cfg: dict, secret: bytes, rep: Reporter) -> None:
                 time.sleep(max(0.0, pace - (time.perf_counter() - t0)))
             step_s = time.perf_counter() - t0
             comm_s = (comm.take_seconds() if comm else 0.0) + ctx.comm_timer.take()
-            sent = comm.counter.total_payload() if comm else 0
+            sent = strat.sent_bytes()
             rep.step(step, loss if strat.loss_owner else None, step_s, comm_s, sent)
             if not ps and checkpoint_due(cfg, step + 1):
                 save_part(cfg["checkpoint_dir"], step + 1, f"rank{rank}", strat.state_tensors())

@@ -67,9 +67,10 @@ def port_free(ip: str, port: int) -> bool:
 
 
 def test_matrix_loopback_with_unreachable_host(tmp_path):
-    """ghost's agent cannot bind its address: its links are down with the reason, the rest measured."""
+    """ghost refuses SSH: its links are down with the reason, the rest still measured."""
     port = 7661
-    inv = write_inventory(tmp_path, {"a": "127.0.0.31", "b": "127.0.0.32", "ghost": "10.213.11.250"}, port)
+    inv = write_inventory(tmp_path, {"a": "127.0.0.31", "b": "127.0.0.32",
+                                     "ghost": "127.0.0.42, ansible_connection: ssh, ansible_port: 1"}, port)
     out = tmp_path / "rep"
     p = smolnet("matrix", "-i", inv, "--duration", "0.5", "--backend", "builtin", "--streams", "2",
                 "--out", str(out), "--json", str(tmp_path / "copy.json"))
@@ -80,7 +81,7 @@ def test_matrix_loopback_with_unreachable_host(tmp_path):
     assert (out / "links.md").exists() and (out / "links.png").stat().st_size > 0
     assert json.loads((tmp_path / "copy.json").read_text())["links"] == doc["links"]
     hosts = {h["name"]: h for h in doc["hosts"]}
-    assert hosts["ghost"]["status"] == "down" and "agent" in hosts["ghost"]["error"]
+    assert hosts["ghost"]["status"] == "down" and "connection refused" in hosts["ghost"]["error"]
     links = {(l["src"], l["dst"]): l for l in doc["links"]}
     assert len(links) == 6
     for pair in (("a", "ghost"), ("ghost", "a"), ("b", "ghost"), ("ghost", "b")):
@@ -164,3 +165,36 @@ def test_bad_usage_exits_2(tmp_path):
     assert smolnet("matrix", "-i", inv, "--duration", "0").returncode == 2
     assert smolnet("matrix", "-i", str(tmp_path / "missing.yml")).returncode == 2
     assert smolnet("probe", "a", "a", "-i", inv).returncode == 2
+
+
+def test_host_dying_mid_run_is_down_with_reason(tmp_path):
+    """c's agent (ours, reused by the run) vanishes during the throughput rounds."""
+    port = 7666
+    inv = write_inventory(tmp_path, {"a": "127.0.0.43", "b": "127.0.0.44", "c": "127.0.0.45"}, port)
+    victim = Agent("127.0.0.45", port, SECRET)
+    victim.start_background()
+
+    def kill_when_loaded():
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if victim.ops.get("sink_open", 0) + victim.ops.get("throughput", 0) >= 1:
+                victim.stop()
+                return
+            time.sleep(0.05)
+
+    t = threading.Thread(target=kill_when_loaded, daemon=True)
+    t.start()
+    try:
+        out = tmp_path / "rep"
+        p = smolnet("matrix", "-i", inv, "--duration", "0.5", "--backend", "builtin", "--streams", "2",
+                    "--out", str(out))
+    finally:
+        victim.stop()
+    assert p.returncode == 4, p.stderr
+    doc = json.loads((out / "links.json").read_text())
+    assert doc["incomplete"] is False
+    links = {(l["src"], l["dst"]): l for l in doc["links"]}
+    assert links[("a", "b")]["throughput_mbit"] > 10 and links[("b", "a")]["throughput_mbit"] > 10
+    gone = [l for k, l in links.items() if "c" in k and l["status"] == "down"]
+    assert gone and all("c" in l["error"] for l in gone)
+    assert any("stopped answering" in l["error"] for l in gone)

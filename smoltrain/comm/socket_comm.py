@@ -33,6 +33,7 @@ instead of waiting for their own timeout. After a failure the Comm refuses furth
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import struct
 import threading
@@ -51,10 +52,26 @@ K_DATA = 10
 K_ABORT = 11
 
 CHUNK_BYTES = 512 * 1024
-INLINE_BYTES = 64 * 1024
+INLINE_BYTES = 32 * 1024
 HEADER_SIZE = wire.FRAME_HEADER.size
+_DONTWAIT = socket.MSG_DONTWAIT
+ENGINE = "evloop"
 DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16,
                               torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool)}
+
+
+def _check_frame(kind: int, meta: dict, payload_len: int, expect_len: int, expect_meta: dict | None, peer: int):
+    """A frame header that is not exactly the expected data frame ends the collective."""
+    if kind == K_ABORT:
+        who = meta.get("peer")
+        raise _RemoteAbort(str(meta.get("why", "aborted"))[:500], who if isinstance(who, int) else peer)
+    if kind != K_DATA:
+        raise wire.WireError(f"unexpected frame kind {kind}")
+    if expect_meta is not None and meta != expect_meta:
+        raise wire.WireError(f"collective mismatch: peer sent {meta}, this rank expected {expect_meta}")
+    if payload_len != expect_len:
+        raise wire.WireError(f"sent {payload_len} payload bytes, this rank expected {expect_len} "
+                             f"(mismatched shapes or dtypes)")
 
 
 class _RemoteAbort(Exception):
@@ -341,7 +358,10 @@ class SocketComm(Comm):
         state = {"done": 0, "abort": False}
         cur = {"peer": None}
         try:
-            if largest <= INLINE_BYTES:
+            if ENGINE == "evloop":
+                self._evloop(op, seq, sends, recvs, schunks, rchunks, base, elem, staging,
+                             staging_bytes if staging is not None else None, stats, cur)
+            elif largest <= INLINE_BYTES:
                 self._inline(sends, recvs, schunks, rchunks, do_send, do_recv, cur)
             else:
                 self._threaded(sends, recvs, schunks, rchunks, base, do_send, do_recv, cur, state, stats)
@@ -353,6 +373,110 @@ class SocketComm(Comm):
             raise self._fail(err, stats.mid_frame) from None
         for p, n in stats.payload.items():
             self.counter.add(p, n, stats.framing.get(p, 0))
+
+    def _evloop(self, op, seq, sends, recvs, schunks, rchunks, base, elem, staging, staging_bytes, stats, cur):
+        """One thread, non-blocking calls: push sends whose data is ready, pull receives,
+        reduce each chunk as it lands, and sleep in poll() only when neither can move."""
+        socks = self._socks
+        wait_ms = max(1, int(self._peer_timeout * 1000))
+        hdr = memoryview(self._hdr)
+        done = 0
+        si = sk = 0
+        sbufs = None
+        spay = 0
+        ri = rk = 0
+        phase, rview, rgot, plen = 0, hdr, 0, 0
+        nsend, nrecv = len(sends), len(recvs)
+        while si < nsend or ri < nrecv:
+            moved = False
+            want_out = None
+            # ---------------------------------------------------------- sends
+            while si < nsend:
+                peer = sends[si][0]
+                if sbufs is None:
+                    dep = sends[si][2]
+                    if dep is not None and done <= base[dep] + sk:
+                        break
+                    a, b = schunks[si][sk]
+                    head = wire.pack_header(K_DATA, {"o": op, "q": seq, "i": si} if sk == 0 else None, b - a)
+                    sbufs = [memoryview(head), sends[si][1][a:b]] if b > a else [memoryview(head)]
+                    spay = b - a
+                    stats.framing[peer] = stats.framing.get(peer, 0) + len(head)
+                    stats.mid_frame.add(peer)
+                cur["peer"] = peer
+                try:
+                    k = socks[peer].sendmsg(sbufs, (), _DONTWAIT)
+                except BlockingIOError:
+                    want_out = peer
+                    break
+                moved = True
+                while k and sbufs:
+                    if k >= len(sbufs[0]):
+                        k -= len(sbufs[0])
+                        sbufs.pop(0)
+                    else:
+                        sbufs[0] = sbufs[0][k:]
+                        k = 0
+                if not sbufs:
+                    sbufs = None
+                    stats.mid_frame.discard(peer)
+                    stats.payload[peer] = stats.payload.get(peer, 0) + spay
+                    sk += 1
+                    if sk == len(schunks[si]):
+                        si, sk = si + 1, 0
+            # ------------------------------------------------------- receives
+            while ri < nrecv:
+                peer, view, acc = recvs[ri]
+                cur["peer"] = peer
+                try:
+                    k = socks[peer].recv_into(rview[rgot:], len(rview) - rgot, _DONTWAIT)
+                except BlockingIOError:
+                    break
+                if k == 0:
+                    raise wire.PeerClosed("closed the connection" + (" mid-message" if rgot or phase else ""))
+                moved = True
+                rgot += k
+                if rgot < len(rview):
+                    continue
+                a, b = rchunks[ri][rk]
+                if phase == 0:  # fixed header: bounded by what this chunk may carry
+                    kind, jlen, plen = wire.parse_header(bytes(hdr), max_payload=b - a)
+                    if jlen:
+                        phase, rview, rgot = 1, memoryview(bytearray(jlen)), 0
+                        continue
+                    meta = {}
+                if phase <= 1:
+                    if phase == 1:
+                        meta = wire.parse_meta(bytes(rview))
+                    _check_frame(kind, meta, plen, b - a, {"o": op, "q": seq, "i": ri} if rk == 0 else None, peer)
+                    if plen:
+                        phase, rgot = 2, 0
+                        rview = view[a:b] if acc is None else staging_bytes[: b - a]
+                        continue
+                if acc is not None and b > a:  # chunk complete: reduce it
+                    acc[a // elem: b // elem].add_(staging[: (b - a) // elem])
+                done += 1
+                phase, rview, rgot = 0, hdr, 0
+                rk += 1
+                if rk == len(rchunks[ri]):
+                    ri, rk = ri + 1, 0
+                break  # a finished chunk may unblock a send
+            if moved:
+                continue
+            # ---------------------------------------------- nothing moved: wait
+            poller = select.poll()
+            masks: dict[int, int] = {}
+            if want_out is not None:
+                fd = socks[want_out].fileno()
+                masks[fd] = masks.get(fd, 0) | select.POLLOUT
+            if ri < nrecv:
+                fd = socks[recvs[ri][0]].fileno()
+                masks[fd] = masks.get(fd, 0) | select.POLLIN
+            for fd, m in masks.items():
+                poller.register(fd, m)
+            if not poller.poll(wait_ms):
+                cur["peer"] = recvs[ri][0] if ri < nrecv else want_out
+                raise TimeoutError
 
     def _inline(self, sends, recvs, schunks, rchunks, do_send, do_recv, cur) -> None:
         ri = 0
@@ -475,17 +599,23 @@ class SocketComm(Comm):
         segs = _segments(flat.numel(), n)
         r = self.rank
         nxt, prv = (r + 1) % n, (r - 1) % n
-        sends, recvs = [], []
-        for t in range(n - 1):  # reduce-scatter: rank r ends up owning segment (r+1) % n
-            slo, shi = segs[(r - t) % n]
-            rlo, rhi = segs[(r - t - 1) % n]
-            sends.append((nxt, view[slo * es: shi * es], t - 1 if t else None))
-            recvs.append((prv, view[rlo * es: rhi * es], flat[rlo:rhi]))
-        for t in range(n - 1):  # all-gather: pass the owned segments around
-            slo, shi = segs[(r + 1 - t) % n]
-            rlo, rhi = segs[(r - t) % n]
-            sends.append((nxt, view[slo * es: shi * es], n - 2 + t))
-            recvs.append((prv, view[rlo * es: rhi * es], None))
+        if n == 2 and len(view) <= INLINE_BYTES:
+            # Two ranks, small buffer: swap whole buffers in one exchange (recursive doubling).
+            # Same bytes as the ring (S each), half the round trips; a+b == b+a, so both
+            # ranks hold bit-identical sums.
+            sends, recvs = [(nxt, view, None)], [(prv, view, flat)]
+        else:
+            sends, recvs = [], []
+            for t in range(n - 1):  # reduce-scatter: rank r ends up owning segment (r+1) % n
+                slo, shi = segs[(r - t) % n]
+                rlo, rhi = segs[(r - t - 1) % n]
+                sends.append((nxt, view[slo * es: shi * es], t - 1 if t else None))
+                recvs.append((prv, view[rlo * es: rhi * es], flat[rlo:rhi]))
+            for t in range(n - 1):  # all-gather: pass the owned segments around
+                slo, shi = segs[(r + 1 - t) % n]
+                rlo, rhi = segs[(r - t) % n]
+                sends.append((nxt, view[slo * es: shi * es], n - 2 + t))
+                recvs.append((prv, view[rlo * es: rhi * es], None))
         self._transfer("all_reduce", sends, recvs, es, flat.dtype)
         if op == "avg":
             if flat.is_floating_point():

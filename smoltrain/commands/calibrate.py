@@ -23,7 +23,8 @@ def add_arguments(p) -> None:
                                                    "(none: skip)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: smoltrain runs each rank with one thread)")
     p.add_argument("--json", metavar="FILE", help="also write the profile here")
 
 
@@ -74,7 +75,7 @@ def measure_train(torch, model_name: str, batch: int, seq: int, seconds: float) 
 
 
 def calibrate(seconds: float = 0.3, model: str | None = "tiny", batch: int = 8, seq: int = 64,
-              threads: int | None = None) -> dict:
+              threads: int | None = 1) -> dict:
     import psutil
     import torch
 
@@ -88,6 +89,7 @@ def calibrate(seconds: float = 0.3, model: str | None = "tiny", batch: int = 8, 
     doc = {"schema": "smoltrain.calibration/1",
            "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
            "host": socket.gethostname(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "cpu_count": os.cpu_count(),
            "flops_fp32": f32, "flops_fp16": f16, "mem_bw": bw,
            "memory_bytes": psutil.virtual_memory().total, "matmul_fp32": mm32}
     if model and model != "none":

@@ -235,14 +235,15 @@ def _bottleneck(tr, per_rank, names, lm, link_b, link_s, compute_s, comm_s, cc, 
                         f"{human_s(compute_s)} of compute")
     p = max(per_rank, key=lambda p: p["compute_s"])
     what = "FLOPs" if p["bound"] == "compute" else "memory traffic"
+    what += " per step" if tr.mode == "train" else " per token"
     if tr.strategy in ("pp", "mp") and tr.world > 1:
         how = ("decode runs the stages one after another" if tr.mode == "infer"
                else f"pipeline bubble {bubble:.0%} of the step")
         return p["bound"], (f"{tr.world} stages, slowest rank {p['rank']} ({p['name']}, {p['device']}) "
-                            f"with {human_s(p['compute_s'])} of {what} per step; {how}; "
+                            f"with {human_s(p['compute_s'])} of {what}; {how}; "
                             f"communication adds {human_s(comm_s)}")
     return p["bound"], (f"rank {p['rank']} ({p['name']}, {p['device']}): {human_s(p['compute_s'])} of "
-                        f"{what} per step; communication adds {human_s(comm_s)}")
+                        f"{what}; communication adds {human_s(comm_s)}")
 
 
 def plan_for_run(strategy, model: ModelSpec, world: int, dtype: str = "fp32", batch: int = 8, seq: int = 64,
@@ -266,58 +267,17 @@ def plan_for_run(strategy, model: ModelSpec, world: int, dtype: str = "fp32", ba
     lm = link_model([r.name for r in ranks], hosts[:world] if hosts else None, links, link_class)
     doc = make_plan(strategy, model, world, dtype, batch, seq, microbatches, mode, ranks, lm, overlap)
     if hosts is None and world > 1:
-        doc["notes"].append(f"--local: the {world} ranks share this machine, each gets 1/{world} of its "
-                            f"FLOP/s and memory bandwidth")
+        doc["notes"].append(f"--local: the {world} ranks share this machine's {os.cpu_count()} cores "
+                            f"and its memory")
     return doc
 
 
-def share_machine(ranks: list[Rank]) -> list[Rank]:
-    """Ranks of a --local run split one machine's compute and memory bandwidth."""
+def share_machine(ranks: list[Rank], cores: int | None = None) -> list[Rank]:
+    """Ranks on one machine (--local, or the sim) split its cores: each rank runs one torch
+    thread, so a rank keeps its (one-thread) rate while there is a core for it."""
     from dataclasses import replace
 
     n = len(ranks)
-    return [Rank(r.name, replace(r.device, flops_fp32=r.device.flops_fp32 / n, flops_fp16=r.device.flops_fp16 / n,
-                                 mem_bw=r.device.mem_bw / n), r.memory_bytes / n) for r in ranks]
-
-
-WHAT_IF_CLASSES = ("1gbe", "2.5gbe", "10gbe", "tb4", "25gbe", "tb5", "100gbe", "200gbe")  # by goodput
-COMM_BOUND = ("link", "latency")
-
-
-def what_if(strategy: str, model: ModelSpec, world: int, ranks: list[Rank], **kw) -> list[dict]:
-    """The same plan over every link class: where the links stop being the bottleneck."""
-    rows = []
-    for name in WHAT_IF_CLASSES:
-        d = make_plan(strategy, model, world, ranks=ranks, lm=from_class(name), **kw)
-        rows.append({"link_class": name, "goodput_mbit": LINK_CLASSES[name].goodput_mbit,
-                     "rtt_us": LINK_CLASSES[name].rtt_us, "step_s": d["step_s"],
-                     "comm_s_per_step": d["comm_s_per_step"], "tokens_per_s": d["tokens_per_s"],
-                     "bottleneck": d["bottleneck"]})
-    return rows
-
-
-def describe_links(source: dict) -> str:
-    kind = source.get("kind")
-    if kind == "link-class":
-        return f"your {source['link_class']} links"
-    if kind == "links-report":
-        return "your measured links"
-    if kind == "inventory":
-        return f"your {source['rated_mbit']:.0f} Mbit/s links (rated, from the inventory)"
-    return "your links"
-
-
-def what_if_sentence(plan: dict, rows: list[dict]) -> str:
-    """One line: which link class this strategy needs, or that the link is not the bottleneck."""
-    s, per_tok = plan["strategy"], human_bytes(plan["bytes_per_token"])
-    yours = describe_links(plan["link_source"])
-    if plan["bottleneck"] not in COMM_BOUND:
-        return (f"{s} over {yours} sends {per_tok} per token; the link is not the bottleneck "
-                f"({plan['bottleneck']} is)")
-    ok = next((r for r in rows if r["bottleneck"] not in COMM_BOUND), None)
-    if ok is None:
-        last = rows[-1]
-        return (f"{s} sends {per_tok} per token and stays {last['bottleneck']}-bound even on "
-                f"{last['link_class']}; pick a strategy that sends less")
-    return (f"{s} needs {ok['link_class']} here (over {yours} it is {plan['bottleneck']}-bound, "
-            f"{per_tok} per token)")
+    f = min(1.0, (cores or os.cpu_count() or 1) / n)
+    return [Rank(r.name, replace(r.device, flops_fp32=r.device.flops_fp32 * f, flops_fp16=r.device.flops_fp16 * f,
+                                 mem_bw=r.device.mem_bw * f), r.memory_bytes / n) for r in ranks]

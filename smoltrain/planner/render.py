@@ -16,7 +16,9 @@ def _s(v) -> str:
 
 def summary(con: Console, plan: dict) -> None:
     m = plan["model"]
-    head = (f"[bold]{plan['strategy']}[/] · {plan['mode']} · {m['name']} ({m['params'] / 1e6:.3g}M params, "
+    n = m["params"]
+    count = f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+    head = (f"[bold]{plan['strategy']}[/] · {plan['mode']} · {m['name']} ({count} params, "
             f"{m['layers']} layers, hidden {m['hidden']}) · world {plan['world_size']} · {plan['dtype']}")
     if plan["mode"] == "train":
         head += f" · batch {plan['batch']} x seq {plan['seq']}"

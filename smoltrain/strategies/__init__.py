@@ -74,6 +74,10 @@ class Strategy:
         opt = sum(t.numel() * t.element_size() for k, t in st.items() if k.startswith("opt."))
         return {"params": params, "optimizer": opt}
 
+    def sent_bytes(self) -> int:
+        """Payload bytes this rank has sent so far (for the progress line)."""
+        return self.ctx.comm.counter.total_payload() if self.ctx.comm else 0
+
     def close(self) -> None:
         pass
 

@@ -85,6 +85,13 @@ class SyncParameterServer(Strategy):
                 t.numel() * t.element_size() for k, t in st.items() if k.startswith("opt."))}
         return {"params": self.flat.numel() * 4, "optimizer": 0}
 
+    def sent_bytes(self) -> int:
+        if not self.server:
+            return 0
+        me = self.ctx.name
+        return sum(n for k, n in self.server.sent.payload.items() if k != me) + sum(
+            n for k, n in self.server.received.items() if k != me)
+
     def link_bytes(self) -> list[tuple[str, str, int]] | None:
         """The server measures both directions of every worker's link."""
         if not self.server:

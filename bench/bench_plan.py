@@ -1,0 +1,87 @@
+"""Predicted against measured step time and bytes on the sim's shaped links.
+
+Brings up sim `p1` (uniform scenario, 10.213.61.0/24, shaped to --rate-mbit), measures the
+links with `smolnet matrix`, calibrates this machine with `smoltrain calibrate`'s measurement,
+runs each strategy with `smoltrain run -i`, and compares with the plan made from the measured
+links and the calibration. The sim hosts share this machine's CPU, so each rank gets 1/N of
+the calibrated FLOP/s (as the plan does for --local).
+
+Run under the shared benchmark lock:
+    flock /tmp/smol-bench.lock .venv/bin/python bench/bench_plan.py --rate-mbit 100
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from smolnet import sim  # noqa: E402
+from smolnet.inventory import load_inventory  # noqa: E402
+from smoltrain.commands.calibrate import calibrate  # noqa: E402
+from smoltrain.modelspec import get_model  # noqa: E402
+from smoltrain.planner.compare import compare  # noqa: E402
+from smoltrain.planner.devices import profile_from_calibration  # noqa: E402
+from smoltrain.planner.plan import link_model, make_plan, resolve_ranks, share_machine  # noqa: E402
+
+SMOL = [sys.executable, "-m"]
+
+
+def sh(argv, timeout=600):
+    r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if r.returncode not in (0, 4):
+        raise SystemExit(f"{' '.join(map(str, argv))} failed ({r.returncode}): {r.stderr[-800:]}")
+    return r
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rate-mbit", type=float, default=100)
+    ap.add_argument("--hosts", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--strategies", default="dp,fsdp,syncps,mp,pp,tp")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "plan-results.json"))
+    a = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-plan-"))
+    inv_path = work / "p1.yml"
+    results = {"rate_mbit": a.rate_mbit, "hosts": a.hosts, "steps": a.steps, "runs": []}
+    try:
+        sim.up(name="p1", scenario="uniform", hosts=a.hosts, subnet="10.213.61.0/24", inventory=str(inv_path),
+               rate_mbit=a.rate_mbit)
+        sh(SMOL + ["smolnet", "matrix", "-i", str(inv_path), "--duration", "3", "--out", str(work / "links")])
+        links = json.loads((work / "links" / "links.json").read_text())
+        cal = calibrate(seconds=1.0, model="tiny", batch=8, seq=64)
+        results["calibration"] = {k: cal[k] for k in ("flops_fp32", "mem_bw", "train_efficiency", "threads")}
+        results["calibration"]["train_step_s"] = cal["train"]["step_s"]
+        inv = load_inventory(inv_path)
+        hosts = [inv.coordinator] + [h for h in inv.hosts if h.name != inv.coordinator.name]
+        ranks = share_machine(resolve_ranks(len(hosts), hosts, profile_from_calibration(cal)))
+        lm = link_model([r.name for r in ranks], hosts, links, None)
+        for s in a.strategies.split(","):
+            rep = work / f"run-{s}.json"
+            sh(SMOL + ["smoltrain", "run", "--strategy", s, "-i", str(inv_path), "--steps", str(a.steps),
+                       "--microbatches", "2", "--json", str(rep), "--out", str(work)])
+            run = json.loads(rep.read_text())
+            plan = make_plan(s, get_model("tiny"), len(hosts), batch=8, seq=64, microbatches=2, ranks=ranks, lm=lm)
+            c = compare(plan, run)
+            row = {"strategy": s, "step_predicted": c["step_s"]["predicted"], "step_measured": c["step_s"]["measured"],
+                   "comm_predicted": c["comm_s"]["predicted"], "comm_measured": c["comm_s"]["measured"],
+                   "bytes_ratio_max_dev": max(abs((r["ratio"] or 0) - 1) for r in c["links"]),
+                   "bottleneck": plan["bottleneck"]}
+            row["step_ratio"] = row["step_measured"] / row["step_predicted"]
+            results["runs"].append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        sim.down(name="p1")
+    Path(a.out).write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
