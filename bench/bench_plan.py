@@ -27,7 +27,7 @@ from smoltrain.commands.calibrate import calibrate  # noqa: E402
 from smoltrain.modelspec import get_model  # noqa: E402
 from smoltrain.planner.compare import compare  # noqa: E402
 from smoltrain.planner.devices import profile_from_calibration  # noqa: E402
-from smoltrain.planner.plan import link_model, make_plan, resolve_ranks, share_machine  # noqa: E402
+from smoltrain.planner.plan import Rank, busy_ranks, link_model, make_plan, share_machine  # noqa: E402
 
 SMOL = [sys.executable, "-m"]
 
@@ -55,17 +55,24 @@ def main() -> int:
                rate_mbit=a.rate_mbit)
         sh(SMOL + ["smolnet", "matrix", "-i", str(inv_path), "--duration", "3", "--out", str(work / "links")])
         links = json.loads((work / "links" / "links.json").read_text())
-        cal = calibrate(seconds=1.0, model="tiny", batch=8, seq=64)
-        results["calibration"] = {k: cal[k] for k in ("flops_fp32", "mem_bw", "train_efficiency", "threads")}
-        results["calibration"]["train_step_s"] = cal["train"]["step_s"]
         inv = load_inventory(inv_path)
         hosts = [inv.coordinator] + [h for h in inv.hosts if h.name != inv.coordinator.name]
-        ranks = share_machine(resolve_ranks(len(hosts), hosts, profile_from_calibration(cal)))
-        lm = link_model([r.name for r in ranks], hosts, links, None)
+        results["calibration"] = []
         for s in a.strategies.split(","):
+            # calibrate right before and right after each run: the machine is shared with
+            # other work and its speed drifts; the plan takes the mean of the two
+            before = calibrate(seconds=1.0, model="tiny", batch=8, seq=64)
             rep = work / f"run-{s}.json"
             sh(SMOL + ["smoltrain", "run", "--strategy", s, "-i", str(inv_path), "--steps", str(a.steps),
                        "--microbatches", "2", "--json", str(rep), "--out", str(work)])
+            after = calibrate(seconds=1.0, model="tiny", batch=8, seq=64)
+            cal = dict(before, train_efficiency=(before["train_efficiency"] + after["train_efficiency"]) / 2)
+            results["calibration"].append({"strategy": s, "flops_fp32": cal["flops_fp32"],
+                                           "train_step_s": [before["train"]["step_s"], after["train"]["step_s"]]})
+            prof = profile_from_calibration(cal)
+            ranks = share_machine([Rank(h.name, prof, prof.memory_bytes) for h in hosts],
+                                  busy=busy_ranks(s, len(hosts), 2))
+            lm = link_model([r.name for r in ranks], hosts, links, None)
             run = json.loads(rep.read_text())
             plan = make_plan(s, get_model("tiny"), len(hosts), batch=8, seq=64, microbatches=2, ranks=ranks, lm=lm)
             c = compare(plan, run)
@@ -79,8 +86,22 @@ def main() -> int:
     finally:
         sim.down(name="p1")
     Path(a.out).write_text(json.dumps(results, indent=2) + "\n")
+    print(markdown(results))
     print(f"wrote {a.out}")
     return 0
+
+
+def markdown(results: dict) -> str:
+    """The table bench/plan.md shows: measured / predicted, 1.00 = the plan was exact."""
+    lines = [f"{results['hosts']} hosts, {results['rate_mbit']:g} Mbit/s, {results['steps']} steps "
+             f"(median after the first)", "",
+             "| strategy | bottleneck (plan) | step predicted | step measured | measured/predicted | "
+             "bytes max deviation |", "|---|---|---|---|---|---|"]
+    for r in results["runs"]:
+        lines.append(f"| {r['strategy']} | {r['bottleneck']} | {r['step_predicted'] * 1e3:.0f} ms | "
+                     f"{r['step_measured'] * 1e3:.0f} ms | {r['step_ratio']:.2f} | "
+                     f"{r['bytes_ratio_max_dev']:.2%} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from itertools import chain
 import time
 from dataclasses import dataclass, field
+from itertools import chain
 
 from . import control
 from .inventory import Host

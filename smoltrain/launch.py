@@ -60,6 +60,7 @@ class Controller:
         self.connected: dict[str, dict] = {}  # name -> hello
         self.finished: set[str] = set()
         self.closed: set[str] = set()
+        self.left: set[str] = set()             # dropped by the parameter server (syncps/edp)
         self.steps: dict[int, dict] = {}
         self.events: list[dict] = []
         self.links: dict[tuple[str, str], int] = {}
@@ -144,6 +145,8 @@ class Controller:
             rec["parts"]["server"] = msg["loss"]
         elif kind == "event":
             self.events.append({"step": msg["step"], "kind": msg["kind"], "who": msg["name"]})
+            if msg["kind"] == "leave":
+                self.left.add(msg["name"])
             self.console.print(f"event: {msg['kind']} {msg['name']} at step {msg['step']}")
         elif kind == "saved":
             parts = self.saved.setdefault(msg["step"], set())
@@ -187,7 +190,7 @@ class Controller:
 
     def all_done(self) -> bool:
         expected = set(self.names) | set(self.connected)
-        return all(n in self.finished or n in self.closed for n in expected) and set(self.names) <= set(self.connected)
+        return all(n in self.finished or n in self.closed or n in self.left for n in expected) and set(self.names) <= set(self.connected)
 
     def check_processes(self) -> None:
         for name, proc in self.procs.items():
@@ -234,8 +237,10 @@ class Controller:
             raise
         finally:
             server.close()
-        for proc in self.procs.values():
+        for name, proc in self.procs.items():
             if isinstance(proc, subprocess.Popen):
+                if name in self.left:  # dropped, perhaps stalled: it will not finish by itself
+                    proc.kill()
                 try:
                     proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:

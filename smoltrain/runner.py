@@ -57,6 +57,18 @@ class Reporter:
         self._send({"type": "error", "message": message})
 
 
+def resolve_device(want: str) -> str:
+    """`smol_device`: auto picks cuda, then mps, then cpu."""
+    if want in (None, "", "auto"):
+        if torch.cuda.is_available():
+            return "cuda"
+        mps = getattr(torch.backends, "mps", None)
+        return "mps" if mps is not None and mps.is_available() else "cpu"
+    if want == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("smol_device cuda, but torch sees no CUDA device on this host")
+    return want
+
+
 def checkpoint_due(cfg: dict, completed: int) -> bool:
     if not cfg.get("checkpoint_dir"):
         return False
@@ -90,11 +102,12 @@ def train(cfg: dict, secret: bytes, rep: Reporter) -> None:
     batches = Batches(load_corpus(cfg.get("data"), cfg.get("data_cap", 4 << 20)), cfg["batch"], cfg["seq"], cfg["seed"])
     rank, world, name = cfg["rank"], cfg["world_size"], cfg["name"]
     ps = cfg["strategy"] in PS_STRATEGIES
+    device = resolve_device(cfg["devices"][rank] if 0 <= rank < len(cfg.get("devices", [])) else "cpu")
     comm = None
     if not ps and world > 1:
         from .comm import make_comm
         comm = TimedComm(make_comm(cfg["backend"], rank, world, cfg["coord_addr"], cfg["port"], secret,
-                                   timeout=cfg.get("timeout", 60.0), addrs=cfg.get("addrs")))
+                                   timeout=cfg.get("timeout", 60.0), device=device, addrs=cfg.get("addrs")))
     start = cfg.get("start_step", 0)
     extra = dict(cfg, secret=secret)
     if ps and rank == 0:
@@ -109,7 +122,7 @@ def train(cfg: dict, secret: bytes, rep: Reporter) -> None:
     ctx = Context(rank=rank, world=world, spec=spec, batches=batches, batch=cfg["batch"], seq=cfg["seq"],
                   lr=cfg["lr"], seed=cfg["seed"], comm=comm, shares=cfg.get("shares") or [],
                   microbatches=cfg.get("microbatches", 1), schedule=cfg.get("schedule", "1f1b"),
-                  cfg=extra, reporter=rep, name=name, comm_timer=Stopwatch())
+                  cfg=extra, reporter=rep, name=name, comm_timer=Stopwatch(), device=device)
     strat = load_strategy(cfg["strategy"])(ctx)
     if start and not ps:
         strat.load_state_tensors(load_part(cfg["checkpoint_dir"], start, f"rank{rank}"))

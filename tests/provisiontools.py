@@ -49,3 +49,8 @@ def changed_tasks(output: str) -> list[str]:
         elif line.startswith("changed:") and current:
             names.append(f"{current}: {line.split(']')[0]}]")
     return names
+
+
+def ns_run(ns: str, argv: list[str], timeout: float = 30.0) -> subprocess.CompletedProcess:
+    """Run a command in a sim host's network namespace (not its mount namespace)."""
+    return subprocess.run(["ip", "netns", "exec", ns] + argv, capture_output=True, text=True, timeout=timeout)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from smolnet import wire
 from smoltrain.comm import CommError, make_comm
 from smoltrain.comm.launch import free_port_base
-from smoltrain.comm.socket_comm import K_DATA, SocketComm, _RemoteAbort
+from smoltrain.comm.socket_comm import K_DATA, SocketComm
 
 SECRET = b"wire-test-secret-0123456789"
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -80,36 +80,62 @@ def test_oversized_lengths_rejected_before_reading_on(json_len, payload_len):
 
 
 def _reader(data: bytes) -> SocketComm:
-    """The SocketComm frame reader on a socket fed with `data` (world of one, no network)."""
+    """A rank whose link to rank 1 yields exactly `data` (no rendezvous: a world of one, widened)."""
     comm = SocketComm(0, 1, "127.0.0.1", 1, SECRET, timeout=2.0)
+    comm.world_size, comm._where = 2, ["here", "there"]
     comm._socks = {1: _feed(data)}
-    comm._socks[1].settimeout(2.0)
+    comm.peer_timeout = 2.0
     return comm
+
+
+def _p2p_meta(numel: int, dtype=torch.uint8) -> dict:
+    return {"dt": str(dtype), "n": numel, "o": "p2p", "q": 1, "i": 0}
 
 
 @FUZZ
 @given(st.binary(max_size=400), st.integers(0, 64))
-def test_socketcomm_frame_reader_never_overruns(junk, want):
+def test_socketcomm_receive_path_turns_garbage_into_commerror(junk, want):
     comm = _reader(wire.FRAME_MAGIC + bytes([wire.FRAME_VERSION]) + junk)
-    buf = bytearray(want)
-    try:
-        comm._recv_frame(1, memoryview(buf), None)
-    except (wire.WireError, _RemoteAbort):
-        pass
-    finally:
-        comm._socks[1].close()
+    with pytest.raises(CommError) as e:
+        comm.recv(torch.zeros(want, dtype=torch.uint8), 1)
+    assert e.value.peer == 1 and "rank 1 (there)" in str(e.value)
+    with pytest.raises(CommError, match="unusable"):  # a failed link is never read again
+        comm.recv(torch.zeros(want, dtype=torch.uint8), 1)
 
 
-def test_socketcomm_rejects_wrong_sizes_and_mismatched_collectives():
-    comm = _reader(wire.pack_header(K_DATA, None, 8) + b"x" * 8)
-    with pytest.raises(wire.WireError, match="8 exceeds 4"):
-        comm._recv_frame(1, memoryview(bytearray(4)), None)  # a bigger payload never lands in a smaller buffer
-    comm = _reader(wire.pack_header(K_DATA, None, 2) + b"xy")
-    with pytest.raises(wire.WireError, match="expected 4"):
-        comm._recv_frame(1, memoryview(bytearray(4)), None)
-    comm = _reader(wire.pack_header(K_DATA, {"o": "all_gather", "q": 1, "i": 0}, 4) + b"abcd")
-    with pytest.raises(wire.WireError, match="collective mismatch"):
-        comm._recv_frame(1, memoryview(bytearray(4)), {"o": "all_reduce", "q": 1, "i": 0})
+def test_socketcomm_accepts_exactly_the_expected_frame():
+    comm = _reader(wire.pack_header(K_DATA, _p2p_meta(4), 4) + b"abcd")
+    t = torch.zeros(4, dtype=torch.uint8)
+    comm.recv(t, 1)
+    assert bytes(t.numpy()) == b"abcd"
+
+
+@pytest.mark.parametrize("frame,why", [
+    (wire.pack_header(K_DATA, _p2p_meta(4), 8) + b"x" * 8, "8 exceeds 4"),        # never lands in a smaller buffer
+    (wire.pack_header(K_DATA, _p2p_meta(4), 2) + b"xy", "expected 4"),
+    (wire.pack_header(K_DATA, _p2p_meta(4, torch.float16), 4) + b"abcd", "mismatch"),  # other dtype
+    (wire.pack_header(K_DATA, dict(_p2p_meta(4), o="all_gather"), 4) + b"abcd", "mismatch"),
+    (wire.pack_header(K_DATA, None, 4) + b"abcd", "mismatch"),
+    (wire.pack_header(99, _p2p_meta(4), 4) + b"abcd", "kind 99"),
+    (wire.pack_header(K_DATA, _p2p_meta(4), 4) + b"ab", "closed the connection mid-message"),
+])
+def test_socketcomm_rejects_bad_frames_naming_the_peer(frame, why):
+    comm = _reader(frame)
+    with pytest.raises(CommError, match=why) as e:
+        comm.recv(torch.zeros(4, dtype=torch.uint8), 1)
+    assert e.value.peer == 1
+
+
+def test_silent_peer_times_out():
+    a, b = socket.socketpair()
+    comm = SocketComm(0, 1, "127.0.0.1", 1, SECRET, timeout=0.3)
+    comm.world_size, comm._where, comm._socks = 2, ["here", "there"], {1: b}
+    comm.peer_timeout = 0.3
+    t = time.monotonic()
+    with pytest.raises(CommError, match="did not respond within 0.3s"):
+        comm.recv(torch.zeros(4), 1)
+    assert time.monotonic() - t < 2
+    a.close()
 
 
 # ------------------------------------------------------------------- secret

@@ -174,6 +174,31 @@ def test_slowest_link_rules_the_ring_and_link_bound_says_where():
     assert d["comm_s_per_step"] == pytest.approx(3 * 2 * (50e-6 * 8 + chunk / (50e6 / 8)), rel=0.01)
 
 
+class GPU:
+    def __init__(self, n):
+        self.name, self.device, self.local, self.link_rate_mbit, self.vars = n, "rtx4050-laptop", False, None, {}
+
+
+def test_latency_bottleneck_for_tp_decode_on_gbe():
+    # tiny decode on two GPUs: 2 all-reduces x 6 layers x 2 rounds = 24 messages per token,
+    # each waiting 100 us (half the 1 GbE RTT), against microseconds of compute and 384 bytes
+    d = plan("tp", world=2, mode="infer", hosts=[GPU("g1"), GPU("g2")], link_class="1gbe")
+    assert d["bottleneck"] == "latency"
+    assert d["comm_s_per_step"] == pytest.approx(24 * 100e-6 + 24 * (96 * 4 / 2) / (941e6 / 8))
+    assert "24 messages per step" in d["bottleneck_where"]
+
+
+def test_a_down_link_is_the_bottleneck():
+    names = ["a", "b"]
+    rep = {"schema": "smolnet.links/1", "hosts": [{"name": n} for n in names],
+           "links": [{"src": "a", "dst": "b", "status": "ok", "throughput_mbit": 900.0, "rtt_us": {"p50": 90.0}},
+                     {"src": "b", "dst": "a", "status": "down", "throughput_mbit": None, "rtt_us": None}]}
+    d = plan("dp", world=2, hosts=[GPU("a"), GPU("b")], links=rep)
+    assert d["bottleneck"] == "link" and "b -> a is down" in d["bottleneck_where"]
+    assert d["step_s"] is None
+    json.dumps(d, allow_nan=False)   # no infinities in the document
+
+
 def test_capacity_bottleneck_when_the_model_does_not_fit():
     class H:
         def __init__(self, n):
@@ -201,7 +226,7 @@ def test_plan_document_fields_and_rank_names():
     assert d["bottleneck"] in ("link", "latency", "compute", "memory-bandwidth", "capacity")
     assert d["step_s"] == pytest.approx(d["compute_s_per_step"] + d["comm_s_per_step"])
     assert d["tokens_per_s"] == pytest.approx(8 * 64 / d["step_s"])
-    json.dumps(d)
+    json.dumps(d, allow_nan=False)
 
 
 def test_what_if_names_the_link_class_tp_needs():
@@ -304,3 +329,23 @@ def test_world_defaults_to_links_report_hosts(capsys, tmp_path):
                    "--no-what-if", "--model", "gpt2-124m")
     assert rc == 0
     assert json.loads((tmp_path / "p.json").read_text())["world_size"] == 4
+
+
+def test_calibrate_writes_a_profile_the_plan_uses(capsys, tmp_path):
+    cal = tmp_path / "cal.json"
+    assert main(["calibrate", "--out", str(cal), "--seconds", "0.05"]) == 0
+    doc = json.loads(cal.read_text())
+    assert doc["schema"] == "smoltrain.calibration/1" and doc["threads"] == 1
+    assert doc["flops_fp32"] > 0 and doc["mem_bw"] > 0 and 0 < doc["train_efficiency"] <= 1
+    rc, _, _ = cli(capsys, "--strategy", "dp", "--world", "2", "--calibration", str(cal), "--no-what-if",
+                   "--json", str(tmp_path / "p.json"), "--link-class", "1gbe")
+    assert rc == 0
+    d = json.loads((tmp_path / "p.json").read_text())
+    # generic ranks now compute at the calibrated rate: matmul peak x the measured training fraction
+    flops = d["ranks"][0]["flops_per_step"]
+    rate = doc["flops_fp32"] * doc["train_efficiency"]
+    assert d["compute_s_per_step"] == pytest.approx(max(flops / rate, d["ranks"][0]["memory_traffic_bytes"]
+                                                        / doc["mem_bw"]), rel=1e-6)
+    (tmp_path / "bad.json").write_text("{}")
+    rc, _, err = cli(capsys, "--strategy", "dp", "--calibration", str(tmp_path / "bad.json"))
+    assert rc == 2 and "calibration" in err

@@ -56,3 +56,18 @@ def test_predicted_bytes_match_measured_on_local_runs(runs, strategy):
     if "plan" in run:   # the plan `smoltrain run` showed before launching says the same
         shown = {(ln["src"], ln["dst"]): ln["bytes_per_step"] for ln in run["plan"]["links"]}
         assert shown == {(ln["src"], ln["dst"]): ln["bytes_per_step"] for ln in plan["links"]}
+
+
+def test_cli_compare_reads_a_run_report(runs, capsys, tmp_path):
+    from smoltrain.cli import main
+
+    rc, log, path = runs["fsdp"]
+    assert rc == 0, log[-2000:]
+    assert main(["plan", "--compare", str(path), "--no-what-if", "--json", str(tmp_path / "c.json")]) == 0
+    out = capsys.readouterr().out
+    assert "predicted vs measured" in out and "all links within 2%" in out
+    c = json.loads((tmp_path / "c.json").read_text())
+    assert c["schema"] == "smoltrain.compare/1" and c["bytes_within_2pct"]
+    assert c["step_s"]["measured"] > 0 and c["step_s"]["predicted"] > 0
+    # fsdp, world 2: 3 collectives x 1/2 x 721344 x 4 bytes per step on each link
+    assert {r["predicted_bytes_per_step"] for r in c["links"]} == {4328064}

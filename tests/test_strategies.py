@@ -27,13 +27,12 @@ RUNS = {
     "fsdp2": ("fsdp", 2, "socket", 10, []),
     "syncps2": ("syncps", 2, "socket", 10, []),
     "mp2": ("mp", 2, "socket", 10, []),
-    "pp2": ("pp", 2, "socket", 10, ["--microbatches", "3", "--schedule", "1f1b"]),
+    "pp2-gpipe": ("pp", 2, "socket", 10, ["--microbatches", "3", "--schedule", "gpipe"]),
     "tp2": ("tp", 2, "socket", 10, []),
     "dp3-shares": ("dp", 3, "socket", 6, ["--shares", "3,2,1"]),
     "fsdp3": ("fsdp", 3, "socket", 6, []),
     "syncps3": ("syncps", 3, "socket", 6, []),
     "mp3": ("mp", 3, "socket", 6, []),
-    "pp3-gpipe": ("pp", 3, "socket", 6, ["--microbatches", "3", "--schedule", "gpipe"]),
     "pp3-1f1b": ("pp", 3, "socket", 6, ["--microbatches", "6", "--schedule", "1f1b"]),
     "tp3": ("tp", 3, "socket", 6, []),
     "dp2-torch": ("dp", 2, "torch", 6, []),
@@ -119,7 +118,7 @@ def test_measured_bytes_follow_the_counting_conventions(reports, name):
         assert all(abs(int(b["src"][4:]) - int(b["dst"][4:])) == 1 for b in got["bytes"])
 
 
-@pytest.mark.parametrize("name", ["dp2", "fsdp2", "tp2", "pp2", "mp2", "syncps3", "fsdp3"])
+@pytest.mark.parametrize("name", ["dp2", "fsdp2", "tp2", "pp2-gpipe", "mp2", "syncps3", "fsdp3"])
 def test_planner_predicts_the_measured_bytes(reports, name):
     got = _get(reports, name)
     plan = got.get("plan")

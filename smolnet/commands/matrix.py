@@ -1,9 +1,6 @@
 """`smolnet matrix`: every ordered pair of cluster hosts, one report."""
 from __future__ import annotations
 
-import sys
-import time
-
 from ..errors import UsageError
 from ..inventory import load_inventory
 

@@ -5,13 +5,12 @@ bytes). Tensor memory is sent straight from the tensor (sendmsg of a memoryview,
 copy) and received with recv_into straight into the destination tensor, or into one
 chunk-sized staging buffer when it must be added (reduce-scatter).
 
-Collectives are built from one engine, `_transfer`: a list of sends (run by a sender
-thread) and a list of receives (run by the calling thread), cut into chunks of
-`chunk_bytes`. A send may depend on a receive: chunk k of a send starts as soon as
-chunk k of the receive it forwards has arrived (and been reduced), so sending,
-receiving and reducing overlap. When every message fits comfortably in the kernel's
-socket buffers the engine runs inline on the calling thread (no thread hand-off:
-small collectives are latency-bound).
+Collectives are built from one engine, `_transfer`: a list of sends and a list of
+receives, cut into chunks of `chunk_bytes`, driven by one thread with non-blocking
+calls. A send may depend on a receive: chunk k of a send goes out as soon as chunk k
+of the receive it forwards has landed (and been reduced), so sending, receiving and
+reducing overlap, and the thread sleeps in poll() only when nothing can move. One
+thread means no hand-offs between threads, which matters most on small, busy CPUs.
 
 Algorithms and the payload each rank sends (S = buffer bytes, N = world size):
 - all_reduce: ring reduce-scatter then ring all-gather over N segments. Segment i has
@@ -22,7 +21,9 @@ Algorithms and the payload each rank sends (S = buffer bytes, N = world size):
 - reduce_scatter / all_gather: ring, (N-1)/N of the full buffer per rank.
 - broadcast: pipelined chain src -> src+1 -> ...; every rank but the last sends S.
 - all_to_all: rank r sends inps[j] to j (j != r).
-- send/recv: one frame; barrier: an empty frame to every peer (framing only).
+- two ranks and at most SMALL_BYTES: one swap of the whole buffer (the same S bytes as
+  the ring, one round trip instead of two).
+- send/recv: the tensor; barrier: an empty frame to every peer (framing only).
 Framing (header bytes) is counted apart from payload in `counter.framing`.
 
 Failure: any error on a link becomes a CommError naming the peer rank and its address.
@@ -36,8 +37,6 @@ import logging
 import select
 import socket
 import struct
-import threading
-import time
 
 import torch
 
@@ -51,11 +50,10 @@ log = logging.getLogger("smoltrain.comm")
 K_DATA = 10
 K_ABORT = 11
 
-CHUNK_BYTES = 512 * 1024
-INLINE_BYTES = 32 * 1024
+CHUNK_BYTES = 4 << 20
+SMALL_BYTES = 64 * 1024
 HEADER_SIZE = wire.FRAME_HEADER.size
 _DONTWAIT = socket.MSG_DONTWAIT
-ENGINE = "evloop"
 DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16,
                               torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool)}
 
@@ -82,14 +80,12 @@ class _RemoteAbort(Exception):
         self.peer = peer
 
 
-class _Sendq:
-    """What a sender thread reports back: bytes per peer and its first error."""
+class _Sent:
+    """Bytes sent per peer in one exchange, and which peers have a frame half sent."""
 
     def __init__(self):
         self.payload: dict[int, int] = {}
         self.framing: dict[int, int] = {}
-        self.error: BaseException | None = None
-        self.error_peer: int | None = None
         self.mid_frame: set[int] = set()
 
 
@@ -153,6 +149,9 @@ class SocketComm(Comm):
         self.counter = ByteCounter()
         self.chunk_bytes = max(64, chunk_bytes - chunk_bytes % 8)
         self._seq = 0
+        self._p2p_out: dict[int, int] = {}
+        self._p2p_in: dict[int, int] = {}
+        self._staging: dict = {}
         self._failed: CommError | None = None
         self._closed = False
         self._hdr = bytearray(HEADER_SIZE)
@@ -210,14 +209,6 @@ class SocketComm(Comm):
             raise CommError(f"no connection to {self._who(peer)}", peer)
         return s
 
-    def _recv_into(self, sock: socket.socket, view: memoryview, peer: int) -> None:
-        got, n = 0, len(view)
-        while got < n:
-            k = sock.recv_into(view[got:], n - got)
-            if k == 0:
-                raise wire.PeerClosed("closed the connection" + (f" mid-message ({got} of {n} bytes)" if got else ""))
-            got += k
-
     @staticmethod
     def _sendv(sock: socket.socket, bufs: list) -> None:
         """Send all buffers in order (scatter-gather, no copies); socket timeout bounds each wait."""
@@ -231,34 +222,6 @@ class SocketComm(Comm):
                 else:
                     bufs[0] = bufs[0][k:]
                     k = 0
-
-    def _send_frame(self, peer: int, view: memoryview, meta: dict | None, kind: int = K_DATA) -> int:
-        head = wire.pack_header(kind, meta, len(view))
-        self._sendv(self._sock(peer), [head, view])
-        return len(head)
-
-    def _recv_frame(self, peer: int, view: memoryview, expect: dict | None) -> None:
-        """Receive one data frame of exactly len(view) payload bytes into view."""
-        sock = self._sock(peer)
-        hdr = memoryview(self._hdr)
-        self._recv_into(sock, hdr, peer)
-        kind, json_len, payload_len = wire.parse_header(bytes(self._hdr), max_payload=max(len(view), 0))
-        meta = {}
-        if json_len:
-            raw = bytearray(json_len)
-            self._recv_into(sock, memoryview(raw), peer)
-            meta = wire.parse_meta(bytes(raw))
-        if kind == K_ABORT:
-            raise _RemoteAbort(str(meta.get("why", "aborted"))[:500], meta.get("peer") if isinstance(meta.get("peer"), int) else peer)
-        if kind != K_DATA:
-            raise wire.WireError(f"unexpected frame kind {kind}")
-        if expect is not None and meta != expect:
-            raise wire.WireError(f"collective mismatch: peer sent {meta}, this rank expected {expect}")
-        if payload_len != len(view):
-            raise wire.WireError(f"sent {payload_len} payload bytes, this rank expected {len(view)} "
-                                 f"(mismatched shapes or dtypes)")
-        if payload_len:
-            self._recv_into(sock, view, peer)
 
     def _error(self, peer: int | None, exc: BaseException, op: str) -> CommError:
         if isinstance(exc, CommError):
@@ -314,67 +277,49 @@ class SocketComm(Comm):
         step = max(elem, self.chunk_bytes - self.chunk_bytes % elem)
         return [(a, min(n, a + step)) for a in range(0, n, step)]
 
-    def _transfer(self, op: str, sends: list, recvs: list, elem: int = 1, dtype=None) -> None:
-        """Run sends [(peer, view, dep)] and receives [(peer, view, acc)] as one collective step.
+    def _transfer(self, op: str, sends: list, recvs: list, elem: int = 1, dtype=None,
+                  seq: int | None = None, extra: dict | None = None) -> None:
+        """Run sends [(peer, view, dep)] and receives [(peer, view, acc)] as one exchange.
 
-        dep: index of the receive whose chunk k must complete before chunk k of this send
-        (same chunking), or None. acc: a tensor to add the received chunk into (the view
-        is then only used for its size) or None to receive straight into the view.
+        dep: index of the receive whose chunk k must have landed (and been reduced) before
+        chunk k of this send goes out (same chunking), or None. acc: a tensor to add each
+        received chunk into (the view then only gives the size), or None to receive
+        straight into the view. The first frame of every message carries {op, seq, index}
+        (+ extra), checked by the receiver, so ranks that disagree fail loudly.
         """
-        self._seq += 1
-        seq = self._seq
+        if seq is None:
+            self._seq += 1
+            seq = self._seq
         rchunks = [self._chunks(len(v), elem) for _, v, _ in recvs]
-        base, acc_n = [], 0
+        schunks = [self._chunks(len(v), elem) for _, v, _ in sends]
+        base, total = [], 0
         for c in rchunks:
-            base.append(acc_n)
-            acc_n += len(c)
-        staging = None
+            base.append(total)
+            total += len(c)
+        staging = staging_bytes = None
         if any(a is not None for _, _, a in recvs):
             biggest = max(len(v) for _, v, a in recvs if a is not None)
-            staging = torch.empty(min(biggest, self.chunk_bytes) // elem, dtype=dtype)
-            staging_bytes = _byte_view(staging) if staging.numel() else memoryview(b"")
-        schunks = [self._chunks(len(v), elem) for _, v, _ in sends]
-        largest = max([len(v) for _, v, _ in sends] + [len(v) for _, v, _ in recvs] + [0])
-        stats = _Sendq()
-
-        def do_send(i: int, k: int, peer: int, view: memoryview, a: int, b: int) -> None:
-            meta = {"o": op, "q": seq, "i": i} if k == 0 else None
-            stats.mid_frame.add(peer)
-            framing = self._send_frame(peer, view[a:b], meta)
-            stats.mid_frame.discard(peer)
-            stats.payload[peer] = stats.payload.get(peer, 0) + (b - a)
-            stats.framing[peer] = stats.framing.get(peer, 0) + framing
-
-        def do_recv(j: int, k: int, a: int, b: int) -> None:
-            peer, view, acc = recvs[j]
-            expect = {"o": op, "q": seq, "i": j} if k == 0 else None
-            if acc is None:
-                self._recv_frame(peer, view[a:b], expect)
-            else:
-                self._recv_frame(peer, staging_bytes[: b - a], expect)
-                if b > a:
-                    acc[a // elem: b // elem].add_(staging[: (b - a) // elem])
-
-        state = {"done": 0, "abort": False}
+            staging = self._staging_buffer(dtype, min(biggest, self.chunk_bytes) // elem)
+            staging_bytes = _byte_view(staging)
+        stats = _Sent()
         cur = {"peer": None}
         try:
-            if ENGINE == "evloop":
-                self._evloop(op, seq, sends, recvs, schunks, rchunks, base, elem, staging,
-                             staging_bytes if staging is not None else None, stats, cur)
-            elif largest <= INLINE_BYTES:
-                self._inline(sends, recvs, schunks, rchunks, do_send, do_recv, cur)
-            else:
-                self._threaded(sends, recvs, schunks, rchunks, base, do_send, do_recv, cur, state, stats)
+            self._evloop(op, seq, extra or {}, sends, recvs, schunks, rchunks, base, elem, staging, staging_bytes,
+                         stats, cur)
         except BaseException as e:
-            peer = cur["peer"]
-            if stats.error is not None and not isinstance(e, _RemoteAbort):
-                e, peer = stats.error, stats.error_peer
-            err = self._error(peer, e, op)
-            raise self._fail(err, stats.mid_frame) from None
-        for p, n in stats.payload.items():
-            self.counter.add(p, n, stats.framing.get(p, 0))
+            raise self._fail(self._error(cur["peer"], e, op), stats.mid_frame) from None
+        for p, n in stats.framing.items():
+            self.counter.add(p, stats.payload.get(p, 0), n)
 
-    def _evloop(self, op, seq, sends, recvs, schunks, rchunks, base, elem, staging, staging_bytes, stats, cur):
+    def _staging_buffer(self, dtype, numel: int) -> torch.Tensor:
+        """One reusable landing buffer per dtype for chunks that get added (no page faults per call)."""
+        buf = self._staging.get(dtype)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(max(numel, 1), dtype=dtype)
+            self._staging[dtype] = buf
+        return buf
+
+    def _evloop(self, op, seq, extra, sends, recvs, schunks, rchunks, base, elem, staging, staging_bytes, stats, cur):
         """One thread, non-blocking calls: push sends whose data is ready, pull receives,
         reduce each chunk as it lands, and sleep in poll() only when neither can move."""
         socks = self._socks
@@ -398,7 +343,7 @@ class SocketComm(Comm):
                     if dep is not None and done <= base[dep] + sk:
                         break
                     a, b = schunks[si][sk]
-                    head = wire.pack_header(K_DATA, {"o": op, "q": seq, "i": si} if sk == 0 else None, b - a)
+                    head = wire.pack_header(K_DATA, dict(extra, o=op, q=seq, i=si) if sk == 0 else None, b - a)
                     sbufs = [memoryview(head), sends[si][1][a:b]] if b > a else [memoryview(head)]
                     spay = b - a
                     stats.framing[peer] = stats.framing.get(peer, 0) + len(head)
@@ -448,7 +393,7 @@ class SocketComm(Comm):
                 if phase <= 1:
                     if phase == 1:
                         meta = wire.parse_meta(bytes(rview))
-                    _check_frame(kind, meta, plen, b - a, {"o": op, "q": seq, "i": ri} if rk == 0 else None, peer)
+                    _check_frame(kind, meta, plen, b - a, dict(extra, o=op, q=seq, i=ri) if rk == 0 else None, peer)
                     if plen:
                         phase, rgot = 2, 0
                         rview = view[a:b] if acc is None else staging_bytes[: b - a]
@@ -478,96 +423,22 @@ class SocketComm(Comm):
                 cur["peer"] = recvs[ri][0] if ri < nrecv else want_out
                 raise TimeoutError
 
-    def _inline(self, sends, recvs, schunks, rchunks, do_send, do_recv, cur) -> None:
-        ri = 0
-
-        def recv_upto(j):
-            nonlocal ri
-            while ri <= j:
-                cur["peer"] = recvs[ri][0]
-                for k, (a, b) in enumerate(rchunks[ri]):
-                    do_recv(ri, k, a, b)
-                ri += 1
-
-        for i, (peer, view, dep) in enumerate(sends):
-            if dep is not None:
-                recv_upto(dep)
-            cur["peer"] = peer
-            for k, (a, b) in enumerate(schunks[i]):
-                do_send(i, k, peer, view, a, b)
-        recv_upto(len(recvs) - 1)
-
-    def _threaded(self, sends, recvs, schunks, rchunks, base, do_send, do_recv, cur, state, stats) -> None:
-        cond = threading.Condition()
-        timeout = self.peer_timeout
-
-        def sender():
-            peer = None
-            try:
-                for i, (peer, view, dep) in enumerate(sends):
-                    for k, (a, b) in enumerate(schunks[i]):
-                        if dep is not None:
-                            need = base[dep] + k + 1
-                            if state["done"] < need:
-                                with cond:
-                                    end = time.monotonic() + timeout
-                                    while state["done"] < need and not state["abort"]:
-                                        left = end - time.monotonic()
-                                        if left <= 0:
-                                            raise TimeoutError("waited too long for data to forward")
-                                        cond.wait(left)
-                        if state["abort"]:
-                            return
-                        do_send(i, k, peer, view, a, b)
-            except BaseException as e:
-                stats.error, stats.error_peer = e, peer
-
-        th = threading.Thread(target=sender, name=f"smol-send-r{self.rank}", daemon=True)
-        th.start()
-        try:
-            for j, chunks in enumerate(rchunks):
-                cur["peer"] = recvs[j][0]
-                for k, (a, b) in enumerate(chunks):
-                    if stats.error is not None:
-                        raise stats.error
-                    do_recv(j, k, a, b)
-                    with cond:
-                        state["done"] += 1
-                        cond.notify()
-        except BaseException:
-            state["abort"] = True
-            with cond:
-                cond.notify_all()
-            th.join(min(2.0, timeout))
-            raise
-        th.join(timeout + 1.0)
-        if th.is_alive():
-            raise TimeoutError("sender did not finish")
-        if stats.error is not None:
-            raise stats.error
-
     # ------------------------------------------------------------ collectives
     def send(self, tensor, dst: int) -> None:
         self._check_usable()
         self._check_peer(dst)
         st = _Staged(tensor, writeback=False)
-        view = _byte_view(st.flat)
-        meta = {"o": "p2p", "dt": str(st.flat.dtype), "n": st.flat.numel()}
-        try:
-            framing = self._send_frame(dst, view, meta)
-        except BaseException as e:
-            raise self._fail(self._error(dst, e, "send"), {dst}) from None
-        self.counter.add(dst, len(view), framing)
+        self._p2p_out[dst] = self._p2p_out.get(dst, 0) + 1
+        self._transfer("p2p", [(dst, _byte_view(st.flat), None)], [], seq=self._p2p_out[dst],
+                       extra={"dt": str(st.flat.dtype), "n": st.flat.numel()})
 
     def recv(self, tensor, src: int) -> None:
         self._check_usable()
         self._check_peer(src)
         st = _Staged(tensor, writeback=True)
-        view = _byte_view(st.flat)
-        try:
-            self._recv_frame(src, view, {"o": "p2p", "dt": str(st.flat.dtype), "n": st.flat.numel()})
-        except BaseException as e:
-            raise self._fail(self._error(src, e, "recv")) from None
+        self._p2p_in[src] = self._p2p_in.get(src, 0) + 1
+        self._transfer("p2p", [], [(src, _byte_view(st.flat), None)], seq=self._p2p_in[src],
+                       extra={"dt": str(st.flat.dtype), "n": st.flat.numel()})
         st.finish()
 
     def broadcast(self, tensor, src: int) -> None:
@@ -599,11 +470,11 @@ class SocketComm(Comm):
         segs = _segments(flat.numel(), n)
         r = self.rank
         nxt, prv = (r + 1) % n, (r - 1) % n
-        if n == 2 and len(view) <= INLINE_BYTES:
+        if n == 2 and len(view) <= SMALL_BYTES:
             # Two ranks, small buffer: swap whole buffers in one exchange (recursive doubling).
             # Same bytes as the ring (S each), half the round trips; a+b == b+a, so both
-            # ranks hold bit-identical sums.
-            sends, recvs = [(nxt, view, None)], [(prv, view, flat)]
+            # ranks hold bit-identical sums. The copy keeps the outgoing bytes unreduced.
+            sends, recvs = [(nxt, _byte_view(flat.clone()), None)], [(prv, view, flat)]
         else:
             sends, recvs = [], []
             for t in range(n - 1):  # reduce-scatter: rank r ends up owning segment (r+1) % n

@@ -38,6 +38,7 @@ def add_arguments(p) -> None:
     p.add_argument("--print-torchrun", action="store_true", help="print torchrun command lines and exit")
     p.add_argument("--external", action="store_true", help="start no workers; wait for them (e.g. from torchrun)")
     p.add_argument("--control-port", type=int, default=0, help="port of the control channel (default: any free)")
+    p.add_argument("--device", default="cpu", help="--local: torch device of every worker (cpu, cuda, mps, auto)")
     p.add_argument("--data-cap-mb", type=float, default=2.0, help="use at most this much of the corpus")
 
 
@@ -98,7 +99,7 @@ def run(args) -> int:
         "schedule": args.schedule, "shares": _shares(args.shares, hosts), "checkpoint_dir": None,
         "checkpoint_every": args.checkpoint_every, "start_step": 0, "barrier_timeout": args.barrier_timeout,
         "timeout": max(60.0, args.timeout), "pace": args.pace,
-        "devices": [getattr(p.host, "torch_device", "cpu") if p.host else "cpu" for p in placements],
+        "devices": [p.host.torch_device if p.host else args.device for p in placements],
     }
     check_usage(cfg, spec, world)
 
@@ -133,14 +134,14 @@ def run(args) -> int:
     cfg["ps_addr"], cfg["ps_port"], cfg["ps_bind"] = cfg["coord_addr"], cfg["port"], cfg["coord_addr"]
 
     if args.print_torchrun:
+        sfile = args.secret_file or (hosts[0].secret_file if hosts else "~/.config/smolcluster/secret")
         for r, p in enumerate(placements):
-            print(f"# on {p.name}: smoltrain worker reads the cluster secret on stdin")
+            print(f"# on {p.name} (the worker reads the cluster secret on stdin):")
             print(f"torchrun --nnodes {world} --node-rank {r} --nproc-per-node 1 --master-addr {cfg['coord_addr']} "
-                  f"--master-port {cfg['port'] + world + 2} -m smoltrain worker --control {control_addr}:7799 "
-                  f"--rank {r} < ~/.config/smolcluster/secret")
-        print(f"# then, on this machine: smoltrain run --strategy {args.strategy} "
-              f"{'--local ' + str(world) if hosts is None else '-i ' + args.inventory} --backend {args.backend} "
-              f"--external --control-port 7799")
+                  f"--master-port 29500 -m smoltrain worker --control {control_addr}:7799 --rank {r} < {sfile}")
+        where_ = f"--local {world}" if hosts is None else f"-i {args.inventory}"
+        print(f"# first, on this machine: smoltrain run --strategy {args.strategy} {where_} --backend {args.backend} "
+              f"--external --control-port 7799 --secret-file {sfile}")
         return 0
 
     plan = None
@@ -162,7 +163,11 @@ def run(args) -> int:
         except Exception as e:  # the plan is advice; never block a run on it
             console.print(f"plan unavailable: {e}")
 
-    secret = ensure_secret(args.secret_file)
+    if args.secret_file or hosts is not None or args.strategy == "edp" or args.external:
+        secret = ensure_secret(args.secret_file or (hosts[0].secret_file if hosts else None))  # others (joiners, remote hosts) must know it too
+    else:
+        import secrets
+        secret = secrets.token_hex(32).encode()  # loopback run: a fresh secret for this run only
     log_dir = tempfile.mkdtemp(prefix="smoltrain-logs-")
     cfg["control_port"] = args.control_port
     ctl = Controller(cfg, placements, secret, console, log_dir, external=args.external)

@@ -263,7 +263,7 @@ def plan_for_run(strategy, model: ModelSpec, world: int, dtype: str = "fp32", ba
         calibration = None
     ranks = resolve_ranks(world, hosts, calibration)
     if hosts is None and world > 1:
-        ranks = share_machine(ranks)
+        ranks = share_machine(ranks, busy=busy_ranks(strategy, world, microbatches, mode))
     lm = link_model([r.name for r in ranks], hosts[:world] if hosts else None, links, link_class)
     doc = make_plan(strategy, model, world, dtype, batch, seq, microbatches, mode, ranks, lm, overlap)
     if hosts is None and world > 1:
@@ -272,12 +272,65 @@ def plan_for_run(strategy, model: ModelSpec, world: int, dtype: str = "fp32", ba
     return doc
 
 
-def share_machine(ranks: list[Rank], cores: int | None = None) -> list[Rank]:
+def busy_ranks(strategy: str, world: int, microbatches: int = 1, mode: str = "train") -> int:
+    """How many ranks compute at the same time: a pipeline keeps at most min(m, p) busy, and
+    mp (or any pipeline in decode) one."""
+    if strategy == "mp" or (strategy == "pp" and mode == "infer"):
+        return 1
+    if strategy == "pp":
+        return min(world, microbatches)
+    return world
+
+
+def share_machine(ranks: list[Rank], cores: int | None = None, busy: int | None = None) -> list[Rank]:
     """Ranks on one machine (--local, or the sim) split its cores: each rank runs one torch
-    thread, so a rank keeps its (one-thread) rate while there is a core for it."""
+    thread, so a rank keeps its (one-thread) rate while there is a core for each busy rank."""
     from dataclasses import replace
 
     n = len(ranks)
-    f = min(1.0, (cores or os.cpu_count() or 1) / n)
+    f = min(1.0, (cores or os.cpu_count() or 1) / (busy or n))
     return [Rank(r.name, replace(r.device, flops_fp32=r.device.flops_fp32 * f, flops_fp16=r.device.flops_fp16 * f,
                                  mem_bw=r.device.mem_bw * f), r.memory_bytes / n) for r in ranks]
+
+
+WHAT_IF_CLASSES = ("1gbe", "2.5gbe", "10gbe", "tb4", "25gbe", "tb5", "100gbe", "200gbe")  # by goodput
+COMM_BOUND = ("link", "latency")
+
+
+def what_if(strategy: str, model: ModelSpec, world: int, ranks: list[Rank], **kw) -> list[dict]:
+    """The same plan over every link class: where the links stop being the bottleneck."""
+    rows = []
+    for name in WHAT_IF_CLASSES:
+        d = make_plan(strategy, model, world, ranks=ranks, lm=from_class(name), **kw)
+        rows.append({"link_class": name, "goodput_mbit": LINK_CLASSES[name].goodput_mbit,
+                     "rtt_us": LINK_CLASSES[name].rtt_us, "step_s": d["step_s"],
+                     "comm_s_per_step": d["comm_s_per_step"], "tokens_per_s": d["tokens_per_s"],
+                     "bottleneck": d["bottleneck"]})
+    return rows
+
+
+def describe_links(source: dict) -> str:
+    kind = source.get("kind")
+    if kind == "link-class":
+        return f"your {source['link_class']} links"
+    if kind == "links-report":
+        return "your measured links"
+    if kind == "inventory":
+        return f"your {source['rated_mbit']:.0f} Mbit/s links (rated, from the inventory)"
+    return "your links"
+
+
+def what_if_sentence(plan: dict, rows: list[dict]) -> str:
+    """One line: which link class this strategy needs, or that the link is not the bottleneck."""
+    s, per_tok = plan["strategy"], human_bytes(plan["bytes_per_token"])
+    yours = describe_links(plan["link_source"])
+    if plan["bottleneck"] not in COMM_BOUND:
+        return (f"{s} over {yours} sends {per_tok} per token; the link is not the bottleneck "
+                f"({plan['bottleneck']} is)")
+    ok = next((r for r in rows if r["bottleneck"] not in COMM_BOUND), None)
+    if ok is None:
+        last = rows[-1]
+        return (f"{s} sends {per_tok} per token and stays {last['bottleneck']}-bound even on "
+                f"{last['link_class']}; pick a strategy that sends less")
+    return (f"{s} needs {ok['link_class']} here (over {yours} it is {plan['bottleneck']}-bound, "
+            f"{per_tok} per token)")

@@ -31,7 +31,7 @@ WAIT_S = 120.0  # no bucket wait is unbounded
 class Bucket:
     def __init__(self, params: list[torch.Tensor]):
         self.params = params
-        self.flat = torch.zeros(sum(p.numel() for p in params))
+        self.flat = torch.zeros(sum(p.numel() for p in params), device=params[0].device)
         self.ready = threading.Event()
         self.done = threading.Event()
         self.pending = len(params)
@@ -40,7 +40,6 @@ class Bucket:
 class DataParallel(Strategy):
     def __init__(self, ctx: Context, bucket_mb: float = 1.0):
         super().__init__(ctx)
-        torch.manual_seed(ctx.seed)
         self.model = build_model(ctx.spec, ctx.seed).to(ctx.device)
         self.params = list(self.model.parameters())
         self.opt = AdamW(self.params, lr=ctx.lr)

@@ -33,21 +33,21 @@ from . import Context, Strategy
 class ShardedUnit:
     """One unit: the module (parameters empty between uses) and this rank's shard."""
 
-    def __init__(self, module: torch.nn.Module, rank: int, world: int, comm):
-        self.module, self.comm, self.world = module, comm, world
+    def __init__(self, module: torch.nn.Module, rank: int, world: int, comm, device):
+        self.module, self.comm, self.world, self.device = module.to(device), comm, world, device
         self.params = list(module.parameters())
         self.shapes = [p.shape for p in self.params]
         self.numel = sum(p.numel() for p in self.params)
         self.padded = -(-self.numel // world) * world
         self.shard_numel = self.padded // world
-        flat = torch.zeros(self.padded)
+        flat = torch.zeros(self.padded, device=device)
         flat[: self.numel] = torch.cat([p.detach().reshape(-1) for p in self.params])
         self.shard = flat[rank * self.shard_numel: (rank + 1) * self.shard_numel].clone()
         self.grad_shard = torch.zeros_like(self.shard)
         self.free()
 
     def gather(self) -> None:
-        full = torch.empty(self.padded)
+        full = torch.empty(self.padded, device=self.device)
         if self.world > 1:
             self.comm.all_gather(full, self.shard)
         else:
@@ -60,11 +60,11 @@ class ShardedUnit:
 
     def free(self) -> None:
         for p in self.params:
-            p.data = torch.empty(0)
+            p.data = torch.empty(0, device=self.device)
             p.grad = None
 
     def reduce_grads(self) -> None:
-        flat = torch.zeros(self.padded)
+        flat = torch.zeros(self.padded, device=self.device)
         flat[: self.numel] = torch.cat([p.grad.reshape(-1) for p in self.params])
         if self.world > 1:
             self.comm.reduce_scatter(self.grad_shard, flat, op="sum")
@@ -76,13 +76,14 @@ class FullyShardedDataParallel(Strategy):
     def __init__(self, ctx: Context):
         super().__init__(ctx)
         model = build_model(ctx.spec, ctx.seed)
-        self.units = [ShardedUnit(u, ctx.rank, ctx.world, ctx.comm) for u in model.units]
+        self.units = [ShardedUnit(u, ctx.rank, ctx.world, ctx.comm, ctx.device) for u in model.units]
         self.opt = AdamW([u.shard for u in self.units], lr=ctx.lr)
         shares = ctx.shares or [1.0] * ctx.world
         self.lo, self.hi = split_batch(ctx.batch, shares)[ctx.rank]
 
     def train_step(self, step: int) -> float:
         x, y = self.ctx.batches.slice(step, self.lo, self.hi)
+        x, y = x.to(self.ctx.device), y.to(self.ctx.device)
         acts = [x]
         with torch.no_grad():
             for u in self.units:

@@ -32,7 +32,7 @@ class StageStrategy(Strategy):
         super().__init__(ctx)
         full = build_model(ctx.spec, ctx.seed)
         ranges = split_units(len(full.units), ctx.spec.layers, ctx.world)
-        self.stage = nn.Sequential(*[full.units[i] for i in ranges[ctx.rank]])
+        self.stage = nn.Sequential(*[full.units[i] for i in ranges[ctx.rank]]).to(ctx.device)
         self.first, self.last = ctx.rank == 0, ctx.rank == ctx.world - 1
         self.loss_owner = self.last
         self.params = list(self.stage.parameters())
@@ -42,7 +42,7 @@ class StageStrategy(Strategy):
         return (n_seq, self.ctx.seq, self.ctx.spec.hidden)
 
     def recv_from(self, src: int, n_seq: int) -> torch.Tensor:
-        t = torch.empty(self.act_shape(n_seq))
+        t = torch.empty(self.act_shape(n_seq), device=self.ctx.device)
         self.ctx.comm.recv(t, src)
         return t
 
@@ -70,6 +70,7 @@ class ModelParallel(StageStrategy):
     def train_step(self, step: int) -> float | None:
         r, b = self.ctx.rank, self.ctx.batch
         x, y = self.ctx.batches.global_batch(step)
+        x, y = x.to(self.ctx.device), y.to(self.ctx.device)
         inp = x if self.first else self.recv_from(r - 1, b).requires_grad_(True)
         out = self.stage(inp)
         if self.last:

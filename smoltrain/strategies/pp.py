@@ -114,7 +114,8 @@ class PipelineParallel(StageStrategy):
                 self.send_to(g_in, r - 1)
 
     def train_step(self, step: int) -> float | None:
-        self.x, self.y = self.ctx.batches.global_batch(step)
+        x, y = self.ctx.batches.global_batch(step)
+        self.x, self.y = x.to(self.ctx.device), y.to(self.ctx.device)
         self.inputs, self.outputs, self.loss = {}, {}, 0.0
         if self.ctx.schedule == "gpipe" or self.ctx.world == 1:
             self._gpipe()

@@ -48,8 +48,9 @@ class SyncParameterServer(Strategy):
             self.thread = threading.Thread(target=self.server.serve,
                                            args=(cfg["start_step"], cfg["steps"]), daemon=True)
             self.thread.start()
-        self.model = build_model(ctx.spec, ctx.seed)
+        self.model = build_model(ctx.spec, ctx.seed).to(ctx.device)
         self.flat = flat_params(self.model)
+        self.wire_buf = torch.empty(self.flat.numel())  # parameters arrive in host memory
         self.params = list(self.model.parameters())
         order = ctx.rank if ctx.rank >= 0 else 1 << 20
         self.member = Member(cfg["ps_addr"], cfg["ps_port"], cfg["secret"], ctx.name, order,
@@ -60,15 +61,18 @@ class SyncParameterServer(Strategy):
     def next_step(self, step: int) -> int | None:
         t = self.ctx.comm_timer
         with t:
-            self.assignment = self.member.pull(self.flat)
+            self.assignment = self.member.pull(self.wire_buf)
+            if self.assignment is not None:
+                self.flat.copy_(self.wire_buf)
         return None if self.assignment is None else int(self.assignment["step"])
 
     def train_step(self, step: int) -> None:
         a = self.assignment
         x, y = self.ctx.batches.slice(step, a["lo"], a["hi"])
+        x, y = x.to(self.ctx.device), y.to(self.ctx.device)
         loss = loss_sum(self.model(x), y, self.ctx.global_tokens)
         loss.backward()
-        grad = torch.cat([p.grad.reshape(-1) for p in self.params])
+        grad = torch.cat([p.grad.reshape(-1) for p in self.params]).cpu()
         for p in self.params:
             p.grad = None
         with self.ctx.comm_timer:

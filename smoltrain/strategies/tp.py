@@ -94,12 +94,13 @@ class TensorParallel(Strategy):
         units = list(full.units)
         if ctx.world > 1:
             units = [units[0]] + [ParallelBlock(b, ctx.rank, ctx.world, ctx.comm) for b in units[1:-1]] + [units[-1]]
-        self.model = nn.Sequential(*units)
+        self.model = nn.Sequential(*units).to(ctx.device)
         self.params = list(self.model.parameters())
         self.opt = AdamW(self.params, lr=ctx.lr)
 
     def train_step(self, step: int) -> float | None:
         x, y = self.ctx.batches.global_batch(step)
+        x, y = x.to(self.ctx.device), y.to(self.ctx.device)
         loss = loss_sum(self.model(x), y, self.ctx.global_tokens)
         loss.backward()
         self.opt.step([p.grad for p in self.params])

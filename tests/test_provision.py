@@ -1,0 +1,164 @@
+"""Provisioning on the sim: lint, converge, idempotence, check mode, `make verify`, and the
+jumbo-MTU refusal on the sim's mismatched host (iface 9000, switch port 1500).
+
+One sim (name a1, 10.213.21.0/24) for the whole module. Its inventory is copied into a
+temporary directory with two overrides: the laptop's `mtu` is 1500 (its port carries no
+more) and the model share lives in the temporary directory, so nothing outside is touched.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from provisiontools import BIN, REPO, ansible_env, changed_tasks, ns_run, playbook, recap
+
+SIM, SUBNET = "a1", "10.213.21.0/24"
+HOSTS = ("pi5", "jetson", "macmini", "laptop")
+TARGET_MTU = {"pi5": 1500, "jetson": 1500, "macmini": 9000, "laptop": 1500}
+
+
+def test_lint_production_profile_offline():
+    """ansible-lint (profile production, offline, from .ansible-lint) and yamllint rules pass."""
+    p = subprocess.run([str(BIN / "ansible-lint"), "--nocolor", "playbooks/"], cwd=REPO, env=ansible_env(),
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-6000:]
+    assert "Passed" in p.stdout and "production" in p.stdout, p.stdout[-2000:]
+
+
+def test_syntax_check_on_the_example_inventory():
+    p = playbook("-i", "inventory/hosts.example.yml", "--syntax-check", "playbooks/site.yml", "playbooks/verify.yml",
+                 timeout=120)
+    assert p.returncode == 0, p.stdout[-3000:]
+
+
+def test_example_inventory_is_the_reference_cluster():
+    from smolnet.inventory import load_inventory
+    inv = load_inventory(REPO / "inventory/hosts.example.yml")
+    devices = {h.name: h.device for h in inv.hosts}
+    assert devices == {"pi5": "pi5", "jetson": "jetson-orin-nano", "laptop": "rtx4050-laptop",
+                       "macmini": "mac-mini-m4"}
+    assert inv.nfs_server is not None and inv.coordinator.name == "macmini"
+    assert all(h.address.startswith("192.0.2.") for h in inv.hosts)      # documentation addresses only
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from smolnet import sim
+    reason = sim.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    d = tmp_path_factory.mktemp("provision")
+    inv = d / "hosts.yml"
+    try:
+        st = sim.up(name=SIM, subnet=SUBNET, inventory=str(inv))
+    except sim.SimUnavailable as e:
+        pytest.skip(str(e))
+    try:
+        export = d / "models"
+        (d / "host_vars").mkdir()
+        (d / "host_vars" / "laptop.yml").write_text("mtu: 1500\n")
+        (d / "group_vars").mkdir()
+        (d / "group_vars" / "cluster.yml").write_text(
+            f"nfs_export_dir: {export}\nnfs_server_ganesha_state_dir: {d / 'ganesha'}\n")
+        yield {"dir": d, "inventory": str(inv), "export": export, "state": st,
+               "ns": {h["name"]: h["netns"] for h in st["hosts"]},
+               "addr": {h["name"]: h["address"] for h in st["hosts"]}}
+    finally:
+        sim.down(name=SIM)
+
+
+@pytest.fixture(scope="module")
+def converged(cluster):
+    first = playbook("-i", cluster["inventory"], "playbooks/site.yml")
+    r = recap(first.stdout)
+    assert first.returncode == 0 and set(r) == set(HOSTS), first.stdout[-6000:]
+    assert all(v["failed"] == 0 and v["unreachable"] == 0 for v in r.values()), r
+    return cluster
+
+
+def test_second_converge_changes_nothing(converged):
+    again = playbook("-i", converged["inventory"], "playbooks/site.yml")
+    r = recap(again.stdout)
+    assert again.returncode == 0 and set(r) == set(HOSTS), again.stdout[-6000:]
+    assert {h: v["changed"] for h, v in r.items()} == {h: 0 for h in HOSTS}, changed_tasks(again.stdout)
+
+
+def test_check_mode_after_converge_changes_nothing(converged):
+    check = playbook("-i", converged["inventory"], "playbooks/site.yml", "--check", "--diff")
+    r = recap(check.stdout)
+    assert check.returncode == 0 and set(r) == set(HOSTS), check.stdout[-6000:]
+    assert {h: v["changed"] for h, v in r.items()} == {h: 0 for h in HOSTS}, changed_tasks(check.stdout)
+
+
+def test_verify_passes_from_the_hosts(converged):
+    """verify.yml: names, getent, SSH by name for every pair, DF pings, secret, NFS read and refused write."""
+    p = playbook("-i", converged["inventory"], "playbooks/verify.yml", "-v")
+    r = recap(p.stdout)
+    assert p.returncode == 0 and set(r) == set(HOSTS), p.stdout[-6000:]
+    assert "NFS4ERR_ROFS" in p.stdout            # the write was refused by the server, not skipped
+    assert p.stdout.count("StrictHostKeyChecking=yes") >= len(HOSTS)
+
+
+def test_hosts_state_seen_directly(converged):
+    """Independent of the playbooks: look at each host over SSH and in its namespace."""
+    from smolnet.inventory import load_inventory
+    from smolnet.remote import connect
+    inv = load_inventory(converged["inventory"])
+    secrets = set()
+    for h in inv.hosts:
+        with connect(h) as rem:
+            assert rem.run(["uname", "-n"]).stdout.strip() == h.name
+            assert rem.run(["cat", "/etc/hostname"]).stdout.strip() == h.name
+            for peer in inv.hosts:
+                got = rem.run(["getent", "hosts", peer.name]).stdout.split()
+                assert got and got[0] == peer.cluster_ip, (h.name, peer.name, got)
+            st = rem.run(["stat", "-c", "%a", h.secret_file]).stdout.strip()
+            assert st == "600", (h.name, st)
+            secrets.add(rem.run(["sha256sum", h.secret_file]).stdout.split()[0])
+            for peer in inv.hosts:
+                if peer.name != h.name:
+                    res = rem.run(["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
+                                   "-o", "ConnectTimeout=10", peer.name, "uname -n"], timeout=30)
+                    assert res.rc == 0 and res.stdout.strip() == peer.name, (h.name, peer.name, res.stderr)
+        mtu = ns_run(converged["ns"][h.name], ["cat", "/sys/class/net/eth0/mtu"]).stdout.strip()
+        assert int(mtu) == TARGET_MTU[h.name], (h.name, mtu)
+    assert len(secrets) == 1
+
+
+def test_nfs_share_read_only_over_nfsv4(converged):
+    """libnfs from a client host: the marker reads back, a write is refused."""
+    export, ns, server = converged["export"], converged["ns"]["jetson"], converged["addr"]["pi5"]
+    url = f"nfs://{server}{export}/.smolcluster?version=4"
+    p = ns_run(ns, ["nfs-cat", url])
+    assert p.returncode == 0 and p.stdout == "smolcluster model share on pi5\n", p.stderr
+    w = ns_run(ns, ["nfs-cp", "/etc/hostname", f"nfs://{server}{export}/written?version=4"])
+    assert w.returncode != 0 and not (export / "written").exists()
+
+
+def test_jumbo_mtu_on_the_mismatched_host_is_refused(converged):
+    """laptop: iface takes 9000, its switch port carries 1500. With `mtu: 9000` the play
+    refuses, names host and peer, and leaves the laptop reachable at an MTU its path carries."""
+    hv = converged["dir"] / "host_vars" / "laptop.yml"
+    hv.write_text("mtu: 9000\n")
+    try:
+        p = playbook("-i", converged["inventory"], "playbooks/site.yml", "--tags", "mtu")
+    finally:
+        hv.write_text("mtu: 1500\n")
+    assert p.returncode != 0
+    assert recap(p.stdout)["laptop"]["failed"] == 1, p.stdout[-4000:]
+    assert "MTU error: laptop" in p.stdout and "path to macmini" in p.stdout, p.stdout[-4000:]
+    ns = converged["ns"]
+    mtu = int(ns_run(ns["laptop"], ["cat", "/sys/class/net/eth0/mtu"]).stdout)
+    assert mtu == 1500
+    # macmini was not changed in this run, so it keeps its jumbo MTU.
+    assert int(ns_run(ns["macmini"], ["cat", "/sys/class/net/eth0/mtu"]).stdout) == 9000
+    # The laptop still answers Ansible and carries full 1500-byte frames both ways.
+    ping = subprocess.run([str(BIN / "ansible"), "-i", converged["inventory"], "laptop", "-m", "ansible.builtin.ping"],
+                          cwd=REPO, env=ansible_env(), capture_output=True, text=True, timeout=120)
+    assert ping.returncode == 0, ping.stdout + ping.stderr
+    addr = converged["addr"]
+    for src, dst in (("laptop", "macmini"), ("macmini", "laptop")):
+        q = ns_run(ns[src], ["ping", "-M", "do", "-s", "1472", "-c", "2", "-i", "0.2", "-W", "2", addr[dst]])
+        assert q.returncode == 0, (src, dst, q.stdout)
