@@ -80,7 +80,12 @@ class Agent:
                 conn.close()
                 continue
             self.stats["accepted"] += 1
-            threading.Thread(target=self._handle, args=(conn, peer), daemon=True).start()
+            try:
+                threading.Thread(target=self._handle, args=(conn, peer), daemon=True).start()
+            except RuntimeError as e:      # out of threads: drop this peer, keep serving
+                log.warning("%s:%d dropped: %s", peer[0], peer[1], e)
+                conn.close()
+                self.slots.release()
 
     def start_background(self) -> threading.Thread:
         t = threading.Thread(target=self.serve_forever, name="agent", daemon=True)

@@ -15,8 +15,9 @@ Losing the coordinator (rank 0) ends the run; checkpoints make that recoverable.
 What crosses the wire, per step and per member other than rank 0: parameters
 server -> worker (P*4 bytes) and gradients worker -> server (P*4 bytes), as in
 syncps; a join costs nothing extra because every step already ships the
-parameters. The loss curve matches `--local 1` until membership changes, then
-differs only because the step ran on fewer sequences.
+parameters. Every step still covers the whole global batch (re-split over the
+members present), so the curve matches `--local 1` until a member is lost
+mid-step: that one step averages only the survivors' sequences.
 """
 from __future__ import annotations
 
