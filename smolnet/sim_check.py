@@ -107,7 +107,7 @@ def check(st: dict, seconds: float = 3) -> list[dict]:
             t = path_truth(spec_of(s), spec_of(d))
             got = iperf3(s["netns"], d["netns"], d["address"], seconds=seconds if not t["blackhole"] else 2)
             rows.append({"src": s["name"], "dst": d["name"], **t, "measured_mbit": round(got["mbit"], 1),
-                         "retransmits": got["retransmits"], "error": got["error"]})
+                         "retransmits": got["retransmits"], "error": got["error"], "locked": got["locked"]})
     return rows
 
 
@@ -129,14 +129,15 @@ def main(argv=None) -> int:
         return 1
     rows = check(st, a.seconds)
     t = Table(title=f"sim {a.name} ({st['scenario']}): TCP goodput vs truth, iperf3 -t {a.seconds:g} -O 1")
-    for col in ("src -> dst", "mtu", "shaped Mbit/s", "truth Mbit/s", "measured", "ratio"):
+    for col in ("src -> dst", "mtu", "shaped Mbit/s", "truth Mbit/s", "measured", "ratio", "retr", "bench lock"):
         t.add_column(col)
     for r in rows:
         truth = r["goodput_mbit"]
         t.add_row(f"{r['src']} -> {r['dst']}", f"{r['mtu_configured']}" + (" (black hole)" if r["blackhole"] else ""),
                   f"{r['rate_mbit']:g}" if r["rate_mbit"] else "unshaped",
                   f"{truth:.1f}" if truth else "~0" if r["blackhole"] else "-",
-                  f"{r['measured_mbit']:.1f}", f"{r['measured_mbit'] / truth:.3f}" if truth else "-")
+                  f"{r['measured_mbit']:.1f}", f"{r['measured_mbit'] / truth:.3f}" if truth else "-",
+                  str(r["retransmits"]), "held" if r["locked"] else "contended")
     Console().print(t)
     if a.json:
         with open(a.json, "w") as f:

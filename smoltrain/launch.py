@@ -118,6 +118,14 @@ class Controller:
                 pass
 
     def log_tail(self, name: str) -> str:
+        proc = self.procs.get(name)
+        if isinstance(proc, tuple):  # a worker on another host: its log is there
+            remote, rproc = proc
+            try:
+                res = remote.run(["tail", "-n", "1", rproc.log], timeout=5.0)
+                return res.stdout.strip()[:200]
+            except Exception:
+                return ""
         path = os.path.join(self.log_dir, f"{name}.log")
         try:
             lines = [ln for ln in Path(path).read_text(errors="replace").splitlines() if ln.strip()]
@@ -225,7 +233,8 @@ class Controller:
                             raise SmolError(f"{', '.join(missing)}: never connected within {connect_timeout:.0f}s "
                                             f"({self.log_tail(missing[0]) or 'host unreachable?'})")
                         if now - last > idle_timeout:
-                            raise SmolError(f"no word from any worker for {idle_timeout:.0f}s")
+                            raise SmolError(f"no word from any worker for {idle_timeout:.0f}s (a stalled link? "
+                                            "check it with `smolnet matrix`)")
                         continue
                     last = time.monotonic()
                     self.handle(who, msg, progress)

@@ -349,3 +349,32 @@ def test_calibrate_writes_a_profile_the_plan_uses(capsys, tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     rc, _, err = cli(capsys, "--strategy", "dp", "--calibration", str(tmp_path / "bad.json"))
     assert rc == 2 and "calibration" in err
+
+
+def test_gpipe_schedule_and_bucket_overlap_arithmetic():
+    from smoltrain.planner.timing import exposed_overlap, pipeline
+    # 2 stages of 0.3 s per step, 2 microbatches, 10 ms hops: forward 0.05 s and backward
+    # 0.1 s per stage per microbatch. Forward: 0.05 + 0.01 + 0.05, then one more slot of 0.05;
+    # backward: 0.1 + 0.01 + 0.1, then one more slot of 0.1.
+    comp, comm = pipeline([0.3, 0.3], [0.01], [0.01], 2, True)
+    assert comp == pytest.approx(0.45) and comm == pytest.approx(0.02)
+    # buckets: 0.3 s of all-reduce, the last bucket 0.1 s, 0.15 s of backward to hide behind
+    assert exposed_overlap(0.3, 0.1, 0.15) == pytest.approx(0.1 + 0.05)
+    assert exposed_overlap(0.3, 0.1, 1.0) == pytest.approx(0.1)        # only the last is exposed
+
+
+def test_star_server_nic_carries_every_worker():
+    d = plan("syncps", world=3, link_class="1gbe")
+    # pushes: 2 workers x P*4 bytes into rank 0's one NIC, then the pulls out of it
+    nic = 941e6 / 8
+    assert d["comm_s_per_step"] == pytest.approx(2 * (2 * P_TINY * 4 / nic + 100e-6))
+    assert "rank0's" in d["bottleneck_where"]
+
+
+def test_find_report_takes_only_a_report_covering_the_hosts(tmp_path):
+    from smoltrain.planner.links import find_report
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    _links_report(a, ["n1", "n2"])
+    _links_report(b, ["n1", "n2", "n3"])
+    assert find_report(["n1", "n2", "n3"], [str(a), str(b)])["_path"] == str(b)
+    assert find_report(["n1", "n4"], [str(a), str(b), str(tmp_path / "missing.json")]) is None

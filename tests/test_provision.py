@@ -14,6 +14,10 @@ import pytest
 
 from provisiontools import BIN, REPO, ansible_env, changed_tasks, ns_run, playbook, recap
 
+# Converging four hosts takes minutes on a busy 2-core machine; the fixture's time counts
+# against the first test that uses it.
+pytestmark = [pytest.mark.timeout(900)]
+
 SIM, SUBNET = "a1", "10.213.21.0/24"
 HOSTS = ("pi5", "jetson", "macmini", "laptop")
 TARGET_MTU = {"pi5": 1500, "jetson": 1500, "macmini": 9000, "laptop": 1500}

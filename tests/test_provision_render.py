@@ -11,6 +11,8 @@ import pytest
 
 from provisiontools import changed_tasks, playbook, recap
 
+pytestmark = [pytest.mark.timeout(600)]
+
 LOCAL = ("-i", "localhost,", "tests/ansible/render.yml", "-e", f"ansible_python_interpreter={sys.executable}")
 IFACE, MAC = "enp3s0", "52:54:00:12:34:56"
 STACK_TRACES = {                      # what each stack leaves on a host, for detection

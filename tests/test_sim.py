@@ -260,6 +260,10 @@ def test_down_leaves_nothing_and_up_down_up_works(tmp_path):
                                  start_new_session=True)
         time.sleep(0.2)
         pids = [h["pid_sshd"] for h in st["hosts"]] + [stray.pid]
+        os.kill(hs["s1"]["pid_sshd"], 9)               # a dead host shows in status
+        time.sleep(0.3)
+        assert {h["name"]: h["ok"] for h in sim.status("t1")["hosts"]} == \
+            {"j1": True, "j2": True, "jm": True, "s1": False}
     finally:
         sim.down("t1")
     stray.wait(timeout=10)
@@ -295,6 +299,23 @@ def test_failed_up_rolls_back(tmp_path):
     finally:
         sim.down("t2")
     assert _leftovers("t2", "10.213.52.", [st["hosts"][0]["pid_sshd"]]) == []
+
+
+@NEEDS_SIM
+def test_down_after_lost_state_finds_leftovers_by_name(tmp_path):
+    """A crash that loses state.json must not strand namespaces: up refuses, down cleans."""
+    sim.down("t4")
+    st = sim.up(name="t4", scenario="uniform", hosts=1, rate_mbit=0, subnet="10.213.56.0/24",
+                inventory=str(tmp_path / "a.yml"))
+    import shutil
+    shutil.rmtree(sim.state_dir("t4"), ignore_errors=True)
+    try:
+        with pytest.raises(sim.SimError, match="already exists without sim state"):
+            sim.up(name="t4", scenario="uniform", hosts=1, subnet="10.213.56.0/24",
+                   inventory=str(tmp_path / "b.yml"))
+    finally:
+        assert sim.down("t4") is not None
+    assert _leftovers("t4", "10.213.56.", [st["hosts"][0]["pid_sshd"]]) == []
 
 
 # --- loopback fallback -------------------------------------------------------------------
@@ -340,3 +361,31 @@ def test_loopback_via_cli_and_env(tmp_path, monkeypatch, capsys):
     assert smolnet_main(["sim", "up", "--name", "tc", "--scenario", "home", "--mtu", "9000",
                          "--inventory", str(inv)]) == 2
     assert "applies to scenario 'uniform' only" in capsys.readouterr().err
+
+
+def test_down_keeps_an_inventory_the_user_replaced(tmp_path, monkeypatch):
+    monkeypatch.setattr(sim, "STATE_ROOT", tmp_path / "state")
+    inv = tmp_path / "mine.yml"
+    sim.up(name="tk", scenario="uniform", hosts=1, subnet="10.213.54.0/24", inventory=str(inv), loopback=True)
+    inv.write_text("cluster:\n  hosts:\n    mine: {ansible_host: 127.0.0.1}\n")
+    sim.down("tk")
+    assert inv.exists() and not (tmp_path / "state" / "tk").exists()
+
+
+def test_without_root_cli_falls_back_to_loopback(tmp_path, monkeypatch, capsys):
+    """Not root: the API refuses with SimUnavailable; the CLI says why and goes loopback."""
+    monkeypatch.setattr(sim, "STATE_ROOT", tmp_path / "state")
+    monkeypatch.delenv("SMOL_SIM_LOOPBACK", raising=False)
+    monkeypatch.setattr(sim.net.os, "geteuid", lambda: 1000)
+    assert "needs root" in sim.unavailable_reason()
+    with pytest.raises(sim.SimUnavailable, match="needs root"):
+        sim.up(name="tn", subnet="10.213.54.0/24", inventory=str(tmp_path / "x.yml"))
+    inv = tmp_path / "nr.yml"
+    assert smolnet_main(["sim", "up", "--name", "tn", "--subnet", "10.213.54.0/24", "--inventory", str(inv)]) == 0
+    try:
+        captured = capsys.readouterr()
+        assert "needs root" in captured.err and "falling back to loopback" in captured.err
+        assert all(h.local for h in load_inventory(inv).hosts)
+    finally:
+        assert smolnet_main(["sim", "down", "--name", "tn"]) == 0
+    assert not inv.exists()

@@ -51,6 +51,8 @@ K_DATA = 10
 K_ABORT = 11
 
 CHUNK_BYTES = 4 << 20
+MIN_CHUNK_BYTES = 256 << 10
+PIPELINE = 4
 SMALL_BYTES = 64 * 1024
 HEADER_SIZE = wire.FRAME_HEADER.size
 _DONTWAIT = socket.MSG_DONTWAIT
@@ -274,7 +276,11 @@ class SocketComm(Comm):
         """Byte ranges of the chunks of an n-byte message; an empty message is one empty frame."""
         if n == 0:
             return [(0, 0)]
-        step = max(elem, self.chunk_bytes - self.chunk_bytes % elem)
+        # A function of the message size only (both ends must cut alike): about PIPELINE
+        # chunks per message so forwarding starts early, but never below MIN_CHUNK_BYTES
+        # (per-chunk overhead) nor above chunk_bytes (pipeline fill time).
+        step = min(self.chunk_bytes, max(MIN_CHUNK_BYTES, -(-n // PIPELINE)))
+        step = max(elem, step - step % 4096 if step >= 4096 else step - step % elem)
         return [(a, min(n, a + step)) for a in range(0, n, step)]
 
     def _transfer(self, op: str, sends: list, recvs: list, elem: int = 1, dtype=None,

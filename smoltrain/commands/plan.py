@@ -83,7 +83,8 @@ def run(args) -> int:
     from smoltrain.planner import STRATEGIES, render
     from smoltrain.planner.devices import get_link_class, load_calibration
     from smoltrain.planner.links import read_report
-    from smoltrain.planner.plan import link_model, make_plan, resolve_ranks, what_if, what_if_sentence
+    from smoltrain.planner.plan import (busy_ranks, link_model, make_plan, resolve_ranks, share_machine, what_if,
+                                        what_if_sentence)
 
     con = Console()
     run_doc = None
@@ -120,6 +121,8 @@ def run(args) -> int:
         raise UsageError(f"--world {world} is larger than the {len(hosts)} hosts available")
     calibration = load_calibration(args.calibration, required=bool(args.calibration))
     ranks = resolve_ranks(world, hosts, calibration)
+    if run_doc is not None and hosts is None and world > 1:   # a --local run: ranks share this machine
+        ranks = share_machine(ranks, busy=busy_ranks(args.strategy, world, args.microbatches, args.mode))
     lm = link_model([r.name for r in ranks], hosts[:world] if hosts else None, links_doc, args.link_class)
     kw = dict(dtype=args.dtype, batch=args.batch, seq=args.seq, microbatches=args.microbatches, mode=args.mode)
 

@@ -33,7 +33,8 @@ def add_arguments(p) -> None:
     p.add_argument("--links", help="links.json for the plan shown before the run")
     p.add_argument("--secret-file", help="cluster secret (default ~/.config/smolcluster/secret, created if missing)")
     p.add_argument("--barrier-timeout", type=float, default=30.0, help="syncps/edp: drop a worker this late")
-    p.add_argument("--timeout", type=float, default=120.0, help="give up after this long without word from workers")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="give up after this long without word from workers (a silent peer: half of it)")
     p.add_argument("--pace", type=float, default=0.0, help="make each step last at least this many seconds (demos)")
     p.add_argument("--print-torchrun", action="store_true", help="print torchrun command lines and exit")
     p.add_argument("--external", action="store_true", help="start no workers; wait for them (e.g. from torchrun)")
@@ -98,7 +99,8 @@ def run(args) -> int:
         "seq": args.seq, "lr": args.lr, "seed": args.seed, "microbatches": args.microbatches,
         "schedule": args.schedule, "shares": _shares(args.shares, hosts), "checkpoint_dir": None,
         "checkpoint_every": args.checkpoint_every, "start_step": 0, "barrier_timeout": args.barrier_timeout,
-        "timeout": max(60.0, args.timeout), "pace": args.pace,
+        # workers give up on a silent peer first, so the error names the link, not just "silence"
+        "timeout": max(10.0, args.timeout / 2), "pace": args.pace,
         "devices": [p.host.torch_device if p.host else args.device for p in placements],
     }
     check_usage(cfg, spec, world)

@@ -118,3 +118,17 @@ def from_report(doc: dict, hosts: list[str]) -> LinkModel:
         raise UsageError(f"{where}: no measurement for {', '.join(absent[:4])}"
                          f"{' ...' if len(absent) > 4 else ''} (run `smolnet matrix` again)")
     return model
+
+
+def find_report(hosts: list[str], paths=("reports/links.json",)) -> dict | None:
+    """The newest links report that covers all `hosts` (what `smoltrain run` plans on), or None."""
+    best = None
+    for p in paths:
+        try:
+            doc = read_report(p)
+        except UsageError:
+            continue
+        if set(hosts) <= set(report_hosts(doc)):
+            if best is None or str(doc.get("created") or "") > str(best.get("created") or ""):
+                best = doc
+    return best

@@ -139,9 +139,9 @@ def make_plan(strategy: str, model: ModelSpec, world: int, dtype: str = "fp32", 
             hop_b = [hop(r + 1, r).alpha_s + mb / hop(r + 1, r).bytes_per_s if hop(r + 1, r).up else math.inf
                      for r in range(world - 1)]
             compute_s, comm_s = timing.pipeline(stage, hop_f, hop_b, microbatches, True)
-            tied = {i for i, ph in enumerate(tr.phases) if not ph.what.startswith("tied")}
-            extra = timing.comm_cost(tr, names, lm, skip=tied)
-            comm_s += extra.total_s
+            # the boundary hops are in the schedule; add what else crosses (tied embeddings)
+            hops = {i for i, ph in enumerate(tr.phases) if not ph.what.startswith("tied")}
+            comm_s += timing.comm_cost(tr, names, lm, skip=hops).total_s
             bubble = (world - 1) / (microbatches + world - 1)
         else:
             compute_s = sum(stage)

@@ -12,7 +12,9 @@ first, the order backward produces them); a bucket is handed to a background
 thread the moment its last gradient is accumulated, so the all-reduce of the late
 layers runs while autograd still computes the early ones. Buckets are reduced in
 a fixed order on every rank. Each rank sends 2(N-1)/N of the gradient bytes
-(4 bytes per parameter in fp32) per step; nothing else crosses.
+(4 bytes per parameter in fp32) per step; nothing else crosses. The step's
+comm_s is the time spent inside those all-reduces, most of it hidden behind
+backward, so comm_s + compute can exceed step_s.
 """
 from __future__ import annotations
 
