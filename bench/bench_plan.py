@@ -45,7 +45,7 @@ def main() -> int:
     ap.add_argument("--hosts", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--strategies", default="dp,fsdp,syncps,mp,pp,tp")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "plan-results.json"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "plan-results.json"))
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-plan-"))
     inv_path = work / "p1.yml"
