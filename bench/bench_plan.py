@@ -85,6 +85,7 @@ def main() -> int:
             print(json.dumps(row), flush=True)
     finally:
         sim.down(name="p1")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(results, indent=2) + "\n")
     print(markdown(results))
     print(f"wrote {a.out}")
