@@ -112,7 +112,7 @@ def summarize(rows: list[dict]) -> list[dict]:
     out = []
     for row in rows:
         n, b = row["world_size"], row["bytes"]
-        entry = {"world_size": n, "bytes": b, "iters": row["iters"]}
+        entry = {"world_size": n, "bytes": b, "iters": row["iters"], "seconds": row["seconds"]}
         for name, ts in row["seconds"].items():
             p50 = statistics.median(ts)
             alg = b / p50 / 1e9

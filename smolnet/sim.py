@@ -1,7 +1,7 @@
 """The single-machine cluster: real namespaced hosts behind one shaped switch.
 
 Each host is a network namespace with its own UTS and mount namespaces, overlays over
-/etc and /root, and sshd on its address with its own host key. A switch namespace
+/etc and /root (with a private /root/.ssh), and sshd on its address with its own host key. A switch namespace
 holds a bridge; a controller veth in the root namespace reaches every host. Links
 are shaped with tc tbf and carry per-host and per-switch-port MTUs, so the faults
 smolnet hunts (slow uplinks, jumbo mismatches) are real here, not mocked.
@@ -58,7 +58,7 @@ def state_dir(name: str) -> Path:
 def _check_name(name: str) -> None:
     if not NAME_RE.match(name or ""):
         raise SimError(f"bad sim name {name!r}: 1-10 lowercase letters/digits, starting with a letter "
-                       "(it becomes part of interface names, which Linux caps at 15 characters)")
+                       "(it becomes part of interface names, which Linux caps at 15 characters)", code=2)
 
 
 @contextmanager
@@ -123,11 +123,11 @@ def _addresses(subnet: str, n: int) -> tuple[ipaddress.IPv4Network, list[str], s
     try:
         net_ = ipaddress.ip_network(subnet, strict=True)
     except ValueError as e:
-        raise SimError(f"bad subnet {subnet!r}: {e}") from None
+        raise SimError(f"bad subnet {subnet!r}: {e}", code=2) from None
     if net_.version != 4:
-        raise SimError(f"subnet {subnet} must be IPv4")
+        raise SimError(f"subnet {subnet} must be IPv4", code=2)
     if net_.num_addresses - 2 < n + 1:
-        raise SimError(f"subnet {subnet} is too small for {n} hosts and the controller")
+        raise SimError(f"subnet {subnet} is too small for {n} hosts and the controller", code=2)
     return net_, [str(net_.network_address + i) for i in range(1, n + 1)], str(net_.broadcast_address - 1)
 
 
@@ -135,6 +135,16 @@ def _loopback_addresses(net_: ipaddress.IPv4Network, n: int) -> list[str]:
     """127.B.C.i for subnet A.B.C.0: distinct per subnet, so two loopback sims never collide."""
     b, c = net_.network_address.packed[1:3]
     return [f"127.{b}.{c}.{i}" for i in range(1, n + 1)]
+
+
+def _opaque(upper_dir: Path) -> None:
+    """Hide the machine's own /root/.ssh from a host: the controller's keys and known_hosts
+    are not the host's, and a provisioning run must not find (and reuse) them."""
+    try:
+        os.setxattr(upper_dir, "trusted.overlay.opaque", b"y")
+    except OSError as e:
+        raise SimError(f"cannot mark {upper_dir} opaque for overlayfs ({e.strerror}); "
+                       f"is {STATE_ROOT} on a filesystem with trusted xattrs?") from None
 
 
 def _etc_hosts(host: str, address: str) -> str:
@@ -263,6 +273,7 @@ def _build(st: dict, specs: list[HostSpec]) -> None:
         _write_atomic(hd / "etc" / "hosts", _etc_hosts(s.name, h["address"]))
         (hd / "root").chmod(0o700)
         (hd / "root" / ".ssh").mkdir(mode=0o700)
+        _opaque(hd / "root" / ".ssh")
         _write_atomic(hd / "root" / ".ssh" / "authorized_keys", ctl_pub + "\n", 0o600)
         priv, pub = _ed25519_pair(f"root@{s.name}")
         _write_atomic(hd / "ssh_host_ed25519_key", priv, 0o600)

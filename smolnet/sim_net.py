@@ -173,8 +173,11 @@ LogLevel ERROR
 def start_sshd(ns: str, host: str, d: Path, log: Path) -> None:
     """Launch sshd inside the host's netns plus fresh UTS and mount namespaces.
 
-    The overlays make /etc and /root per host (hostname, /etc/hosts, authorized_keys);
-    every SSH session is a child of this sshd, so it inherits all three namespaces.
+    Overlays make /etc and /root per host (hostname, /etc/hosts, home) on top of the
+    machine's; the host's /root/.ssh is opaque (authorized_keys only), so the controller's
+    keys never leak in. /root itself cannot start empty: interpreters (this venv's python
+    among them) may live under it. Every SSH session is a child of this sshd, so it
+    inherits all three namespaces.
     `setsid -f` double-forks, so the sshd outlives us and init reaps it.
     """
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)

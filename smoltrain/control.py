@@ -1,7 +1,9 @@
 """The control channel between `smoltrain run` (the controller) and its workers.
 
 Each worker dials the controller, proves it knows the cluster secret, says who it
-is (`hello`), and receives the run configuration as JSON. From then on it streams
+is (`hello`), and receives the run configuration as JSON with the training
+corpus as the frame's payload (so every host trains on the controller's exact
+bytes, with no shared storage and no per-host differences). From then on it streams
 small JSON messages: per-step stats, events, log lines, checkpoint notices, and
 finally its measured link bytes (`done`) or an `error`. Control traffic is not
 training traffic: none of it is counted in the run report's bytes.
@@ -15,14 +17,15 @@ import time
 
 from smolnet import wire
 
-MSG = 1  # every control frame: JSON header only, no payload
+MSG = 1  # every control frame: a JSON header; only the config frame has a payload (the corpus)
+MAX_CORPUS = 256 << 20
 
 
 class ControlServer:
     """Controller side: accepts workers, hands out configs, queues their messages."""
 
-    def __init__(self, bind: str, secret: bytes, config_for, port: int = 0):
-        self.secret, self.config_for = secret, config_for
+    def __init__(self, bind: str, secret: bytes, config_for, port: int = 0, corpus: bytes = b""):
+        self.secret, self.config_for, self.corpus = secret, config_for, corpus
         self.messages: queue.Queue = queue.Queue()
         self.listener = socket.create_server((bind, port))
         self.listener.settimeout(0.5)
@@ -49,7 +52,7 @@ class ControlServer:
             cfg = self.config_for(hello)
             who = cfg["name"]
             self.conns.append(sock)
-            wire.send_frame(sock, MSG, {"type": "config", "config": cfg}, timeout=10.0)
+            wire.send_frame(sock, MSG, {"type": "config", "config": cfg}, payload=self.corpus, timeout=60.0)
             self.messages.put((who, {"type": "connected", "hello": hello}))
             while not self.closing:
                 try:
@@ -92,7 +95,7 @@ class ControlClient:
         self.lock = threading.Lock()
         wire.client_handshake(self.sock, secret, timeout=10.0)
         wire.send_frame(self.sock, MSG, dict(hello, type="hello"), timeout=10.0)
-        kind, msg, _ = wire.recv_frame(self.sock, timeout=30.0, max_payload=0)
+        kind, msg, self.corpus = wire.recv_frame(self.sock, timeout=60.0, max_payload=MAX_CORPUS)
         if kind != MSG or msg.get("type") != "config":
             raise wire.WireError("controller did not send a config")
         self.config = msg["config"]

@@ -1,8 +1,9 @@
 """Byte-level training data: nothing to download, nothing to tokenize.
 
-The default corpus is the Python standard library's own `.py` sources on this
-machine (sorted paths, capped in size), so every host with the same Python has
-the same bytes. `--data` takes any text file or folder instead.
+The default corpus is the Python standard library's own `.py` sources on the
+controller (sorted paths, capped in size); `--data` takes any text file or folder
+instead. The controller reads it once and hands the bytes to every worker with
+its configuration, so hosts with different Pythons still train on the same data.
 
 Batches depend on the seed and the step only: step k draws the same B windows of
 T+1 bytes for any world size, and each rank takes its slice of them. That is what

@@ -49,8 +49,9 @@ def route_source(addr: str) -> str:
 
 class Controller:
     def __init__(self, cfg: dict, placements: list[Placement], secret: bytes, console, log_dir: str,
-                 external: bool = False):
+                 external: bool = False, corpus: bytes = b""):
         self.cfg, self.placements, self.secret, self.console = cfg, placements, secret, console
+        self.corpus = corpus
         self.log_dir, self.external = log_dir, external
         self.world = len(placements)
         self.names = [p.name for p in placements]
@@ -207,7 +208,8 @@ class Controller:
                                 f"({self.log_tail(name) or 'no log'})")
 
     def run(self, bind: str, control_addr: str, connect_timeout: float, idle_timeout: float) -> dict:
-        server = ControlServer(bind, self.secret, self.config_for, port=self.cfg.get("control_port", 0))
+        server = ControlServer(bind, self.secret, self.config_for, port=self.cfg.get("control_port", 0),
+                               corpus=self.corpus)
         self.console.print(f"control channel {control_addr}:{server.port}")
         started = time.monotonic()
         try:

@@ -16,8 +16,8 @@ import torch
 
 from .checkpoint import load_part, save_part
 from .control import ControlClient
-from .data import Batches, load_corpus
-from .modelspec import get_model
+from .data import Batches, corpus_digest
+from .modelspec import ModelSpec
 from .strategies import Context, Stopwatch, TimedComm, load_strategy
 
 PS_STRATEGIES = ("syncps", "edp")
@@ -81,7 +81,7 @@ def worker_main(control_addr: str, control_port: int, secret: bytes, rank: int, 
                            {"rank": rank, "join": join, "pid": os.getpid(), "host": socket.gethostname()})
     rep = Reporter(client, client.config["name"])
     try:
-        train(client.config, secret, rep)
+        train(client.config, secret, rep, client.corpus)
         return 0
     except BaseException as e:  # tell the controller in one line, keep the trace in the log
         traceback.print_exc()
@@ -95,11 +95,14 @@ def worker_main(control_addr: str, control_port: int, secret: bytes, rank: int, 
         client.close()
 
 
-def train(cfg: dict, secret: bytes, rep: Reporter) -> None:
+def train(cfg: dict, secret: bytes, rep: Reporter, corpus: bytes) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(cfg["seed"])
-    spec = get_model(cfg["model"])
-    batches = Batches(load_corpus(cfg.get("data"), cfg.get("data_cap", 4 << 20)), cfg["batch"], cfg["seq"], cfg["seed"])
+    fields = set(ModelSpec.__dataclass_fields__)
+    spec = ModelSpec(**{k: v for k, v in cfg["model_spec"].items() if k in fields})
+    if corpus_digest(corpus) != cfg["data_digest"]:
+        raise ValueError("the corpus received from the controller does not match its digest")
+    batches = Batches(corpus, cfg["batch"], cfg["seq"], cfg["seed"])
     rank, world, name = cfg["rank"], cfg["world_size"], cfg["name"]
     ps = cfg["strategy"] in PS_STRATEGIES
     device = resolve_device(cfg["devices"][rank] if 0 <= rank < len(cfg.get("devices", [])) else "cpu")

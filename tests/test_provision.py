@@ -65,7 +65,9 @@ def cluster(tmp_path_factory):
         (d / "host_vars" / "laptop.yml").write_text("mtu: 1500\n")
         (d / "group_vars").mkdir()
         (d / "group_vars" / "cluster.yml").write_text(
-            f"nfs_export_dir: {export}\nnfs_server_ganesha_state_dir: {d / 'ganesha'}\n")
+            f"nfs_export_dir: {export}\nnfs_server_ganesha_state_dir: {d / 'ganesha'}\n"
+            # The sim's hosts share this machine's files: the project is installed already.
+            "smolcluster_install: false\n")
         yield {"dir": d, "inventory": str(inv), "export": export, "state": st,
                "ns": {h["name"]: h["netns"] for h in st["hosts"]},
                "addr": {h["name"]: h["address"] for h in st["hosts"]}}

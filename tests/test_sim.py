@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import time
@@ -177,6 +178,10 @@ def test_root_home_is_per_host(home):
     assert not Path("/root/smol-sim-probe").exists()
     with connect(inv.hosts[0]) as r:
         assert r.run("test -e /root/smol-sim-probe", timeout=15).rc != 0
+        # a private ~/.ssh: the sim's authorized key, nothing of the machine's own keys
+        assert r.run("ls -A /root/.ssh", timeout=15).stdout.split() == ["authorized_keys"]
+    upper = Path(home["state_dir"]) / "hosts" / "pi5" / "root" / ".ssh"
+    assert os.getxattr(upper, "trusted.overlay.opaque") == b"y"   # the machine's ~/.ssh stays hidden
 
 
 @NEEDS_SIM
@@ -307,7 +312,6 @@ def test_down_after_lost_state_finds_leftovers_by_name(tmp_path):
     sim.down("t4")
     st = sim.up(name="t4", scenario="uniform", hosts=1, rate_mbit=0, subnet="10.213.56.0/24",
                 inventory=str(tmp_path / "a.yml"))
-    import shutil
     shutil.rmtree(sim.state_dir("t4"), ignore_errors=True)
     try:
         with pytest.raises(sim.SimError, match="already exists without sim state"):
@@ -361,6 +365,9 @@ def test_loopback_via_cli_and_env(tmp_path, monkeypatch, capsys):
     assert smolnet_main(["sim", "up", "--name", "tc", "--scenario", "home", "--mtu", "9000",
                          "--inventory", str(inv)]) == 2
     assert "applies to scenario 'uniform' only" in capsys.readouterr().err
+    assert smolnet_main(["sim", "up", "--name", "Bad-Name", "--inventory", str(inv)]) == 2
+    assert smolnet_main(["sim", "up", "--name", "tc", "--subnet", "10.213.54.0/30", "--inventory", str(inv)]) == 2
+    assert not inv.exists()
 
 
 def test_down_keeps_an_inventory_the_user_replaced(tmp_path, monkeypatch):

@@ -33,12 +33,9 @@ def data_port(port: int, rank: int) -> int:
     return port + 1 + rank
 
 
-def tune(sock: socket.socket, sockbuf: int | None = None) -> None:
-    """No Nagle delay for small frames; optionally fixed kernel buffers (default: autotuned)."""
+def tune(sock: socket.socket) -> None:
+    """No Nagle delay for small frames; kernel buffers stay autotuned (they grow to MBs)."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    if sockbuf:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sockbuf)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, sockbuf)
 
 
 def listen(addr: str, port: int, backlog: int = 16) -> socket.socket:
@@ -175,7 +172,7 @@ def _serve_table(world_size, coordinator_addr, port, secret, my_addr, my_port, d
 
 
 def connect_mesh(rank: int, table: list[tuple[str, int]], listener: socket.socket | None, secret: bytes,
-                 timeout: float, sockbuf: int | None = None) -> dict[int, socket.socket]:
+                 timeout: float) -> dict[int, socket.socket]:
     """One authenticated TCP connection to every other rank: dial lower ranks, accept higher ones."""
     world_size = len(table)
     deadline = time.monotonic() + timeout
@@ -184,7 +181,7 @@ def connect_mesh(rank: int, table: list[tuple[str, int]], listener: socket.socke
         for j in range(rank):
             addr, port = table[j]
             s = _dial(addr, port, deadline, f"rank {j}", j)
-            tune(s, sockbuf)
+            tune(s)
             try:
                 _prove(s, secret, deadline, f"rank {j} ({addr}:{port})", j)
                 wire.send_frame(s, K_PEER, {"rank": rank, "world_size": world_size}, timeout=max(_left(deadline), 0.1))
@@ -205,7 +202,7 @@ def connect_mesh(rank: int, table: list[tuple[str, int]], listener: socket.socke
                 log.warning("%s: dropped peer with bad hello %r", where, meta)
                 s.close()
                 continue
-            tune(s, sockbuf)
+            tune(s)
             socks[j] = s
     except BaseException:
         for s in socks.values():

@@ -36,7 +36,6 @@ from __future__ import annotations
 import logging
 import select
 import socket
-import struct
 
 import torch
 
@@ -50,14 +49,13 @@ log = logging.getLogger("smoltrain.comm")
 K_DATA = 10
 K_ABORT = 11
 
+# Few, large chunks: every chunk boundary is a chance to sleep in poll(), and on a busy
+# machine each sleep costs far more than the copy it waits for; 4 MB still leaves big
+# buffers dozens of chunks to pipeline around the ring.
 CHUNK_BYTES = 4 << 20
-MIN_CHUNK_BYTES = 256 << 10
-PIPELINE = 4
 SMALL_BYTES = 64 * 1024
 HEADER_SIZE = wire.FRAME_HEADER.size
 _DONTWAIT = socket.MSG_DONTWAIT
-DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16,
-                              torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool)}
 
 
 def _check_frame(kind: int, meta: dict, payload_len: int, expect_len: int, expect_meta: dict | None, peer: int):
@@ -139,7 +137,7 @@ class SocketComm(Comm):
 
     def __init__(self, rank: int, world_size: int, coordinator_addr: str, port: int, secret: bytes,
                  timeout: float = 30.0, device="cpu", addrs: list[str] | None = None,
-                 chunk_bytes: int = CHUNK_BYTES, sockbuf: int | None = None):
+                 chunk_bytes: int = CHUNK_BYTES):
         if not (0 <= rank < world_size):
             raise CommError(f"rank {rank} is outside world size {world_size}")
         if addrs is not None and len(addrs) != world_size:
@@ -147,7 +145,7 @@ class SocketComm(Comm):
         self.rank = rank
         self.world_size = world_size
         self.device = torch.device(device) if device else torch.device("cpu")
-        self._peer_timeout = float(timeout)
+        self.peer_timeout = float(timeout)  # seconds any single wait may last
         self.counter = ByteCounter()
         self.chunk_bytes = max(64, chunk_bytes - chunk_bytes % 8)
         self._seq = 0
@@ -167,29 +165,11 @@ class SocketComm(Comm):
         try:
             table = rdv.rendezvous(rank, world_size, coordinator_addr, port, secret, my_addr, my_port, timeout)
             self._where = [f"{a}:{p}" for a, p in table]
-            self._socks = rdv.connect_mesh(rank, table, listener, secret, timeout, sockbuf)
+            self._socks = rdv.connect_mesh(rank, table, listener, secret, timeout)
         finally:
             listener.close()
-        self._apply_timeout()
-
-    @property
-    def peer_timeout(self) -> float:
-        return self._peer_timeout
-
-    @peer_timeout.setter
-    def peer_timeout(self, seconds: float) -> None:
-        self._peer_timeout = float(seconds)
-        self._apply_timeout()
-
-    def _apply_timeout(self) -> None:
-        """Kernel-side timeouts (SO_RCVTIMEO/SO_SNDTIMEO) on blocking sockets: one syscall per
-        send or receive instead of poll + syscall, and every wait is still bounded."""
-        sec = max(self._peer_timeout, 0.001)
-        tv = struct.pack("ll", int(sec), int((sec - int(sec)) * 1e6))
-        for s in getattr(self, "_socks", {}).values():
-            s.settimeout(None)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        for s in self._socks.values():
+            s.setblocking(False)  # every wait happens in poll(), with peer_timeout
 
     # ----------------------------------------------------------------- plumbing
     def _who(self, peer: int) -> str:
@@ -232,7 +212,7 @@ class SocketComm(Comm):
             err = CommError(f"{exc} (reported by {self._who(peer)})" if peer is not None else str(exc), exc.peer)
             err.root = str(exc)  # forwarded as is, so the story does not grow at every hop
             return err
-        if isinstance(exc, (socket.timeout, TimeoutError, BlockingIOError)):
+        if isinstance(exc, (socket.timeout, TimeoutError)):
             what = f"did not respond within {self.peer_timeout:g}s"
         elif isinstance(exc, wire.PeerClosed):
             what = str(exc)
@@ -276,11 +256,7 @@ class SocketComm(Comm):
         """Byte ranges of the chunks of an n-byte message; an empty message is one empty frame."""
         if n == 0:
             return [(0, 0)]
-        # A function of the message size only (both ends must cut alike): about PIPELINE
-        # chunks per message so forwarding starts early, but never below MIN_CHUNK_BYTES
-        # (per-chunk overhead) nor above chunk_bytes (pipeline fill time).
-        step = min(self.chunk_bytes, max(MIN_CHUNK_BYTES, -(-n // PIPELINE)))
-        step = max(elem, step - step % 4096 if step >= 4096 else step - step % elem)
+        step = max(elem, self.chunk_bytes - self.chunk_bytes % elem)
         return [(a, min(n, a + step)) for a in range(0, n, step)]
 
     def _transfer(self, op: str, sends: list, recvs: list, elem: int = 1, dtype=None,
@@ -329,7 +305,7 @@ class SocketComm(Comm):
         """One thread, non-blocking calls: push sends whose data is ready, pull receives,
         reduce each chunk as it lands, and sleep in poll() only when neither can move."""
         socks = self._socks
-        wait_ms = max(1, int(self._peer_timeout * 1000))
+        wait_ms = max(1, int(self.peer_timeout * 1000))
         hdr = memoryview(self._hdr)
         done = 0
         si = sk = 0

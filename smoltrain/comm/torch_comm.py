@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .base import ByteCounter, Comm, CommError
-from .socket_comm import _segments
+from .socket_comm import ring_allreduce_bytes
 
 # torch 2.13 renamed these (the old names warn); older releases only have the old ones
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -115,9 +115,7 @@ class TorchComm(Comm):
         if staged:
             with torch.no_grad():
                 tensor.copy_(t.view_as(tensor))
-        seg = [hi - lo for lo, hi in _segments(t.numel(), n)]
-        r = self.rank
-        self._ring((2 * t.numel() - seg[(r + 1) % n] - seg[(r + 2) % n]) * t.element_size())
+        self._ring(ring_allreduce_bytes(t.numel(), t.element_size(), n, self.rank))
 
     def reduce_scatter(self, out, inp, op: str = "sum") -> None:
         if op not in ("sum", "avg"):

@@ -94,7 +94,7 @@ def run(args) -> int:
     world = len(placements)
     data = os.path.abspath(args.data) if args.data else None
     cfg = {
-        "strategy": args.strategy, "backend": args.backend, "model": spec.name if args.model == spec.name else args.model,
+        "strategy": args.strategy, "backend": args.backend, "model": spec.name, "model_spec": spec.to_dict(),
         "data": data, "data_cap": int(args.data_cap_mb * (1 << 20)), "steps": args.steps, "batch": args.batch,
         "seq": args.seq, "lr": args.lr, "seed": args.seed, "microbatches": args.microbatches,
         "schedule": args.schedule, "shares": _shares(args.shares, hosts), "checkpoint_dir": None,
@@ -172,7 +172,7 @@ def run(args) -> int:
         secret = secrets.token_hex(32).encode()  # loopback run: a fresh secret for this run only
     log_dir = tempfile.mkdtemp(prefix="smoltrain-logs-")
     cfg["control_port"] = args.control_port
-    ctl = Controller(cfg, placements, secret, console, log_dir, external=args.external)
+    ctl = Controller(cfg, placements, secret, console, log_dir, external=args.external, corpus=corpus)
     console.print(f"{args.strategy} on {world} rank(s) ({args.backend}), model {spec.name}, "
                   f"batch {args.batch}x{args.seq}, steps {cfg['start_step']}..{args.steps}, logs {log_dir}")
     if cfg["start_step"]:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from smolnet.errors import UsageError
+
 from ..data import split_batch
 from ..model import loss_sum
 from . import Context
@@ -33,7 +35,6 @@ class PipelineParallel(StageStrategy):
     def __init__(self, ctx: Context):
         super().__init__(ctx)
         if ctx.microbatches > ctx.batch:
-            from smolnet.errors import UsageError
             raise UsageError(f"pp: --microbatches {ctx.microbatches} exceeds --batch {ctx.batch}")
         self.mb = split_batch(ctx.batch, [1.0] * ctx.microbatches)
 
