@@ -3,7 +3,10 @@
 Each rank holds both communicators; for every size the two backends take turns
 (alternating which goes first, round after round), so machine noise hits both alike.
 Per iteration the slowest rank's time counts; a backend's figure is the median over
-all its iterations. Sizes from 4 KB to 256 MB, fewer iterations for big ones.
+all its iterations. Sizes from 4 KB to 256 MB, fewer iterations for big ones. Beside
+wall time it records CPU seconds per all-reduce summed over the ranks (every thread,
+gloo's included): on a shared, oversubscribed machine that is the steadier measure of
+what each backend costs.
 
     flock /tmp/smol-bench.lock .venv/bin/python bench/bench_allreduce.py --worlds 2,4 --json /tmp/ar.json
     flock /tmp/smol-bench.lock .venv/bin/python bench/bench_allreduce.py --sim --worlds 2   # 1 Gbit sim link
@@ -51,23 +54,27 @@ def worker(a) -> None:
         k = iters_for(nbytes, a.budget)
         buf = torch.ones(nbytes // 4)
         times = {"socket": [], "torch": []}
+        cpu = {"socket": [], "torch": []}
         for rnd in range(a.rounds):
             order = ["socket", "torch"] if rnd % 2 == 0 else ["torch", "socket"]
             for name in order:
                 c = comms[name]
                 c.all_reduce(buf)  # warm-up
                 sock.barrier()
-                t = torch.zeros(k, dtype=torch.float64)
+                t = torch.zeros(k + 1, dtype=torch.float64)
+                c0 = time.process_time()
                 for i in range(k):
                     t0 = time.perf_counter()
                     c.all_reduce(buf)
                     t[i] = time.perf_counter() - t0
-                everyone = torch.zeros(a.world * k, dtype=torch.float64)
-                sock.all_gather(everyone, t)
-                times[name] += everyone.view(a.world, k).max(dim=0).values.tolist()
+                t[k] = (time.process_time() - c0) / k  # CPU per all-reduce, all threads of this rank
+                everyone = torch.zeros(a.world * (k + 1), dtype=torch.float64).view(a.world, k + 1)
+                sock.all_gather(everyone.view(-1), t)
+                times[name] += everyone[:, :k].max(dim=0).values.tolist()
+                cpu[name].append(float(everyone[:, k].sum()))
         if a.rank == 0:
             print(json.dumps({"world_size": a.world, "bytes": nbytes, "iters": k * a.rounds,
-                              "seconds": times}), flush=True)
+                              "seconds": times, "cpu_seconds": cpu}), flush=True)
         del buf
     sock.close()
     gloo.close()
@@ -116,8 +123,10 @@ def summarize(rows: list[dict]) -> list[dict]:
         for name, ts in row["seconds"].items():
             p50 = statistics.median(ts)
             alg = b / p50 / 1e9
-            entry[name] = {"seconds_p50": p50, "algbw_gbps": alg, "busbw_gbps": alg * 2 * (n - 1) / n}
+            entry[name] = {"seconds_p50": p50, "algbw_gbps": alg, "busbw_gbps": alg * 2 * (n - 1) / n,
+                           "cpu_seconds_p50": statistics.median(row["cpu_seconds"][name])}
         entry["busbw_ratio"] = entry["socket"]["busbw_gbps"] / entry["torch"]["busbw_gbps"]
+        entry["cpu_ratio"] = entry["torch"]["cpu_seconds_p50"] / entry["socket"]["cpu_seconds_p50"]
         out.append(entry)
     return out
 
@@ -191,7 +200,8 @@ def main() -> int:
         if a.sim:
             from smolnet import sim
             sim.down(name="x1")
-    print(f"{'N':>2} {'bytes':>10} {'socket us':>10} {'gloo us':>10} {'socket GB/s':>11} {'gloo GB/s':>10} {'ratio':>6}")
+    print(f"{'N':>2} {'bytes':>10} {'socket us':>10} {'gloo us':>10} {'socket GB/s':>11} {'gloo GB/s':>10} {'ratio':>6}"
+          f" {'cpu ratio':>9}")
     for e in doc["runs"]:
         s, g = e["socket"], e["torch"]
         extra = ""
@@ -199,7 +209,7 @@ def main() -> int:
             link = goodput["iperf3_mbit"] / 8e3
             extra = f"  socket/link {s['busbw_gbps'] / link:.2f}  gloo/link {g['busbw_gbps'] / link:.2f}"
         print(f"{e['world_size']:>2} {e['bytes']:>10} {s['seconds_p50'] * 1e6:>10.0f} {g['seconds_p50'] * 1e6:>10.0f} "
-              f"{s['busbw_gbps']:>11.3f} {g['busbw_gbps']:>10.3f} {e['busbw_ratio']:>6.2f}{extra}")
+              f"{s['busbw_gbps']:>11.3f} {g['busbw_gbps']:>10.3f} {e['busbw_ratio']:>6.2f} {e['cpu_ratio']:>9.2f}{extra}")
     if goodput:
         print(f"link goodput: iperf3 {goodput['iperf3_mbit']:.0f} Mbit/s, tbf model {goodput['tbf_model_mbit']:.0f}")
     if a.json:

@@ -3,9 +3,8 @@ dhcpcd, launchd): the roles' own tasks render their files under a temporary root
 detection picks the right stack from each root's traces."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import sys
+from pathlib import Path
 
 import pytest
 

@@ -199,3 +199,13 @@ def test_syncps_drops_a_stalled_worker(tmp_path, secret_file):
     assert [(e["kind"], e["who"]) for e in doc["events"] if e["kind"] == "leave"] == [("leave", "rank1")]
     assert "barrier timeout" in out
     assert [s["step"] for s in doc["steps"]] == list(range(8))
+
+
+def test_print_torchrun(capsys, secret_file):
+    assert main(["run", "--strategy", "tp", "--local", "2", "--backend", "torch", "--print-torchrun",
+                 "--secret-file", secret_file]) == 0
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if ln.startswith("torchrun ")]
+    assert len(lines) == 2 and all("-m smoltrain worker --control" in ln for ln in lines)
+    assert "--node-rank 1" in lines[1] and secret_file in lines[0]  # the secret travels on stdin, by file
+    assert "--external" in out

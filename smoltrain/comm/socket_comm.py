@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import select
 import socket
+import threading
 
 import torch
 
@@ -53,6 +54,7 @@ K_ABORT = 11
 # machine each sleep costs far more than the copy it waits for; 4 MB still leaves big
 # buffers dozens of chunks to pipeline around the ring.
 CHUNK_BYTES = 4 << 20
+THREAD_BYTES = 1 << 20
 SMALL_BYTES = 64 * 1024
 HEADER_SIZE = wire.FRAME_HEADER.size
 _DONTWAIT = socket.MSG_DONTWAIT
@@ -130,6 +132,186 @@ class _Staged:
         if self.copied and self.writeback:
             with torch.no_grad():
                 self.orig.copy_(self.work.view_as(self.orig))
+
+
+class _Exchange:
+    """The state of one `_transfer`: which chunk each send and receive is at, and the pumps.
+
+    pump_sends/pump_recvs move as much as the sockets take without blocking. Small
+    exchanges run both on the calling thread (sleeping in poll() only when neither can
+    move: no thread hand-offs); big ones give the sends their own thread, so the kernel
+    copies of sending and receiving run side by side on two cores.
+    """
+
+    def __init__(self, socks, op, seq, extra, sends, recvs, schunks, rchunks, base, elem, staging,
+                 staging_bytes, hdr, timeout):
+        self.socks, self.op, self.seq, self.extra = socks, op, seq, extra
+        self.sends, self.recvs, self.schunks, self.rchunks, self.base = sends, recvs, schunks, rchunks, base
+        self.elem, self.staging, self.staging_bytes = elem, staging, staging_bytes
+        self.hdr = memoryview(hdr)
+        self.wait_ms = max(1, int(timeout * 1000))
+        self.stats = _Sent()
+        self.peer = None          # the peer of the call that failed, for the error message
+        self.done = 0             # receive chunks landed (and reduced)
+        self.si = self.sk = 0     # send item, chunk
+        self.sbufs = None
+        self.spay = 0
+        self.ri = self.rk = 0     # receive item, chunk
+        self.phase, self.rview, self.rgot, self.plen, self.kind, self.meta = 0, self.hdr, 0, 0, 0, {}
+
+    # ------------------------------------------------------------------ pumps
+    def send_ready(self) -> bool:
+        """The next send chunk's data is there (its dependency has landed)."""
+        dep = self.sends[self.si][2]
+        return self.sbufs is not None or dep is None or self.done > self.base[dep] + self.sk
+
+    def pump_sends(self):
+        """Send until blocked. Returns (moved, peer whose socket is full or None)."""
+        moved = False
+        while self.si < len(self.sends):
+            peer = self.sends[self.si][0]
+            if self.sbufs is None:
+                if not self.send_ready():
+                    return moved, None
+                a, b = self.schunks[self.si][self.sk]
+                meta = dict(self.extra, o=self.op, q=self.seq, i=self.si) if self.sk == 0 else None
+                head = wire.pack_header(K_DATA, meta, b - a)
+                self.sbufs = [memoryview(head), self.sends[self.si][1][a:b]] if b > a else [memoryview(head)]
+                self.spay = b - a
+                self.stats.framing[peer] = self.stats.framing.get(peer, 0) + len(head)
+                self.stats.mid_frame.add(peer)
+            try:
+                k = self.socks[peer].sendmsg(self.sbufs, (), _DONTWAIT)
+            except BlockingIOError:
+                return moved, peer
+            except OSError:
+                self.peer = peer
+                raise
+            moved = True
+            bufs = self.sbufs
+            while k and bufs:
+                if k >= len(bufs[0]):
+                    k -= len(bufs[0])
+                    bufs.pop(0)
+                else:
+                    bufs[0] = bufs[0][k:]
+                    k = 0
+            if not bufs:
+                self.sbufs = None
+                self.stats.mid_frame.discard(peer)
+                self.stats.payload[peer] = self.stats.payload.get(peer, 0) + self.spay
+                self.sk += 1
+                if self.sk == len(self.schunks[self.si]):
+                    self.si, self.sk = self.si + 1, 0
+        return moved, None
+
+    def pump_recvs(self) -> bool:
+        """Receive until blocked or one chunk completes (which may unblock a send)."""
+        moved = False
+        while self.ri < len(self.recvs):
+            peer, view, acc = self.recvs[self.ri]
+            self.peer = peer
+            try:
+                k = self.socks[peer].recv_into(self.rview[self.rgot:], len(self.rview) - self.rgot, _DONTWAIT)
+            except BlockingIOError:
+                return moved
+            if k == 0:
+                raise wire.PeerClosed("closed the connection" + (" mid-message" if self.rgot or self.phase else ""))
+            moved = True
+            self.rgot += k
+            if self.rgot < len(self.rview):
+                continue
+            a, b = self.rchunks[self.ri][self.rk]
+            if self.phase == 0:  # fixed header: bounded by what this chunk may carry
+                self.kind, jlen, self.plen = wire.parse_header(bytes(self.hdr), max_payload=b - a)
+                self.meta = {}
+                if jlen:
+                    self.phase, self.rview, self.rgot = 1, memoryview(bytearray(jlen)), 0
+                    continue
+            if self.phase <= 1:
+                if self.phase == 1:
+                    self.meta = wire.parse_meta(bytes(self.rview))
+                expect = dict(self.extra, o=self.op, q=self.seq, i=self.ri) if self.rk == 0 else None
+                _check_frame(self.kind, self.meta, self.plen, b - a, expect, peer)
+                if self.plen:
+                    self.phase, self.rgot = 2, 0
+                    self.rview = view[a:b] if acc is None else self.staging_bytes[: b - a]
+                    continue
+            if acc is not None and b > a:  # chunk complete: reduce it
+                acc[a // self.elem: b // self.elem].add_(self.staging[: (b - a) // self.elem])
+            self.phase, self.rview, self.rgot = 0, self.hdr, 0
+            self.rk += 1
+            if self.rk == len(self.rchunks[self.ri]):
+                self.ri, self.rk = self.ri + 1, 0
+            self.done += 1
+            return True
+        return moved
+
+    def wait(self, out_peer, recv: bool) -> None:
+        """Sleep until a socket we need can move; peer_timeout without any is an error."""
+        masks: dict[int, int] = {}
+        if out_peer is not None:
+            fd = self.socks[out_peer].fileno()
+            masks[fd] = select.POLLOUT
+        if recv and self.ri < len(self.recvs):
+            fd = self.socks[self.recvs[self.ri][0]].fileno()
+            masks[fd] = masks.get(fd, 0) | select.POLLIN
+        poller = select.poll()
+        for fd, m in masks.items():
+            poller.register(fd, m)
+        if not poller.poll(self.wait_ms):
+            self.peer = self.recvs[self.ri][0] if recv and self.ri < len(self.recvs) else out_peer
+            raise TimeoutError
+
+    # ------------------------------------------------------------ drivers
+    def run_one_thread(self) -> None:
+        while self.si < len(self.sends) or self.ri < len(self.recvs):
+            moved, full = self.pump_sends() if self.si < len(self.sends) else (False, None)
+            if self.pump_recvs() or moved:
+                continue
+            self.wait(full, True)
+
+    def run_two_threads(self) -> None:
+        cond = threading.Condition()
+        failed: list = []
+        stop = threading.Event()
+
+        def sender():
+            try:
+                while self.si < len(self.sends) and not stop.is_set():
+                    moved, full = self.pump_sends()
+                    if moved:
+                        continue
+                    if full is not None:
+                        self.wait(full, False)
+                    else:  # waiting for data to forward
+                        with cond:
+                            if not self.send_ready() and not stop.is_set() and not cond.wait(self.wait_ms / 1000):
+                                raise TimeoutError
+            except BaseException as e:
+                failed.append((e, self.sends[min(self.si, len(self.sends) - 1)][0]))
+
+        th = threading.Thread(target=sender, name="smol-comm-send", daemon=True)
+        th.start()
+        try:
+            while self.ri < len(self.recvs) and not failed:
+                if self.pump_recvs():
+                    with cond:
+                        cond.notify()
+                    continue
+                self.wait(None, True)
+        except BaseException:
+            stop.set()  # the sender stops at its next chunk boundary
+            with cond:
+                cond.notify()
+            th.join(min(2.0, self.wait_ms / 1000))
+            raise
+        th.join(self.wait_ms / 1000 + 1)  # the last sends need nothing more from us
+        if failed:
+            e, self.peer = failed[0]
+            raise e
+        if th.is_alive():
+            raise TimeoutError
 
 
 class SocketComm(Comm):
@@ -283,15 +465,17 @@ class SocketComm(Comm):
             biggest = max(len(v) for _, v, a in recvs if a is not None)
             staging = self._staging_buffer(dtype, min(biggest, self.chunk_bytes) // elem)
             staging_bytes = _byte_view(staging)
-        stats = _Sent()
-        cur = {"peer": None}
+        ex = _Exchange(self._socks, op, seq, extra or {}, sends, recvs, schunks, rchunks, base, elem, staging,
+                       staging_bytes, self._hdr, self.peer_timeout)
         try:
-            self._evloop(op, seq, extra or {}, sends, recvs, schunks, rchunks, base, elem, staging, staging_bytes,
-                         stats, cur)
+            if sum(len(v) for _, v, _ in sends) >= THREAD_BYTES and recvs:
+                ex.run_two_threads()
+            else:
+                ex.run_one_thread()
         except BaseException as e:
-            raise self._fail(self._error(cur["peer"], e, op), stats.mid_frame) from None
-        for p, n in stats.framing.items():
-            self.counter.add(p, stats.payload.get(p, 0), n)
+            raise self._fail(self._error(ex.peer, e, op), ex.stats.mid_frame) from None
+        for p, n in ex.stats.framing.items():
+            self.counter.add(p, ex.stats.payload.get(p, 0), n)
 
     def _staging_buffer(self, dtype, numel: int) -> torch.Tensor:
         """One reusable landing buffer per dtype for chunks that get added (no page faults per call)."""
@@ -300,110 +484,6 @@ class SocketComm(Comm):
             buf = torch.empty(max(numel, 1), dtype=dtype)
             self._staging[dtype] = buf
         return buf
-
-    def _evloop(self, op, seq, extra, sends, recvs, schunks, rchunks, base, elem, staging, staging_bytes, stats, cur):
-        """One thread, non-blocking calls: push sends whose data is ready, pull receives,
-        reduce each chunk as it lands, and sleep in poll() only when neither can move."""
-        socks = self._socks
-        wait_ms = max(1, int(self.peer_timeout * 1000))
-        hdr = memoryview(self._hdr)
-        done = 0
-        si = sk = 0
-        sbufs = None
-        spay = 0
-        ri = rk = 0
-        phase, rview, rgot, plen = 0, hdr, 0, 0
-        nsend, nrecv = len(sends), len(recvs)
-        while si < nsend or ri < nrecv:
-            moved = False
-            want_out = None
-            # ---------------------------------------------------------- sends
-            while si < nsend:
-                peer = sends[si][0]
-                if sbufs is None:
-                    dep = sends[si][2]
-                    if dep is not None and done <= base[dep] + sk:
-                        break
-                    a, b = schunks[si][sk]
-                    head = wire.pack_header(K_DATA, dict(extra, o=op, q=seq, i=si) if sk == 0 else None, b - a)
-                    sbufs = [memoryview(head), sends[si][1][a:b]] if b > a else [memoryview(head)]
-                    spay = b - a
-                    stats.framing[peer] = stats.framing.get(peer, 0) + len(head)
-                    stats.mid_frame.add(peer)
-                cur["peer"] = peer
-                try:
-                    k = socks[peer].sendmsg(sbufs, (), _DONTWAIT)
-                except BlockingIOError:
-                    want_out = peer
-                    break
-                moved = True
-                while k and sbufs:
-                    if k >= len(sbufs[0]):
-                        k -= len(sbufs[0])
-                        sbufs.pop(0)
-                    else:
-                        sbufs[0] = sbufs[0][k:]
-                        k = 0
-                if not sbufs:
-                    sbufs = None
-                    stats.mid_frame.discard(peer)
-                    stats.payload[peer] = stats.payload.get(peer, 0) + spay
-                    sk += 1
-                    if sk == len(schunks[si]):
-                        si, sk = si + 1, 0
-            # ------------------------------------------------------- receives
-            while ri < nrecv:
-                peer, view, acc = recvs[ri]
-                cur["peer"] = peer
-                try:
-                    k = socks[peer].recv_into(rview[rgot:], len(rview) - rgot, _DONTWAIT)
-                except BlockingIOError:
-                    break
-                if k == 0:
-                    raise wire.PeerClosed("closed the connection" + (" mid-message" if rgot or phase else ""))
-                moved = True
-                rgot += k
-                if rgot < len(rview):
-                    continue
-                a, b = rchunks[ri][rk]
-                if phase == 0:  # fixed header: bounded by what this chunk may carry
-                    kind, jlen, plen = wire.parse_header(bytes(hdr), max_payload=b - a)
-                    if jlen:
-                        phase, rview, rgot = 1, memoryview(bytearray(jlen)), 0
-                        continue
-                    meta = {}
-                if phase <= 1:
-                    if phase == 1:
-                        meta = wire.parse_meta(bytes(rview))
-                    _check_frame(kind, meta, plen, b - a, dict(extra, o=op, q=seq, i=ri) if rk == 0 else None, peer)
-                    if plen:
-                        phase, rgot = 2, 0
-                        rview = view[a:b] if acc is None else staging_bytes[: b - a]
-                        continue
-                if acc is not None and b > a:  # chunk complete: reduce it
-                    acc[a // elem: b // elem].add_(staging[: (b - a) // elem])
-                done += 1
-                phase, rview, rgot = 0, hdr, 0
-                rk += 1
-                if rk == len(rchunks[ri]):
-                    ri, rk = ri + 1, 0
-                break  # a finished chunk may unblock a send
-            if moved:
-                continue
-            # ---------------------------------------------- nothing moved: wait
-            poller = select.poll()
-            masks: dict[int, int] = {}
-            if want_out is not None:
-                fd = socks[want_out].fileno()
-                masks[fd] = masks.get(fd, 0) | select.POLLOUT
-            if ri < nrecv:
-                fd = socks[recvs[ri][0]].fileno()
-                masks[fd] = masks.get(fd, 0) | select.POLLIN
-            for fd, m in masks.items():
-                poller.register(fd, m)
-            if not poller.poll(wait_ms):
-                cur["peer"] = recvs[ri][0] if ri < nrecv else want_out
-                raise TimeoutError
 
     # ------------------------------------------------------------ collectives
     def send(self, tensor, dst: int) -> None:

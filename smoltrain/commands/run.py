@@ -178,6 +178,8 @@ def run(args) -> int:
     if cfg["start_step"]:
         ctl.events.append({"step": cfg["start_step"], "kind": "resume", "who": "all"})
     doc = ctl.run(bind, control_addr, connect_timeout=max(60.0, args.timeout), idle_timeout=args.timeout)
+    import shutil
+    shutil.rmtree(log_dir, ignore_errors=True)  # kept only when the run failed
     if plan is not None:
         doc["plan"] = plan
     if args.json:
