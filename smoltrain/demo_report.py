@@ -81,20 +81,33 @@ def _compare_rows(strategy: str, run: dict, plan: dict | None) -> list[str]:
     return rows
 
 
+def _links_section(folder: Path, prefix: str) -> list[str]:
+    lines = []
+    if (folder / "links.png").exists():
+        lines += [f"![link heatmap]({prefix}links.png)", ""]
+    if (folder / "links.md").exists():
+        body = (folder / "links.md").read_text().splitlines()
+        if body and body[0].startswith("# "):
+            body = body[1:]
+        lines += ["#" + ln if ln.startswith("#") else ln for ln in body] + [""]
+    return lines
+
+
 def write_report(out: Path, strategies: list[str], stages: list[dict]) -> Path:
     out = Path(out)
     lines = ["# smolcluster demo report", ""]
     lines += ["The whole flow on the built-in cluster: measured links, the plan for every strategy, "
               "and training runs that check the plan.", ""]
-    lines += ["## 1. Links", ""]
-    links_md = out / "links.md"
-    if (out / "links.png").exists():
-        lines += ["![link heatmap](links.png)", ""]
-    if links_md.exists():
-        body = links_md.read_text().splitlines()
-        if body and body[0].startswith("# "):
-            body = body[1:]
-        lines += [ln.replace("\n", "") if not ln.startswith("#") else "#" + ln for ln in body] + [""]
+    before = out / "before"
+    if (before / "links.md").exists():
+        lines += ["## 1. Links as found", "",
+                  "Measured before provisioning: the faults a new cluster really has.", ""]
+        lines += _links_section(before, "before/")
+        lines += ["## 1b. Links after provisioning", "",
+                  "Measured again after `make provision` set and verified the MTU.", ""]
+    else:
+        lines += ["## 1. Links", ""]
+    lines += _links_section(out, "")
     lines += ["## 2. Plan", ""]
     if (out / "plan.png").exists():
         lines += ["![plan chart](plan.png)", ""]
