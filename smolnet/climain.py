@@ -13,8 +13,8 @@ import sys
 from .errors import SmolError
 
 
-def dispatch(prog: str, description: str, commands: dict[str, tuple[str, str]], argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def parse(prog: str, description: str, commands: dict[str, tuple[str, str]], argv) -> argparse.Namespace:
+    """Parse argv, importing only the chosen subcommand (the README tests use this)."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     chosen = next((a for a in argv if not a.startswith("-")), None)
@@ -27,7 +27,13 @@ def dispatch(prog: str, description: str, commands: dict[str, tuple[str, str]], 
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()
-        return 2
+        raise SystemExit(2)
+    return args
+
+
+def dispatch(prog: str, description: str, commands: dict[str, tuple[str, str]], argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse(prog, description, commands, argv)
     from smolnet.inventory import InventoryError
     from smolnet.remote import RemoteError
     from smolnet.secret import SecretError
