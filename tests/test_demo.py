@@ -21,7 +21,18 @@ ROOT = Path(__file__).resolve().parents[1]
 def readme_commands():
     text = (ROOT / "README.md").read_text()
     cmds = []
-    for block in re.findall(r"```(?:sh|bash|console)?\n(.*?)```", text, flags=re.S):
+    blocks, current, lang = [], None, ""
+    for line in text.splitlines():
+        if line.startswith("```"):
+            if current is None:
+                current, lang = [], line[3:].strip()
+            else:
+                if lang in ("", "sh", "bash", "console"):
+                    blocks.append("\n".join(current))
+                current = None
+        elif current is not None:
+            current.append(line)
+    for block in blocks:
         joined = re.sub(r"\\\n\s*", " ", block)
         for line in joined.splitlines():
             line = line.split(" #", 1)[0].strip().lstrip("$ ").strip()
