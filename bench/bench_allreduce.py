@@ -8,8 +8,8 @@ wall time it records CPU seconds per all-reduce summed over the ranks (every thr
 gloo's included): on a shared, oversubscribed machine that is the steadier measure of
 what each backend costs.
 
-    flock /tmp/smol-bench.lock .venv/bin/python bench/bench_allreduce.py --worlds 2,4 --json /tmp/ar.json
-    flock /tmp/smol-bench.lock .venv/bin/python bench/bench_allreduce.py --sim --worlds 2   # 1 Gbit sim link
+    flock /tmp/smol-bench.lock .venv/bin/python bench/bench_allreduce.py --worlds 2,4 --rounds 3 --json bench/out/transport_loopback.json
+    flock /tmp/smol-bench.lock .venv/bin/python bench/bench_allreduce.py --sim --worlds 2 --rounds 2 --json bench/out/transport_sim.json
 
 --sim builds a two-host `uniform` sim (tc-shaped 1000 Mbit links) and runs each rank in
 its host's network namespace; the result is compared with the link's TCP goodput.
@@ -23,6 +23,7 @@ import secrets
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,6 +88,7 @@ def launch(world: int, addrs: list[str], netns: list[str | None], ifaces: list[s
     port = free_port_base(2 * world + 4, addrs[0]) if not any(netns) else 47000
     secret = secrets.token_hex(16).encode()
     procs = []
+    logs = [tempfile.TemporaryFile() for _ in range(world)]  # a full stderr pipe would stall a rank
     for r in range(world):
         argv = [sys.executable, os.path.abspath(__file__), "--rank", str(r), "--world", str(world),
                 "--coord", addrs[0], "--port", str(port), "--addrs", ",".join(addrs),
@@ -95,14 +97,14 @@ def launch(world: int, addrs: list[str], netns: list[str | None], ifaces: list[s
             argv = ["ip", "netns", "exec", netns[r]] + argv
         env = dict(os.environ, PYTHONWARNINGS="ignore", GLOO_SOCKET_IFNAME=ifaces[r], OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, env=env))
-    for p in procs:
+                                      stderr=logs[r], env=env))
+    for p in procs[1:]:
         p.stdin.write(secret + b"\n")
         p.stdin.close()
     try:
-        out, err = procs[0].stdout.read(), b""
-        procs[0].wait(timeout=a.timeout)
-        err = procs[0].stderr.read()
+        out, _ = procs[0].communicate(secret + b"\n", timeout=a.timeout)
+        logs[0].seek(0)
+        err = logs[0].read()
         for p in procs[1:]:
             p.wait(timeout=30)
     finally:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import logging
 import select
 import socket
-import threading
 
 import torch
 
@@ -50,11 +49,12 @@ log = logging.getLogger("smoltrain.comm")
 K_DATA = 10
 K_ABORT = 11
 
-# Few, large chunks: every chunk boundary is a chance to sleep in poll(), and on a busy
-# machine each sleep costs far more than the copy it waits for; 4 MB still leaves big
-# buffers dozens of chunks to pipeline around the ring.
-CHUNK_BYTES = 4 << 20
-THREAD_BYTES = 1 << 20
+# Chunk size. Every chunk boundary is a chance to sleep in poll(), and on a busy machine
+# a sleep costs more than the copy it waits for: so big chunks. Two ranks have no chain to
+# pipeline (each step is one swap with the one peer): 4 MB. Longer rings forward every
+# chunk N-1 times, so there smaller chunks start the next hop sooner: 1 MB.
+CHUNK_BYTES_PAIR = 4 << 20
+CHUNK_BYTES_RING = 1 << 20
 SMALL_BYTES = 64 * 1024
 HEADER_SIZE = wire.FRAME_HEADER.size
 _DONTWAIT = socket.MSG_DONTWAIT
@@ -137,10 +137,9 @@ class _Staged:
 class _Exchange:
     """The state of one `_transfer`: which chunk each send and receive is at, and the pumps.
 
-    pump_sends/pump_recvs move as much as the sockets take without blocking. Small
-    exchanges run both on the calling thread (sleeping in poll() only when neither can
-    move: no thread hand-offs); big ones give the sends their own thread, so the kernel
-    copies of sending and receiving run side by side on two cores.
+    pump_sends/pump_recvs move as much as the sockets take without blocking; run() drives
+    both on the calling thread and sleeps in poll() only when neither can move. (A second
+    thread for the sends measured slower here: the hand-offs cost more than the overlap.)
     """
 
     def __init__(self, socks, op, seq, extra, sends, recvs, schunks, rchunks, base, elem, staging,
@@ -163,7 +162,7 @@ class _Exchange:
     def send_ready(self) -> bool:
         """The next send chunk's data is there (its dependency has landed)."""
         dep = self.sends[self.si][2]
-        return self.sbufs is not None or dep is None or self.done > self.base[dep] + self.sk
+        return dep is None or self.done > self.base[dep] + self.sk
 
     def pump_sends(self):
         """Send until blocked. Returns (moved, peer whose socket is full or None)."""
@@ -264,54 +263,12 @@ class _Exchange:
             raise TimeoutError
 
     # ------------------------------------------------------------ drivers
-    def run_one_thread(self) -> None:
+    def run(self) -> None:
         while self.si < len(self.sends) or self.ri < len(self.recvs):
             moved, full = self.pump_sends() if self.si < len(self.sends) else (False, None)
             if self.pump_recvs() or moved:
                 continue
             self.wait(full, True)
-
-    def run_two_threads(self) -> None:
-        cond = threading.Condition()
-        failed: list = []
-        stop = threading.Event()
-
-        def sender():
-            try:
-                while self.si < len(self.sends) and not stop.is_set():
-                    moved, full = self.pump_sends()
-                    if moved:
-                        continue
-                    if full is not None:
-                        self.wait(full, False)
-                    else:  # waiting for data to forward
-                        with cond:
-                            if not self.send_ready() and not stop.is_set() and not cond.wait(self.wait_ms / 1000):
-                                raise TimeoutError
-            except BaseException as e:
-                failed.append((e, self.sends[min(self.si, len(self.sends) - 1)][0]))
-
-        th = threading.Thread(target=sender, name="smol-comm-send", daemon=True)
-        th.start()
-        try:
-            while self.ri < len(self.recvs) and not failed:
-                if self.pump_recvs():
-                    with cond:
-                        cond.notify()
-                    continue
-                self.wait(None, True)
-        except BaseException:
-            stop.set()  # the sender stops at its next chunk boundary
-            with cond:
-                cond.notify()
-            th.join(min(2.0, self.wait_ms / 1000))
-            raise
-        th.join(self.wait_ms / 1000 + 1)  # the last sends need nothing more from us
-        if failed:
-            e, self.peer = failed[0]
-            raise e
-        if th.is_alive():
-            raise TimeoutError
 
 
 class SocketComm(Comm):
@@ -319,7 +276,7 @@ class SocketComm(Comm):
 
     def __init__(self, rank: int, world_size: int, coordinator_addr: str, port: int, secret: bytes,
                  timeout: float = 30.0, device="cpu", addrs: list[str] | None = None,
-                 chunk_bytes: int = CHUNK_BYTES):
+                 chunk_bytes: int | None = None):
         if not (0 <= rank < world_size):
             raise CommError(f"rank {rank} is outside world size {world_size}")
         if addrs is not None and len(addrs) != world_size:
@@ -329,6 +286,7 @@ class SocketComm(Comm):
         self.device = torch.device(device) if device else torch.device("cpu")
         self.peer_timeout = float(timeout)  # seconds any single wait may last
         self.counter = ByteCounter()
+        chunk_bytes = chunk_bytes or (CHUNK_BYTES_PAIR if world_size <= 2 else CHUNK_BYTES_RING)
         self.chunk_bytes = max(64, chunk_bytes - chunk_bytes % 8)
         self._seq = 0
         self._p2p_out: dict[int, int] = {}
@@ -366,12 +324,6 @@ class SocketComm(Comm):
     def _check_peer(self, peer: int) -> None:
         if not isinstance(peer, int) or not (0 <= peer < self.world_size) or peer == self.rank:
             raise CommError(f"rank {self.rank}: bad peer rank {peer!r} (world size {self.world_size})")
-
-    def _sock(self, peer: int) -> socket.socket:
-        s = self._socks.get(peer)
-        if s is None:
-            raise CommError(f"no connection to {self._who(peer)}", peer)
-        return s
 
     @staticmethod
     def _sendv(sock: socket.socket, bufs: list) -> None:
@@ -413,6 +365,7 @@ class SocketComm(Comm):
         """Tell every reachable peer why we stop, then drop all links; returns err to raise."""
         if self._failed is None:
             self._failed = err
+            log.warning("rank %d: dropping all links: %s", self.rank, err)
             meta = {"peer": err.peer, "why": getattr(err, "root", str(err))[:1000]}
             for peer, sock in self._socks.items():
                 if peer == err.peer or peer in dirty:
@@ -468,10 +421,7 @@ class SocketComm(Comm):
         ex = _Exchange(self._socks, op, seq, extra or {}, sends, recvs, schunks, rchunks, base, elem, staging,
                        staging_bytes, self._hdr, self.peer_timeout)
         try:
-            if sum(len(v) for _, v, _ in sends) >= THREAD_BYTES and recvs:
-                ex.run_two_threads()
-            else:
-                ex.run_one_thread()
+            ex.run()
         except BaseException as e:
             raise self._fail(self._error(ex.peer, e, op), ex.stats.mid_frame) from None
         for p, n in ex.stats.framing.items():
