@@ -97,7 +97,37 @@ def _bool(value) -> bool:
     return str(value).strip().lower() in ("1", "yes", "true", "on")
 
 
+_PATCHED = (("sys", "intern"), ("socket", "getaddrinfo"), ("dataclasses", "_is_type"))
+
+
 def _load_ansible(path: Path):
+    """Ansible's loader, with its monkey-patches confined to the call.
+
+    Importing ansible-core replaces sys.intern, socket.getaddrinfo and a dataclasses
+    helper process-wide; torch's compiler then refuses the patched sys.intern (any
+    torch.optim optimizer fails). So put the originals back once the inventory is read,
+    and let ansible re-apply its patches for the next read.
+    """
+    import importlib
+
+    saved = [(importlib.import_module(m), a, getattr(importlib.import_module(m), a, None)) for m, a in _PATCHED]
+    try:
+        try:
+            from ansible.module_utils._internal._patches import (_dataclass_annotation_patch,
+                                                                 _socket_patch, _sys_intern_patch)
+            for patch in (_sys_intern_patch.SysInternPatch, _socket_patch.GetAddrInfoPatch,
+                          _dataclass_annotation_patch.DataclassesIsTypePatch):
+                patch.patch()
+        except (ImportError, AttributeError):
+            pass  # another ansible-core layout: its patches, if any, apply at import
+        return _read_with_ansible(path)
+    finally:
+        for module, attr, value in saved:
+            if value is not None:
+                setattr(module, attr, value)
+
+
+def _read_with_ansible(path: Path):
     """Return (groups -> host names, host name -> merged vars) via Ansible's loader."""
     os.environ.setdefault("ANSIBLE_LOCALHOST_WARNING", "False")
     os.environ.setdefault("ANSIBLE_INVENTORY_UNPARSED_WARNING", "False")

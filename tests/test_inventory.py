@@ -197,3 +197,17 @@ def test_bad_host_vars_file_names_the_host(tmp_path):
     write(tmp_path, "inv/host_vars/a.yml", "mtu: 12\n")
     with pytest.raises(InventoryError, match=r"host a: mtu 12 is outside"):
         load_inventory(path)
+
+
+def test_loading_an_inventory_leaves_torch_usable():
+    """Ansible patches sys.intern process-wide; torch's optimizers refuse the patched one."""
+    import sys
+
+    from smolnet.inventory import load_inventory
+
+    original = sys.intern
+    load_inventory(Path(__file__).resolve().parents[1] / "inventory" / "hosts.example.yml")
+    assert sys.intern is original
+    import torch
+
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
