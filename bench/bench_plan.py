@@ -93,7 +93,7 @@ def main() -> int:
 
 
 def markdown(results: dict) -> str:
-    """The table bench/plan.md shows: measured / predicted, 1.00 = the plan was exact."""
+    """The table BENCHMARKS.md shows: measured / predicted, 1.00 = the plan was exact."""
     lines = [f"{results['hosts']} hosts, {results['rate_mbit']:g} Mbit/s, {results['steps']} steps "
              f"(median after the first)", "",
              "| strategy | bottleneck (plan) | step predicted | step measured | measured/predicted | "

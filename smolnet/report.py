@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -370,19 +369,7 @@ def render_png(doc: dict, path: str | os.PathLike) -> None:
             os.unlink(tmp)
 
 
-def write_atomic(path: str | os.PathLike, text: str) -> None:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, p)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+from .files import write_text_atomic as write_atomic  # noqa: E402  (re-exported for commands)
 
 
 def write_report(doc: dict, out_dir: str | os.PathLike | None, json_file: str | None = None) -> list[str]:

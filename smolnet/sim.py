@@ -24,6 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from . import sim_net as net
+from .files import write_text_atomic
 from .sim_inventory import inventory_text, remove_inventory
 from .sim_net import SimError, SimUnavailable, unavailable_reason
 from .sim_scenarios import SCENARIOS, HostSpec, path_truth, tcp_goodput_mbit
@@ -81,17 +82,7 @@ def _lock():
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        os.write(fd, text.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
+_write_atomic = write_text_atomic
 
 
 def _save(st: dict) -> None:

@@ -1,7 +1,7 @@
 """Check a running sim against its truth, from inside the namespaces (no agents, no SSH).
 
 iperf3 between host netns for every ordered pair, DF pings for the MTU faults. Used by
-the sim's tests and by `python -m smolnet.sim_check` for the numbers in bench/sim.md;
+the sim's tests and by `python -m smolnet.sim_check` for the numbers in BENCHMARKS.md;
 measuring real clusters is `smolnet matrix`'s job, not this module's.
 """
 from __future__ import annotations

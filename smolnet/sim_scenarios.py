@@ -2,7 +2,7 @@
 
 A scenario is a list of host specs: name, device profile, interface MTU, switch-port
 MTU and shaped rates. Tests and users check every smolnet tool against these numbers,
-so they live in one place and docs/parts/sim.md states the same values.
+so they live in one place and the README states the same values.
 """
 from __future__ import annotations
 

@@ -182,3 +182,24 @@ def recv_frame(sock: socket.socket, timeout: float | None = 30.0,
     kind, meta, n = recv_frame_header(sock, _remaining(deadline), max_payload)
     payload = recv_exact(sock, n, deadline) if n else b""
     return kind, meta, payload
+
+
+def connect(addr: str, port: int, secret: bytes, timeout: float = 60.0, what: str = "peer",
+            retry_every: float = 0.2) -> socket.socket:
+    """Connect (retrying while the peer starts up), then prove the secret both ways."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock = socket.create_connection((addr, port), timeout=5.0)
+            break
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise ConnectionError(f"{what} {addr}:{port} unreachable: {e}") from None
+            time.sleep(retry_every)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        client_handshake(sock, secret, timeout=10.0)
+    except BaseException:
+        sock.close()
+        raise
+    return sock

@@ -13,7 +13,6 @@ from __future__ import annotations
 import queue
 import socket
 import threading
-import time
 
 from smolnet import wire
 
@@ -82,18 +81,8 @@ class ControlClient:
     """Worker side: one connection to the controller, safe to use from several threads."""
 
     def __init__(self, addr: str, port: int, secret: bytes, hello: dict, timeout: float = 60.0):
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                self.sock = socket.create_connection((addr, port), timeout=5.0)
-                break
-            except OSError as e:
-                if time.monotonic() > deadline:
-                    raise ConnectionError(f"controller {addr}:{port} unreachable: {e}") from None
-                time.sleep(0.2)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = wire.connect(addr, port, secret, timeout=timeout, what="controller")
         self.lock = threading.Lock()
-        wire.client_handshake(self.sock, secret, timeout=10.0)
         wire.send_frame(self.sock, MSG, dict(hello, type="hello"), timeout=10.0)
         kind, msg, self.corpus = wire.recv_frame(self.sock, timeout=60.0, max_payload=MAX_CORPUS)
         if kind != MSG or msg.get("type") != "config":

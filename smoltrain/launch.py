@@ -9,17 +9,16 @@ workers measured. A worker that fails stops the run with its one-line reason
 """
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from smolnet.errors import SmolError, UsageError
+from smolnet.files import write_json_atomic
 
 from . import checkpoint
 from .control import ControlServer
@@ -291,13 +290,7 @@ class Controller:
 
 
 def write_json(path: str | os.PathLike, doc: dict) -> None:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=p.name + ".", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, p)
+    write_json_atomic(path, doc, indent=1)
 
 
 def plot_losses(doc: dict, path: str | os.PathLike) -> None:

@@ -220,17 +220,7 @@ class Member:
 
     def __init__(self, addr: str, port: int, secret: bytes, name: str, order: int, timeout: float = 60.0):
         self.timeout = timeout
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                self.sock = socket.create_connection((addr, port), timeout=5.0)
-                break
-            except OSError as e:
-                if time.monotonic() > deadline:
-                    raise ConnectionError(f"parameter server {addr}:{port} unreachable: {e}") from None
-                time.sleep(0.1)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        wire.client_handshake(self.sock, secret, timeout=10.0)
+        self.sock = wire.connect(addr, port, secret, timeout=timeout, what="parameter server", retry_every=0.1)
         wire.send_frame(self.sock, HELLO, {"name": name, "order": order}, timeout=10.0)
 
     def pull(self, flat: torch.Tensor) -> dict | None:

@@ -90,7 +90,7 @@ def test_home_shaped_goodput_matches_truth(home, home_report):
         if truth["blackhole"]:
             continue
         # Only sender-paced directions: where a faster sender overruns a slower switch port,
-        # the sim's short tbf queue drops and TCP's result swings (see bench/measure.md).
+        # the sim's short tbf queue drops and TCP's result swings (see BENCHMARKS.md).
         if specs[a].up_mbit > specs[b].down_mbit:
             continue
         assert l["throughput_mbit"] <= HIGH * truth["goodput_mbit"], (a, b, l["throughput_mbit"], truth)

@@ -17,6 +17,7 @@ import threading
 import time
 
 from smolnet.errors import SmolError, UsageError
+from smolnet.files import write_json_atomic
 
 SCHEMA = "smoltrain.bench/1"
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
@@ -224,8 +225,4 @@ def _emit(doc: dict, path: str | None) -> None:
     print(f"allreduce {doc['backend']} N={doc['world_size']} {doc['bytes']} B: p50 {doc['seconds_p50'] * 1e6:.0f} us, "
           f"algbw {doc['algbw_gbps']:.3f} GB/s, busbw {doc['busbw_gbps']:.3f} GB/s")
     if path:
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
+        write_json_atomic(path, doc)

@@ -6,14 +6,13 @@ small models reach a small fraction of the peak and the plan should know which f
 """
 from __future__ import annotations
 
-import json
 import os
 import socket
-import tempfile
 import time
 from datetime import datetime, timezone
 
 from smolnet.errors import UsageError
+from smolnet.files import write_json_atomic
 
 
 def add_arguments(p) -> None:
@@ -105,19 +104,7 @@ def calibrate(seconds: float = 0.3, model: str | None = "tiny", batch: int = 8, 
     return doc
 
 
-def write_atomic(path: str, doc: dict) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+write_atomic = write_json_atomic
 
 
 def run(args) -> int:

@@ -1,11 +1,9 @@
 """`smoltrain plan`: bytes per token, step time and the bottleneck, before anything runs."""
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 
 from smolnet.errors import UsageError
+from smolnet.files import write_json_atomic
 
 MODELS_HELP = "tiny, gpt2-124m, llama-3.2-1b, llama-3.1-8b, mixtral-8x7b, or a .json shape"
 
@@ -33,19 +31,7 @@ def add_arguments(p) -> None:
     p.add_argument("--no-what-if", action="store_true", help="skip the table over link classes")
 
 
-def _write_json(path: str, doc) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+_write_json = write_json_atomic
 
 
 class _ReportHost:

@@ -61,11 +61,22 @@ class Strategy:
         raise NotImplementedError
 
     def state_tensors(self) -> dict:
-        """Parameters and optimizer state this rank holds (for checkpoints)."""
-        raise NotImplementedError
+        """Parameters and optimizer state this rank holds (for checkpoints).
+
+        The default fits strategies whose rank holds `self.model` (whole, a stage or a
+        shard of layers) and `self.opt`; sharded ones override it.
+        """
+        st = {f"param.{n}": p.detach() for n, p in self.model.named_parameters()}
+        st.update(self.opt.state_tensors())
+        return st
 
     def load_state_tensors(self, state: dict) -> None:
-        raise NotImplementedError
+        import torch
+
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                p.copy_(state[f"param.{n}"])
+        self.opt.load_state_tensors(state)
 
     def state_bytes(self) -> dict:
         """Bytes this rank keeps between steps: parameters and optimizer state."""

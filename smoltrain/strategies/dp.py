@@ -110,16 +110,5 @@ class DataParallel(Strategy):
             p.grad = None
         return float(loss.item())
 
-    def state_tensors(self) -> dict:
-        st = {f"param.{n}": p.detach() for n, p in self.model.named_parameters()}
-        st.update(self.opt.state_tensors())
-        return st
-
-    def load_state_tensors(self, state: dict) -> None:
-        with torch.no_grad():
-            for n, p in self.model.named_parameters():
-                p.copy_(state[f"param.{n}"])
-        self.opt.load_state_tensors(state)
-
 
 STRATEGY = DataParallel
