@@ -28,9 +28,9 @@ def secret_file(tmp_path_factory):
     return str(p)
 
 
-def smoltrain(*args, timeout=240):
+def smoltrain(*args, timeout=240, cwd=None):
     return subprocess.run([sys.executable, "-m", "smoltrain", *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, cwd=cwd)
 
 
 def one_line_error(capsys, argv) -> tuple[int, str]:
@@ -159,12 +159,25 @@ def test_inventory_launch_with_local_hosts(tmp_path, secret_file):
     from smoltrain.comm.launch import free_port_base
     text = inv.read_text().replace("smol_train_port: 0", f"smol_train_port: {free_port_base(2, '127.0.0.2')}")
     inv.write_text(text)
+    # a measured links report of these hosts in reports/: run plans on it by itself
+    (tmp_path / "reports").mkdir()
+    link = {"status": "ok", "throughput_mbit": 123.0, "retransmits": 0, "mtu_effective": 1500, "mtu_configured": 1500,
+            "ceiling_mbit": None, "method": "builtin", "warnings": [], "error": None,
+            "rtt_us": {"min": 50.0, "p50": 60.0, "p90": 70.0, "p99": 80.0, "max": 90.0}}
+    links = {"schema": "smolnet.links/1", "created": "2026-12-02T10:00:00Z",
+             "settings": {"duration_s": 1.0, "backend": "builtin"},
+             "hosts": [{"name": n, "address": a, "iface": "lo", "mtu_configured": 1500, "link_rate_mbit": None,
+                        "device": "generic", "status": "ok", "error": None}
+                       for n, a in (("alpha", "127.0.0.2"), ("beta", "127.0.0.3"))],
+             "links": [dict(link, src="alpha", dst="beta"), dict(link, src="beta", dst="alpha")]}
+    (tmp_path / "reports" / "links.json").write_text(json.dumps(links))
     p = smoltrain("run", "--strategy", "tp", "-i", str(inv), *SMALL, "--steps", "3", "--secret-file", secret_file,
-                  "--json", str(tmp_path / "r.json"), "--out", str(tmp_path))
+                  "--json", str(tmp_path / "r.json"), "--out", str(tmp_path), cwd=tmp_path)
     assert p.returncode == 0, p.stderr + p.stdout
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["hosts"] == ["alpha", "beta"] and doc["world_size"] == 2
     assert {(b["src"], b["dst"]) for b in doc["bytes"]} == {("alpha", "beta"), ("beta", "alpha")}
+    assert {link["rate_mbit"] for link in doc["plan"]["links"]} == {123.0}
 
 
 # --- syncps: a stalled worker (SIGSTOP) misses the barrier and is dropped, no hang ---

@@ -156,12 +156,22 @@ def run(args) -> int:
         if args.links:
             import json
             links = json.loads(open(args.links).read())
+        elif hosts is not None:
+            from smoltrain.planner.links import find_report
+
+            links = find_report([h.name for h in hosts])  # the latest matrix of these hosts, if any
+            if links:
+                console.print("plan: using reports/links.json (measured links of these hosts)")
         try:
             plan = plan_for_run(strategy=args.strategy, model=spec, world=world, dtype="fp32", batch=args.batch,
                                 seq=args.seq, microbatches=args.microbatches, hosts=hosts, links=links)
             console.print(f"plan: {plan['step_s'] * 1e3:.1f} ms/step predicted, bottleneck "
                           f"{plan['bottleneck']} ({plan.get('bottleneck_where')}), "
                           f"{plan['bytes_per_step'] / 1e6:.2f} MB/step on the busiest rank")
+            if plan["bottleneck"] == "capacity":
+                console.print(f"[bold yellow]warning: the model does not fit: {plan.get('bottleneck_where')}")
+            elif plan["bottleneck"] in ("link", "latency"):
+                console.print(f"[bold yellow]warning: communication will dominate: {plan.get('bottleneck_where')}")
         except Exception as e:  # the plan is advice; never block a run on it
             console.print(f"plan unavailable: {e}")
 
