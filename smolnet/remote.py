@@ -13,6 +13,7 @@ import shlex
 import socket
 import subprocess
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -47,14 +48,15 @@ def _cmdline(argv: Sequence[str] | str) -> str:
     return argv if isinstance(argv, str) else " ".join(shlex.quote(str(a)) for a in argv)
 
 
-class Remote:
+class Remote(ABC):
     """Base class: run, start, stop, alive, put_file. Use connect(host)."""
 
     def __init__(self, host: Host):
         self.host = host
 
+    @abstractmethod
     def run(self, argv, timeout: float = 30.0, stdin: bytes | None = None, check: bool = False) -> Result:
-        raise NotImplementedError  # ok: abstract
+        """Run argv (a list, or a shell string) to completion."""
 
     def start(self, argv, stdin: bytes | None = None, log: str | None = None, timeout: float = 15.0) -> Proc:
         """Start argv detached (own session), feed stdin, return its pid."""
@@ -67,8 +69,9 @@ class Remote:
                 return Proc(self.host.name, int(line.split(":", 1)[1]), log)
         raise RemoteError(self.host.name, f"could not start {_cmdline(argv)[:80]}: no pid reported")
 
+    @abstractmethod
     def _spawn(self, argv, stdin: bytes, timeout: float) -> str:
-        raise NotImplementedError  # ok: abstract
+        """Start argv detached, feed stdin, return its first output line."""
 
     def alive(self, proc: Proc, timeout: float = 10.0) -> bool:
         return self.run(["kill", "-0", str(proc.pid)], timeout=timeout).rc == 0

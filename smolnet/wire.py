@@ -1,7 +1,7 @@
 """The smolcluster wire: HMAC challenge-response, then frames.
 
 A frame is a fixed 20-byte binary header, a small JSON header and raw payload bytes.
-Nothing executable ever crosses: no pickle, no eval. Every length is checked against
+Nothing executable ever crosses: no object serialization, no code. Every length is checked against
 a bound before a single byte is allocated for it, and every read has a deadline.
 
 Handshake (mutual, fixed sizes, so nothing unbounded is read before it succeeds):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import threading
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from smolnet.errors import UsageError
@@ -49,7 +50,7 @@ class Context:
         return self.batch * self.seq
 
 
-class Strategy:
+class Strategy(ABC):
     """One rank's share of the model, its optimizer, and its training step."""
 
     loss_owner = True  # does this rank's train_step return a loss share?
@@ -57,8 +58,9 @@ class Strategy:
     def __init__(self, ctx: Context):
         self.ctx = ctx
 
+    @abstractmethod
     def train_step(self, step: int) -> float | None:
-        raise NotImplementedError
+        """One optimizer step; returns this rank's share of the loss (or None)."""
 
     def state_tensors(self) -> dict:
         """Parameters and optimizer state this rank holds (for checkpoints).
