@@ -26,3 +26,20 @@ def write_text_atomic(path: str | os.PathLike, text: str, mode: int = 0o644) -> 
 
 def write_json_atomic(path: str | os.PathLike, doc, indent: int = 2) -> None:
     write_text_atomic(path, json.dumps(doc, indent=indent) + "\n")
+
+
+def save_figure_atomic(fig, path: str | os.PathLike, dpi: int = 110) -> None:
+    """Save a matplotlib figure via a temp file, and always close it."""
+    import matplotlib.pyplot as plt
+
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".png")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=dpi)
+        os.replace(tmp, p)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)

@@ -10,6 +10,9 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
+from .files import save_figure_atomic
+from .files import write_text_atomic as write_atomic
+
 SCHEMA = "smolnet.links/1"
 STATUSES = ("ok", "degraded", "down")
 WARNINGS = ("mtu-mismatch", "mtu-blackhole", "asymmetric", "below-ceiling", "probe-limited", "probe-failed")
@@ -359,17 +362,7 @@ def render_png(doc: dict, path: str | os.PathLike) -> None:
     fig.suptitle("smolnet link report" + (" (incomplete)" if doc.get("incomplete") else "")
                  + "  ·  orange // and ! = degraded, pink xx = down, grey = no value")
     fig.tight_layout()
-    tmp = f"{path}.tmp{os.getpid()}.png"
-    try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-from .files import write_text_atomic as write_atomic  # noqa: E402  (re-exported for commands)
+    save_figure_atomic(fig, path)
 
 
 def write_report(doc: dict, out_dir: str | os.PathLike | None, json_file: str | None = None) -> list[str]:

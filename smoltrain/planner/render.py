@@ -1,11 +1,10 @@
 """How plans look: a rich summary in words, the what-if table, the ranking, and a chart."""
 from __future__ import annotations
 
-import os
-import tempfile
 
 from rich.console import Console
 from rich.table import Table
+from smolnet.files import save_figure_atomic
 
 from .plan import human_bytes, human_s
 
@@ -123,14 +122,4 @@ def chart(plans: list[dict], path: str) -> None:
     m = plans[0]
     fig.suptitle(f"{m['model']['name']} · {m['mode']} · world {m['world_size']} · {m['dtype']}")
     fig.tight_layout()
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, suffix=".png")
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    save_figure_atomic(fig, path)
