@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 
+from smolnet.files import write_text_atomic
 from smolnet import sim
 
 NAME, SUBNET, INV = "m1", "10.213.11.0/24", "/tmp/bench-m1.yml"
@@ -55,8 +56,7 @@ def main() -> int:
     text = json.dumps(out, indent=2)
     print(text)
     if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+        write_text_atomic(args.json, text + "\n")
     return 0
 
 

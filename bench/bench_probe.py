@@ -14,6 +14,7 @@ import statistics
 import sys
 import time
 
+from smolnet.files import write_text_atomic
 from smolnet import inventory, secret, sim
 from smolnet.matrix import AgentPool, default_secret_path
 from smolnet.probes import probe_pmtu, probe_throughput
@@ -120,8 +121,7 @@ def main() -> int:
     text = json.dumps(out, indent=2)
     print(text)
     if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+        write_text_atomic(args.json, text + "\n")
     return 0
 
 
