@@ -72,8 +72,9 @@ def test_home_shaped_goodput_matches_truth(home, home_report):
     """Sender-paced directions within tolerance of the shaped truth.
 
     The matrix runs two tests at once on a CPU shared with the rest of CI; a direction
-    that misses is re-measured alone (at most twice) before it counts as a failure, so
-    load spikes do not flake while a wrong count (sender side, warm-up, units) still fails.
+    that misses (low or high) is re-measured alone (at most twice) before it counts as a
+    failure, so load spikes do not flake while a wrong count (sender side, warm-up, units)
+    still fails.
     """
     from smolnet import inventory, secret
     from smolnet.matrix import AgentPool, default_secret_path
@@ -93,8 +94,9 @@ def test_home_shaped_goodput_matches_truth(home, home_report):
         # the sim's short tbf queue drops and TCP's result swings (see BENCHMARKS.md).
         if specs[a].up_mbit > specs[b].down_mbit:
             continue
-        assert l["throughput_mbit"] <= HIGH * truth["goodput_mbit"], (a, b, l["throughput_mbit"], truth)
-        if l["throughput_mbit"] < LOW * truth["goodput_mbit"]:
+        # A load spike can stretch or shrink a short measurement window either way, so a
+        # miss on either side is re-measured alone; a consistent miss still fails below.
+        if not LOW * truth["goodput_mbit"] <= l["throughput_mbit"] <= HIGH * truth["goodput_mbit"]:
             retry.append((a, b, truth["goodput_mbit"]))
         assert abs(l["mtu_effective"] - truth["mtu_effective"]) <= MTU_TOLERANCE, (a, b, l["mtu_effective"])
         assert l["rtt_us"]["p50"] > 0 and l["error"] is None
