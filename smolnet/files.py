@@ -43,3 +43,16 @@ def save_figure_atomic(fig, path: str | os.PathLike, dpi: int = 110) -> None:
         plt.close(fig)
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def read_json(path: str | os.PathLike, what: str, missing_hint: str = ""):
+    """Parse a JSON document; a missing or unreadable file is one clear line (UsageError)."""
+    from .errors import UsageError
+
+    p = Path(path)
+    try:
+        return json.loads(p.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{p}: no such {what}{missing_hint}") from None
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{p}: cannot read {what}: {e}") from None

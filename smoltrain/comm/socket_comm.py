@@ -74,6 +74,16 @@ def _check_frame(kind: int, meta: dict, payload_len: int, expect_len: int, expec
                              f"(mismatched shapes or dtypes)")
 
 
+def _consume(bufs: list, k: int) -> None:
+    """Drop the first k bytes sent from a scatter-gather list of memoryviews, in place."""
+    while k and bufs:
+        if k >= len(bufs[0]):
+            k -= len(bufs[0])
+            bufs.pop(0)
+        else:
+            bufs[0] = bufs[0][k:]
+            k = 0
+
 class _RemoteAbort(Exception):
     """Another rank reported a failure; carries its CommError fields."""
 
@@ -188,13 +198,7 @@ class _Exchange:
                 raise
             moved = True
             bufs = self.sbufs
-            while k and bufs:
-                if k >= len(bufs[0]):
-                    k -= len(bufs[0])
-                    bufs.pop(0)
-                else:
-                    bufs[0] = bufs[0][k:]
-                    k = 0
+            _consume(bufs, k)
             if not bufs:
                 self.sbufs = None
                 self.stats.mid_frame.discard(peer)
@@ -330,14 +334,7 @@ class SocketComm(Comm):
         """Send all buffers in order (scatter-gather, no copies); socket timeout bounds each wait."""
         bufs = [memoryview(b).cast("B") for b in bufs if len(b)]
         while bufs:
-            k = sock.sendmsg(bufs)
-            while k and bufs:
-                if k >= len(bufs[0]):
-                    k -= len(bufs[0])
-                    bufs.pop(0)
-                else:
-                    bufs[0] = bufs[0][k:]
-                    k = 0
+            _consume(bufs, sock.sendmsg(bufs))
 
     def _error(self, peer: int | None, exc: BaseException, op: str) -> CommError:
         if isinstance(exc, CommError):

@@ -5,12 +5,12 @@ number of steps; step time is the median over steps after the first (warm-up).
 """
 from __future__ import annotations
 
-import json
 import re
 import statistics
 from pathlib import Path
 
 from smolnet.errors import UsageError
+from smolnet.files import read_json
 
 RUN_SCHEMA = "smoltrain.run/1"
 COMPARE_SCHEMA = "smoltrain.compare/1"
@@ -19,12 +19,7 @@ TOLERANCE = 0.02
 
 def read_run(path: str) -> dict:
     p = Path(path)
-    try:
-        doc = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise UsageError(f"{p}: no such run report") from None
-    except (OSError, ValueError) as e:
-        raise UsageError(f"{p}: cannot read run report: {e}") from None
+    doc = read_json(p, "run report")
     if not isinstance(doc, dict) or not isinstance(doc.get("config"), dict) or "bytes" not in doc:
         raise UsageError(f"{p}: not a {RUN_SCHEMA} report (needs config and bytes)")
     return doc

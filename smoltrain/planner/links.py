@@ -6,11 +6,11 @@ round trip (one way), which already includes a Python peer on each end.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from smolnet.errors import UsageError
+from smolnet.files import read_json
 
 from .devices import get_link_class
 
@@ -70,12 +70,7 @@ def from_class(name: str) -> LinkModel:
 
 def read_report(path: str) -> dict:
     p = Path(path)
-    try:
-        doc = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise UsageError(f"{p}: no such links report (run `smolnet matrix -i INVENTORY`)") from None
-    except (OSError, ValueError) as e:
-        raise UsageError(f"{p}: cannot read links report: {e}") from None
+    doc = read_json(p, "links report", " (run `smolnet matrix -i INVENTORY`)")
     if not isinstance(doc, dict) or doc.get("schema") != LINKS_SCHEMA:
         raise UsageError(f"{p}: not a {LINKS_SCHEMA} report")
     doc.setdefault("_path", str(p))
