@@ -83,7 +83,7 @@ def worker(a) -> None:
 
 # ------------------------------------------------------------------- controller
 def launch(world: int, addrs: list[str], netns: list[str | None], ifaces: list[str], a) -> list[dict]:
-    from smoltrain.comm.launch import free_port_base
+    from smoltrain.comm.group import free_port_base
 
     port = free_port_base(2 * world + 4, addrs[0]) if not any(netns) else 47000
     secret = secrets.token_hex(16).encode()
@@ -134,7 +134,7 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def sim_hosts():
-    from smolnet import sim
+    from smolnet.sim import cluster as sim
 
     st = sim.up(name="x1", scenario="uniform", hosts=2, subnet="10.213.31.0/24", rate_mbit=1000,
                 inventory="/tmp/smol-bench-x1.yml")
@@ -184,7 +184,7 @@ def main() -> int:
     goodput = None
     try:
         if a.sim:
-            from smolnet.sim_scenarios import tcp_goodput_mbit
+            from smolnet.sim.scenarios import tcp_goodput_mbit
             addrs, netns, ifaces = sim_hosts()
             goodput = {"tbf_model_mbit": tcp_goodput_mbit(1000, 1500), "iperf3_mbit": iperf_goodput(addrs, netns)}
             doc["link"] = goodput
@@ -200,7 +200,7 @@ def main() -> int:
         doc["wall_s"] = time.monotonic() - t0
     finally:
         if a.sim:
-            from smolnet import sim
+            from smolnet.sim import cluster as sim
             sim.down(name="x1")
     print(f"{'N':>2} {'bytes':>10} {'socket us':>10} {'gloo us':>10} {'socket GB/s':>11} {'gloo GB/s':>10} {'ratio':>6}"
           f" {'cpu ratio':>9}")

@@ -17,7 +17,7 @@ import tempfile
 import time
 
 from smolnet.files import write_text_atomic
-from smolnet import sim
+from smolnet.sim import cluster as sim
 
 NAME, SUBNET, INV = "m1", "10.213.11.0/24", "/tmp/bench-m1.yml"
 

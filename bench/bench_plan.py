@@ -21,10 +21,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from smolnet import sim  # noqa: E402
+from smolnet.sim import cluster as sim
 from smolnet.inventory import load_inventory  # noqa: E402
 from smoltrain.commands.calibrate import calibrate  # noqa: E402
-from smoltrain.modelspec import get_model  # noqa: E402
+from smoltrain.models.spec import get_model  # noqa: E402
 from smoltrain.planner.compare import compare  # noqa: E402
 from smoltrain.planner.devices import profile_from_calibration  # noqa: E402
 from smoltrain.planner.plan import Rank, busy_ranks, link_model, make_plan, share_machine  # noqa: E402

@@ -15,10 +15,11 @@ import sys
 import time
 
 from smolnet.files import write_text_atomic
-from smolnet import inventory, secret, sim
+from smolnet import inventory, secret
+from smolnet.sim import cluster as sim
 from smolnet.matrix import AgentPool, default_secret_path
-from smolnet.probes import probe_pmtu, probe_throughput
-from smolnet.sim_scenarios import HostSpec
+from smolnet.probes.request import probe_pmtu, probe_throughput
+from smolnet.sim.scenarios import HostSpec
 
 NAME, SUBNET, INV = "m1", "10.213.11.0/24", "/tmp/bench-m1.yml"
 

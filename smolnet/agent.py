@@ -20,7 +20,12 @@ import socket
 import threading
 import time
 
-from . import control, facts, iperf, pmtu, rtt, throughput, wire
+from smolnet import facts, wire
+from smolnet import agent_client as control
+from smolnet.probes import iperf
+from smolnet.probes import pmtu
+from smolnet.probes import rtt
+from smolnet.probes import throughput
 
 log = logging.getLogger("smolnet.agent")
 

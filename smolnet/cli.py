@@ -1,7 +1,7 @@
 """`smolnet`: the network layer's command line."""
 from __future__ import annotations
 
-from .climain import dispatch
+from smolnet.cli_dispatch import dispatch
 
 COMMANDS = {
     "matrix": ("smolnet.commands.matrix", "measure every ordered pair of cluster hosts and write the link report"),

@@ -47,7 +47,7 @@ def save_figure_atomic(fig, path: str | os.PathLike, dpi: int = 110) -> None:
 
 def read_json(path: str | os.PathLike, what: str, missing_hint: str = ""):
     """Parse a JSON document; a missing or unreadable file is one clear line (UsageError)."""
-    from .errors import UsageError
+    from smolnet.errors import UsageError
 
     p = Path(path)
     try:

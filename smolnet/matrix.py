@@ -15,10 +15,10 @@ import time
 from dataclasses import dataclass, field
 from itertools import chain
 
-from . import control
-from .inventory import Host
-from .probes import Endpoint, probe_pmtu, probe_rtt, probe_throughput
-from .remote import Proc, Remote, RemoteError, connect
+from smolnet import agent_client as control
+from smolnet.inventory import Host
+from smolnet.probes.request import Endpoint, probe_pmtu, probe_rtt, probe_throughput
+from smolnet.remote import Proc, Remote, RemoteError, connect
 
 AGENT_START_TIMEOUT = 20.0
 
@@ -295,8 +295,8 @@ def run_cli(hosts: list[Host], args, pairs: list[tuple[str, str]] | None = None)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from . import report
-    from .secret import ensure_secret
+    from smolnet import report
+    from smolnet.secret import ensure_secret
 
     secret = ensure_secret(args.secret_file or default_secret_path(hosts))
     pool = AgentPool(secret)

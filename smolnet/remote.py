@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
 
-from .inventory import Host
+from smolnet.inventory import Host
 
 
 class RemoteError(Exception):

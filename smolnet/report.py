@@ -10,8 +10,8 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .files import save_figure_atomic
-from .files import write_text_atomic as write_atomic
+from smolnet.files import save_figure_atomic
+from smolnet.files import write_text_atomic as write_atomic
 
 SCHEMA = "smolnet.links/1"
 STATUSES = ("ok", "degraded", "down")

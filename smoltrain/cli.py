@@ -1,7 +1,7 @@
 """`smoltrain`: planning and training on top of smolnet."""
 from __future__ import annotations
 
-from smolnet.climain import dispatch
+from smolnet.cli_dispatch import dispatch
 
 COMMANDS = {
     "plan": ("smoltrain.commands.plan", "predict bytes per token, step time and the bottleneck of a strategy"),

@@ -60,7 +60,7 @@ class Group:
     """N rank processes running comm_cases.<case>; start(), then results()."""
 
     def __init__(self, case: str, n: int, backend: str, params: dict | None = None):
-        from smoltrain.comm.launch import free_port_base
+        from smoltrain.comm.group import free_port_base
 
         self.n = n
         self.dir = tempfile.mkdtemp(prefix="smolcomm-")

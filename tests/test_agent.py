@@ -11,7 +11,10 @@ import time
 
 import pytest
 
-from smolnet import control, iperf, pmtu, wire
+from smolnet import wire
+from smolnet import agent_client as control
+from smolnet.probes import iperf
+from smolnet.probes import pmtu
 from smolnet.agent import Agent
 
 SECRET = b"test-secret-0123456789abcdef"

@@ -52,7 +52,7 @@ def test_bench_bad_input_is_one_line_and_exit_2(args, why):
 
 @pytest.mark.sim
 def test_bench_over_ssh_on_the_sim(tmp_path):
-    sim = pytest.importorskip("smolnet.sim")
+    sim = pytest.importorskip("smolnet.sim.cluster")
     inv = tmp_path / "x1.yml"
     try:
         sim.up(name="x1", scenario="uniform", hosts=2, subnet="10.213.31.0/24", rate_mbit=1000, inventory=str(inv))

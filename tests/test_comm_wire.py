@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from smolnet import wire
 from smoltrain.comm import CommError, make_comm
-from smoltrain.comm.launch import free_port_base
+from smoltrain.comm.group import free_port_base
 from smoltrain.comm.socket_comm import K_DATA, SocketComm
 
 SECRET = b"wire-test-secret-0123456789"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from smolnet import sim
+from smolnet.sim import cluster as sim
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,7 +44,7 @@ def readme_commands():
 
 def test_readme_commands_parse():
     from smolnet import cli as netcli
-    from smolnet.climain import parse
+    from smolnet.cli_dispatch import parse
     from smoltrain import cli as traincli
 
     cmds = readme_commands()

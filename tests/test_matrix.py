@@ -16,7 +16,7 @@ from itertools import chain
 
 import pytest
 
-from smolnet import control
+from smolnet import agent_client as control
 from smolnet.agent import Agent
 from smolnet.matrix import directed_rounds, pair_rounds
 

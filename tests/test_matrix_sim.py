@@ -16,8 +16,8 @@ import yaml
 
 pytestmark = pytest.mark.sim
 
-sim = pytest.importorskip("smolnet.sim")
-from smolnet.sim_scenarios import HostSpec  # noqa: E402
+sim = pytest.importorskip("smolnet.sim.cluster")
+from smolnet.sim.scenarios import HostSpec  # noqa: E402
 
 LOW, HIGH = 0.85, 1.10      # shaped goodput, tests; bench/bench_probe.py measures the 5 % bar
 MTU_TOLERANCE = 8
@@ -78,7 +78,7 @@ def test_home_shaped_goodput_matches_truth(home, home_report):
     """
     from smolnet import inventory, secret
     from smolnet.matrix import AgentPool, default_secret_path
-    from smolnet.probes import probe_throughput
+    from smolnet.probes.request import probe_throughput
 
     st, _, rep, _ = home_report
     specs = {h["name"]: _spec(h) for h in st["hosts"]}
@@ -149,7 +149,7 @@ def test_home_ghost_down_rest_measured(home_report):
 def test_mtu_lab_effective_mtu_exact(tmp_path):
     from smolnet import inventory, secret
     from smolnet.matrix import AgentPool, default_secret_path
-    from smolnet.probes import probe_pmtu
+    from smolnet.probes.request import probe_pmtu
 
     inv = tmp_path / "m2.yml"
     try:

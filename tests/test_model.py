@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from smolnet.errors import UsageError
-from smoltrain.data import Batches, load_corpus, split_batch
-from smoltrain.model import build_model, loss_sum, split_units
-from smoltrain.modelspec import get_model, with_overrides
-from smoltrain.optim import AdamW
+from smoltrain.models.data import Batches, load_corpus, split_batch
+from smoltrain.models.gpt import build_model, loss_sum, split_units
+from smoltrain.models.spec import get_model, with_overrides
+from smoltrain.models.optim import AdamW
 
 
 def test_parameter_count_matches_the_planners_spec():

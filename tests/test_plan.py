@@ -6,7 +6,7 @@ import pytest
 
 from smolnet.errors import UsageError
 from smoltrain.cli import main
-from smoltrain.modelspec import get_model
+from smoltrain.models.spec import get_model
 from smoltrain.planner import plan_for_run
 from smoltrain.planner.devices import LINK_CLASSES
 from smoltrain.planner.plan import make_plan, resolve_ranks, what_if, what_if_sentence

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from smoltrain.modelspec import get_model
+from smoltrain.models.spec import get_model
 from smoltrain.planner import plan_for_run
 from smoltrain.planner.compare import compare
 

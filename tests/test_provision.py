@@ -48,7 +48,7 @@ def test_example_inventory_is_the_reference_cluster():
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from smolnet import sim
+    from smolnet.sim import cluster as sim
     reason = sim.unavailable_reason()
     if reason:
         pytest.skip(reason)

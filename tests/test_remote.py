@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from smolnet import sim
+from smolnet.sim import cluster as sim
 from smolnet.inventory import Host, load_inventory
 from smolnet.remote import LocalRemote, RemoteError, connect
 

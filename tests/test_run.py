@@ -156,7 +156,7 @@ def test_inventory_launch_with_local_hosts(tmp_path, secret_file):
                    f"      smol_python: {sys.executable}\n      smol_train_port: 0\n"
                    f"    beta:\n      ansible_connection: local\n      cluster_ip: 127.0.0.3\n"
                    f"      smol_python: {sys.executable}\n")
-    from smoltrain.comm.launch import free_port_base
+    from smoltrain.comm.group import free_port_base
     text = inv.read_text().replace("smol_train_port: 0", f"smol_train_port: {free_port_base(2, '127.0.0.2')}")
     inv.write_text(text)
     # a measured links report of these hosts in reports/: run plans on it by itself

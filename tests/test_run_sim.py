@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = pytest.mark.sim
 
-sim = pytest.importorskip("smolnet.sim")
+sim = pytest.importorskip("smolnet.sim.cluster")
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from smolnet import sim
+from smolnet.sim import cluster as sim
 from smolnet.cli import main as smolnet_main
 from smolnet.errors import UsageError
 from smolnet.inventory import load_inventory
 from smolnet.remote import connect
-from smolnet.sim_check import df_ping_ok, iperf3, ns_run, spec_of
-from smolnet.sim_scenarios import path_truth, scenario, tcp_goodput_mbit
+from smolnet.sim.check import df_ping_ok, iperf3, ns_run, spec_of
+from smolnet.sim.scenarios import path_truth, scenario, tcp_goodput_mbit
 
 NEEDS_SIM = pytest.mark.skipif(sim.unavailable_reason() is not None, reason=str(sim.unavailable_reason()))
 

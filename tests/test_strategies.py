@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from smoltrain.modelspec import get_model
+from smoltrain.models.spec import get_model
 
 BATCH, SEQ = 6, 32
 REL_TOL = 1e-5
@@ -82,7 +82,7 @@ def expected_total_bytes(strategy: str, world: int, steps: int, extra: list[str]
     if strategy == "dp":
         return steps * 2 * (world - 1) * P * 4
     if strategy == "fsdp":
-        from smoltrain.model import build_model
+        from smoltrain.models.gpt import build_model
         units = build_model(spec, 0).units
         padded = sum(-(-sum(p.numel() for p in u.parameters()) // world) * world for u in units)
         return steps * 3 * (world - 1) * padded * 4

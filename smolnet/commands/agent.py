@@ -5,8 +5,8 @@ import logging
 import signal
 import sys
 
-from ..errors import SmolError, UsageError
-from ..secret import SecretError, load_secret, parse_secret
+from smolnet.errors import SmolError, UsageError
+from smolnet.secret import SecretError, load_secret, parse_secret
 
 
 def add_arguments(p) -> None:
@@ -30,7 +30,7 @@ def run(args) -> int:
     else:
         secret = load_secret(args.secret_file)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s smolnet-agent %(levelname)s %(message)s")
-    from ..agent import Agent
+    from smolnet.agent import Agent
 
     try:
         agent = Agent(args.bind, args.port, secret, iface=args.iface)

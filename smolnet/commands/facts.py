@@ -15,10 +15,10 @@ def run(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from ..inventory import load_inventory
-    from ..matrix import AgentPool, default_secret_path, host_entries
-    from ..report import write_atomic
-    from ..secret import ensure_secret
+    from smolnet.inventory import load_inventory
+    from smolnet.matrix import AgentPool, default_secret_path, host_entries
+    from smolnet.report import write_atomic
+    from smolnet.secret import ensure_secret
 
     inv = load_inventory(args.inventory)
     hosts = inv.select([n.strip() for n in args.hosts.split(",") if n.strip()] if args.hosts else None)

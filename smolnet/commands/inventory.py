@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from ..inventory import load_inventory
+from smolnet.inventory import load_inventory
 
 
 def add_arguments(p) -> None:

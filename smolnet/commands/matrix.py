@@ -1,8 +1,8 @@
 """`smolnet matrix`: every ordered pair of cluster hosts, one report."""
 from __future__ import annotations
 
-from ..errors import UsageError
-from ..inventory import load_inventory
+from smolnet.errors import UsageError
+from smolnet.inventory import load_inventory
 
 BACKENDS = ("auto", "iperf3", "builtin")
 
@@ -28,7 +28,7 @@ def check_args(args) -> None:
 
 
 def run(args) -> int:
-    from ..matrix import run_cli
+    from smolnet.matrix import run_cli
 
     check_args(args)
     inv = load_inventory(args.inventory)

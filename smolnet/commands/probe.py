@@ -1,9 +1,9 @@
 """`smolnet probe SRC DST`: one direction, same report schema as the matrix."""
 from __future__ import annotations
 
-from ..errors import UsageError
-from ..inventory import load_inventory
-from .matrix import BACKENDS, check_args
+from smolnet.errors import UsageError
+from smolnet.inventory import load_inventory
+from smolnet.commands.matrix import BACKENDS, check_args
 
 
 def add_arguments(p) -> None:
@@ -19,7 +19,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from ..matrix import run_cli
+    from smolnet.matrix import run_cli
 
     check_args(args)
     if args.src == args.dst:

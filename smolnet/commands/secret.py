@@ -1,7 +1,7 @@
 """`smolnet secret init|path`."""
 from __future__ import annotations
 
-from ..secret import ensure_secret, secret_path
+from smolnet.secret import ensure_secret, secret_path
 
 
 def add_arguments(p) -> None:

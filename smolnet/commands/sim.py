@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from ..errors import UsageError
+from smolnet.errors import UsageError
 
 
 def add_arguments(p) -> None:
@@ -59,7 +59,7 @@ def _table(st: dict):
 def run(args) -> int:
     from rich.console import Console
 
-    from .. import sim
+    from smolnet.sim import cluster as sim
 
     con = Console()
     if args.action == "up":

@@ -5,7 +5,7 @@
 """
 from __future__ import annotations
 
-from .base import ByteCounter, Comm, CommError
+from smoltrain.comm.base import ByteCounter, Comm, CommError
 
 BACKENDS = ("socket", "torch")
 
@@ -14,10 +14,10 @@ def make_comm(backend: str, rank: int, world_size: int, coordinator_addr: str, p
               timeout: float = 30.0, device="cpu", addrs: list[str] | None = None) -> Comm:
     """Join the group. socket: authenticated, counts real bytes; torch: gloo/nccl, trusted network."""
     if backend == "socket":
-        from .socket_comm import SocketComm
+        from smoltrain.comm.socket_comm import SocketComm
         return SocketComm(rank, world_size, coordinator_addr, port, secret, timeout=timeout, device=device, addrs=addrs)
     if backend == "torch":
-        from .torch_comm import TorchComm
+        from smoltrain.comm.torch_comm import TorchComm
         return TorchComm(rank, world_size, coordinator_addr, port, secret, timeout=timeout, device=device, addrs=addrs)
     raise CommError(f"unknown comm backend {backend!r} (choose from {', '.join(BACKENDS)})")
 

@@ -16,7 +16,7 @@ import time
 
 from smolnet import wire
 
-from .base import CommError
+from smoltrain.comm.base import CommError
 
 log = logging.getLogger("smoltrain.comm")
 

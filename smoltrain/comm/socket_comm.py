@@ -41,8 +41,8 @@ import torch
 
 from smolnet import wire
 
-from . import rendezvous as rdv
-from .base import ByteCounter, Comm, CommError
+from smoltrain.comm import rendezvous as rdv
+from smoltrain.comm.base import ByteCounter, Comm, CommError
 
 log = logging.getLogger("smoltrain.comm")
 

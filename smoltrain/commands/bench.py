@@ -158,7 +158,7 @@ def _parse_result(outputs: list[tuple[int, str, str]]) -> dict:
 
 
 def _run_local(args, nbytes: int) -> dict:
-    from smoltrain.comm.launch import free_port_base
+    from smoltrain.comm.group import free_port_base
 
     n = args.local
     port = args.port or free_port_base(n)
@@ -191,7 +191,7 @@ def _run_inventory(args, nbytes: int) -> dict:
     from smolnet.inventory import load_inventory
     from smolnet.remote import RemoteError, connect
     from smolnet.secret import ensure_secret
-    from smoltrain.comm.launch import inventory_group
+    from smoltrain.comm.group import inventory_group
 
     inv = load_inventory(args.inventory)
     hosts = inv.select(args.hosts.split(",") if args.hosts else None)

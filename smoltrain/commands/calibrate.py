@@ -56,9 +56,9 @@ def measure_copy(torch, nbytes: int, seconds: float) -> float:
 
 def measure_train(torch, model_name: str, batch: int, seq: int, seconds: float) -> dict:
     """Achieved FLOP/s of real fwd+bwd+update steps (6 FLOPs per param per token + attention)."""
-    from smoltrain.model import build_model
-    from smoltrain.modelspec import get_model
-    from smoltrain.optim import AdamW   # the optimizer smoltrain run uses (and no torch._dynamo)
+    from smoltrain.models.gpt import build_model
+    from smoltrain.models.spec import get_model
+    from smoltrain.models.optim import AdamW  # the optimizer smoltrain run uses (and no torch._dynamo)
 
     spec = get_model(model_name)
     model = build_model(spec, seed=0)
@@ -110,7 +110,7 @@ write_atomic = write_json_atomic
 def run(args) -> int:
     from rich.console import Console
 
-    from smoltrain.modelspec import ModelSpecError, get_model
+    from smoltrain.models.spec import ModelSpecError, get_model
     from smoltrain.planner.devices import calibration_path
 
     if args.seconds <= 0 or args.seconds > 60:

@@ -127,7 +127,7 @@ def run(args) -> int:
             stage.run(f"7. check: plan vs measured for {strat}",
                       [py, "-m", "smoltrain", "plan", "--compare", str(run_json), "--links", str(links),
                        "-i", str(inv), "--json", str(out / f"compare-{strat}.json")])
-        from smoltrain.demo_report import write_report
+        from smoltrain.commands.demo_report import write_report
 
         path = write_report(out, chosen, stage.results)
         console.rule("[bold green]done")

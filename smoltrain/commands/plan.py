@@ -65,7 +65,7 @@ def _hosts(args, links_doc):
 def run(args) -> int:
     from rich.console import Console
 
-    from smoltrain.modelspec import ModelSpecError, get_model
+    from smoltrain.models.spec import ModelSpecError, get_model
     from smoltrain.planner import STRATEGIES, render
     from smoltrain.planner.devices import get_link_class, load_calibration
     from smoltrain.planner.links import read_report

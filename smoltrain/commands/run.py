@@ -67,7 +67,7 @@ def run(args) -> int:
     from rich.console import Console
 
     from smolnet.secret import ensure_secret
-    from smoltrain.modelspec import ModelSpecError, get_model
+    from smoltrain.models.spec import ModelSpecError, get_model
 
     console = Console(stderr=False)
     if args.strategy not in STRATEGY_NAMES:
@@ -79,7 +79,7 @@ def run(args) -> int:
     except ModelSpecError as e:
         raise UsageError(str(e)) from None
 
-    from smoltrain.launch import Controller, Placement, check_usage, plot_losses, route_source, write_json
+    from smoltrain.run.controller import Controller, Placement, check_usage, plot_losses, route_source, write_json
 
     hosts = None
     if args.local is not None:
@@ -105,7 +105,7 @@ def run(args) -> int:
     }
     check_usage(cfg, spec, world)
 
-    from smoltrain.data import corpus_digest, load_corpus
+    from smoltrain.models.data import corpus_digest, load_corpus
     corpus = load_corpus(data, cfg["data_cap"])
     cfg["data_bytes"], cfg["data_digest"] = len(corpus), corpus_digest(corpus)
 
@@ -114,7 +114,7 @@ def run(args) -> int:
     if args.resume:
         if not args.checkpoint_dir:
             raise UsageError("--resume needs --checkpoint-dir")
-        from smoltrain import checkpoint
+        from smoltrain.run import checkpoint
         expect = {k: cfg[k] for k in ("strategy", "model", "seed", "batch", "seq")}
         expect["world_size"] = world
         parts = ["server"] if args.strategy in ("syncps", "edp") else [f"rank{r}" for r in range(world)]
@@ -124,12 +124,12 @@ def run(args) -> int:
 
     # where ranks meet
     if hosts is None:
-        from smoltrain.comm.launch import free_port_base
+        from smoltrain.comm.group import free_port_base
         cfg["coord_addr"], cfg["port"] = "127.0.0.1", free_port_base(world)
         cfg["addrs"] = ["127.0.0.1"] * world
         bind = control_addr = "127.0.0.1"
     else:
-        from smoltrain.comm.launch import inventory_group
+        from smoltrain.comm.group import inventory_group
         cfg["coord_addr"], cfg["port"], cfg["addrs"] = inventory_group(hosts)
         control_addr = route_source(hosts[0].cluster_ip)
         bind = control_addr

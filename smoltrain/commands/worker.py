@@ -23,5 +23,5 @@ def run(args) -> int:
     if args.rank < 0 and not args.join:
         raise UsageError("give --rank R, or --join to join an elastic run")
     secret = parse_secret(sys.stdin.buffer.readline(), "stdin")
-    from smoltrain.runner import worker_main
+    from smoltrain.run.worker import worker_main
     return worker_main(addr, int(port), secret, args.rank, args.join)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from smoltrain.modelspec import ModelSpec
+from smoltrain.models.spec import ModelSpec
 
-from .traffic import dtype_bytes, expert_params, split_layers
+from smoltrain.planner.traffic import dtype_bytes, expert_params, split_layers
 
 ADAM_BYTES = 8          # two fp32 moments per owned parameter
 MASTER_BYTES = 4        # fp32 master weights when training in bf16/fp16

@@ -93,7 +93,7 @@ def compare(plan: dict, run: dict) -> dict:
 def render(con, cmp: dict) -> None:
     from rich.table import Table
 
-    from .plan import human_bytes, human_s
+    from smoltrain.planner.plan import human_bytes, human_s
 
     t = Table(title=f"{cmp['strategy']}: predicted vs measured per step ({cmp['steps']} steps)",
               title_justify="left")

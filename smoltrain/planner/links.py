@@ -12,7 +12,7 @@ from pathlib import Path
 from smolnet.errors import UsageError
 from smolnet.files import read_json
 
-from .devices import get_link_class
+from smoltrain.planner.devices import get_link_class
 
 LINKS_SCHEMA = "smolnet.links/1"
 

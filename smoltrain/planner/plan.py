@@ -9,12 +9,12 @@ import os
 from dataclasses import dataclass
 
 from smolnet.errors import UsageError
-from smoltrain.modelspec import ModelSpec
+from smoltrain.models.spec import ModelSpec
 
-from . import capacity, timing
-from .devices import LINK_CLASSES, DeviceProfile, get_device, load_calibration
-from .links import Link, LinkModel, from_class, from_report
-from .traffic import Traffic, bytes_per_token, dtype_bytes, traffic
+from smoltrain.planner import capacity, timing
+from smoltrain.planner.devices import LINK_CLASSES, DeviceProfile, get_device, load_calibration
+from smoltrain.planner.links import Link, LinkModel, from_class, from_report
+from smoltrain.planner.traffic import Traffic, bytes_per_token, dtype_bytes, traffic
 
 PLAN_SCHEMA = "smoltrain.plan/1"
 REPLICATED_INFER = ("dp", "syncps", "edp")

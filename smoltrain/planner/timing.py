@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .links import LinkModel
-from .traffic import Phase, Traffic
+from smoltrain.planner.links import LinkModel
+from smoltrain.planner.traffic import Phase, Traffic
 
 
 @dataclass

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 from smolnet.errors import UsageError
-from smoltrain.modelspec import ModelSpec
+from smoltrain.models.spec import ModelSpec
 
 STRATEGIES = ("dp", "fsdp", "syncps", "edp", "mp", "pp", "tp", "ep", "sp")
 MODES = ("train", "infer")

@@ -8,7 +8,7 @@ what crosses the wire and why.
 
 Strategies call the `Comm` interface (send/recv/collectives); none of them opens
 a socket itself, except the parameter-server pair (`syncps`, `edp`), whose
-membership protocol lives in `smoltrain.membership`.
+membership protocol lives in `smoltrain.strategies.parameter_server`.
 """
 from __future__ import annotations
 

@@ -22,10 +22,10 @@ import threading
 
 import torch
 
-from ..data import split_batch
-from ..model import build_model, loss_sum
-from ..optim import AdamW
-from . import Context, Strategy
+from smoltrain.models.data import split_batch
+from smoltrain.models.gpt import build_model, loss_sum
+from smoltrain.models.optim import AdamW
+from smoltrain.strategies import Context, Strategy
 
 WAIT_S = 120.0  # no bucket wait is unbounded
 

@@ -1,6 +1,6 @@
 """edp: elastic data parallel: workers leave and join while training goes on.
 
-Built on the same parameter server as `syncps` (see `smoltrain.membership`):
+Built on the same parameter server as `syncps` (see `smoltrain.strategies.parameter_server`):
 rank 0 holds the master parameters and AdamW state and tracks membership. What
 makes it elastic:
   - a worker that dies (SIGKILL, a lost link) or misses the barrier timeout is
@@ -21,7 +21,7 @@ mid-step: that one step averages only the survivors' sequences.
 """
 from __future__ import annotations
 
-from .syncps import SyncParameterServer
+from smoltrain.strategies.syncps import SyncParameterServer
 
 
 class ElasticDataParallel(SyncParameterServer):

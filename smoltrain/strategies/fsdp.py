@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from ..data import split_batch
-from ..model import build_model, loss_sum
-from ..optim import AdamW
-from . import Context, Strategy
+from smoltrain.models.data import split_batch
+from smoltrain.models.gpt import build_model, loss_sum
+from smoltrain.models.optim import AdamW
+from smoltrain.strategies import Context, Strategy
 
 
 class ShardedUnit:

@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..model import build_model, loss_sum, split_units
-from ..optim import AdamW
-from . import Context, Strategy
+from smoltrain.models.gpt import build_model, loss_sum, split_units
+from smoltrain.models.optim import AdamW
+from smoltrain.strategies import Context, Strategy
 
 
 class StageStrategy(Strategy):

@@ -25,10 +25,10 @@ import torch
 
 from smolnet.errors import UsageError
 
-from ..data import split_batch
-from ..model import loss_sum
-from . import Context
-from .mp import StageStrategy
+from smoltrain.models.data import split_batch
+from smoltrain.models.gpt import loss_sum
+from smoltrain.strategies import Context
+from smoltrain.strategies.mp import StageStrategy
 
 
 class PipelineParallel(StageStrategy):

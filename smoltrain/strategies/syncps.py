@@ -1,7 +1,7 @@
 """syncps: synchronous parameter server, with a barrier that drops dead workers.
 
 Rank 0 is both the parameter server (a thread holding the master parameters and
-the AdamW state, see `smoltrain.membership`) and a worker; ranks 1..N-1 are
+the AdamW state, see `smoltrain.strategies.parameter_server`) and a worker; ranks 1..N-1 are
 workers. Every step each worker pulls the current parameters with its slice of
 the global batch, computes the gradient of its share of the global mean loss and
 pushes it; the server sums the gradients in a fixed order and steps. Because the
@@ -24,9 +24,9 @@ import threading
 
 import torch
 
-from ..membership import Member, ParameterServer, flat_params
-from ..model import build_model, loss_sum
-from . import Context, Strategy
+from smoltrain.strategies.parameter_server import Member, ParameterServer, flat_params
+from smoltrain.models.gpt import build_model, loss_sum
+from smoltrain.strategies import Context, Strategy
 
 
 class SyncParameterServer(Strategy):

@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..model import Attention, MLP, build_model, loss_sum
-from ..optim import AdamW
-from . import Context, Strategy
+from smoltrain.models.gpt import Attention, MLP, build_model, loss_sum
+from smoltrain.models.optim import AdamW
+from smoltrain.strategies import Context, Strategy
 
 
 class _AllReduceBackward(torch.autograd.Function):

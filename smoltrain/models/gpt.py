@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .modelspec import ModelSpec
+from smoltrain.models.spec import ModelSpec
 
 
 class Embed(nn.Module):

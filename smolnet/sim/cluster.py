@@ -23,11 +23,11 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import sim_net as net
-from .files import write_text_atomic
-from .sim_inventory import inventory_text, remove_inventory
-from .sim_net import SimError, SimUnavailable, unavailable_reason
-from .sim_scenarios import SCENARIOS, HostSpec, path_truth, tcp_goodput_mbit
+from smolnet.sim import net
+from smolnet.files import write_text_atomic
+from smolnet.sim.inventory import inventory_text, remove_inventory
+from smolnet.sim.net import SimError, SimUnavailable, unavailable_reason
+from smolnet.sim.scenarios import SCENARIOS, HostSpec, path_truth, tcp_goodput_mbit
 
 __all__ = ["up", "down", "status", "SimError", "SimUnavailable", "SCENARIOS",
            "path_truth", "tcp_goodput_mbit", "state_dir", "unavailable_reason"]
@@ -153,7 +153,7 @@ def up(name: str = "smol", scenario: str = "home", hosts: int | None = None,
     loopback=None follows $SMOL_SIM_LOOPBACK (default off); off raises SimUnavailable when
     this machine cannot run namespaced hosts, on builds 127.x `ansible_connection: local` hosts.
     """
-    from .sim_scenarios import scenario as make_scenario
+    from smolnet.sim.scenarios import scenario as make_scenario
 
     _check_name(name)
     specs = make_scenario(scenario, hosts, rate_mbit, mtu)
@@ -195,7 +195,7 @@ def up(name: str = "smol", scenario: str = "home", hosts: int | None = None,
         try:
             if not loopback:
                 _build(st, specs)
-            from .secret import ensure_secret
+            from smolnet.secret import ensure_secret
             ensure_secret(d / "secret")
             st["status"] = "up"
             _save(st)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import socket
 import time
 
-from . import control, wire
+from smolnet import wire
+from smolnet import agent_client as control
 
 MIN_SAMPLES = 200
 MAX_SAMPLES = 100_000

@@ -27,10 +27,10 @@ import time
 import torch
 
 from smolnet import wire
-from .comm.base import ByteCounter
-from .data import split_batch
-from .model import build_model
-from .optim import AdamW
+from smoltrain.comm.base import ByteCounter
+from smoltrain.models.data import split_batch
+from smoltrain.models.gpt import build_model
+from smoltrain.models.optim import AdamW
 
 HELLO, PARAMS, GRADS, STOP = 1, 2, 3, 4
 

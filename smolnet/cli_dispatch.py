@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from .errors import SmolError
+from smolnet.errors import SmolError
 
 
 def parse(prog: str, description: str, commands: dict[str, tuple[str, str]], argv) -> argparse.Namespace:

@@ -14,11 +14,11 @@ import traceback
 
 import torch
 
-from .checkpoint import load_part, save_part
-from .control import ControlClient
-from .data import Batches, corpus_digest
-from .modelspec import ModelSpec
-from .strategies import Context, Stopwatch, TimedComm, load_strategy
+from smoltrain.run.checkpoint import load_part, save_part
+from smoltrain.run.channel import ControlClient
+from smoltrain.models.data import Batches, corpus_digest
+from smoltrain.models.spec import ModelSpec
+from smoltrain.strategies import Context, Stopwatch, TimedComm, load_strategy
 
 PS_STRATEGIES = ("syncps", "edp")
 
@@ -108,7 +108,7 @@ def train(cfg: dict, secret: bytes, rep: Reporter, corpus: bytes) -> None:
     device = resolve_device(cfg["devices"][rank] if 0 <= rank < len(cfg.get("devices", [])) else "cpu")
     comm = None
     if not ps and world > 1:
-        from .comm import make_comm
+        from smoltrain.comm import make_comm
         comm = TimedComm(make_comm(cfg["backend"], rank, world, cfg["coord_addr"], cfg["port"], secret,
                                    timeout=cfg.get("timeout", 60.0), device=device, addrs=cfg.get("addrs")))
     start = cfg.get("start_step", 0)

@@ -1,7 +1,7 @@
 """Check a running sim against its truth, from inside the namespaces (no agents, no SSH).
 
 iperf3 between host netns for every ordered pair, DF pings for the MTU faults. Used by
-the sim's tests and by `python -m smolnet.sim_check` for the numbers in BENCHMARKS.md;
+the sim's tests and by `python -m smolnet.sim.check` for the numbers in BENCHMARKS.md;
 measuring real clusters is `smolnet matrix`'s job, not this module's.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import subprocess
 import time
 from contextlib import contextmanager
 
-from .sim_scenarios import HostSpec, path_truth
+from smolnet.sim.scenarios import HostSpec, path_truth
 
 BENCH_LOCK = "/tmp/smol-bench.lock"
 
@@ -115,9 +115,9 @@ def main(argv=None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from . import sim
+    from smolnet.sim import cluster as sim
 
-    ap = argparse.ArgumentParser(prog="python -m smolnet.sim_check",
+    ap = argparse.ArgumentParser(prog="python -m smolnet.sim.check",
                                  description="measure a running sim's links against its truth")
     ap.add_argument("--name", default="smol")
     ap.add_argument("--seconds", type=float, default=3)

@@ -1,7 +1,7 @@
 """Namespace plumbing for the sim: netns, veth, bridge, tc shaping, per-host sshd.
 
 Thin wrappers around `ip`, `tc`, `ethtool` and `sshd`, each with a timeout and a
-one-line error, so smolnet/sim.py reads as the recipe rather than the mechanics.
+one-line error, so smolnet/sim/cluster.py reads as the recipe rather than the mechanics.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from .errors import SmolError
+from smolnet.errors import SmolError
 
 IP = "ip"
 CMD_TIMEOUT = 20.0

@@ -14,7 +14,8 @@ import threading
 import time
 import uuid
 
-from . import control, wire
+from smolnet import wire
+from smolnet import agent_client as control
 
 CHUNK = 1 << 20            # send/recv buffer: large, so syscalls are not the limit
 # Socket buffers are left to the kernel's autotuning: setting SO_RCVBUF would cap the window.

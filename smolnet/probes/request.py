@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import control
-from .inventory import Host
+from smolnet import agent_client as control
+from smolnet.inventory import Host
 
 DEFAULT_DURATION = 3.0
 DEFAULT_OMIT = 1.0

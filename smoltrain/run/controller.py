@@ -20,8 +20,8 @@ from pathlib import Path
 from smolnet.errors import SmolError, UsageError
 from smolnet.files import write_json_atomic
 
-from . import checkpoint
-from .control import ControlServer
+from smoltrain.run import checkpoint
+from smoltrain.run.channel import ControlServer
 
 ELASTIC = ("syncps", "edp")
 LOSS_PARTS = {"dp": "all", "fsdp": "all"}  # others: one rank (or the server) reports the loss
@@ -316,7 +316,7 @@ def plot_losses(doc: dict, path: str | os.PathLike) -> None:
 
 
 def check_usage(cfg: dict, spec, world: int) -> None:
-    from .strategies import check_world
+    from smoltrain.strategies import check_world
     check_world(cfg["strategy"], spec, world)
     if cfg["seq"] > spec.ctx or cfg["seq"] < 1:
         raise UsageError(f"--seq {cfg['seq']} must be between 1 and the model's context {spec.ctx}")

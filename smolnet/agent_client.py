@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import socket
 
-from . import wire
+from smolnet import wire
 
 KIND_REQUEST = 1
 KIND_REPLY = 2

@@ -9,7 +9,7 @@ import os
 import random
 import socket
 
-from .base import CommError
+from smoltrain.comm.base import CommError
 
 
 def ports_needed(world_size: int) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .errors import UsageError
+from smolnet.errors import UsageError
 
 SCENARIOS = ("home", "uniform", "mtu-lab")
 DEFAULT_UNIFORM_HOSTS = 3
