@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from smoltrain import registry
 from smoltrain.models.spec import get_model
 from smoltrain.planner import plan_for_run
 from smoltrain.planner.compare import compare
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN_STRATEGIES = ("dp", "fsdp", "syncps", "edp", "mp", "pp", "tp")
+RUN_STRATEGIES = registry.names(trainable=True)
 HAVE_RUN = (ROOT / "smoltrain" / "commands" / "run.py").exists()
 
 pytestmark = pytest.mark.skipif(not HAVE_RUN, reason="smoltrain/commands/run.py is not there yet")

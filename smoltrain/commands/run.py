@@ -5,12 +5,11 @@ import os
 import tempfile
 
 from smolnet.errors import UsageError
-
-STRATEGY_NAMES = ("dp", "fsdp", "syncps", "edp", "mp", "pp", "tp")
+from smoltrain import registry
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--strategy", required=True, help="dp, fsdp, syncps, edp, mp, pp or tp")
+    p.add_argument("--strategy", required=True, help=", ".join(registry.names(trainable=True)))
     where = p.add_mutually_exclusive_group()
     where.add_argument("--local", type=int, metavar="N", help="run N worker processes on loopback")
     where.add_argument("-i", "--inventory", help="run one worker per `cluster` host of this inventory")
@@ -70,8 +69,7 @@ def run(args) -> int:
     from smoltrain.models.spec import ModelSpecError, get_model
 
     console = Console(stderr=False)
-    if args.strategy not in STRATEGY_NAMES:
-        raise UsageError(f"unknown strategy {args.strategy!r} (choose from {', '.join(STRATEGY_NAMES)})")
+    info = registry.get(args.strategy, trainable=True)
     if args.local is None and not args.inventory:
         raise UsageError("give --local N or -i INVENTORY")
     try:
@@ -79,6 +77,7 @@ def run(args) -> int:
     except ModelSpecError as e:
         raise UsageError(str(e)) from None
 
+    from smoltrain.run.config import RunConfig
     from smoltrain.run.controller import Controller, Placement, check_usage, plot_losses, route_source, write_json
 
     hosts = None
@@ -93,53 +92,52 @@ def run(args) -> int:
         placements = [Placement(h.name, h.cluster_ip, h) for h in hosts]
     world = len(placements)
     data = os.path.abspath(args.data) if args.data else None
-    cfg = {
-        "strategy": args.strategy, "backend": args.backend, "model": spec.name, "model_spec": spec.to_dict(),
-        "data": data, "data_cap": int(args.data_cap_mb * (1 << 20)), "steps": args.steps, "batch": args.batch,
-        "seq": args.seq, "lr": args.lr, "seed": args.seed, "microbatches": args.microbatches,
-        "schedule": args.schedule, "shares": _shares(args.shares, hosts), "checkpoint_dir": None,
-        "checkpoint_every": args.checkpoint_every, "start_step": 0, "barrier_timeout": args.barrier_timeout,
+    cfg = RunConfig(
+        strategy=args.strategy, backend=args.backend, model=spec, data=data,
+        data_cap=int(args.data_cap_mb * (1 << 20)), steps=args.steps, batch=args.batch, seq=args.seq,
+        lr=args.lr, seed=args.seed, microbatches=args.microbatches, schedule=args.schedule,
+        shares=_shares(args.shares, hosts), checkpoint_every=args.checkpoint_every,
+        barrier_timeout=args.barrier_timeout,
         # workers give up on a silent peer first, so the error names the link, not just "silence"
-        "timeout": max(10.0, args.timeout / 2), "pace": args.pace,
-        "devices": [p.host.torch_device if p.host else args.device for p in placements],
-    }
-    check_usage(cfg, spec, world)
+        timeout=max(10.0, args.timeout / 2), pace=args.pace,
+        names=tuple(p.name for p in placements),
+        devices=tuple(p.host.torch_device if p.host else args.device for p in placements),
+        control_port=args.control_port,
+    )
+    check_usage(cfg)
 
     from smoltrain.models.data import corpus_digest, load_corpus
-    corpus = load_corpus(data, cfg["data_cap"])
-    cfg["data_bytes"], cfg["data_digest"] = len(corpus), corpus_digest(corpus)
+    corpus = load_corpus(data, cfg.data_cap)
+    cfg = cfg.replace(data_bytes=len(corpus), data_digest=corpus_digest(corpus))
 
     if args.checkpoint_dir:
-        cfg["checkpoint_dir"] = os.path.abspath(args.checkpoint_dir)
+        cfg = cfg.replace(checkpoint_dir=os.path.abspath(args.checkpoint_dir))
     if args.resume:
         if not args.checkpoint_dir:
             raise UsageError("--resume needs --checkpoint-dir")
         from smoltrain.run import checkpoint
-        expect = {k: cfg[k] for k in ("strategy", "model", "seed", "batch", "seq")}
-        expect["world_size"] = world
-        parts = ["server"] if args.strategy in ("syncps", "edp") else [f"rank{r}" for r in range(world)]
-        cfg["start_step"] = checkpoint.latest(cfg["checkpoint_dir"], expect, parts)
-        if cfg["start_step"] >= cfg["steps"]:
-            raise UsageError(f"checkpoint is at step {cfg['start_step']}, not before --steps {cfg['steps']}")
+        start = checkpoint.latest(cfg.checkpoint_dir, checkpoint.identity(cfg), info.checkpoint_parts(world))
+        if start >= cfg.steps:
+            raise UsageError(f"checkpoint is at step {start}, not before --steps {cfg.steps}")
+        cfg = cfg.replace(start_step=start)
 
     # where ranks meet
     if hosts is None:
         from smoltrain.comm.group import free_port_base
-        cfg["coord_addr"], cfg["port"] = "127.0.0.1", free_port_base(world)
-        cfg["addrs"] = ["127.0.0.1"] * world
+        cfg = cfg.replace(coord_addr="127.0.0.1", port=free_port_base(world), addrs=("127.0.0.1",) * world)
         bind = control_addr = "127.0.0.1"
     else:
         from smoltrain.comm.group import inventory_group
-        cfg["coord_addr"], cfg["port"], cfg["addrs"] = inventory_group(hosts)
+        coord, port, addrs = inventory_group(hosts)
+        cfg = cfg.replace(coord_addr=coord, port=port, addrs=tuple(addrs))
         control_addr = route_source(hosts[0].cluster_ip)
         bind = control_addr
-    cfg["ps_addr"], cfg["ps_port"], cfg["ps_bind"] = cfg["coord_addr"], cfg["port"], cfg["coord_addr"]
 
     if args.print_torchrun:
         sfile = args.secret_file or (hosts[0].secret_file if hosts else "~/.config/smolcluster/secret")
         for r, p in enumerate(placements):
             print(f"# on {p.name} (the worker reads the cluster secret on stdin):")
-            print(f"torchrun --nnodes {world} --node-rank {r} --nproc-per-node 1 --master-addr {cfg['coord_addr']} "
+            print(f"torchrun --nnodes {world} --node-rank {r} --nproc-per-node 1 --master-addr {cfg.coord_addr} "
                   f"--master-port 29500 -m smoltrain worker --control {control_addr}:7799 --rank {r} < {sfile}")
         where_ = f"--local {world}" if hosts is None else f"-i {args.inventory}"
         print(f"# first, on this machine: smoltrain run --strategy {args.strategy} {where_} --backend {args.backend} "
@@ -175,18 +173,17 @@ def run(args) -> int:
         except Exception as e:  # the plan is advice; never block a run on it
             console.print(f"plan unavailable: {e}")
 
-    if args.secret_file or hosts is not None or args.strategy == "edp" or args.external:
+    if args.secret_file or hosts is not None or info.joiners or args.external:
         secret = ensure_secret(args.secret_file or (hosts[0].secret_file if hosts else None))  # others (joiners, remote hosts) must know it too
     else:
         import secrets
         secret = secrets.token_hex(32).encode()  # loopback run: a fresh secret for this run only
     log_dir = tempfile.mkdtemp(prefix="smoltrain-logs-")
-    cfg["control_port"] = args.control_port
     ctl = Controller(cfg, placements, secret, console, log_dir, external=args.external, corpus=corpus)
     console.print(f"{args.strategy} on {world} rank(s) ({args.backend}), model {spec.name}, "
-                  f"batch {args.batch}x{args.seq}, steps {cfg['start_step']}..{args.steps}, logs {log_dir}")
-    if cfg["start_step"]:
-        ctl.events.append({"step": cfg["start_step"], "kind": "resume", "who": "all"})
+                  f"batch {args.batch}x{args.seq}, steps {cfg.start_step}..{args.steps}, logs {log_dir}")
+    if cfg.start_step:
+        ctl.events.append({"step": cfg.start_step, "kind": "resume", "who": "all"})
     doc = ctl.run(bind, control_addr, connect_timeout=max(60.0, args.timeout), idle_timeout=args.timeout)
     import shutil
     shutil.rmtree(log_dir, ignore_errors=True)  # kept only when the run failed

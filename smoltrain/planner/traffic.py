@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 
 from smolnet.errors import UsageError
 from smoltrain.models.spec import ModelSpec
+from smoltrain import registry
 
-STRATEGIES = ("dp", "fsdp", "syncps", "edp", "mp", "pp", "tp", "ep", "sp")
+STRATEGIES = registry.names()
 MODES = ("train", "infer")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 BUCKET_BYTES = 1e6      # smoltrain's dp bucket size (bucket_mb=1.0)

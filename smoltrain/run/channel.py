@@ -15,6 +15,7 @@ import socket
 import threading
 
 from smolnet import wire
+from smoltrain.run.config import ConfigError, RunConfig
 
 MSG = 1  # every control frame: a JSON header; only the config frame has a payload (the corpus)
 MAX_CORPUS = 256 << 20
@@ -48,10 +49,11 @@ class ControlServer:
             kind, hello, _ = wire.recv_frame(sock, timeout=10.0, max_payload=0)
             if kind != MSG or hello.get("type") != "hello":
                 raise wire.WireError("first message is not a hello")
-            cfg = self.config_for(hello)
-            who = cfg["name"]
+            cfg, rank, name = self.config_for(hello)
+            who = name
             self.conns.append(sock)
-            wire.send_frame(sock, MSG, {"type": "config", "config": cfg}, payload=self.corpus, timeout=60.0)
+            wire.send_frame(sock, MSG, {"type": "config", "config": cfg.to_wire(), "rank": rank, "name": name},
+                            payload=self.corpus, timeout=60.0)
             self.messages.put((who, {"type": "connected", "hello": hello}))
             while not self.closing:
                 try:
@@ -87,7 +89,10 @@ class ControlClient:
         kind, msg, self.corpus = wire.recv_frame(self.sock, timeout=60.0, max_payload=MAX_CORPUS)
         if kind != MSG or msg.get("type") != "config":
             raise wire.WireError("controller did not send a config")
-        self.config = msg["config"]
+        self.config = RunConfig.from_wire(msg.get("config"))
+        self.rank, self.name = msg.get("rank"), msg.get("name")
+        if not isinstance(self.rank, int) or not isinstance(self.name, str):
+            raise ConfigError("controller sent a config without this worker's rank and name")
 
     def send(self, msg: dict) -> None:
         with self.lock:

@@ -47,6 +47,12 @@ def load_part(root: str | os.PathLike, step: int, part: str) -> dict:
         raise SmolError(f"checkpoint {path}: corrupt ({str(e).splitlines()[0][:120]})") from None
 
 
+def identity(cfg) -> dict:
+    """What a checkpoint must share with the run that resumes it (a RunConfig)."""
+    return {"strategy": cfg.strategy, "world_size": cfg.world_size, "model": cfg.model.name, "seed": cfg.seed,
+            "batch": cfg.batch, "seq": cfg.seq}
+
+
 def mark_complete(root: str | os.PathLike, step: int, meta: dict) -> None:
     path = step_dir(root, step) / "complete.json"
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")

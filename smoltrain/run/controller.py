@@ -20,11 +20,10 @@ from pathlib import Path
 from smolnet.errors import SmolError, UsageError
 from smolnet.files import write_json_atomic
 
+from smoltrain import registry
 from smoltrain.run import checkpoint
 from smoltrain.run.channel import ControlServer
-
-ELASTIC = ("syncps", "edp")
-LOSS_PARTS = {"dp": "all", "fsdp": "all"}  # others: one rank (or the server) reports the loss
+from smoltrain.run.config import RunConfig
 
 
 @dataclass
@@ -47,14 +46,15 @@ def route_source(addr: str) -> str:
 
 
 class Controller:
-    def __init__(self, cfg: dict, placements: list[Placement], secret: bytes, console, log_dir: str,
+    def __init__(self, cfg: RunConfig, placements: list[Placement], secret: bytes, console, log_dir: str,
                  external: bool = False, corpus: bytes = b""):
         self.cfg, self.placements, self.secret, self.console = cfg, placements, secret, console
         self.corpus = corpus
         self.log_dir, self.external = log_dir, external
         self.world = len(placements)
         self.names = [p.name for p in placements]
-        self.strategy = cfg["strategy"]
+        self.strategy = cfg.strategy
+        self.info = registry.get(cfg.strategy)
         self.joined = 0
         self.procs: dict[str, object] = {}    # name -> Popen (local) or (Remote, Proc)
         self.connected: dict[str, dict] = {}  # name -> hello
@@ -67,13 +67,15 @@ class Controller:
         self.state_bytes: dict[str, dict] = {}
         self.saved: dict[int, set] = {}
         self.sent: dict[str, int] = {}
-        self.shown = cfg.get("start_step", 0) - 1
+        self.shown = cfg.start_step - 1
 
     # --- configs handed to workers ---
-    def config_for(self, hello: dict) -> dict:
+    def config_for(self, hello: dict) -> tuple[RunConfig, int, str]:
+        """The run configuration, rank and name for a worker that said hello."""
         if hello.get("join"):
-            if self.strategy != "edp":
-                raise ValueError(f"{self.strategy} does not admit joiners (only edp does)")
+            if not self.info.joiners:
+                joiners = ", ".join(n for n in registry.names() if registry.get(n).joiners)
+                raise ValueError(f"{self.strategy} does not admit joiners (only {joiners} does)")
             self.joined += 1
             name, rank = f"join{self.joined}", -1
         else:
@@ -81,7 +83,7 @@ class Controller:
             if not 0 <= rank < self.world or self.names[rank] in self.connected:
                 raise ValueError(f"rank {rank} is not expected or already connected")
             name = self.names[rank]
-        return dict(self.cfg, name=name, rank=rank, world_size=self.world, names=self.names)
+        return self.cfg, rank, name
 
     # --- starting and stopping workers ---
     def start_workers(self, control_addr: str, port: int) -> None:
@@ -159,11 +161,8 @@ class Controller:
         elif kind == "saved":
             parts = self.saved.setdefault(msg["step"], set())
             parts.add(msg["part"])
-            need = 1 if self.strategy in ELASTIC else self.world
-            if len(parts) == need:
-                meta = {k: self.cfg[k] for k in ("strategy", "model", "seed", "batch", "seq")}
-                meta["world_size"] = self.world
-                checkpoint.mark_complete(self.cfg["checkpoint_dir"], msg["step"], meta)
+            if len(parts) == len(self.info.checkpoint_parts(self.world)):
+                checkpoint.mark_complete(self.cfg.checkpoint_dir, msg["step"], checkpoint.identity(self.cfg))
                 self.events.append({"step": msg["step"], "kind": "checkpoint", "who": "all"})
         elif kind == "done":
             self.finished.add(who)
@@ -171,26 +170,26 @@ class Controller:
                 self.links[(src, dst)] = self.links.get((src, dst), 0) + int(n)
             self.state_bytes[who] = msg.get("state_bytes", {})
         elif kind == "error":
-            if self.strategy in ELASTIC and who != self.names[0]:
+            if self.info.elastic and who != self.names[0]:
                 self.console.log(f"{who} failed: {msg['message']}")
             else:
                 raise SmolError(f"{who}: {msg['message']}")
         elif kind == "closed":
             self.closed.add(who)
-            if who not in self.finished and not (self.strategy in ELASTIC and who != self.names[0]):
+            if who not in self.finished and not (self.info.elastic and who != self.names[0]):
                 raise SmolError(f"{who}: worker exited before finishing ({self.log_tail(who) or 'no log'})")
         self._show(progress)
 
     def _show(self, progress) -> None:
-        need = self.world if self.strategy in LOSS_PARTS else 1
+        need = self.info.loss_reports(self.world)
         while (self.shown + 1 in self.steps and len(self.steps[self.shown + 1]["parts"]) >= need
                and self.steps[self.shown + 1]["step_s"] > 0):
             self.shown += 1
             rec = self.steps[self.shown]
             loss = sum(v for _, v in sorted(rec["parts"].items()))
-            tps = self.cfg["batch"] * self.cfg["seq"] / max(rec["step_s"], 1e-9)
+            tps = self.cfg.global_tokens / max(rec["step_s"], 1e-9)
             mb = sum(self.sent.values()) / 1e6
-            line = f"step {self.shown + 1}/{self.cfg['steps']} loss {loss:.4f} tok/s {tps:,.0f} sent {mb:.2f} MB"
+            line = f"step {self.shown + 1}/{self.cfg.steps} loss {loss:.4f} tok/s {tps:,.0f} sent {mb:.2f} MB"
             if progress is not None:
                 progress.update(progress.task_ids[0], completed=self.shown + 1, description=line)
             else:
@@ -207,7 +206,7 @@ class Controller:
                                 f"({self.log_tail(name) or 'no log'})")
 
     def run(self, bind: str, control_addr: str, connect_timeout: float, idle_timeout: float) -> dict:
-        server = ControlServer(bind, self.secret, self.config_for, port=self.cfg.get("control_port", 0),
+        server = ControlServer(bind, self.secret, self.config_for, port=self.cfg.control_port,
                                corpus=self.corpus)
         self.console.print(f"control channel {control_addr}:{server.port}")
         started = time.monotonic()
@@ -219,7 +218,7 @@ class Controller:
                 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
                 progress = Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                                     console=self.console)
-                progress.add_task("starting", total=self.cfg["steps"], completed=self.cfg.get("start_step", 0))
+                progress.add_task("starting", total=self.cfg.steps, completed=self.cfg.start_step)
                 progress.start()
             try:
                 last = time.monotonic()
@@ -259,8 +258,8 @@ class Controller:
         return self.report()
 
     def report(self) -> dict:
-        start, steps = self.cfg.get("start_step", 0), self.cfg["steps"]
-        tokens = self.cfg["batch"] * self.cfg["seq"]
+        start, steps = self.cfg.start_step, self.cfg.steps
+        tokens = self.cfg.global_tokens
         rows = []
         for k in range(start, steps):
             rec = self.steps.get(k)
@@ -275,11 +274,10 @@ class Controller:
         return {
             "schema": "smoltrain.run/1",
             "strategy": self.strategy,
-            "backend": self.cfg["backend"],
+            "backend": self.cfg.backend,
             "world_size": self.world,
             "hosts": self.names,
-            "config": {k: v for k, v in self.cfg.items() if k not in ("addrs", "coord_addr", "port", "ps_addr",
-                                                                     "ps_port", "ps_bind", "control_port")},
+            "config": self.cfg.report_view(),
             "steps": rows,
             "bytes": [{"src": s, "dst": d, "bytes": n} for (s, d), n in links],
             "events": sorted(self.events, key=lambda e: (e["step"], e["kind"] != "resume")),
@@ -315,16 +313,19 @@ def plot_losses(doc: dict, path: str | os.PathLike) -> None:
     os.replace(tmp, p)
 
 
-def check_usage(cfg: dict, spec, world: int) -> None:
+def check_usage(cfg: RunConfig) -> None:
+    """Refuse what the strategy or the model cannot take, before any process starts."""
     from smoltrain.strategies import check_world
-    check_world(cfg["strategy"], spec, world)
-    if cfg["seq"] > spec.ctx or cfg["seq"] < 1:
-        raise UsageError(f"--seq {cfg['seq']} must be between 1 and the model's context {spec.ctx}")
-    if cfg["steps"] < 1 or cfg["batch"] < 1:
+
+    world, spec, info = cfg.world_size, cfg.model, registry.get(cfg.strategy, trainable=True)
+    check_world(cfg.strategy, spec, world)
+    if cfg.seq > spec.ctx or cfg.seq < 1:
+        raise UsageError(f"--seq {cfg.seq} must be between 1 and the model's context {spec.ctx}")
+    if cfg.steps < 1 or cfg.batch < 1:
         raise UsageError("--steps and --batch must be positive")
-    if cfg["strategy"] in ("dp", "fsdp", "syncps", "edp") and cfg["batch"] < world:
-        raise UsageError(f"--batch {cfg['batch']} is smaller than the {world} ranks sharing it")
-    if cfg["strategy"] == "pp" and cfg["microbatches"] > cfg["batch"]:
-        raise UsageError(f"--microbatches {cfg['microbatches']} exceeds --batch {cfg['batch']}")
-    if cfg.get("shares") and len(cfg["shares"]) != world:
-        raise UsageError(f"--shares has {len(cfg['shares'])} entries for {world} ranks")
+    if info.splits == "batch" and cfg.batch < world:
+        raise UsageError(f"--batch {cfg.batch} is smaller than the {world} ranks sharing it")
+    if cfg.strategy == "pp" and cfg.microbatches > cfg.batch:
+        raise UsageError(f"--microbatches {cfg.microbatches} exceeds --batch {cfg.batch}")
+    if cfg.shares and len(cfg.shares) != world:
+        raise UsageError(f"--shares has {len(cfg.shares)} entries for {world} ranks")

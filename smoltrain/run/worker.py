@@ -16,11 +16,10 @@ import torch
 
 from smoltrain.run.checkpoint import load_part, save_part
 from smoltrain.run.channel import ControlClient
+from smoltrain import registry
 from smoltrain.models.data import Batches, corpus_digest
-from smoltrain.models.spec import ModelSpec
+from smoltrain.run.config import RunConfig
 from smoltrain.strategies import Context, Stopwatch, TimedComm, load_strategy
-
-PS_STRATEGIES = ("syncps", "edp")
 
 
 class Reporter:
@@ -69,19 +68,19 @@ def resolve_device(want: str) -> str:
     return want
 
 
-def checkpoint_due(cfg: dict, completed: int) -> bool:
-    if not cfg.get("checkpoint_dir"):
+def checkpoint_due(cfg: RunConfig, completed: int) -> bool:
+    if not cfg.checkpoint_dir:
         return False
-    every = cfg.get("checkpoint_every") or 0
-    return completed == cfg["steps"] or (every > 0 and completed % every == 0)
+    every = cfg.checkpoint_every
+    return completed == cfg.steps or (every > 0 and completed % every == 0)
 
 
 def worker_main(control_addr: str, control_port: int, secret: bytes, rank: int, join: bool) -> int:
     client = ControlClient(control_addr, control_port, secret,
                            {"rank": rank, "join": join, "pid": os.getpid(), "host": socket.gethostname()})
-    rep = Reporter(client, client.config["name"])
+    rep = Reporter(client, client.name)
     try:
-        train(client.config, secret, rep, client.corpus)
+        train(client.config, client.rank, client.name, secret, rep, client.corpus)
         return 0
     except BaseException as e:  # tell the controller in one line, keep the trace in the log
         traceback.print_exc()
@@ -95,70 +94,58 @@ def worker_main(control_addr: str, control_port: int, secret: bytes, rank: int, 
         client.close()
 
 
-def train(cfg: dict, secret: bytes, rep: Reporter, corpus: bytes) -> None:
+def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, corpus: bytes) -> None:
     torch.set_num_threads(1)
-    torch.manual_seed(cfg["seed"])
-    fields = set(ModelSpec.__dataclass_fields__)
-    spec = ModelSpec(**{k: v for k, v in cfg["model_spec"].items() if k in fields})
-    if corpus_digest(corpus) != cfg["data_digest"]:
+    torch.manual_seed(cfg.seed)
+    if corpus_digest(corpus) != cfg.data_digest:
         raise ValueError("the corpus received from the controller does not match its digest")
-    batches = Batches(corpus, cfg["batch"], cfg["seq"], cfg["seed"])
-    rank, world, name = cfg["rank"], cfg["world_size"], cfg["name"]
-    ps = cfg["strategy"] in PS_STRATEGIES
-    device = resolve_device(cfg["devices"][rank] if 0 <= rank < len(cfg.get("devices", [])) else "cpu")
+    batches = Batches(corpus, cfg.batch, cfg.seq, cfg.seed)
+    world = cfg.world_size
+    info = registry.get(cfg.strategy, trainable=True)
+    ps = info.parameter_server
+    device = resolve_device(cfg.devices[rank] if 0 <= rank < len(cfg.devices) else "cpu")
     comm = None
     if not ps and world > 1:
         from smoltrain.comm import make_comm
-        comm = TimedComm(make_comm(cfg["backend"], rank, world, cfg["coord_addr"], cfg["port"], secret,
-                                   timeout=cfg.get("timeout", 60.0), device=device, addrs=cfg.get("addrs")))
-    start = cfg.get("start_step", 0)
-    extra = dict(cfg, secret=secret)
+        comm = TimedComm(make_comm(cfg.backend, rank, world, cfg.coord_addr, cfg.port, secret,
+                                   timeout=cfg.timeout, device=device, addrs=list(cfg.addrs) or None))
+    start = cfg.start_step
+    server_state, server_saver = None, None
     if ps and rank == 0:
-        if start and cfg.get("checkpoint_dir"):
-            extra["server_state"] = load_part(cfg["checkpoint_dir"], start, "server")
+        if start and cfg.checkpoint_dir:
+            server_state = load_part(cfg.checkpoint_dir, start, "server")
 
-        def save_server(step, server):
+        def server_saver(step, server):
             if checkpoint_due(cfg, step + 1):
-                save_part(cfg["checkpoint_dir"], step + 1, "server", server.state_tensors())
+                save_part(cfg.checkpoint_dir, step + 1, "server", server.state_tensors())
                 rep.saved(step + 1, "server")
-        extra["server_saver"] = save_server
-    ctx = Context(rank=rank, world=world, spec=spec, batches=batches, batch=cfg["batch"], seq=cfg["seq"],
-                  lr=cfg["lr"], seed=cfg["seed"], comm=comm, shares=cfg.get("shares") or [],
-                  microbatches=cfg.get("microbatches", 1), schedule=cfg.get("schedule", "1f1b"),
-                  cfg=extra, reporter=rep, name=name, comm_timer=Stopwatch(), device=device)
-    strat = load_strategy(cfg["strategy"])(ctx)
+    ctx = Context(rank=rank, world=world, run=cfg, batches=batches, comm=comm, reporter=rep, name=name,
+                  comm_timer=Stopwatch(), device=device, secret=secret, server_state=server_state,
+                  server_saver=server_saver)
+    strat = load_strategy(cfg.strategy)(ctx)
     if start and not ps:
-        strat.load_state_tensors(load_part(cfg["checkpoint_dir"], start, f"rank{rank}"))
-    pace = cfg.get("pace") or 0.0
+        strat.load_state_tensors(load_part(cfg.checkpoint_dir, start, f"rank{rank}"))
     step = start
     try:
         while True:
             t0 = time.perf_counter()
-            if hasattr(strat, "next_step"):
-                nxt = strat.next_step(step)
-                if nxt is None:
-                    break
-                step = nxt
-            elif step >= cfg["steps"]:
+            nxt = strat.next_step(step)
+            if nxt is None:
                 break
+            step = nxt
             loss = strat.train_step(step)
-            if pace:
-                time.sleep(max(0.0, pace - (time.perf_counter() - t0)))
+            if cfg.pace:
+                time.sleep(max(0.0, cfg.pace - (time.perf_counter() - t0)))
             step_s = time.perf_counter() - t0
             comm_s = (comm.take_seconds() if comm else 0.0) + ctx.comm_timer.take()
             sent = strat.sent_bytes()
             rep.step(step, loss if strat.loss_owner else None, step_s, comm_s, sent)
             if not ps and checkpoint_due(cfg, step + 1):
-                save_part(cfg["checkpoint_dir"], step + 1, f"rank{rank}", strat.state_tensors())
+                save_part(cfg.checkpoint_dir, step + 1, f"rank{rank}", strat.state_tensors())
                 rep.saved(step + 1, f"rank{rank}")
             step += 1
     finally:
         strat.close()
-    if hasattr(strat, "link_bytes"):
-        links = strat.link_bytes()
-    else:
-        names = cfg["names"]
-        links = [(name, names[dst], n) for dst, n in sorted(comm.counter.payload.items())] if comm else []
-    rep.done(links, strat.state_bytes())
+    rep.done(strat.link_bytes(), strat.state_bytes())
     if comm:
         comm.close()

@@ -19,35 +19,38 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from smolnet.errors import UsageError
-
-STRATEGIES = ("dp", "fsdp", "syncps", "edp", "mp", "pp", "tp")
-SYNCHRONOUS = ("dp", "fsdp", "syncps", "mp", "pp", "tp")  # reproduce the --local 1 curve
+from smoltrain import registry
 
 
 @dataclass
 class Context:
-    """Everything a strategy needs to know about its run and its place in it."""
+    """A rank's place in its run: the typed run config plus what only exists at run time."""
     rank: int
     world: int
-    spec: object            # ModelSpec
-    batches: object         # data.Batches
-    batch: int
-    seq: int
-    lr: float
-    seed: int
-    comm: object = None     # TimedComm around a Comm (None for world 1 and the PS strategies)
-    shares: list = field(default_factory=list)
-    microbatches: int = 1
-    schedule: str = "1f1b"
+    run: object              # smoltrain.run.config.RunConfig
+    batches: object          # models.data.Batches
+    comm: object = None      # TimedComm around a Comm (None for world 1 and the PS strategies)
     device: str = "cpu"
-    cfg: dict = field(default_factory=dict)
-    reporter: object = None  # runner.Reporter (events, per-step stats)
+    reporter: object = None  # run.worker.Reporter (events, per-step stats)
     name: str = ""           # this rank's host name in the report
     comm_timer: object = None  # Stopwatch for communication a strategy does outside `comm`
+    secret: bytes = b""      # the parameter-server strategies open their own connections
+    server_state: dict | None = None  # parameter server: tensors to resume from
+    server_saver: object = None       # parameter server: callback(step, server) that checkpoints
+
+    # the run's settings strategies read most, by their short names
+    spec = property(lambda self: self.run.model)
+    batch = property(lambda self: self.run.batch)
+    seq = property(lambda self: self.run.seq)
+    lr = property(lambda self: self.run.lr)
+    seed = property(lambda self: self.run.seed)
+    microbatches = property(lambda self: self.run.microbatches)
+    schedule = property(lambda self: self.run.schedule)
+    shares = property(lambda self: list(self.run.shares or []))
 
     @property
     def global_tokens(self) -> int:
-        return self.batch * self.seq
+        return self.run.global_tokens
 
 
 class Strategy(ABC):
@@ -87,6 +90,15 @@ class Strategy(ABC):
         opt = sum(t.numel() * t.element_size() for k, t in st.items() if k.startswith("opt."))
         return {"params": params, "optimizer": opt}
 
+    def next_step(self, step: int) -> int | None:
+        """The step to run next, or None when the run is over (the parameter server decides for its workers)."""
+        return step if step < self.ctx.run.steps else None
+
+    def link_bytes(self) -> list[tuple[str, str, int]]:
+        """Payload bytes this rank sent to each peer, by host name, as the transport counted them."""
+        comm, names = self.ctx.comm, self.ctx.run.names
+        return [(self.ctx.name, names[dst], n) for dst, n in sorted(comm.counter.payload.items())] if comm else []
+
     def sent_bytes(self) -> int:
         """Payload bytes this rank has sent so far (for the progress line)."""
         return self.ctx.comm.counter.total_payload() if self.ctx.comm else 0
@@ -97,8 +109,7 @@ class Strategy(ABC):
 
 def check_world(strategy: str, spec, world: int) -> None:
     """Refuse splits the model cannot take, before any process starts."""
-    if strategy not in STRATEGIES:
-        raise UsageError(f"unknown strategy {strategy!r} (choose from {', '.join(STRATEGIES)})")
+    registry.get(strategy, trainable=True)
     if world < 1:
         raise UsageError("world size must be at least 1")
     if strategy == "pp" and spec.layers % world:
@@ -112,9 +123,8 @@ def check_world(strategy: str, spec, world: int) -> None:
 
 
 def load_strategy(name: str) -> type[Strategy]:
-    if name not in STRATEGIES:
-        raise UsageError(f"unknown strategy {name!r} (choose from {', '.join(STRATEGIES)})")
-    return importlib.import_module(f"smoltrain.strategies.{name}").STRATEGY
+    info = registry.get(name, trainable=True)
+    return importlib.import_module(f"smoltrain.strategies.{info.module}").STRATEGY
 
 
 class Stopwatch:

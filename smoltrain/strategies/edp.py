@@ -25,7 +25,7 @@ from smoltrain.strategies.syncps import SyncParameterServer
 
 
 class ElasticDataParallel(SyncParameterServer):
-    allow_join = True
+    """The syncps worker and server; the registry's `joiners` trait opens the server to newcomers."""
 
 
 STRATEGY = ElasticDataParallel

@@ -24,37 +24,36 @@ import threading
 
 import torch
 
-from smoltrain.strategies.parameter_server import Member, ParameterServer, flat_params
+from smoltrain import registry
 from smoltrain.models.gpt import build_model, loss_sum
+from smoltrain.strategies.parameter_server import Member, ParameterServer, flat_params
 from smoltrain.strategies import Context, Strategy
 
 
 class SyncParameterServer(Strategy):
-    allow_join = False
-
     def __init__(self, ctx: Context):
         super().__init__(ctx)
-        cfg = ctx.cfg
+        run = ctx.run
         self.server = None
         if ctx.rank == 0:
             self.server = ParameterServer(
-                ctx, bind=cfg["ps_bind"], port=cfg["ps_port"], secret=cfg["secret"],
-                expected=ctx.world, allow_join=self.allow_join,
-                barrier_timeout=cfg.get("barrier_timeout", 30.0),
+                ctx, bind=run.coord_addr, port=run.port, secret=ctx.secret,
+                expected=ctx.world, allow_join=registry.get(run.strategy).joiners,
+                barrier_timeout=run.barrier_timeout,
                 on_step=lambda step, loss: ctx.reporter.loss(step, loss),
-                on_save=cfg.get("server_saver"))
-            if cfg.get("server_state"):
-                self.server.load_state_tensors(cfg["server_state"])
+                on_save=ctx.server_saver)
+            if ctx.server_state:
+                self.server.load_state_tensors(ctx.server_state)
             self.thread = threading.Thread(target=self.server.serve,
-                                           args=(cfg["start_step"], cfg["steps"]), daemon=True)
+                                           args=(run.start_step, run.steps), daemon=True)
             self.thread.start()
         self.model = build_model(ctx.spec, ctx.seed).to(ctx.device)
         self.flat = flat_params(self.model)
         self.wire_buf = torch.empty(self.flat.numel())  # parameters arrive in host memory
         self.params = list(self.model.parameters())
         order = ctx.rank if ctx.rank >= 0 else 1 << 20
-        self.member = Member(cfg["ps_addr"], cfg["ps_port"], cfg["secret"], ctx.name, order,
-                             timeout=cfg.get("barrier_timeout", 30.0) * 4)
+        self.member = Member(run.coord_addr, run.port, ctx.secret, ctx.name, order,
+                             timeout=run.barrier_timeout * 4)
         self.assignment = None
         self.loss_owner = False  # the server reports the loss
 

@@ -1,0 +1,73 @@
+"""What each parallelism strategy is, declared once.
+
+Every other part (the run command, the controller, the worker, the planner,
+the demo) asks this registry instead of keeping its own tuple of names. It is
+torch-free, so the planner can read it without pulling in the strategies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from smolnet.errors import UsageError
+
+
+@dataclass(frozen=True)
+class StrategyInfo:
+    name: str
+    summary: str
+    trains: bool = True             # `smoltrain run` can train it (ep and sp are plan-only)
+    synchronous: bool = True        # reproduces the `--local 1` loss curve
+    parameter_server: bool = False  # rank 0 serves parameters; other workers may leave (elastic)
+    joiners: bool = False           # admits newcomers mid-run
+    loss_from: str = "one"          # "all": every rank reports a share of the loss; "one": one rank (or the server)
+    splits: str = "batch"           # what the world divides: batch, layers, heads, experts, sequence
+    replicated_infer: bool = False  # batch-1 decode runs on one replica, nothing crosses the links
+    module: str = ""                # smoltrain.strategies.<module> holds the algorithm
+
+    @property
+    def elastic(self) -> bool:
+        return self.parameter_server
+
+    def checkpoint_parts(self, world: int) -> list[str]:
+        """Files a complete checkpoint of this strategy holds."""
+        return ["server"] if self.parameter_server else [f"rank{r}" for r in range(world)]
+
+    def loss_reports(self, world: int) -> int:
+        """How many loss shares the controller waits for before a step is complete."""
+        return world if self.loss_from == "all" else 1
+
+
+_ALL = (
+    StrategyInfo("dp", "data parallel: replicas, ring all-reduce of gradients", loss_from="all",
+                 replicated_infer=True, module="dp"),
+    StrategyInfo("fsdp", "fully sharded data parallel (ZeRO-3): gather parameters per unit, reduce-scatter "
+                 "gradients", loss_from="all", module="fsdp"),
+    StrategyInfo("syncps", "synchronous parameter server: workers send gradients, rank 0 updates",
+                 parameter_server=True, replicated_infer=True, module="syncps"),
+    StrategyInfo("edp", "elastic data parallel: a parameter server that survives leaves and admits joiners",
+                 synchronous=False, parameter_server=True, joiners=True, replicated_infer=True, module="edp"),
+    StrategyInfo("mp", "model parallel: consecutive layer blocks, one microbatch at a time", splits="layers",
+                 module="mp"),
+    StrategyInfo("pp", "pipeline parallel: layer stages with microbatches (GPipe or 1F1B)", splits="layers",
+                 module="pp"),
+    StrategyInfo("tp", "tensor parallel (Megatron): heads and MLP columns split, 2 all-reduces per layer",
+                 splits="heads", module="tp"),
+    StrategyInfo("ep", "expert parallel: MoE experts spread over ranks, all-to-all per MoE layer",
+                 trains=False, splits="experts"),
+    StrategyInfo("sp", "sequence (ring) parallel: the sequence split, K/V passed around a ring",
+                 trains=False, splits="sequence"),
+)
+REGISTRY: dict[str, StrategyInfo] = {s.name: s for s in _ALL}
+
+
+def names(trainable: bool = False) -> tuple[str, ...]:
+    """Strategy names in the canonical order (only the trainable ones when asked)."""
+    return tuple(s.name for s in _ALL if s.trains or not trainable)
+
+
+def get(name: str, trainable: bool = False) -> StrategyInfo:
+    info = REGISTRY.get(name)
+    if info is None or (trainable and not info.trains):
+        choices = names(trainable)
+        raise UsageError(f"unknown strategy {name!r} (choose from {', '.join(choices)})")
+    return info
