@@ -45,14 +45,22 @@ def save_figure_atomic(fig, path: str | os.PathLike, dpi: int = 110) -> None:
             os.unlink(tmp)
 
 
-def read_json(path: str | os.PathLike, what: str, missing_hint: str = ""):
-    """Parse a JSON document; a missing or unreadable file is one clear line (UsageError)."""
+def read_json(path: str | os.PathLike, what: str, missing_hint: str = "", schema: str | None = None):
+    """Parse a JSON document; a missing or unreadable file is one clear line (UsageError).
+
+    With `schema` (e.g. "smolnet.links/1"), the document must also pass that JSON Schema.
+    """
     from smolnet.errors import UsageError
 
     p = Path(path)
     try:
-        return json.loads(p.read_text())
+        doc = json.loads(p.read_text())
     except FileNotFoundError:
         raise UsageError(f"{p}: no such {what}{missing_hint}") from None
     except (OSError, ValueError) as e:
         raise UsageError(f"{p}: cannot read {what}: {e}") from None
+    if schema is not None:
+        from smolnet.schema import check
+
+        check(doc, schema, str(p))
+    return doc

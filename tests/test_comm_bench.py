@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from smoltrain.schema import check_any
 
 FIELDS = {"schema", "op", "backend", "world_size", "bytes", "iters", "seconds_p50", "algbw_gbps", "busbw_gbps"}
 
@@ -21,6 +22,7 @@ def bench(*args, timeout=180):
 
 def check_doc(doc: dict, backend: str, n: int, nbytes: int, iters: int) -> None:
     assert FIELDS <= set(doc)
+    check_any(doc)
     assert (doc["schema"], doc["op"], doc["backend"]) == ("smoltrain.bench/1", "allreduce", backend)
     assert (doc["world_size"], doc["bytes"], doc["iters"]) == (n, nbytes, iters)
     assert doc["seconds_p50"] > 0

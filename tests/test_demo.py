@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from smolnet.sim import cluster as sim
+from smoltrain.schema import check_any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,13 +87,13 @@ def test_demo_quick_writes_every_section(tmp_path):
     runs = sorted(out.glob("run-*.json"))
     assert len(runs) == 2
     for run in runs:
-        doc = json.loads(run.read_text())
+        doc = check_any(json.loads(run.read_text()))
         assert doc["world_size"] == 4 and len(doc["steps"]) == 6
     # measured bytes per link agree with the plan (the compare documents say so)
     compares = sorted(out.glob("compare-*.json"))
     assert len(compares) == 2
     for cmp in compares:
-        doc = json.loads(cmp.read_text())
+        doc = check_any(json.loads(cmp.read_text()))
         assert doc["bytes_within_2pct"] is True, cmp
         assert doc["links"] and all(0.98 <= link["ratio"] <= 1.02 for link in doc["links"])
     # the demo always takes its sim down

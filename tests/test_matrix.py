@@ -19,6 +19,7 @@ import pytest
 from smolnet import agent_client as control
 from smolnet.agent import Agent
 from smolnet.matrix import directed_rounds, pair_rounds
+from smoltrain.schema import check_any
 
 SECRET = b"matrix-test-secret-0123456789"
 
@@ -124,6 +125,7 @@ def test_agent_with_another_secret_marks_host_down(tmp_path):
         p = smolnet("facts", "-i", inv, "--json", str(tmp_path / "f.json"))
         assert p.returncode == 4, p.stderr
         doc = json.loads((tmp_path / "f.json").read_text())
+        check_any(doc)
         hosts = {h["name"]: h for h in doc["hosts"]}
         assert hosts["a"]["status"] == "ok" and hosts["a"]["facts"]["iface"] == "lo"
         assert hosts["b"]["status"] == "down" and "secret" in hosts["b"]["error"]

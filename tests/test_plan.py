@@ -11,6 +11,7 @@ from smoltrain.planner import plan_for_run
 from smoltrain.planner.devices import LINK_CLASSES
 from smoltrain.planner.plan import make_plan, resolve_ranks, what_if, what_if_sentence
 from smoltrain.planner.links import from_class
+from smoltrain.schema import check_any
 
 TINY = get_model("tiny")
 # tiny: per layer attn 4*96*96 = 36864, mlp 2*96*384 = 73728, norms 4*96 = 384 -> 110976;
@@ -217,6 +218,7 @@ def test_plan_document_fields_and_rank_names():
               "step_s", "tokens_per_s", "bottleneck", "bottleneck_where"):
         assert f in d, f
     assert d["schema"] == "smoltrain.plan/1"
+    check_any(d)
     for f in ("name", "params", "layers", "hidden"):
         assert f in d["model"]
     for ln in d["links"]:
@@ -275,6 +277,7 @@ def test_cli_all_ranks_strategies(capsys, tmp_path):
     assert rc == 0 and "best first" in out
     d = json.loads((tmp_path / "all.json").read_text())
     assert d["schema"] == "smoltrain.plans/1"
+    check_any(d)
     got = {p["strategy"] for p in d["plans"]}
     assert got == {"dp", "fsdp", "syncps", "edp", "mp", "pp", "tp", "sp"}
     assert [s["strategy"] for s in d["skipped"]] == ["ep"]
@@ -297,10 +300,17 @@ def test_cli_bad_input_is_one_line_exit_2(capsys, argv, needle):
 
 
 def _links_report(path, names):
+    host = {"address": None, "iface": None, "mtu_configured": 1500, "link_rate_mbit": 1000, "device": "pi5",
+            "status": "ok", "error": None}
+    link = {"status": "ok", "throughput_mbit": 941.0, "retransmits": 0,
+            "rtt_us": {"min": 150.0, "p50": 150.0, "p90": 150.0, "p99": 150.0, "max": 150.0},
+            "mtu_effective": 1500, "mtu_configured": 1500, "ceiling_mbit": 941.5, "method": "builtin",
+            "warnings": [], "error": None}
     path.write_text(json.dumps({
-        "schema": "smolnet.links/1", "hosts": [{"name": n, "device": "pi5"} for n in names],
-        "links": [{"src": s, "dst": d, "status": "ok", "throughput_mbit": 941.0, "rtt_us": {"p50": 150.0}}
-                  for s in names for d in names if s != d]}))
+        "schema": "smolnet.links/1", "created": "2026-12-02T10:00:00Z",
+        "settings": {"duration_s": 1.0, "backend": "builtin"},
+        "hosts": [dict(host, name=n) for n in names],
+        "links": [dict(link, src=s, dst=d) for s in names for d in names if s != d]}))
 
 
 def test_cli_links_report_lacking_inventory_hosts(capsys, tmp_path):
@@ -336,6 +346,7 @@ def test_calibrate_writes_a_profile_the_plan_uses(capsys, tmp_path):
     assert main(["calibrate", "--out", str(cal), "--seconds", "0.05"]) == 0
     doc = json.loads(cal.read_text())
     assert doc["schema"] == "smoltrain.calibration/1" and doc["threads"] == 1
+    check_any(doc)
     assert doc["flops_fp32"] > 0 and doc["mem_bw"] > 0 and 0 < doc["train_efficiency"] <= 1
     rc, _, _ = cli(capsys, "--strategy", "dp", "--world", "2", "--calibration", str(cal), "--no-what-if",
                    "--json", str(tmp_path / "p.json"), "--link-class", "1gbe")

@@ -11,6 +11,7 @@ from smoltrain import registry
 from smoltrain.models.spec import get_model
 from smoltrain.planner import plan_for_run
 from smoltrain.planner.compare import compare
+from smoltrain.schema import check_any
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_STRATEGIES = registry.names(trainable=True)
@@ -69,6 +70,7 @@ def test_cli_compare_reads_a_run_report(runs, capsys, tmp_path):
     assert "predicted vs measured" in out and "all links within 2%" in out
     c = json.loads((tmp_path / "c.json").read_text())
     assert c["schema"] == "smoltrain.compare/1" and c["bytes_within_2pct"]
+    check_any(c)
     assert c["step_s"]["measured"] > 0 and c["step_s"]["predicted"] > 0
     # fsdp, world 2: 3 collectives x 1/2 x 721344 x 4 bytes per step on each link
     assert {r["predicted_bytes_per_step"] for r in c["links"]} == {4328064}

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from smoltrain.cli import main
+from smoltrain.schema import check_any
 
 SMALL = ["--batch", "6", "--seq", "32"]
 
@@ -139,7 +140,7 @@ def test_edp_survives_sigkill_and_admits_a_newcomer(tmp_path, secret_file):
                 joiner.kill()
     out = "".join(lines)
     assert rc == 0, out[-2000:]
-    doc = json.loads(report.read_text())
+    doc = check_any(json.loads(report.read_text()))
     kinds = {(e["kind"], e["who"]) for e in doc["events"]}
     assert ("leave", "rank2") in kinds, out[-2000:]
     assert ("join", "join1") in kinds, out[-2000:]

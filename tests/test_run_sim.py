@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from smoltrain.schema import check_any
 
 pytestmark = pytest.mark.sim
 
@@ -38,7 +39,7 @@ def test_dp_over_ssh_on_the_sim(uniform):
                         "--steps", "3", "--batch", "6", "--seq", "32", "--json", str(out), "--out", str(d)],
                        capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout[-1500:] + p.stderr[-1500:]
-    doc = json.loads(out.read_text())
+    doc = check_any(json.loads(out.read_text()))
     names = [h["name"] for h in st["hosts"]]
     assert doc["hosts"] == names and doc["world_size"] == 2
     assert {(b["src"], b["dst"]) for b in doc["bytes"]} == {(names[0], names[1]), (names[1], names[0])}

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from smoltrain.models.spec import get_model
+from smoltrain.schema import check_any
 
 BATCH, SEQ = 6, 32
 REL_TOL = 1e-5
@@ -138,6 +139,7 @@ def test_report_schema_and_png(reports, tmp_path_factory):
                 "tokens_per_s"):
         assert key in got
     assert got["schema"] == "smoltrain.run/1"
+    check_any(got)
     s = got["steps"][0]
     assert set(s) >= {"step", "loss", "step_s", "comm_s", "tokens"} and s["tokens"] == BATCH * SEQ
     assert 0 <= s["comm_s"] <= s["step_s"] * 1.5 + 0.5

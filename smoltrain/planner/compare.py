@@ -19,10 +19,7 @@ TOLERANCE = 0.02
 
 def read_run(path: str) -> dict:
     p = Path(path)
-    doc = read_json(p, "run report")
-    if not isinstance(doc, dict) or not isinstance(doc.get("config"), dict) or "bytes" not in doc:
-        raise UsageError(f"{p}: not a {RUN_SCHEMA} report (needs config and bytes)")
-    return doc
+    return read_json(p, "run report", schema=RUN_SCHEMA)
 
 
 def run_request(run: dict) -> dict:

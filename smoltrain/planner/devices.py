@@ -107,8 +107,9 @@ def calibration_path(path: str | None = None) -> Path:
 
 def profile_from_calibration(doc: dict, origin: str = "calibration") -> DeviceProfile:
     """A `generic` profile built from what `smoltrain calibrate` measured on a host."""
-    if not isinstance(doc, dict) or doc.get("schema") != CALIBRATION_SCHEMA:
-        raise UsageError(f"{origin}: not a {CALIBRATION_SCHEMA} document (run `smoltrain calibrate`)")
+    from smoltrain.schema import check
+
+    check(doc, CALIBRATION_SCHEMA, origin)
     try:
         f32 = float(doc["flops_fp32"])
         f16 = float(doc.get("flops_fp16") or f32)

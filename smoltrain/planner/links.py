@@ -70,9 +70,7 @@ def from_class(name: str) -> LinkModel:
 
 def read_report(path: str) -> dict:
     p = Path(path)
-    doc = read_json(p, "links report", " (run `smolnet matrix -i INVENTORY`)")
-    if not isinstance(doc, dict) or doc.get("schema") != LINKS_SCHEMA:
-        raise UsageError(f"{p}: not a {LINKS_SCHEMA} report")
+    doc = read_json(p, "links report", " (run `smolnet matrix -i INVENTORY`)", schema=LINKS_SCHEMA)
     doc.setdefault("_path", str(p))
     return doc
 
