@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 
 from smolnet import wire
+from smolnet.errors import SmolError
 
 KIND_REQUEST = 1
 KIND_REPLY = 2
@@ -16,7 +17,7 @@ KIND_DATA = 4
 MAX_REPLY_PAYLOAD = 0  # replies carry JSON only
 
 
-class AgentError(Exception):
+class AgentError(SmolError):
     """The agent could not be reached, refused us, or reported a failure."""
 
 

@@ -34,21 +34,11 @@ def parse(prog: str, description: str, commands: dict[str, tuple[str, str]], arg
 def dispatch(prog: str, description: str, commands: dict[str, tuple[str, str]], argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(prog, description, commands, argv)
-    from smolnet.inventory import InventoryError
-    from smolnet.remote import RemoteError
-    from smolnet.secret import SecretError
-
     try:
         return int(args._run(args) or 0)
     except SmolError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return e.code
-    except InventoryError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    except (RemoteError, SecretError) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130

@@ -11,6 +11,7 @@ import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from smolnet.errors import SmolError
 
 DEVICE_PROFILES = ("pi4", "pi5", "jetson-orin-nano", "mac-mini-m4", "rtx4050-laptop", "generic")
 TORCH_DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -19,8 +20,10 @@ MIN_MTU, MAX_MTU = 576, 65535
 EXAMPLE = "inventory/hosts.example.yml"
 
 
-class InventoryError(Exception):
+class InventoryError(SmolError):
     """A one-line, user-facing reason the inventory cannot be used."""
+
+    code = 2
 
 
 @dataclass

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from smolnet.inventory import Host
+from smolnet.errors import SmolError
 
 
-class RemoteError(Exception):
+class RemoteError(SmolError):
     """`host: cause` in one line."""
 
     def __init__(self, host: str, cause: str):

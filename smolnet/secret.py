@@ -8,13 +8,14 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
+from smolnet.errors import SmolError
 
 DEFAULT_SECRET_FILE = "~/.config/smolcluster/secret"
 MIN_SECRET_BYTES = 16
 MAX_SECRET_BYTES = 4096
 
 
-class SecretError(Exception):
+class SecretError(SmolError):
     pass
 
 

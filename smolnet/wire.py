@@ -18,6 +18,7 @@ import os
 import socket
 import struct
 import time
+from smolnet.errors import SmolError
 
 MAGIC_AUTH = b"SMOLAUTH1"
 NONCE_BYTES = 32
@@ -30,7 +31,7 @@ MAX_JSON_BYTES = 64 * 1024
 DEFAULT_MAX_PAYLOAD = 1 << 30
 
 
-class WireError(Exception):
+class WireError(SmolError):
     """A peer sent something we will not accept; the connection must be closed."""
 
 

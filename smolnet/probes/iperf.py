@@ -16,9 +16,10 @@ import socket
 import subprocess
 import threading
 import time
+from smolnet.errors import SmolError
 
 
-class IperfError(Exception):
+class IperfError(SmolError):
     pass
 
 

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from smolnet.errors import SmolError
 
 
-class CommError(Exception):
+class CommError(SmolError):
     """A collective failed; `peer` names the rank (and host) at fault when known."""
 
     def __init__(self, message: str, peer: int | None = None):

@@ -43,6 +43,7 @@ from smolnet import wire
 
 from smoltrain.comm import rendezvous as rdv
 from smoltrain.comm.base import ByteCounter, Comm, CommError
+from smolnet.errors import SmolError
 
 log = logging.getLogger("smoltrain.comm")
 
@@ -84,7 +85,7 @@ def _consume(bufs: list, k: int) -> None:
             bufs[0] = bufs[0][k:]
             k = 0
 
-class _RemoteAbort(Exception):
+class _RemoteAbort(SmolError):
     """Another rank reported a failure; carries its CommError fields."""
 
     def __init__(self, message: str, peer: int | None):

@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from smolnet.errors import SmolError
 
 
-class ModelSpecError(Exception):
+class ModelSpecError(SmolError):
     pass
 
 
