@@ -42,7 +42,11 @@ sim-up: setup
 sim-down: setup
 	$(BIN)/smolnet sim down
 
+# The gates: ruff (lint and format), the import contracts in pyproject.toml, ansible-lint.
 lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 	$(BIN)/ansible-lint playbooks/
 	$(BIN)/ansible-playbook -i inventory/hosts.example.yml --syntax-check playbooks/site.yml playbooks/verify.yml
 

@@ -3,6 +3,7 @@
 The command line prints a SmolError as one line (`prog: error: message`) and exits with
 its `code`; tests/test_errors.py fails if a class outside this hierarchy appears.
 """
+
 from __future__ import annotations
 
 

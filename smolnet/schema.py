@@ -5,6 +5,7 @@ A schema name is the document's own `schema` field (`smolnet.links/1`); its file
 schemas; smoltrain's schema module reuses the checker for smoltrain's documents, so the
 base layer never needs to know about the layer above.
 """
+
 from __future__ import annotations
 
 import functools
@@ -28,7 +29,7 @@ def schema_file(name: str) -> tuple[str, str]:
     return package, f"{kind}-{version}.json"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_schema(name: str) -> dict:
     package, fname = schema_file(name)
     try:
@@ -38,7 +39,7 @@ def load_schema(name: str) -> dict:
     return json.loads(text)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _validator(name: str):
     from jsonschema import Draft202012Validator
 

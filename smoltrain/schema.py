@@ -1,5 +1,6 @@
 """smoltrain's documents (plan, run, bench, compare, calibration, compute, generate) checked
 against the JSON Schemas in smoltrain/schemas/, with smolnet's checker."""
+
 from __future__ import annotations
 
 from smolnet.schema import SchemaError, check, load_schema, schema_errors
@@ -15,8 +16,14 @@ COMPUTE = "smoltrain.compute/1"
 GENERATE = "smoltrain.generate/1"
 ALL = (PLAN, PLANS, RUN, BENCH, COMPARE, CALIBRATION, COMPUTE, GENERATE)
 
-__all__ = ["SchemaError", "check", "check_any", "load_schema", "schema_errors", *[
-    "PLAN", "PLANS", "RUN", "BENCH", "COMPARE", "CALIBRATION", "COMPUTE", "GENERATE", "ALL"]]
+__all__ = [
+    "SchemaError",
+    "check",
+    "check_any",
+    "load_schema",
+    "schema_errors",
+    *["PLAN", "PLANS", "RUN", "BENCH", "COMPARE", "CALIBRATION", "COMPUTE", "GENERATE", "ALL"],
+]
 
 
 def check_any(doc, origin: str = "document"):

@@ -1,5 +1,6 @@
 """One error hierarchy: every exception class defined in smolnet and smoltrain derives from
 SmolError, so the command line reports each as one line with a chosen exit status."""
+
 from __future__ import annotations
 
 import ast
@@ -21,7 +22,7 @@ def _modules():
     for pkg in (smolnet, smoltrain):
         yield pkg.__name__
         for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
-            if not m.name.endswith("__main__"):      # importing it would run the CLI
+            if not m.name.endswith("__main__"):  # importing it would run the CLI
                 yield m.name
 
 
@@ -37,7 +38,7 @@ def _exception_classes():
 
 def test_every_exception_class_in_the_packages_is_a_smol_error():
     classes = _exception_classes()
-    assert len(classes) >= 10, classes          # the walk found the packages' errors at all
+    assert len(classes) >= 10, classes  # the walk found the packages' errors at all
     outside = [f"{c.__module__}.{c.__qualname__}" for c in classes if not issubclass(c, SmolError)]
     assert outside == [], f"exception classes outside smolnet.errors.SmolError: {outside}"
 
@@ -63,7 +64,7 @@ def test_the_check_catches_a_new_class_outside_the_hierarchy(tmp_path, monkeypat
     monkeypatch.setattr(smolnet, "__path__", [*smolnet.__path__, str(pkg)])
     (pkg / "stray.py").write_text("class StrayError(Exception):\n    pass\n")
     stray = [c for c in _exception_classes() if c.__name__ == "StrayError"]
-    assert stray and not issubclass(stray[0], SmolError)   # the walk sees it, and it is outside
+    assert stray and not issubclass(stray[0], SmolError)  # the walk sees it, and it is outside
 
 
 def test_messages_are_one_line_and_codes_are_kept():
@@ -78,8 +79,13 @@ def test_messages_are_one_line_and_codes_are_kept():
     assert str(r) == "pi5: exited 1: boom" and r.host == "pi5"
 
 
-@pytest.mark.parametrize("argv", [["plan", "--strategy", "dp", "--links", "/nonexistent/links.json"],
-                                  ["run", "--strategy", "dp", "-i", "/nonexistent/inv.yml"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", "--strategy", "dp", "--links", "/nonexistent/links.json"],
+        ["run", "--strategy", "dp", "-i", "/nonexistent/inv.yml"],
+    ],
+)
 def test_cli_reports_a_smol_error_in_one_line(argv, capsys):
     from smoltrain.cli import main
 

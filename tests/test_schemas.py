@@ -1,5 +1,6 @@
 """Every document the project writes has a JSON Schema in its package; each one rejects a
 document missing any field it requires, and readers refuse bad documents in one line."""
+
 from __future__ import annotations
 
 import copy
@@ -14,42 +15,126 @@ from smolnet.files import read_json
 from smolnet.schema import SchemaError, check, load_schema, schema_errors
 from smoltrain import schema as ts
 
-LINK = {"src": "a", "dst": "b", "status": "ok", "throughput_mbit": 941.2, "retransmits": 0,
-        "rtt_us": {"min": 80.0, "p50": 95.0, "p90": 120.0, "p99": 180.0, "max": 400.0},
-        "mtu_effective": 1500, "mtu_configured": 1500, "ceiling_mbit": 941.5, "method": "iperf3",
-        "warnings": [], "error": None}
-HOST = {"name": "a", "address": "10.45.0.1", "iface": "eth0", "mtu_configured": 1500,
-        "link_rate_mbit": 1000, "device": "pi5", "status": "ok", "error": None}
+LINK = {
+    "src": "a",
+    "dst": "b",
+    "status": "ok",
+    "throughput_mbit": 941.2,
+    "retransmits": 0,
+    "rtt_us": {"min": 80.0, "p50": 95.0, "p90": 120.0, "p99": 180.0, "max": 400.0},
+    "mtu_effective": 1500,
+    "mtu_configured": 1500,
+    "ceiling_mbit": 941.5,
+    "method": "iperf3",
+    "warnings": [],
+    "error": None,
+}
+HOST = {
+    "name": "a",
+    "address": "10.45.0.1",
+    "iface": "eth0",
+    "mtu_configured": 1500,
+    "link_rate_mbit": 1000,
+    "device": "pi5",
+    "status": "ok",
+    "error": None,
+}
 PLACEMENT = {"mode": "auto", "order": ["a", "b"], "layers": [[0, 4], [4, 6]]}
 EXAMPLES = {
-    "smolnet.links/1": {"schema": "smolnet.links/1", "created": "2026-12-02T10:00:00Z",
-                        "settings": {"duration_s": 3.0, "backend": "iperf3"},
-                        "hosts": [HOST, dict(HOST, name="b")],
-                        "links": [LINK, dict(LINK, src="b", dst="a")]},
-    "smolnet.facts/1": {"schema": "smolnet.facts/1", "hosts": [dict(HOST, facts={
-        "hostname": "a", "cpus_logical": 4, "memory_bytes": 1 << 30,
-        "interfaces": [{"name": "eth0", "mtu": 1500}]})]},
-    ts.BENCH: {"schema": ts.BENCH, "op": "allreduce", "backend": "socket", "world_size": 2, "bytes": 4096,
-               "iters": 5, "seconds_p50": 0.001, "algbw_gbps": 0.004, "busbw_gbps": 0.004},
-    ts.RUN: {"schema": ts.RUN, "strategy": "dp", "backend": "socket", "world_size": 2, "config": {},
-             "steps": [{"step": 0, "loss": 5.5, "step_s": 0.1, "comm_s": 0.01, "tokens": 512,
-                        "ranks": [{"rank": 0, "compute_s": 0.05, "comm_s": 0.01, "wait_s": 0.0}]}],
-             "bytes": [{"src": "a", "dst": "b", "bytes": 100}],
-             "events": [{"step": 0, "kind": "join", "who": "b"}], "final_loss": 5.5, "tokens_per_s": 5120.0,
-             "status": "complete", "error": None},
-    ts.CALIBRATION: {"schema": ts.CALIBRATION, "created": "2026-12-02T10:00:00Z", "host": "a",
-                     "flops_fp32": 1e10, "mem_bw": 1e9,
-                     "train": {"model": "tiny", "batch": 8, "seq": 64, "step_s": 0.1, "flops": 1e9}},
-    ts.COMPUTE: {"schema": ts.COMPUTE, "created": "2026-12-02T10:00:00Z", "hosts": [{
-        "name": "a", "machine_id": "m1", "cores": 4, "cpu_limit_cores": None,
-        "flops": {"fp32": 1e10, "bf16": 2e10}, "mem_bw_bytes_s": 1e9,
-        "train_step": [{"model": "tiny", "batch": 8, "seq": 64, "seconds": 0.1}],
-        "usable_memory_bytes": 1 << 30}]},
-    ts.GENERATE: {"schema": ts.GENERATE, "strategy": "pp", "world_size": 2, "model": "tiny",
-                  "placement": PLACEMENT, "prompt_ids": [1, 2, 3], "output_ids": [4, 5], "text": None,
-                  "prefill": {"tokens": 3, "seconds": 0.01, "tokens_per_s": 300.0},
-                  "decode": {"tokens": 2, "seconds": 0.02, "tokens_per_s": 100.0, "bytes_per_token": 512},
-                  "ttft_s": 0.01, "links": [{"src": "a", "dst": "b", "bytes": 1024}], "plan": {}},
+    "smolnet.links/1": {
+        "schema": "smolnet.links/1",
+        "created": "2026-12-02T10:00:00Z",
+        "settings": {"duration_s": 3.0, "backend": "iperf3"},
+        "hosts": [HOST, dict(HOST, name="b")],
+        "links": [LINK, dict(LINK, src="b", dst="a")],
+    },
+    "smolnet.facts/1": {
+        "schema": "smolnet.facts/1",
+        "hosts": [
+            dict(
+                HOST,
+                facts={
+                    "hostname": "a",
+                    "cpus_logical": 4,
+                    "memory_bytes": 1 << 30,
+                    "interfaces": [{"name": "eth0", "mtu": 1500}],
+                },
+            )
+        ],
+    },
+    ts.BENCH: {
+        "schema": ts.BENCH,
+        "op": "allreduce",
+        "backend": "socket",
+        "world_size": 2,
+        "bytes": 4096,
+        "iters": 5,
+        "seconds_p50": 0.001,
+        "algbw_gbps": 0.004,
+        "busbw_gbps": 0.004,
+    },
+    ts.RUN: {
+        "schema": ts.RUN,
+        "strategy": "dp",
+        "backend": "socket",
+        "world_size": 2,
+        "config": {},
+        "steps": [
+            {
+                "step": 0,
+                "loss": 5.5,
+                "step_s": 0.1,
+                "comm_s": 0.01,
+                "tokens": 512,
+                "ranks": [{"rank": 0, "compute_s": 0.05, "comm_s": 0.01, "wait_s": 0.0}],
+            }
+        ],
+        "bytes": [{"src": "a", "dst": "b", "bytes": 100}],
+        "events": [{"step": 0, "kind": "join", "who": "b"}],
+        "final_loss": 5.5,
+        "tokens_per_s": 5120.0,
+        "status": "complete",
+        "error": None,
+    },
+    ts.CALIBRATION: {
+        "schema": ts.CALIBRATION,
+        "created": "2026-12-02T10:00:00Z",
+        "host": "a",
+        "flops_fp32": 1e10,
+        "mem_bw": 1e9,
+        "train": {"model": "tiny", "batch": 8, "seq": 64, "step_s": 0.1, "flops": 1e9},
+    },
+    ts.COMPUTE: {
+        "schema": ts.COMPUTE,
+        "created": "2026-12-02T10:00:00Z",
+        "hosts": [
+            {
+                "name": "a",
+                "machine_id": "m1",
+                "cores": 4,
+                "cpu_limit_cores": None,
+                "flops": {"fp32": 1e10, "bf16": 2e10},
+                "mem_bw_bytes_s": 1e9,
+                "train_step": [{"model": "tiny", "batch": 8, "seq": 64, "seconds": 0.1}],
+                "usable_memory_bytes": 1 << 30,
+            }
+        ],
+    },
+    ts.GENERATE: {
+        "schema": ts.GENERATE,
+        "strategy": "pp",
+        "world_size": 2,
+        "model": "tiny",
+        "placement": PLACEMENT,
+        "prompt_ids": [1, 2, 3],
+        "output_ids": [4, 5],
+        "text": None,
+        "prefill": {"tokens": 3, "seconds": 0.01, "tokens_per_s": 300.0},
+        "decode": {"tokens": 2, "seconds": 0.02, "tokens_per_s": 100.0, "bytes_per_token": 512},
+        "ttft_s": 0.01,
+        "links": [{"src": "a", "dst": "b", "bytes": 1024}],
+        "plan": {},
+    },
 }
 
 
@@ -62,14 +147,31 @@ def _plan():
 
 def _examples() -> dict:
     ex = copy.deepcopy(EXAMPLES)
-    plan = _plan()                                  # the real writer's output
+    plan = _plan()  # the real writer's output
     ex[ts.PLAN] = plan
     ex[ts.PLANS] = {"schema": ts.PLANS, "ranking": ["dp"], "plans": [plan], "skipped": []}
     pair = {"predicted": 1.0, "measured": 1.1}
-    ex[ts.COMPARE] = {"schema": ts.COMPARE, "strategy": "dp", "world_size": 2, "steps": 3,
-                      "links": [{"src": "a", "dst": "b", "predicted_bytes_per_step": 10.0,
-                                 "measured_bytes_per_step": 10.0, "ratio": 1.0, "within_2pct": True}],
-                      "bytes_within_2pct": True, "step_s": pair, "comm_s": pair, "tokens_per_s": pair, "plan": plan}
+    ex[ts.COMPARE] = {
+        "schema": ts.COMPARE,
+        "strategy": "dp",
+        "world_size": 2,
+        "steps": 3,
+        "links": [
+            {
+                "src": "a",
+                "dst": "b",
+                "predicted_bytes_per_step": 10.0,
+                "measured_bytes_per_step": 10.0,
+                "ratio": 1.0,
+                "within_2pct": True,
+            }
+        ],
+        "bytes_within_2pct": True,
+        "step_s": pair,
+        "comm_s": pair,
+        "tokens_per_s": pair,
+        "plan": plan,
+    }
     return ex
 
 
@@ -109,8 +211,12 @@ SCHEMAS = ["smolnet.links/1", "smolnet.facts/1", *ts.ALL]
 def test_every_shipped_schema_file_is_named_and_valid():
     from jsonschema import Draft202012Validator
 
-    files = {f"{pkg}/{p.name}" for pkg in ("smolnet", "smoltrain")
-             for p in (resources.files(pkg) / "schemas").iterdir() if p.name.endswith(".json")}
+    files = {
+        f"{pkg}/{p.name}"
+        for pkg in ("smolnet", "smoltrain")
+        for p in (resources.files(pkg) / "schemas").iterdir()
+        if p.name.endswith(".json")
+    }
     names = {f"{n.split('.')[0]}/{n.split('.', 1)[1].replace('/', '-')}.json" for n in SCHEMAS}
     assert files == names
     for name in SCHEMAS:
@@ -136,14 +242,18 @@ def test_schema_accepts_the_example_and_rejects_each_missing_required_field(name
 
 def test_wrong_types_and_values_are_rejected():
     ex = _examples()
-    bad = copy.deepcopy(ex["smolnet.links/1"]); bad["links"][0]["status"] = "ok"
-    bad["links"][0]["warnings"] = ["asymmetric"]                # ok with a warning
+    bad = copy.deepcopy(ex["smolnet.links/1"])
+    bad["links"][0]["status"] = "ok"
+    bad["links"][0]["warnings"] = ["asymmetric"]  # ok with a warning
     assert schema_errors(bad, "smolnet.links/1")
-    bad = copy.deepcopy(ex[ts.RUN]); bad["events"][0]["kind"] = "explode"
+    bad = copy.deepcopy(ex[ts.RUN])
+    bad["events"][0]["kind"] = "explode"
     assert schema_errors(bad, ts.RUN)
-    bad = copy.deepcopy(ex[ts.PLAN]); bad["bottleneck"] = "vibes"
+    bad = copy.deepcopy(ex[ts.PLAN])
+    bad["bottleneck"] = "vibes"
     assert schema_errors(bad, ts.PLAN)
-    bad = copy.deepcopy(ex[ts.BENCH]); bad["schema"] = "smoltrain.bench/2"
+    bad = copy.deepcopy(ex[ts.BENCH])
+    bad["schema"] = "smoltrain.bench/2"
     with pytest.raises(SchemaError, match="not a smoltrain.bench/1 document"):
         check(bad, ts.BENCH, "b.json")
 
@@ -151,9 +261,11 @@ def test_wrong_types_and_values_are_rejected():
 def test_links_validator_keeps_the_checks_a_schema_cannot_say():
     good = EXAMPLES["smolnet.links/1"]
     assert report.validate_report(good) == []
-    d = copy.deepcopy(good); d["links"].pop()
+    d = copy.deepcopy(good)
+    d["links"].pop()
     assert any("missing links" in e for e in report.validate_report(d))
-    d = copy.deepcopy(good); d["links"][0]["dst"] = "a"
+    d = copy.deepcopy(good)
+    d["links"][0]["dst"] = "a"
     assert report.validate_report(d)
 
 
@@ -166,7 +278,7 @@ def test_readers_refuse_a_bad_document_in_one_line(tmp_path):
         read_json(p, "links report", schema="smolnet.links/1")
     msg = str(e.value)
     assert "\n" not in msg and str(p) in msg and "rtt_us" in msg and e.value.code == 2
-    assert read_json(p, "links report") == doc                   # no schema: parsed only
+    assert read_json(p, "links report") == doc  # no schema: parsed only
 
 
 def test_plan_cli_rejects_a_links_report_that_breaks_the_schema(tmp_path, capsys):
