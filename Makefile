@@ -7,7 +7,7 @@ INVENTORY ?= inventory/hosts.yml
 STAMP := $(VENV)/.smol-installed
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
-.PHONY: setup test demo provision verify matrix sim-up sim-down lint check-inventory clean
+.PHONY: setup test test-unit test-process test-sim test-provision demo provision verify matrix sim-up sim-down lint check-inventory clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,10 @@ $(STAMP): pyproject.toml constraints.txt
 
 test: setup
 	$(BIN)/pytest -q -ra
+
+# One tier at a time (markers assigned in tests/conftest.py): unit < process < sim < provision.
+test-unit test-process test-sim test-provision: test-%: setup
+	$(BIN)/pytest -q -ra -m $*
 
 demo: setup
 	$(BIN)/smoltrain demo $(DEMO_ARGS)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import struct
 import subprocess
@@ -16,6 +15,8 @@ from smolnet import agent_client as control
 from smolnet.probes import iperf
 from smolnet.probes import pmtu
 from smolnet.agent import Agent
+from need import need_tool
+from ports import free_port
 
 SECRET = b"test-secret-0123456789abcdef"
 
@@ -199,8 +200,8 @@ def test_probe_towards_silent_port_reports_no_ack(agents):
     assert m["mtu_effective"] is None and "no acknowledgement" in m["error"]
 
 
-@pytest.mark.skipif(not shutil.which("iperf3"), reason="iperf3 not installed")
 def test_iperf3_backend_between_agents(agents):
+    need_tool("iperf3")
     a, b = agents
     srv = control.call(b.bind, b.port, SECRET, "iperf3_server", timeout=15, lifetime=20)
     t = control.call(a.bind, a.port, SECRET, "throughput", timeout=30, dst=b.bind, port=srv["port"],
@@ -224,7 +225,7 @@ def test_iperf3_json_traps():
 
 
 def test_agent_command_reads_secret_from_stdin_and_stops_on_term():
-    port = 7698
+    port = free_port("127.0.0.24")
     p = subprocess.Popen([sys.executable, "-m", "smolnet", "agent", "--bind", "127.0.0.24", "--port", str(port),
                           "--secret-stdin"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE)

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 from smoltrain.schema import check_any
+from need import sim_up
 
 FIELDS = {"schema", "op", "backend", "world_size", "bytes", "iters", "seconds_p50", "algbw_gbps", "busbw_gbps"}
 
@@ -54,12 +55,10 @@ def test_bench_bad_input_is_one_line_and_exit_2(args, why):
 
 @pytest.mark.sim
 def test_bench_over_ssh_on_the_sim(tmp_path):
-    sim = pytest.importorskip("smolnet.sim.cluster")
+    from smolnet.sim import cluster as sim
+
     inv = tmp_path / "x1.yml"
-    try:
-        sim.up(name="x1", scenario="uniform", hosts=2, subnet="10.213.31.0/24", rate_mbit=1000, inventory=str(inv))
-    except sim.SimUnavailable as e:
-        pytest.skip(f"sim unavailable: {e}")
+    sim_up(sim, name="x1", scenario="uniform", hosts=2, subnet="10.213.31.0/24", rate_mbit=1000, inventory=str(inv))
     try:
         out = tmp_path / "ar.json"
         p = bench("-i", str(inv), "--bytes", "1M", "--iters", "3", "--warmup", "1", "--json", str(out))

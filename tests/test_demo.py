@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from smolnet.sim import cluster as sim
 from smoltrain.schema import check_any
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +66,7 @@ def test_readme_make_targets_exist():
         assert re.search(rf"^{re.escape(t)}:", makefile, flags=re.M), f"README names make {t}, Makefile lacks it"
 
 
-@pytest.mark.skipif(sim.unavailable_reason() is not None, reason="needs root and network namespaces")
+@pytest.mark.usefixtures("needs_sim")
 def test_demo_quick_writes_every_section(tmp_path):
     out = tmp_path / "demo"
     r = subprocess.run([sys.executable, "-m", "smoltrain", "demo", "--quick", "--out", str(out),

@@ -20,6 +20,7 @@ from smolnet import agent_client as control
 from smolnet.agent import Agent
 from smolnet.matrix import directed_rounds, pair_rounds
 from smoltrain.schema import check_any
+from ports import free_port
 
 SECRET = b"matrix-test-secret-0123456789"
 
@@ -69,7 +70,7 @@ def port_free(ip: str, port: int) -> bool:
 
 def test_matrix_loopback_with_unreachable_host(tmp_path):
     """ghost refuses SSH: its links are down with the reason, the rest still measured."""
-    port = 7661
+    port = free_port("127.0.0.31", "127.0.0.32")
     inv = write_inventory(tmp_path, {"a": "127.0.0.31", "b": "127.0.0.32",
                                      "ghost": "127.0.0.42, ansible_connection: ssh, ansible_port: 1"}, port)
     out = tmp_path / "rep"
@@ -98,7 +99,7 @@ def test_matrix_loopback_with_unreachable_host(tmp_path):
 
 
 def test_running_agent_is_reused_and_left_running(tmp_path):
-    port = 7662
+    port = free_port("127.0.0.33", "127.0.0.34")
     inv = write_inventory(tmp_path, {"a": "127.0.0.33", "b": "127.0.0.34"}, port)
     mine = Agent("127.0.0.33", port, SECRET)
     mine.start_background()
@@ -117,7 +118,7 @@ def test_running_agent_is_reused_and_left_running(tmp_path):
 
 
 def test_agent_with_another_secret_marks_host_down(tmp_path):
-    port = 7663
+    port = free_port("127.0.0.35", "127.0.0.36")
     inv = write_inventory(tmp_path, {"a": "127.0.0.35", "b": "127.0.0.36"}, port)
     stranger = Agent("127.0.0.36", port, b"some-other-cluster-secret-xyz")
     stranger.start_background()
@@ -134,7 +135,7 @@ def test_agent_with_another_secret_marks_host_down(tmp_path):
 
 
 def test_ctrl_c_writes_partial_report_and_stops_agents(tmp_path):
-    port = 7664
+    port = free_port("127.0.0.37", "127.0.0.38", "127.0.0.39")
     inv = write_inventory(tmp_path, {"a": "127.0.0.37", "b": "127.0.0.38", "c": "127.0.0.39"}, port)
     out = tmp_path / "rep"
     p = subprocess.Popen([sys.executable, "-m", "smolnet", "matrix", "-i", inv, "--duration", "5",
@@ -142,10 +143,10 @@ def test_ctrl_c_writes_partial_report_and_stops_agents(tmp_path):
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
-        while port_free("127.0.0.39", port):        # wait until the run has its agents up
+        # readiness: every agent of the run is listening, so the run is measuring (or about to)
+        while any(port_free(ip, port) for ip in ("127.0.0.37", "127.0.0.38", "127.0.0.39")):
             assert time.monotonic() < deadline and p.poll() is None, p.stderr.read() if p.poll() is not None else ""
             time.sleep(0.2)
-        time.sleep(2.0)                             # into the probes
         p.send_signal(signal.SIGINT)
         stdout, stderr = p.communicate(timeout=60)
     finally:
@@ -171,7 +172,7 @@ def test_bad_usage_exits_2(tmp_path):
 
 def test_host_dying_mid_run_is_down_with_reason(tmp_path):
     """c's agent (ours, reused by the run) vanishes during the throughput rounds."""
-    port = 7666
+    port = free_port("127.0.0.43", "127.0.0.44", "127.0.0.45")
     inv = write_inventory(tmp_path, {"a": "127.0.0.43", "b": "127.0.0.44", "c": "127.0.0.45"}, port)
     victim = Agent("127.0.0.45", port, SECRET)
     victim.start_background()

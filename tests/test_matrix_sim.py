@@ -16,8 +16,9 @@ import yaml
 
 pytestmark = pytest.mark.sim
 
-sim = pytest.importorskip("smolnet.sim.cluster")
+from smolnet.sim import cluster as sim  # noqa: E402
 from smolnet.sim.scenarios import HostSpec  # noqa: E402
+from need import sim_up
 
 LOW, HIGH = 0.85, 1.10      # shaped goodput, tests; bench/bench_probe.py measures the 5 % bar
 MTU_TOLERANCE = 8
@@ -31,10 +32,7 @@ def _spec(h: dict) -> HostSpec:
 def home(tmp_path_factory):
     d = tmp_path_factory.mktemp("m1")
     inv = d / "m1.yml"
-    try:
-        st = sim.up(name="m1", scenario="home", subnet="10.213.11.0/24", inventory=str(inv))
-    except sim.SimUnavailable as e:
-        pytest.skip(f"sim unavailable: {e}")
+    st = sim_up(sim, name="m1", scenario="home", subnet="10.213.11.0/24", inventory=str(inv))
     try:
         yield st, inv
     finally:
@@ -152,10 +150,7 @@ def test_mtu_lab_effective_mtu_exact(tmp_path):
     from smolnet.probes.request import probe_pmtu
 
     inv = tmp_path / "m2.yml"
-    try:
-        st = sim.up(name="m2", scenario="mtu-lab", subnet="10.213.12.0/24", inventory=str(inv))
-    except sim.SimUnavailable as e:
-        pytest.skip(f"sim unavailable: {e}")
+    st = sim_up(sim, name="m2", scenario="mtu-lab", subnet="10.213.12.0/24", inventory=str(inv))
     try:
         hosts = inventory.load_inventory(inv).hosts
         pool = AgentPool(secret.ensure_secret(default_secret_path(hosts)))

@@ -15,9 +15,6 @@ from smoltrain.schema import check_any
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_STRATEGIES = registry.names(trainable=True)
-HAVE_RUN = (ROOT / "smoltrain" / "commands" / "run.py").exists()
-
-pytestmark = pytest.mark.skipif(not HAVE_RUN, reason="smoltrain/commands/run.py is not there yet")
 
 
 @pytest.fixture(scope="module")

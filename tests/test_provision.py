@@ -12,6 +12,7 @@ import subprocess
 import pytest
 
 from provisiontools import BIN, REPO, ansible_env, changed_tasks, ns_run, playbook, recap
+from need import sim_up
 
 # Converging four hosts takes minutes on a busy 2-core machine; the fixture's time counts
 # against the first test that uses it.
@@ -49,15 +50,9 @@ def test_example_inventory_is_the_reference_cluster():
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     from smolnet.sim import cluster as sim
-    reason = sim.unavailable_reason()
-    if reason:
-        pytest.skip(reason)
     d = tmp_path_factory.mktemp("provision")
     inv = d / "hosts.yml"
-    try:
-        st = sim.up(name=SIM, subnet=SUBNET, inventory=str(inv))
-    except sim.SimUnavailable as e:
-        pytest.skip(str(e))
+    st = sim_up(sim, name=SIM, subnet=SUBNET, inventory=str(inv))
     try:
         export = d / "models"
         (d / "host_vars").mkdir()

@@ -11,13 +11,13 @@ import pytest
 from smolnet.sim import cluster as sim
 from smolnet.inventory import Host, load_inventory
 from smolnet.remote import LocalRemote, RemoteError, connect
+from need import need_sim
 
 
 @pytest.fixture(scope="module")
 def simhost(tmp_path_factory):
     """One unshaped sim host (sim tr, 10.213.55.0/24) reached over SSH."""
-    if sim.unavailable_reason():
-        pytest.skip(sim.unavailable_reason())
+    need_sim()
     inv = tmp_path_factory.mktemp("tr") / "sim.yml"
     sim.down("tr")
     sim.up(name="tr", scenario="uniform", hosts=1, rate_mbit=0, subnet="10.213.55.0/24", inventory=str(inv))

@@ -15,17 +15,15 @@ from smoltrain.schema import check_any
 
 pytestmark = pytest.mark.sim
 
-sim = pytest.importorskip("smolnet.sim.cluster")
+from smolnet.sim import cluster as sim  # noqa: E402
+from need import sim_up
 
 
 @pytest.fixture(scope="module")
 def uniform(tmp_path_factory):
     d = tmp_path_factory.mktemp("r1")
     inv = d / "r1.yml"
-    try:
-        st = sim.up(name="r1", scenario="uniform", hosts=2, subnet="10.213.41.0/24", inventory=str(inv))
-    except sim.SimUnavailable as e:
-        pytest.skip(f"sim unavailable: {e}")
+    st = sim_up(sim, name="r1", scenario="uniform", hosts=2, subnet="10.213.41.0/24", inventory=str(inv))
     try:
         yield st, inv, d
     finally:

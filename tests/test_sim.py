@@ -23,8 +23,9 @@ from smolnet.inventory import load_inventory
 from smolnet.remote import connect
 from smolnet.sim.check import df_ping_ok, iperf3, ns_run, spec_of
 from smolnet.sim.scenarios import path_truth, scenario, tcp_goodput_mbit
+from need import need_sim
 
-NEEDS_SIM = pytest.mark.skipif(sim.unavailable_reason() is not None, reason=str(sim.unavailable_reason()))
+NEEDS_SIM = pytest.mark.usefixtures("needs_sim")  # skips only without root; as root a broken sim fails
 
 
 # --- scenario truth (no root needed) ----------------------------------------------------
@@ -75,8 +76,7 @@ def test_bad_sim_name_and_subnet():
 
 @pytest.fixture(scope="module")
 def home(tmp_path_factory):
-    if sim.unavailable_reason():
-        pytest.skip(sim.unavailable_reason())
+    need_sim()
     inv = tmp_path_factory.mktemp("t0") / "sim.yml"
     sim.down("t0")  # a crashed earlier run must not fail this one
     st = sim.up(name="t0", scenario="home", subnet="10.213.50.0/24", inventory=str(inv))

@@ -1,0 +1,46 @@
+"""Test tiers, assigned here so that every test lands in exactly one.
+
+- unit: in-process, no subprocess, no listening service; seconds in all.
+- process: starts local processes or services (agents, ranks, ansible-inventory, linters).
+- sim: needs the single-machine cluster (root and network namespaces).
+- provision: runs the real playbooks (on the sim or on localhost); the slowest.
+
+`make test` runs them all; `make test-unit` (etc.) one tier (`pytest -m unit`). A test
+file must be listed in TIERS (tests/test_tiers.py fails otherwise); a test already marked
+with a tier (e.g. one sim test in a process file) keeps its own mark.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+TIER_NAMES = ("unit", "process", "sim", "provision")
+TIERS = {
+    "unit": ["test_errors.py", "test_model.py", "test_plan.py", "test_report.py", "test_run_config.py",
+             "test_schemas.py", "test_comm_wire.py", "test_tiers.py"],
+    "process": ["test_agent.py", "test_cli.py", "test_comm.py", "test_comm_bench.py", "test_comm_failure.py",
+                "test_inventory.py", "test_lint_gates.py", "test_matrix.py", "test_plan_local.py", "test_run.py",
+                "test_strategies.py"],
+    "sim": ["test_demo.py", "test_matrix_sim.py", "test_remote.py", "test_run_sim.py", "test_sim.py"],
+    "provision": ["test_provision.py", "test_provision_render.py"],
+}
+FILE_TIER = {f: tier for tier, files in TIERS.items() for f in files}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(item.get_closest_marker(t) for t in TIER_NAMES):
+            continue
+        tier = FILE_TIER.get(Path(str(item.fspath)).name)
+        if tier is None:
+            raise pytest.UsageError(f"{item.fspath}: not in tests/conftest.py TIERS; add it to one tier")
+        item.add_marker(getattr(pytest.mark, tier))
+
+
+@pytest.fixture
+def needs_sim():
+    """Skip only when not root; as root a sim that cannot run is a failure (see tests/need.py)."""
+    from need import need_sim
+
+    need_sim()

@@ -1,0 +1,50 @@
+"""Skips that cannot hide a regression.
+
+A test may skip only when this machine truly cannot run it *and* the user could not have
+fixed that: not root, so no network namespaces. As root, a missing system package or a sim
+that does not come up is a failure with the command that fixes it (`make system-deps`).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+FIX = "run `make system-deps` (as root) to install the system packages"
+
+
+def _root() -> bool:
+    return os.geteuid() == 0
+
+
+def need_sim() -> None:
+    """Skip without root; fail as root when the sim cannot run here."""
+    from smolnet.sim import net
+
+    reason = net.unavailable_reason()
+    if reason is None:
+        return
+    if _root():
+        pytest.fail(f"the sim cannot run as root: {reason}; {FIX}", pytrace=False)
+    pytest.skip(reason)
+
+
+def sim_up(sim, **kw):
+    """sim.up(**kw); a SimUnavailable skips only when not root."""
+    need_sim()
+    try:
+        return sim.up(**kw)
+    except sim.SimUnavailable as e:
+        if _root():
+            pytest.fail(f"sim up failed as root: {e}", pytrace=False)
+        pytest.skip(str(e))
+
+
+def need_tool(name: str) -> None:
+    """A system tool the test drives: skip without root, fail as root (it should be installed)."""
+    if shutil.which(name):
+        return
+    if _root():
+        pytest.fail(f"{name} is not installed; {FIX}", pytrace=False)
+    pytest.skip(f"{name} is not installed")
