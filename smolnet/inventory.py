@@ -9,6 +9,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from smolnet.errors import SmolError
@@ -217,7 +218,7 @@ def _host(name: str, v: dict) -> Host:
         mtu=mtu,
         link_rate_mbit=rate,
         device=device,
-        python=str(v.get("smol_python", "python3")),
+        python=str(v.get("smol_python") or (sys.executable if local else "python3")),
         agent_port=_int(v.get("smol_agent_port", 7650), "smol_agent_port", name, 1, 65535),
         train_port=_int(v.get("smol_train_port", 7700), "smol_train_port", name, 1, 65535),
         secret_file=str(v.get("smol_secret_file", "~/.config/smolcluster/secret")),

@@ -21,7 +21,7 @@ TIERS = {
              "test_schemas.py", "test_comm_wire.py", "test_tiers.py"],
     "process": ["test_agent.py", "test_cli.py", "test_comm.py", "test_comm_bench.py", "test_comm_failure.py",
                 "test_inventory.py", "test_lint_gates.py", "test_matrix.py", "test_plan_local.py", "test_run.py",
-                "test_strategies.py"],
+                "test_strategies.py", "test_setup.py"],
     "sim": ["test_demo.py", "test_matrix_sim.py", "test_remote.py", "test_run_sim.py", "test_sim.py"],
     "provision": ["test_provision.py", "test_provision_render.py"],
 }

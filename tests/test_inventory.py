@@ -1,6 +1,7 @@
 """The inventory loader: Ansible's precedence resolved once, every bad input one clear line."""
 from __future__ import annotations
 
+import sys
 import textwrap
 from pathlib import Path
 
@@ -60,7 +61,7 @@ def test_yaml_inventory_resolves_and_defaults(tmp_path):
     assert a.key_file == str(Path("~/.ssh/smol").expanduser())
     assert (b.address, b.cluster_ip, b.port, b.torch_device) == ("beta.lan", "192.0.2.11", 2222, "cuda")
     assert g.local and g.address == "127.0.0.1" and g.mtu == 1500 and g.link_rate_mbit is None
-    assert g.device == "generic" and g.python == "python3" and g.train_port == 7700
+    assert g.device == "generic" and g.python == sys.executable and g.train_port == 7700  # local: this interpreter
     assert all(h.agent_port == 7800 for h in inv.hosts)          # all-group var
     assert inv.coordinator.name == "beta" and inv.nfs_server.name == "alpha"
     assert inv.nfs_export_dir == "/srv/weights" and inv.nfs_mount_dir == "/mnt/models"

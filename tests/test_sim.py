@@ -379,8 +379,9 @@ def test_down_keeps_an_inventory_the_user_replaced(tmp_path, monkeypatch):
     assert inv.exists() and not (tmp_path / "state" / "tk").exists()
 
 
-def test_without_root_cli_falls_back_to_loopback(tmp_path, monkeypatch, capsys):
-    """Not root: the API refuses with SimUnavailable; the CLI says why and goes loopback."""
+def test_without_root_cli_refuses_unless_loopback_is_asked_for(tmp_path, monkeypatch, capsys):
+    """Not root: the API and the CLI refuse with the reason and how to ask for loopback hosts;
+    with --loopback the CLI builds them and says loudly what they lack."""
     monkeypatch.setattr(sim, "STATE_ROOT", tmp_path / "state")
     monkeypatch.delenv("SMOL_SIM_LOOPBACK", raising=False)
     monkeypatch.setattr(sim.net.os, "geteuid", lambda: 1000)
@@ -388,10 +389,14 @@ def test_without_root_cli_falls_back_to_loopback(tmp_path, monkeypatch, capsys):
     with pytest.raises(sim.SimUnavailable, match="needs root"):
         sim.up(name="tn", subnet="10.213.54.0/24", inventory=str(tmp_path / "x.yml"))
     inv = tmp_path / "nr.yml"
-    assert smolnet_main(["sim", "up", "--name", "tn", "--subnet", "10.213.54.0/24", "--inventory", str(inv)]) == 0
+    assert smolnet_main(["sim", "up", "--name", "tn", "--subnet", "10.213.54.0/24", "--inventory", str(inv)]) == 2
+    err = capsys.readouterr().err
+    assert "needs root" in err and "--loopback" in err and len(err.strip().splitlines()) == 1
+    assert not inv.exists()
+    assert smolnet_main(["sim", "up", "--name", "tn", "--subnet", "10.213.54.0/24", "--inventory", str(inv),
+                         "--loopback"]) == 0
     try:
-        captured = capsys.readouterr()
-        assert "needs root" in captured.err and "falling back to loopback" in captured.err
+        assert "LOOPBACK sim as asked" in capsys.readouterr().err
         assert all(h.local for h in load_inventory(inv).hosts)
     finally:
         assert smolnet_main(["sim", "down", "--name", "tn"]) == 0

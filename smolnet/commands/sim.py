@@ -18,7 +18,8 @@ def add_arguments(p) -> None:
     u.add_argument("--mtu", type=int, default=None, help="interface and switch MTU (scenario uniform; default 1500)")
     u.add_argument("--inventory", default="inventory/sim.yml", help="where to write the inventory")
     u.add_argument("--loopback", action="store_true",
-                   help="no namespaces: local hosts on 127.x addresses (automatic without root)")
+                   help="no namespaces, no shaping: local hosts on 127.x addresses (also SMOL_SIM_LOOPBACK=1); "
+                        "only when asked, never as a silent fallback")
     d = sub.add_parser("down", help="remove everything `sim up` made")
     d.add_argument("--name", default="smol")
     s = sub.add_parser("status", help="show the sim's hosts and whether they are alive")
@@ -70,9 +71,12 @@ def run(args) -> int:
             with con.status(f"building sim {args.name} ({args.scenario})"):
                 st = sim.up(loopback=loopback, **kw)
         except sim.SimUnavailable as e:
-            print(f"smolnet: {e}; falling back to loopback hosts "
-                  "(ansible_connection: local, no namespaces, no shaping)", file=sys.stderr)
-            st = sim.up(loopback=True, **kw)
+            raise sim.SimUnavailable(f"{e}; for loopback hosts instead (no namespaces, no shaping, no "
+                                     "provisioning) ask for them: smolnet sim up --loopback (or SMOL_SIM_LOOPBACK=1)",
+                                     code=2) from None
+        if st["mode"] == "loopback":
+            print("smolnet: LOOPBACK sim as asked: hosts are this machine on 127.x addresses; no namespaces, "
+                  "no link shaping, no MTU faults, nothing to provision", file=sys.stderr)
         con.print(_table(sim.status(args.name) or st))
         con.print(f"inventory written to {st['inventory']}; tear down with: smolnet sim down --name {st['name']}")
         return 0

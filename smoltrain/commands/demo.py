@@ -27,6 +27,8 @@ def add_arguments(p) -> None:
     p.add_argument("--subnet", default="10.213.9.0/24", help="sim subnet (default 10.213.9.0/24)")
     p.add_argument("--keep", action="store_true", help="leave the sim up afterwards")
     p.add_argument("--skip-provision", action="store_true", help="skip the Ansible stage")
+    p.add_argument("--loopback", action="store_true",
+                   help="loopback hosts instead of the namespaced sim (no root needed; skips shaping and provisioning)")
 
 
 class Stage:
@@ -86,15 +88,20 @@ def run(args) -> int:
     try:
         subprocess.run(sim + ["down", "--name", args.name], cwd=ROOT, capture_output=True, timeout=180)
         stage.run("1. cluster: build the sim", sim + ["up", "--name", args.name, "--subnet", args.subnet,
-                                                      "--inventory", str(inv)])
+                                                      "--inventory", str(inv)] + (["--loopback"] if args.loopback else []))
         up = True
         stage.run("   cluster: status", sim + ["status", "--name", args.name])
         stage.run("2. measure: every link, both directions, before provisioning",
                   [py, "-m", "smolnet", "matrix", "-i", str(inv), "--duration", dur, "--out", str(out / "before")],
                   ok_codes=(0, 4))
         provisioned = False
-        if args.skip_provision or _sim_is_loopback(inv):
-            console.print("[yellow]provisioning skipped (loopback hosts are this machine itself)")
+        skipped = []
+        if _sim_is_loopback(inv):
+            skipped += ["namespaced hosts", "link shaping and the MTU fault", "provisioning (Ansible)"]
+        elif args.skip_provision:
+            skipped.append("provisioning (Ansible), as asked")
+        if skipped:
+            console.print(f"[bold yellow]SKIPPED: {'; '.join(skipped)}")
         else:
             p = stage.run("3. provision: names, keys, MTU, NFS, secret", playbook + ["-i", str(inv),
                           str(ROOT / "playbooks" / "site.yml")], ok_codes=(0, 2))
@@ -130,7 +137,12 @@ def run(args) -> int:
         from smoltrain.commands.demo_report import write_report
 
         path = write_report(out, chosen, stage.results)
-        console.rule("[bold green]done")
+        if skipped:
+            console.rule("[bold yellow]done, with stages SKIPPED")
+            console.print(f"[bold yellow]SKIPPED: {'; '.join(skipped)} -- run as root without --loopback for the "
+                          "whole demo")
+        else:
+            console.rule("[bold green]done")
         console.print(f"report: {path}")
         return 0
     finally:
