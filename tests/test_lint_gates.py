@@ -99,3 +99,21 @@ def test_make_lint_runs_every_gate():
     lint = text.split("\nlint:", 1)[1].split("\n\n", 1)[0]
     for gate in ("ruff check", "ruff format --check", "lint-imports", "ansible-lint", "--syntax-check"):
         assert gate in lint, gate
+
+
+def test_ansible_roles_own_their_checks_and_keep_no_duplicates():
+    import yaml
+
+    roles = ROOT / "playbooks" / "roles"
+    plays = yaml.safe_load((ROOT / "playbooks" / "verify.yml").read_text())
+    imported = [t["ansible.builtin.import_role"] for p in plays for t in p["tasks"]]
+    assert all(i["tasks_from"] == "verify" for i in imported)
+    for name in ("hostname", "ssh_mesh", "mtu", "smolcluster", "nfs_client"):
+        assert (roles / name / "tasks" / "verify.yml").exists(), name
+        assert name in [i["name"] for i in imported], f"playbooks/verify.yml does not run {name}'s checks"
+    for role in roles.iterdir():
+        texts = [p.read_text() for p in sorted((role / "vars").glob("*.yml"))]
+        assert len(set(texts)) == len(texts), f"{role.name}: two vars files say the same thing"
+        assert (role / "meta" / "argument_specs.yml").exists(), f"{role.name}: no argument specs"
+        for h in yaml.safe_load((role / "handlers" / "main.yml").read_text()) or []:
+            assert h.get("failed_when") is not False, f"{role.name}: handler '{h['name']}' hides its errors"
