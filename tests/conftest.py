@@ -9,6 +9,7 @@
 file must be listed in TIERS (tests/test_tiers.py fails otherwise); a test already marked
 with a tier (e.g. one sim test in a process file) keeps its own mark.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,11 +18,31 @@ import pytest
 
 TIER_NAMES = ("unit", "process", "sim", "provision")
 TIERS = {
-    "unit": ["test_errors.py", "test_model.py", "test_plan.py", "test_report.py", "test_run_config.py",
-             "test_schemas.py", "test_comm_wire.py", "test_tiers.py"],
-    "process": ["test_agent.py", "test_cli.py", "test_comm.py", "test_comm_bench.py", "test_comm_failure.py",
-                "test_inventory.py", "test_lint_gates.py", "test_matrix.py", "test_plan_local.py", "test_run.py",
-                "test_strategies.py", "test_setup.py"],
+    "unit": [
+        "test_errors.py",
+        "test_model.py",
+        "test_plan.py",
+        "test_report.py",
+        "test_run_config.py",
+        "test_schemas.py",
+        "test_comm_wire.py",
+        "test_tiers.py",
+        "test_docs.py",
+    ],
+    "process": [
+        "test_agent.py",
+        "test_cli.py",
+        "test_comm.py",
+        "test_comm_bench.py",
+        "test_comm_failure.py",
+        "test_inventory.py",
+        "test_lint_gates.py",
+        "test_matrix.py",
+        "test_plan_local.py",
+        "test_run.py",
+        "test_strategies.py",
+        "test_setup.py",
+    ],
     "sim": ["test_demo.py", "test_matrix_sim.py", "test_remote.py", "test_run_sim.py", "test_sim.py"],
     "provision": ["test_provision.py", "test_provision_render.py"],
 }

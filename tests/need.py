@@ -4,6 +4,7 @@ A test may skip only when this machine truly cannot run it *and* the user could 
 fixed that: not root, so no network namespaces. As root, a missing system package or a sim
 that does not come up is a failure with the command that fixes it (`make system-deps`).
 """
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """Ports chosen free at run time, so tests never collide with each other or with a real agent."""
+
 from __future__ import annotations
 
 import socket

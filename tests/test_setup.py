@@ -1,6 +1,7 @@
 """Setup never degrades silently: system packages installed as root or the exact command
 printed (exit 2); loopback hosts only when asked; local hosts run the interpreter that
 runs the command."""
+
 from __future__ import annotations
 
 import os
@@ -49,7 +50,7 @@ PACKAGES = subprocess.run([BASH, str(SCRIPT), "--list"], capture_output=True, te
 
 def test_package_list_covers_what_the_tests_drive():
     assert {"openssh-server", "iperf3", "iproute2", "ethtool", "nfs-ganesha", "make"} <= set(PACKAGES)
-    assert "scripts/system-deps.sh" in (ROOT / ".ci" / "run").read_text()   # CI installs the same list
+    assert "scripts/system-deps.sh" in (ROOT / ".ci" / "run").read_text()  # CI installs the same list
 
 
 def test_not_root_prints_the_exact_command_and_exits_2(tmp_path):
@@ -96,10 +97,12 @@ def test_make_demo_and_test_install_the_system_packages_first():
 
 def test_local_hosts_default_smol_python_to_this_interpreter(tmp_path):
     inv = tmp_path / "hosts.yml"
-    inv.write_text("cluster:\n  hosts:\n"
-                   "    here: {ansible_connection: local, cluster_ip: 127.0.0.2}\n"
-                   "    pinned: {ansible_connection: local, cluster_ip: 127.0.0.3, smol_python: /opt/py/bin/python}\n"
-                   "    far: {ansible_host: 192.0.2.7}\n")
+    inv.write_text(
+        "cluster:\n  hosts:\n"
+        "    here: {ansible_connection: local, cluster_ip: 127.0.0.2}\n"
+        "    pinned: {ansible_connection: local, cluster_ip: 127.0.0.3, smol_python: /opt/py/bin/python}\n"
+        "    far: {ansible_host: 192.0.2.7}\n"
+    )
     hosts = {h.name: h for h in load_inventory(inv).hosts}
     assert hosts["here"].python == sys.executable
     assert hosts["pinned"].python == "/opt/py/bin/python"
@@ -119,14 +122,40 @@ def test_loopback_inventory_without_smol_python_trains(tmp_path):
     secret.chmod(0o600)
     port = free_port("127.0.0.2", "127.0.0.3")
     inv = tmp_path / "hosts.yml"
-    inv.write_text("cluster:\n  hosts:\n"
-                   "    alpha: {ansible_connection: local, cluster_ip: 127.0.0.2}\n"
-                   "    beta: {ansible_connection: local, cluster_ip: 127.0.0.3}\n"
-                   f"  vars: {{smol_train_port: {port}, smol_secret_file: {secret}}}\n")
+    inv.write_text(
+        "cluster:\n  hosts:\n"
+        "    alpha: {ansible_connection: local, cluster_ip: 127.0.0.2}\n"
+        "    beta: {ansible_connection: local, cluster_ip: 127.0.0.3}\n"
+        f"  vars: {{smol_train_port: {port}, smol_secret_file: {secret}}}\n"
+    )
     env = dict(os.environ, PATH=f"{shim}:{os.environ['PATH']}")
-    p = subprocess.run([sys.executable, "-m", "smoltrain", "run", "--strategy", "dp", "-i", str(inv),
-                        "--steps", "2", "--batch", "4", "--seq", "16", "--json", str(tmp_path / "r.json"),
-                        "--out", str(tmp_path)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "smoltrain",
+            "run",
+            "--strategy",
+            "dp",
+            "-i",
+            str(inv),
+            "--steps",
+            "2",
+            "--batch",
+            "4",
+            "--seq",
+            "16",
+            "--json",
+            str(tmp_path / "r.json"),
+            "--out",
+            str(tmp_path),
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert p.returncode == 0, p.stderr[-2000:] + p.stdout[-1000:]
     assert "No module named" not in p.stdout + p.stderr
 
@@ -138,8 +167,23 @@ def test_sim_up_without_namespaces_refuses_unless_loopback_is_asked(tmp_path):
 
     env = dict(os.environ, SMOL_SIM_LOOPBACK="0")
     inv = tmp_path / "a.yml"
-    argv = [sys.executable, "-m", "smolnet", "sim", "up", "--name", "asetup", "--subnet", "10.45.0.0/24",
-            "--scenario", "uniform", "--hosts", "2", "--inventory", str(inv)]
+    argv = [
+        sys.executable,
+        "-m",
+        "smolnet",
+        "sim",
+        "up",
+        "--name",
+        "asetup",
+        "--subnet",
+        "10.45.0.0/24",
+        "--scenario",
+        "uniform",
+        "--hosts",
+        "2",
+        "--inventory",
+        str(inv),
+    ]
     try:
         p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
         if net.unavailable_reason():
@@ -148,5 +192,6 @@ def test_sim_up_without_namespaces_refuses_unless_loopback_is_asked(tmp_path):
             assert p.returncode == 0, p.stderr
             assert "ansible_connection: local" not in inv.read_text()
     finally:
-        subprocess.run([sys.executable, "-m", "smolnet", "sim", "down", "--name", "asetup"], capture_output=True,
-                       timeout=300)
+        subprocess.run(
+            [sys.executable, "-m", "smolnet", "sim", "down", "--name", "asetup"], capture_output=True, timeout=300
+        )

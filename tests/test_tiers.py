@@ -1,4 +1,5 @@
 """Every test sits in one tier, and no skip can hide a regression."""
+
 from __future__ import annotations
 
 import re
@@ -6,9 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import need
+import pytest
 from conftest import FILE_TIER, TIER_NAMES, TIERS
 
 HERE = Path(__file__).resolve().parent
@@ -26,9 +26,24 @@ def test_every_test_file_is_in_exactly_one_tier():
 
 
 def test_every_collected_test_has_a_tier():
-    p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                        "-m", "not (unit or process or sim or provision)", str(HERE)],
-                       capture_output=True, text=True, timeout=300, cwd=HERE.parent)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "not (unit or process or sim or provision)",
+            str(HERE),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=HERE.parent,
+    )
     assert p.returncode == 5 and "deselected" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
 
 
@@ -42,7 +57,7 @@ def test_no_skip_can_hide_a_regression():
         assert "skipif(" not in text, f"{path.name}: use tests/need.py (skip only without root)"
         for m in re.finditer(r"pytest\.skip\(\s*\"([^\"]*)\"", text):
             found.append((path.name, m.group(1)))
-        for m in re.finditer(r"pytest\.skip\((?!\s*\")", text):
+        for _ in re.finditer(r"pytest\.skip\((?!\s*\")", text):
             pytest.fail(f"{path.name}: pytest.skip with a computed reason; use tests/need.py")
     assert set(found) <= ALLOWED_SKIPS, set(found) - ALLOWED_SKIPS
 
