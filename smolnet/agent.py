@@ -21,6 +21,7 @@ import threading
 import time
 
 from smolnet import facts, wire
+from smolnet.server import PREAUTH_TIMEOUT, AuthListener
 from smolnet import agent_client as control
 from smolnet.probes import iperf
 from smolnet.probes import pmtu
@@ -48,6 +49,7 @@ class Agent:
         self.sinks = throughput.SinkRegistry()
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.stopping = threading.Event()
+        self.listener: AuthListener | None = None
         self.started = time.time()
         self.ops: dict[str, int] = {}
         self.stats = {"accepted": 0, "rejected": 0, "errors": 0, "udp_acked": 0, "udp_dropped": 0}
@@ -66,31 +68,22 @@ class Agent:
 
     # -- lifecycle ---------------------------------------------------------------------
     def serve_forever(self) -> None:
+        """Handshakes run concurrently in AuthListener (strangers capped and evicted); at most
+        MAX_CONNECTIONS authenticated requests at once, the rest are told the agent is busy."""
         threading.Thread(target=self._udp_loop, name="udp", daemon=True).start()
-        self.tcp.settimeout(0.5)
-        while not self.stopping.is_set():
-            try:
-                conn, peer = self.tcp.accept()
-            except socket.timeout:
-                continue
-            except OSError as e:
-                if self.stopping.is_set():
-                    break
-                log.warning("accept failed: %s", e)
-                time.sleep(0.1)
-                continue
-            if not self.slots.acquire(blocking=False):
-                log.warning("%s:%d dropped: %d connections already open", peer[0], peer[1], MAX_CONNECTIONS)
-                self.stats["rejected"] += 1
-                conn.close()
-                continue
-            self.stats["accepted"] += 1
-            try:
-                threading.Thread(target=self._handle, args=(conn, peer), daemon=True).start()
-            except RuntimeError as e:      # out of threads: drop this peer, keep serving
-                log.warning("%s:%d dropped: %s", peer[0], peer[1], e)
-                conn.close()
-                self.slots.release()
+        self.listener = AuthListener(self.tcp, self.secret, self._authenticated, name="agent",
+                                     preauth_timeout=min(self.handshake_timeout, PREAUTH_TIMEOUT), stats=self.stats)
+        self.listener.start()
+        self.stopping.wait()
+
+    def _authenticated(self, conn: socket.socket, peer) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.stats["busy"] += 1
+            log.warning("%s:%d turned away: %d requests already running", peer[0], peer[1], MAX_CONNECTIONS)
+            self._error(conn, f"busy: {MAX_CONNECTIONS} requests already running; try again")
+            conn.close()
+            return
+        self._handle(conn, peer)
 
     def start_background(self) -> threading.Thread:
         t = threading.Thread(target=self.serve_forever, name="agent", daemon=True)
@@ -99,6 +92,8 @@ class Agent:
 
     def stop(self) -> None:
         self.stopping.set()
+        if self.listener is not None:
+            self.listener.close()
         for s in (self.tcp, self.udp):
             try:
                 s.close()
@@ -133,8 +128,6 @@ class Agent:
     def _handle(self, conn: socket.socket, peer) -> None:
         who = f"{peer[0]}:{peer[1]}"
         try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            wire.server_handshake(conn, self.secret, timeout=self.handshake_timeout)
             kind, meta, _ = wire.recv_frame_header(conn, timeout=self.request_timeout, max_payload=0)
             if kind != control.KIND_REQUEST:
                 raise wire.WireError(f"expected a request frame, got kind {kind}")

@@ -20,6 +20,7 @@ import struct
 import time
 
 MAGIC_AUTH = b"SMOLAUTH1"
+MAGIC_BUSY = b"SMOLBUSY1"  # instead of MAGIC_AUTH: the listener sheds load, try again later
 NONCE_BYTES = 32
 MAC_BYTES = 32
 FRAME_MAGIC = b"SMOL"
@@ -40,6 +41,10 @@ class AuthError(WireError):
 
 class PeerClosed(WireError):
     pass
+
+
+class BusyError(WireError):
+    """The listener is shedding unauthenticated connections; retrying later may succeed."""
 
 
 def _deadline(timeout: float | None) -> float | None:
@@ -105,10 +110,12 @@ def server_handshake(sock: socket.socket, secret: bytes, timeout: float = 5.0) -
 
 def client_handshake(sock: socket.socket, secret: bytes, timeout: float = 5.0) -> None:
     deadline = _deadline(timeout)
-    hello = recv_exact(sock, len(MAGIC_AUTH) + NONCE_BYTES, deadline)
-    if hello[: len(MAGIC_AUTH)] != MAGIC_AUTH:
+    magic = recv_exact(sock, len(MAGIC_AUTH), deadline)
+    if magic == MAGIC_BUSY:
+        raise BusyError("peer is busy (too many unauthenticated connections); try again")
+    if magic != MAGIC_AUTH:
         raise AuthError("peer is not a smolcluster endpoint")
-    nonce_s = hello[len(MAGIC_AUTH):]
+    nonce_s = recv_exact(sock, NONCE_BYTES, deadline)
     nonce_c = os.urandom(NONCE_BYTES)
     send_all(sock, nonce_c + _mac(secret, b"client", nonce_s, nonce_c), deadline)
     proof = recv_exact(sock, MAC_BYTES, deadline)
@@ -186,20 +193,28 @@ def recv_frame(sock: socket.socket, timeout: float | None = 30.0,
 
 def connect(addr: str, port: int, secret: bytes, timeout: float = 60.0, what: str = "peer",
             retry_every: float = 0.2) -> socket.socket:
-    """Connect (retrying while the peer starts up), then prove the secret both ways."""
+    """Connect and prove the secret both ways, retrying with backoff while the peer starts up
+    or is busy, until `timeout`."""
     deadline = time.monotonic() + timeout
+    wait = retry_every
     while True:
         try:
             sock = socket.create_connection((addr, port), timeout=5.0)
-            break
         except OSError as e:
             if time.monotonic() > deadline:
                 raise ConnectionError(f"{what} {addr}:{port} unreachable: {e}") from None
             time.sleep(retry_every)
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        client_handshake(sock, secret, timeout=10.0)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
+            continue
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            client_handshake(sock, secret, timeout=10.0)
+            return sock
+        except (BusyError, TimeoutError) as e:
+            sock.close()
+            if time.monotonic() + wait > deadline:
+                raise ConnectionError(f"{what} {addr}:{port}: {e}") from None
+            time.sleep(wait)
+            wait = min(wait * 2, 2.0)
+        except BaseException:
+            sock.close()
+            raise
