@@ -34,12 +34,19 @@ MAX_CONNECTIONS = 64
 HANDSHAKE_TIMEOUT = 5.0
 REQUEST_TIMEOUT = 10.0
 VERSION = 1
-OPS = ("ping", "facts", "echo", "sink_open", "sink_data", "iperf3_server", "throughput", "rtt", "pmtu")
+OPS = ("ping", "facts", "echo", "sink_open", "sink_data", "iperf3_server", "throughput", "rtt", "pmtu", "lease")
+# requests only a controller makes: they renew a lease (agent-to-agent traffic does not)
+RENEWS = ("ping", "facts", "iperf3_server", "throughput", "rtt", "pmtu", "lease")
 
 
 class Agent:
     def __init__(self, bind: str, port: int, secret: bytes, iface: str | None = None,
-                 handshake_timeout: float = HANDSHAKE_TIMEOUT, request_timeout: float = REQUEST_TIMEOUT):
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT, request_timeout: float = REQUEST_TIMEOUT,
+                 lease: float | None = None):
+        # lease: stop when no controller request came for this long (an agent started for one
+        # matrix must not outlive a controller or a host link that dropped mid-run)
+        self.lease = lease
+        self.renewed = time.monotonic()
         self.handshake_timeout = handshake_timeout
         self.request_timeout = request_timeout
         self.bind = bind
@@ -74,7 +81,10 @@ class Agent:
         self.listener = AuthListener(self.tcp, self.secret, self._authenticated, name="agent",
                                      preauth_timeout=min(self.handshake_timeout, PREAUTH_TIMEOUT), stats=self.stats)
         self.listener.start()
-        self.stopping.wait()
+        while not self.stopping.wait(0.2 if self.lease else None):
+            if self.lease and time.monotonic() - self.renewed > self.lease:
+                log.warning("lease of %gs lapsed without word from a controller: stopping", self.lease)
+                self.stop()
 
     def _authenticated(self, conn: socket.socket, peer) -> None:
         if not self.slots.acquire(blocking=False):
@@ -165,6 +175,8 @@ class Agent:
         op = req.get("op")
         if isinstance(op, str) and op in OPS:
             self.ops[op] = self.ops.get(op, 0) + 1
+        if op in RENEWS:
+            self.renewed = time.monotonic()
         if op == "ping":
             self._reply(conn, {"ok": True, "version": VERSION, "hostname": socket.gethostname(),
                                "bind": self.bind, "port": self.port, "iperf3": iperf.available(),
@@ -191,6 +203,8 @@ class Agent:
             except iperf.IperfError as e:
                 raise ValueError(str(e)) from None
             self._reply(conn, {"port": port})
+        elif op == "lease":
+            self._reply(conn, {"ok": True, "lease_s": self.lease})
         elif op in ("throughput", "rtt", "pmtu"):
             self._reply(conn, self._probe(op, req))
         else:
