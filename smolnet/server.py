@@ -38,10 +38,12 @@ class AuthListener:
 
     def __init__(self, listener: socket.socket, secret: bytes, handler, name: str = "listener",
                  preauth_timeout: float = PREAUTH_TIMEOUT, max_pending: int = MAX_PENDING,
-                 max_per_source: int = MAX_PER_SOURCE, min_age: float = MIN_AGE, stats: dict | None = None):
+                 max_per_source: int = MAX_PER_SOURCE, min_age: float = MIN_AGE, stats: dict | None = None,
+                 with_key: bool = False):
         self.listener, self.secret, self.handler, self.name = listener, secret, handler, name
         self.preauth_timeout, self.max_pending = preauth_timeout, max_pending
         self.max_per_source, self.min_age = max_per_source, min_age
+        self.with_key = with_key  # handler(sock, peer, session_key) instead of handler(sock, peer)
         self.pending: list[_Pending] = []
         self.lock = threading.Lock()
         self.stopping = threading.Event()
@@ -130,7 +132,7 @@ class AuthListener:
         sock = entry.sock
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            wire.server_handshake(sock, self.secret, timeout=self.preauth_timeout)
+            key = wire.server_handshake(sock, self.secret, timeout=self.preauth_timeout)
         except wire.AuthError as e:
             self.stats["rejected"] += 1
             log.warning("%s: %s:%s rejected: %s", self.name, peer[0], peer[1], e)
@@ -148,7 +150,10 @@ class AuthListener:
             return
         self.stats["authenticated"] += 1
         try:
-            self.handler(sock, peer)
+            if self.with_key:
+                self.handler(sock, peer, key)
+            else:
+                self.handler(sock, peer)
         except Exception as e:  # a handler bug costs one connection, never the listener
             log.exception("%s: handler failed for %s: %s", self.name, peer[0], e)
             sock.close()

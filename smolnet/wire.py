@@ -96,8 +96,13 @@ def _mac(secret: bytes, role: bytes, a: bytes, b: bytes) -> bytes:
     return hmac.new(secret, role + a + b, hashlib.sha256).digest()
 
 
-def server_handshake(sock: socket.socket, secret: bytes, timeout: float = 5.0) -> None:
-    """Prove the peer knows the secret before anything else is read from it."""
+def session_key(secret: bytes, nonce_s: bytes, nonce_c: bytes) -> bytes:
+    """Fresh per connection: both nonces are in it, so no frame MAC is valid on another one."""
+    return _mac(secret, b"session", nonce_s, nonce_c)
+
+
+def server_handshake(sock: socket.socket, secret: bytes, timeout: float = 5.0) -> bytes:
+    """Prove the peer knows the secret before anything else is read from it; returns the session key."""
     deadline = _deadline(timeout)
     nonce_s = os.urandom(NONCE_BYTES)
     send_all(sock, MAGIC_AUTH + nonce_s, deadline)
@@ -106,9 +111,10 @@ def server_handshake(sock: socket.socket, secret: bytes, timeout: float = 5.0) -
     if not hmac.compare_digest(mac, _mac(secret, b"client", nonce_s, nonce_c)):
         raise AuthError("peer failed the cluster-secret challenge")
     send_all(sock, _mac(secret, b"server", nonce_c, nonce_s), deadline)
+    return session_key(secret, nonce_s, nonce_c)
 
 
-def client_handshake(sock: socket.socket, secret: bytes, timeout: float = 5.0) -> None:
+def client_handshake(sock: socket.socket, secret: bytes, timeout: float = 5.0) -> bytes:
     deadline = _deadline(timeout)
     magic = recv_exact(sock, len(MAGIC_AUTH), deadline)
     if magic == MAGIC_BUSY:
@@ -121,6 +127,48 @@ def client_handshake(sock: socket.socket, secret: bytes, timeout: float = 5.0) -
     proof = recv_exact(sock, MAC_BYTES, deadline)
     if not hmac.compare_digest(proof, _mac(secret, b"server", nonce_c, nonce_s)):
         raise AuthError("peer does not know the cluster secret")
+    return session_key(secret, nonce_s, nonce_c)
+
+
+TAG_BYTES = 16
+
+
+class Session:
+    """Frame authentication after the handshake: a MAC over every frame header and its sequence
+    number (so frames cannot be injected, replayed or reordered), and with `full` over every
+    payload too. One key per direction, derived from the session key, so a frame cannot be
+    reflected back to its sender."""
+
+    def __init__(self, key: bytes, client: bool, full: bool = False):
+        c2s, s2c = (hmac.new(key, d, hashlib.sha256).digest() for d in (b"c2s", b"s2c"))
+        self.tx_key, self.rx_key = (c2s, s2c) if client else (s2c, c2s)
+        self.tx_seq = self.rx_seq = 0
+        self.full = full
+
+    @staticmethod
+    def _tag(key: bytes, seq: int, what: bytes, data) -> bytes:
+        m = hmac.new(key, what + struct.pack("!Q", seq), hashlib.sha256)
+        m.update(data)
+        return m.digest()[:TAG_BYTES]
+
+    def seal(self, head: bytes) -> bytes:
+        """The tag that follows a frame's fixed and JSON headers."""
+        tag = self._tag(self.tx_key, self.tx_seq, b"H", head)
+        self.tx_seq += 1
+        return tag
+
+    def check(self, head: bytes, tag: bytes) -> None:
+        if not hmac.compare_digest(tag, self._tag(self.rx_key, self.rx_seq, b"H", head)):
+            raise WireError(f"frame {self.rx_seq} failed its MAC (injected, replayed or reordered)")
+        self.rx_seq += 1
+
+    def seal_payload(self, data) -> bytes:
+        """`full`: the tag after the payload of the frame just sealed."""
+        return self._tag(self.tx_key, self.tx_seq - 1, b"P", data)
+
+    def check_payload(self, data, tag: bytes) -> None:
+        if not hmac.compare_digest(tag, self._tag(self.rx_key, self.rx_seq - 1, b"P", data)):
+            raise WireError(f"frame {self.rx_seq - 1}: payload failed its MAC (corrupted or altered)")
 
 
 def pack_header(kind: int, meta: dict | None, payload_len: int) -> bytes:
@@ -160,10 +208,13 @@ def parse_meta(raw: bytes) -> dict:
 
 
 def send_frame(sock: socket.socket, kind: int, meta: dict | None = None, payload=b"",
-               timeout: float | None = 30.0) -> int:
-    """Send one frame; the payload (any buffer) is sent without copying. Returns header bytes."""
+               timeout: float | None = 30.0, session: Session | None = None) -> int:
+    """Send one frame; the payload (any buffer) is sent without copying. Returns header bytes.
+    With a session the headers carry their MAC (the payload is covered by the JSON only)."""
     view = memoryview(payload).cast("B")
     head = pack_header(kind, meta, len(view))
+    if session is not None:
+        head += session.seal(head)
     deadline = _deadline(timeout)
     if len(view) and len(view) < 64 * 1024:
         send_all(sock, head + bytes(view), deadline)  # one segment for small messages
@@ -175,26 +226,29 @@ def send_frame(sock: socket.socket, kind: int, meta: dict | None = None, payload
 
 
 def recv_frame_header(sock: socket.socket, timeout: float | None = 30.0,
-                      max_payload: int = DEFAULT_MAX_PAYLOAD) -> tuple[int, dict, int]:
+                      max_payload: int = DEFAULT_MAX_PAYLOAD, session: Session | None = None) -> tuple[int, dict, int]:
     """Read the fixed and JSON headers; the caller then reads payload_len bytes itself."""
     deadline = _deadline(timeout)
-    kind, json_len, payload_len = parse_header(recv_exact(sock, FRAME_HEADER.size, deadline), max_payload)
-    meta = parse_meta(recv_exact(sock, json_len, deadline)) if json_len else {}
-    return kind, meta, payload_len
+    fixed = recv_exact(sock, FRAME_HEADER.size, deadline)
+    kind, json_len, payload_len = parse_header(fixed, max_payload)
+    raw = recv_exact(sock, json_len, deadline) if json_len else b""
+    if session is not None:
+        session.check(fixed + raw, recv_exact(sock, TAG_BYTES, deadline))
+    return kind, parse_meta(raw), payload_len
 
 
 def recv_frame(sock: socket.socket, timeout: float | None = 30.0,
-               max_payload: int = DEFAULT_MAX_PAYLOAD) -> tuple[int, dict, bytes]:
+               max_payload: int = DEFAULT_MAX_PAYLOAD, session: Session | None = None) -> tuple[int, dict, bytes]:
     deadline = _deadline(timeout)
-    kind, meta, n = recv_frame_header(sock, _remaining(deadline), max_payload)
+    kind, meta, n = recv_frame_header(sock, _remaining(deadline), max_payload, session)
     payload = recv_exact(sock, n, deadline) if n else b""
     return kind, meta, payload
 
 
 def connect(addr: str, port: int, secret: bytes, timeout: float = 60.0, what: str = "peer",
-            retry_every: float = 0.2) -> socket.socket:
+            retry_every: float = 0.2, keyed: bool = False):
     """Connect and prove the secret both ways, retrying with backoff while the peer starts up
-    or is busy, until `timeout`."""
+    or is busy, until `timeout`. keyed: returns (socket, session key)."""
     deadline = time.monotonic() + timeout
     wait = retry_every
     while True:
@@ -207,8 +261,8 @@ def connect(addr: str, port: int, secret: bytes, timeout: float = 60.0, what: st
             continue
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            client_handshake(sock, secret, timeout=10.0)
-            return sock
+            key = client_handshake(sock, secret, timeout=10.0)
+            return (sock, key) if keyed else sock
         except (BusyError, TimeoutError) as e:
             sock.close()
             if time.monotonic() + wait > deadline:

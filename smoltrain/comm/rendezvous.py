@@ -66,10 +66,10 @@ def _dial(addr: str, port: int, deadline: float, who: str, peer: int) -> socket.
             time.sleep(min(0.05, _left(deadline)))
 
 
-def _prove(s: socket.socket, secret: bytes, deadline: float, who: str, peer: int) -> None:
+def _prove(s: socket.socket, secret: bytes, deadline: float, who: str, peer: int) -> bytes:
     """Client side of the secret check, with a message that says what most likely went wrong."""
     try:
-        wire.client_handshake(s, secret, timeout=min(HANDSHAKE_TIMEOUT, max(_left(deadline), 0.1)))
+        return wire.client_handshake(s, secret, timeout=min(HANDSHAKE_TIMEOUT, max(_left(deadline), 0.1)))
     except (wire.AuthError, wire.PeerClosed, ConnectionResetError) as e:
         s.close()
         raise CommError(f"{who} refused us at the cluster-secret check (different secret?): {e}", peer=peer) from None
@@ -78,15 +78,15 @@ def _prove(s: socket.socket, secret: bytes, deadline: float, who: str, peer: int
         raise
 
 
-def dial_authenticated(addr: str, port: int, secret: bytes, deadline: float, who: str, peer: int) -> socket.socket:
+def dial_authenticated(addr: str, port: int, secret: bytes, deadline: float, who: str, peer: int):
     """Dial and pass the secret check, retrying with backoff while the peer is busy or slow
-    (a stranger may hold its listener for a moment) until the run's connect deadline."""
+    (a stranger may hold its listener for a moment) until the run's connect deadline.
+    Returns (socket, session key)."""
     wait = 0.05
     while True:
         s = _dial(addr, port, deadline, who, peer)
         try:
-            _prove(s, secret, deadline, f"{who} ({addr}:{port})", peer)
-            return s
+            return s, _prove(s, secret, deadline, f"{who} ({addr}:{port})", peer)
         except (wire.BusyError, TimeoutError, OSError) as e:
             if _left(deadline) <= wait:
                 raise CommError(f"{who} ({addr}:{port}) did not complete the handshake: {e}", peer=peer) from None
@@ -104,19 +104,19 @@ class Inbox:
     def __init__(self, listener: socket.socket, secret: bytes, where: str):
         self.where = where
         self.queue: queue.Queue = queue.Queue()
-        self.server = AuthListener(listener, secret, self._first_frame, name=where).start()
+        self.server = AuthListener(listener, secret, self._first_frame, name=where, with_key=True).start()
 
-    def _first_frame(self, s: socket.socket, peer) -> None:
+    def _first_frame(self, s: socket.socket, peer, key: bytes) -> None:
         try:
             kind, meta, _ = wire.recv_frame(s, timeout=HANDSHAKE_TIMEOUT, max_payload=0)
         except (wire.WireError, OSError, TimeoutError) as e:
             log.warning("%s: dropped connection from %s:%s: %s", self.where, peer[0], peer[1], e)
             s.close()
             return
-        self.queue.put((s, kind, meta))
+        self.queue.put((s, kind, meta, key))
 
     def next(self, deadline: float):
-        """(sock, kind, meta) of the next authenticated connection, or TimeoutError."""
+        """(sock, kind, meta, session key) of the next authenticated connection, or TimeoutError."""
         left = _left(deadline)
         if left <= 0:
             raise TimeoutError
@@ -150,7 +150,7 @@ def rendezvous(rank: int, world_size: int, coordinator_addr: str, port: int, sec
         return [(my_addr, my_port)]
     if rank == 0:
         return _serve_table(world_size, coordinator_addr, port, secret, my_addr, my_port, deadline)
-    s = dial_authenticated(coordinator_addr, port, secret, deadline, "rank 0 (rendezvous)", 0)
+    s, _ = dial_authenticated(coordinator_addr, port, secret, deadline, "rank 0 (rendezvous)", 0)
     try:
         wire.send_frame(s, K_HELLO, {"rank": rank, "world_size": world_size, "addr": my_addr, "port": my_port},
                         timeout=max(_left(deadline), 0.1))
@@ -178,7 +178,7 @@ def _serve_table(world_size, coordinator_addr, port, secret, my_addr, my_port, d
     try:
         while len(conns) < world_size - 1:
             try:
-                s, kind, meta = inbox.next(deadline)
+                s, kind, meta, key = inbox.next(deadline)
             except TimeoutError:
                 missing = [r for r in range(1, world_size) if r not in conns]
                 raise CommError(f"rendezvous at {coordinator_addr}:{port} timed out: rank(s) "
@@ -215,8 +215,10 @@ def _serve_table(world_size, coordinator_addr, port, secret, my_addr, my_port, d
 
 
 def connect_mesh(rank: int, table: list[tuple[str, int]], listener: socket.socket | None, secret: bytes,
-                 timeout: float) -> dict[int, socket.socket]:
-    """One authenticated TCP connection to every other rank: dial lower ranks, accept higher ones."""
+                 timeout: float, keys: dict | None = None) -> dict[int, socket.socket]:
+    """One authenticated TCP connection to every other rank: dial lower ranks, accept higher ones.
+    keys (filled in when given): peer -> (session key, whether this rank dialled)."""
+    keys = {} if keys is None else keys
     world_size = len(table)
     deadline = time.monotonic() + timeout
     socks: dict[int, socket.socket] = {}
@@ -224,7 +226,8 @@ def connect_mesh(rank: int, table: list[tuple[str, int]], listener: socket.socke
     try:
         for j in range(rank):
             addr, port = table[j]
-            s = dial_authenticated(addr, port, secret, deadline, f"rank {j}", j)
+            s, keys[j] = dial_authenticated(addr, port, secret, deadline, f"rank {j}", j)
+            keys[j] = (keys[j], True)
             tune(s)
             try:
                 wire.send_frame(s, K_PEER, {"rank": rank, "world_size": world_size}, timeout=max(_left(deadline), 0.1))
@@ -236,7 +239,7 @@ def connect_mesh(rank: int, table: list[tuple[str, int]], listener: socket.socke
         inbox = Inbox(listener, secret, where) if len(socks) < world_size - 1 else None
         while len(socks) < world_size - 1:
             try:
-                s, kind, meta = inbox.next(deadline)
+                s, kind, meta, key = inbox.next(deadline)
             except TimeoutError:
                 missing = [j for j in range(rank + 1, world_size) if j not in socks]
                 raise CommError(f"rank(s) {', '.join(map(str, missing))} never connected to rank {rank} "
@@ -248,6 +251,7 @@ def connect_mesh(rank: int, table: list[tuple[str, int]], listener: socket.socke
                 continue
             tune(s)
             socks[j] = s
+            keys[j] = (key, False)
         if inbox is not None:
             inbox.close()
     except BaseException:

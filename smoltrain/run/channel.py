@@ -10,6 +10,7 @@ training traffic: none of it is counted in the run report's bytes.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import queue
 import socket
@@ -31,8 +32,8 @@ def dead_after(heartbeat_s: float) -> float:
 
 
 class _Peer:
-    def __init__(self, sock: socket.socket):
-        self.sock, self.lock, self.seen = sock, threading.Lock(), time.monotonic()
+    def __init__(self, sock: socket.socket, session: wire.Session):
+        self.sock, self.lock, self.seen, self.session = sock, threading.Lock(), time.monotonic(), session
 
 
 class ControlServer:
@@ -49,28 +50,30 @@ class ControlServer:
         self.messages: queue.Queue = queue.Queue()
         self.closing = False
         self.peers: dict[str, _Peer] = {}
-        self.listener = AuthListener.serve(bind, port, secret, self._serve, name="control")
+        self.listener = AuthListener.serve(bind, port, secret, self._serve, name="control", with_key=True)
         self.port = self.listener.port
         threading.Thread(target=self._beat, daemon=True).start()
 
-    def _serve(self, sock: socket.socket, addr) -> None:
+    def _serve(self, sock: socket.socket, addr, key: bytes) -> None:
         who = None
+        ses = wire.Session(key, client=False)  # every frame's header MACed, in sequence
         try:
-            kind, hello, _ = wire.recv_frame(sock, timeout=10.0, max_payload=0)
+            kind, hello, _ = wire.recv_frame(sock, timeout=10.0, max_payload=0, session=ses)
             if kind != MSG or hello.get("type") != "hello":
                 raise wire.WireError("first message is not a hello")
             cfg, rank, name = self.config_for(hello)
             who = name
-            peer = _Peer(sock)
+            peer = _Peer(sock, ses)
             with peer.lock:
-                wire.send_frame(sock, MSG, {"type": "config", "config": cfg.to_wire(), "rank": rank, "name": name},
-                                payload=self.corpus, timeout=60.0)
+                wire.send_frame(sock, MSG, {"type": "config", "config": cfg.to_wire(), "rank": rank, "name": name,
+                                            "corpus_sha256": hashlib.sha256(self.corpus).hexdigest()},
+                                payload=self.corpus, timeout=60.0, session=ses)
             peer.seen = time.monotonic()
             self.peers[who] = peer
             self.messages.put((who, {"type": "connected", "hello": hello}))
             while not self.closing:
                 try:
-                    kind, msg, _ = wire.recv_frame(sock, timeout=3600.0, max_payload=0)
+                    kind, msg, _ = wire.recv_frame(sock, timeout=3600.0, max_payload=0, session=ses)
                 except TimeoutError:
                     continue
                 peer.seen = time.monotonic()
@@ -90,7 +93,8 @@ class ControlServer:
             for peer in list(self.peers.values()):
                 if peer.lock.acquire(blocking=False):  # never queue behind a stuck send
                     try:
-                        wire.send_frame(peer.sock, MSG, {"type": "heartbeat"}, timeout=self.heartbeat_s)
+                        wire.send_frame(peer.sock, MSG, {"type": "heartbeat"}, timeout=self.heartbeat_s,
+                                        session=peer.session)
                     except (OSError, TimeoutError, wire.WireError):
                         pass
                     finally:
@@ -119,13 +123,17 @@ class ControlClient:
     silent for dead_after (cut off, stopped or gone), since nobody else would ever stop it."""
 
     def __init__(self, addr: str, port: int, secret: bytes, hello: dict, timeout: float = 60.0, on_lost=None):
-        self.sock = wire.connect(addr, port, secret, timeout=timeout, what="controller")
+        self.sock, key = wire.connect(addr, port, secret, timeout=timeout, what="controller", keyed=True)
+        self.session = wire.Session(key, client=True)
         self.lock = threading.Lock()
         self.finished = False
-        wire.send_frame(self.sock, MSG, dict(hello, type="hello"), timeout=10.0)
-        kind, msg, self.corpus = wire.recv_frame(self.sock, timeout=60.0, max_payload=MAX_CORPUS)
+        wire.send_frame(self.sock, MSG, dict(hello, type="hello"), timeout=10.0, session=self.session)
+        kind, msg, self.corpus = wire.recv_frame(self.sock, timeout=60.0, max_payload=MAX_CORPUS,
+                                                 session=self.session)
         if kind != MSG or msg.get("type") != "config":
             raise wire.WireError("controller did not send a config")
+        if msg.get("corpus_sha256") != hashlib.sha256(self.corpus).hexdigest():  # the header MAC covers this
+            raise wire.WireError("the corpus does not match the controller's authenticated digest")
         self.config = RunConfig.from_wire(msg.get("config"))
         self.rank, self.name = msg.get("rank"), msg.get("name")
         if not isinstance(self.rank, int) or not isinstance(self.name, str):
@@ -139,7 +147,7 @@ class ControlClient:
         limit = dead_after(self.heartbeat_s)
         while True:
             try:
-                wire.recv_frame(self.sock, timeout=limit, max_payload=0)
+                wire.recv_frame(self.sock, timeout=limit, max_payload=0, session=self.session)
             except TimeoutError:
                 return self.on_lost(f"no heartbeat from the controller for {limit:g}s (cut off or stopped)")
             except (OSError, wire.WireError) as e:
@@ -152,7 +160,8 @@ class ControlClient:
             time.sleep(self.heartbeat_s)
             if self.lock.acquire(blocking=False):
                 try:
-                    wire.send_frame(self.sock, MSG, {"type": "heartbeat"}, timeout=self.heartbeat_s)
+                    wire.send_frame(self.sock, MSG, {"type": "heartbeat"}, timeout=self.heartbeat_s,
+                                    session=self.session)
                 except (OSError, TimeoutError, wire.WireError):
                     pass
                 finally:
@@ -162,7 +171,7 @@ class ControlClient:
         if msg.get("type") in ("done", "error"):
             self.finished = True  # the controller may hang up on us from now on
         with self.lock:
-            wire.send_frame(self.sock, MSG, msg, timeout=30.0)
+            wire.send_frame(self.sock, MSG, msg, timeout=30.0, session=self.session)
 
     def close(self) -> None:
         self.finished = True

@@ -288,7 +288,7 @@ class Controller:
 
     def check_liveness(self, server) -> None:
         """Workers whose authenticated heartbeats stopped (SIGSTOP, a cut link) fail the run."""
-        exempt = self.left | self.finished | (set(self.names[1:]) if self.info.elastic else set())
+        exempt = self.left | self.finished | (set(self.connected) - {self.names[0]} if self.info.elastic else set())
         silent = server.silent([n for n in self.connected if n not in exempt])
         if silent:
             if self.views is None:

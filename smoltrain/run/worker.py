@@ -116,7 +116,8 @@ def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, co
     if not ps and world > 1:
         from smoltrain.comm import make_comm
         comm = TimedComm(make_comm(cfg.backend, rank, world, cfg.coord_addr, cfg.port, secret,
-                                   timeout=cfg.timeout, device=device, addrs=list(cfg.addrs) or None))
+                                   timeout=cfg.timeout, device=device, addrs=list(cfg.addrs) or None,
+                                   integrity=cfg.integrity))
     start = cfg.start_step
     server_state, server_saver = None, None
     if ps and rank == 0:
