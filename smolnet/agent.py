@@ -21,6 +21,7 @@ import threading
 import time
 
 from smolnet import facts, wire
+from smolnet.server import PREAUTH_TIMEOUT, AuthListener
 from smolnet import agent_client as control
 from smolnet.probes import iperf
 from smolnet.probes import pmtu
@@ -33,12 +34,19 @@ MAX_CONNECTIONS = 64
 HANDSHAKE_TIMEOUT = 5.0
 REQUEST_TIMEOUT = 10.0
 VERSION = 1
-OPS = ("ping", "facts", "echo", "sink_open", "sink_data", "iperf3_server", "throughput", "rtt", "pmtu")
+OPS = ("ping", "facts", "echo", "sink_open", "sink_data", "iperf3_server", "throughput", "rtt", "pmtu", "lease")
+# requests only a controller makes: they renew a lease (agent-to-agent traffic does not)
+RENEWS = ("ping", "facts", "iperf3_server", "throughput", "rtt", "pmtu", "lease")
 
 
 class Agent:
     def __init__(self, bind: str, port: int, secret: bytes, iface: str | None = None,
-                 handshake_timeout: float = HANDSHAKE_TIMEOUT, request_timeout: float = REQUEST_TIMEOUT):
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT, request_timeout: float = REQUEST_TIMEOUT,
+                 lease: float | None = None):
+        # lease: stop when no controller request came for this long (an agent started for one
+        # matrix must not outlive a controller or a host link that dropped mid-run)
+        self.lease = lease
+        self.renewed = time.monotonic()
         self.handshake_timeout = handshake_timeout
         self.request_timeout = request_timeout
         self.bind = bind
@@ -48,6 +56,7 @@ class Agent:
         self.sinks = throughput.SinkRegistry()
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.stopping = threading.Event()
+        self.listener: AuthListener | None = None
         self.started = time.time()
         self.ops: dict[str, int] = {}
         self.stats = {"accepted": 0, "rejected": 0, "errors": 0, "udp_acked": 0, "udp_dropped": 0}
@@ -66,31 +75,25 @@ class Agent:
 
     # -- lifecycle ---------------------------------------------------------------------
     def serve_forever(self) -> None:
+        """Handshakes run concurrently in AuthListener (strangers capped and evicted); at most
+        MAX_CONNECTIONS authenticated requests at once, the rest are told the agent is busy."""
         threading.Thread(target=self._udp_loop, name="udp", daemon=True).start()
-        self.tcp.settimeout(0.5)
-        while not self.stopping.is_set():
-            try:
-                conn, peer = self.tcp.accept()
-            except socket.timeout:
-                continue
-            except OSError as e:
-                if self.stopping.is_set():
-                    break
-                log.warning("accept failed: %s", e)
-                time.sleep(0.1)
-                continue
-            if not self.slots.acquire(blocking=False):
-                log.warning("%s:%d dropped: %d connections already open", peer[0], peer[1], MAX_CONNECTIONS)
-                self.stats["rejected"] += 1
-                conn.close()
-                continue
-            self.stats["accepted"] += 1
-            try:
-                threading.Thread(target=self._handle, args=(conn, peer), daemon=True).start()
-            except RuntimeError as e:      # out of threads: drop this peer, keep serving
-                log.warning("%s:%d dropped: %s", peer[0], peer[1], e)
-                conn.close()
-                self.slots.release()
+        self.listener = AuthListener(self.tcp, self.secret, self._authenticated, name="agent",
+                                     preauth_timeout=min(self.handshake_timeout, PREAUTH_TIMEOUT), stats=self.stats)
+        self.listener.start()
+        while not self.stopping.wait(0.2 if self.lease else None):
+            if self.lease and time.monotonic() - self.renewed > self.lease:
+                log.warning("lease of %gs lapsed without word from a controller: stopping", self.lease)
+                self.stop()
+
+    def _authenticated(self, conn: socket.socket, peer) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.stats["busy"] += 1
+            log.warning("%s:%d turned away: %d requests already running", peer[0], peer[1], MAX_CONNECTIONS)
+            self._error(conn, f"busy: {MAX_CONNECTIONS} requests already running; try again")
+            conn.close()
+            return
+        self._handle(conn, peer)
 
     def start_background(self) -> threading.Thread:
         t = threading.Thread(target=self.serve_forever, name="agent", daemon=True)
@@ -99,6 +102,8 @@ class Agent:
 
     def stop(self) -> None:
         self.stopping.set()
+        if self.listener is not None:
+            self.listener.close()
         for s in (self.tcp, self.udp):
             try:
                 s.close()
@@ -133,8 +138,6 @@ class Agent:
     def _handle(self, conn: socket.socket, peer) -> None:
         who = f"{peer[0]}:{peer[1]}"
         try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            wire.server_handshake(conn, self.secret, timeout=self.handshake_timeout)
             kind, meta, _ = wire.recv_frame_header(conn, timeout=self.request_timeout, max_payload=0)
             if kind != control.KIND_REQUEST:
                 raise wire.WireError(f"expected a request frame, got kind {kind}")
@@ -172,6 +175,8 @@ class Agent:
         op = req.get("op")
         if isinstance(op, str) and op in OPS:
             self.ops[op] = self.ops.get(op, 0) + 1
+        if op in RENEWS:
+            self.renewed = time.monotonic()
         if op == "ping":
             self._reply(conn, {"ok": True, "version": VERSION, "hostname": socket.gethostname(),
                                "bind": self.bind, "port": self.port, "iperf3": iperf.available(),
@@ -198,6 +203,8 @@ class Agent:
             except iperf.IperfError as e:
                 raise ValueError(str(e)) from None
             self._reply(conn, {"port": port})
+        elif op == "lease":
+            self._reply(conn, {"ok": True, "lease_s": self.lease})
         elif op in ("throughput", "rtt", "pmtu"):
             self._reply(conn, self._probe(op, req))
         else:

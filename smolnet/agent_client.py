@@ -32,6 +32,10 @@ def open_agent(addr: str, port: int, secret: bytes, timeout: float = 5.0,
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         wire.client_handshake(sock, secret, timeout=timeout)
+    except wire.BusyError:
+        sock.close()
+        raise AgentError(f"agent at {addr}:{port} is busy (too many unauthenticated connections); "
+                         "try again") from None
     except wire.AuthError as e:
         sock.close()
         raise AgentError(f"agent at {addr}:{port}: {e}") from None

@@ -21,6 +21,7 @@ from smolnet.probes.request import Endpoint, probe_pmtu, probe_rtt, probe_throug
 from smolnet.remote import Proc, Remote, RemoteError, connect
 
 AGENT_START_TIMEOUT = 20.0
+AGENT_LEASE_S = 30.0  # an agent started for a matrix exits when the controller stops renewing
 
 
 def pair_rounds(names: list[str]) -> list[list[tuple[str, str]]]:
@@ -71,6 +72,8 @@ class AgentPool:
     endpoints: dict[str, Endpoint] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    renewer: threading.Thread | None = None
+    stopped: threading.Event = field(default_factory=threading.Event)
 
     def _ping(self, host: Host, connect_timeout: float = 3.0) -> dict:
         return control.call(host.cluster_ip, host.agent_port, self.secret, "ping",
@@ -79,7 +82,7 @@ class AgentPool:
     def _argv(self, host: Host) -> list[str]:
         python = sys.executable if host.local and host.python == "python3" else host.python
         argv = [python, "-m", "smolnet", "agent", "--bind", host.cluster_ip, "--port", str(host.agent_port),
-                "--secret-stdin"]
+                "--secret-stdin", "--lease", str(AGENT_LEASE_S)]
         if host.cluster_iface:
             argv += ["--iface", host.cluster_iface]
         return argv
@@ -123,6 +126,9 @@ class AgentPool:
             raise
         with self.lock:
             self.started[host.name] = Started(remote, proc)
+            if self.renewer is None:
+                self.renewer = threading.Thread(target=self._renew, daemon=True)
+                self.renewer.start()
         deadline = time.monotonic() + AGENT_START_TIMEOUT
         last = None
         checked = time.monotonic()
@@ -152,6 +158,20 @@ class AgentPool:
             return lines[-1].split("error: ", 1)[-1]
         return None if alive else "process exited"
 
+    def _renew(self) -> None:
+        """Renew the lease of every agent this run started, until stop_all."""
+        while not self.stopped.wait(AGENT_LEASE_S / 4):
+            with self.lock:
+                hosts = [s for s in self.started]
+            for name in hosts:
+                ep = self.endpoints.get(name)
+                if ep is None:
+                    continue
+                try:
+                    control.call(ep.ip, ep.port, self.secret, "lease", timeout=5.0, connect_timeout=3.0)
+                except control.AgentError:
+                    pass  # a dropped host: its agent's lease lapses and it exits by itself
+
     def ensure_all(self, hosts: list[Host]) -> None:
         run_parallel([lambda h=h: self.ensure(h) for h in hosts], AGENT_START_TIMEOUT + 30)
         for h in hosts:
@@ -170,6 +190,7 @@ class AgentPool:
 
     def stop_all(self) -> None:
         """Stop every agent this run started (never one it merely reused)."""
+        self.stopped.set()
         def stop(name: str, s: Started) -> None:
             try:
                 s.remote.stop(s.proc)

@@ -33,8 +33,24 @@ def parse_secret(raw: bytes, where: str = "secret") -> bytes:
     return value
 
 
+def file_mode(path: str | os.PathLike) -> int:
+    return os.stat(path).st_mode & 0o777
+
+
+def check_mode(p: Path) -> None:
+    """Refuse a secret others can read, as OpenSSH does with private keys."""
+    try:
+        mode = file_mode(p)
+    except OSError:
+        return  # reading it reports the problem
+    if mode & 0o077:
+        raise SecretError(f"{p}: mode {mode:04o} lets other users read the cluster secret; "
+                          f"run 'chmod 600 {p}'")
+
+
 def load_secret(path: str | os.PathLike | None = None) -> bytes:
     p = secret_path(path)
+    check_mode(p)
     try:
         raw = p.read_bytes()
     except FileNotFoundError:

@@ -21,6 +21,7 @@ import time
 from smolnet.errors import SmolError
 
 MAGIC_AUTH = b"SMOLAUTH1"
+MAGIC_BUSY = b"SMOLBUSY1"  # instead of MAGIC_AUTH: the listener sheds load, try again later
 NONCE_BYTES = 32
 MAC_BYTES = 32
 FRAME_MAGIC = b"SMOL"
@@ -41,6 +42,10 @@ class AuthError(WireError):
 
 class PeerClosed(WireError):
     pass
+
+
+class BusyError(WireError):
+    """The listener is shedding unauthenticated connections; retrying later may succeed."""
 
 
 def _deadline(timeout: float | None) -> float | None:
@@ -92,8 +97,13 @@ def _mac(secret: bytes, role: bytes, a: bytes, b: bytes) -> bytes:
     return hmac.new(secret, role + a + b, hashlib.sha256).digest()
 
 
-def server_handshake(sock: socket.socket, secret: bytes, timeout: float = 5.0) -> None:
-    """Prove the peer knows the secret before anything else is read from it."""
+def session_key(secret: bytes, nonce_s: bytes, nonce_c: bytes) -> bytes:
+    """Fresh per connection: both nonces are in it, so no frame MAC is valid on another one."""
+    return _mac(secret, b"session", nonce_s, nonce_c)
+
+
+def server_handshake(sock: socket.socket, secret: bytes, timeout: float = 5.0) -> bytes:
+    """Prove the peer knows the secret before anything else is read from it; returns the session key."""
     deadline = _deadline(timeout)
     nonce_s = os.urandom(NONCE_BYTES)
     send_all(sock, MAGIC_AUTH + nonce_s, deadline)
@@ -102,19 +112,64 @@ def server_handshake(sock: socket.socket, secret: bytes, timeout: float = 5.0) -
     if not hmac.compare_digest(mac, _mac(secret, b"client", nonce_s, nonce_c)):
         raise AuthError("peer failed the cluster-secret challenge")
     send_all(sock, _mac(secret, b"server", nonce_c, nonce_s), deadline)
+    return session_key(secret, nonce_s, nonce_c)
 
 
-def client_handshake(sock: socket.socket, secret: bytes, timeout: float = 5.0) -> None:
+def client_handshake(sock: socket.socket, secret: bytes, timeout: float = 5.0) -> bytes:
     deadline = _deadline(timeout)
-    hello = recv_exact(sock, len(MAGIC_AUTH) + NONCE_BYTES, deadline)
-    if hello[: len(MAGIC_AUTH)] != MAGIC_AUTH:
+    magic = recv_exact(sock, len(MAGIC_AUTH), deadline)
+    if magic == MAGIC_BUSY:
+        raise BusyError("peer is busy (too many unauthenticated connections); try again")
+    if magic != MAGIC_AUTH:
         raise AuthError("peer is not a smolcluster endpoint")
-    nonce_s = hello[len(MAGIC_AUTH):]
+    nonce_s = recv_exact(sock, NONCE_BYTES, deadline)
     nonce_c = os.urandom(NONCE_BYTES)
     send_all(sock, nonce_c + _mac(secret, b"client", nonce_s, nonce_c), deadline)
     proof = recv_exact(sock, MAC_BYTES, deadline)
     if not hmac.compare_digest(proof, _mac(secret, b"server", nonce_c, nonce_s)):
         raise AuthError("peer does not know the cluster secret")
+    return session_key(secret, nonce_s, nonce_c)
+
+
+TAG_BYTES = 16
+
+
+class Session:
+    """Frame authentication after the handshake: a MAC over every frame header and its sequence
+    number (so frames cannot be injected, replayed or reordered), and with `full` over every
+    payload too. One key per direction, derived from the session key, so a frame cannot be
+    reflected back to its sender."""
+
+    def __init__(self, key: bytes, client: bool, full: bool = False):
+        c2s, s2c = (hmac.new(key, d, hashlib.sha256).digest() for d in (b"c2s", b"s2c"))
+        self.tx_key, self.rx_key = (c2s, s2c) if client else (s2c, c2s)
+        self.tx_seq = self.rx_seq = 0
+        self.full = full
+
+    @staticmethod
+    def _tag(key: bytes, seq: int, what: bytes, data) -> bytes:
+        m = hmac.new(key, what + struct.pack("!Q", seq), hashlib.sha256)
+        m.update(data)
+        return m.digest()[:TAG_BYTES]
+
+    def seal(self, head: bytes) -> bytes:
+        """The tag that follows a frame's fixed and JSON headers."""
+        tag = self._tag(self.tx_key, self.tx_seq, b"H", head)
+        self.tx_seq += 1
+        return tag
+
+    def check(self, head: bytes, tag: bytes) -> None:
+        if not hmac.compare_digest(tag, self._tag(self.rx_key, self.rx_seq, b"H", head)):
+            raise WireError(f"frame {self.rx_seq} failed its MAC (injected, replayed or reordered)")
+        self.rx_seq += 1
+
+    def seal_payload(self, data) -> bytes:
+        """`full`: the tag after the payload of the frame just sealed."""
+        return self._tag(self.tx_key, self.tx_seq - 1, b"P", data)
+
+    def check_payload(self, data, tag: bytes) -> None:
+        if not hmac.compare_digest(tag, self._tag(self.rx_key, self.rx_seq - 1, b"P", data)):
+            raise WireError(f"frame {self.rx_seq - 1}: payload failed its MAC (corrupted or altered)")
 
 
 def pack_header(kind: int, meta: dict | None, payload_len: int) -> bytes:
@@ -154,10 +209,13 @@ def parse_meta(raw: bytes) -> dict:
 
 
 def send_frame(sock: socket.socket, kind: int, meta: dict | None = None, payload=b"",
-               timeout: float | None = 30.0) -> int:
-    """Send one frame; the payload (any buffer) is sent without copying. Returns header bytes."""
+               timeout: float | None = 30.0, session: Session | None = None) -> int:
+    """Send one frame; the payload (any buffer) is sent without copying. Returns header bytes.
+    With a session the headers carry their MAC (the payload is covered by the JSON only)."""
     view = memoryview(payload).cast("B")
     head = pack_header(kind, meta, len(view))
+    if session is not None:
+        head += session.seal(head)
     deadline = _deadline(timeout)
     if len(view) and len(view) < 64 * 1024:
         send_all(sock, head + bytes(view), deadline)  # one segment for small messages
@@ -169,38 +227,49 @@ def send_frame(sock: socket.socket, kind: int, meta: dict | None = None, payload
 
 
 def recv_frame_header(sock: socket.socket, timeout: float | None = 30.0,
-                      max_payload: int = DEFAULT_MAX_PAYLOAD) -> tuple[int, dict, int]:
+                      max_payload: int = DEFAULT_MAX_PAYLOAD, session: Session | None = None) -> tuple[int, dict, int]:
     """Read the fixed and JSON headers; the caller then reads payload_len bytes itself."""
     deadline = _deadline(timeout)
-    kind, json_len, payload_len = parse_header(recv_exact(sock, FRAME_HEADER.size, deadline), max_payload)
-    meta = parse_meta(recv_exact(sock, json_len, deadline)) if json_len else {}
-    return kind, meta, payload_len
+    fixed = recv_exact(sock, FRAME_HEADER.size, deadline)
+    kind, json_len, payload_len = parse_header(fixed, max_payload)
+    raw = recv_exact(sock, json_len, deadline) if json_len else b""
+    if session is not None:
+        session.check(fixed + raw, recv_exact(sock, TAG_BYTES, deadline))
+    return kind, parse_meta(raw), payload_len
 
 
 def recv_frame(sock: socket.socket, timeout: float | None = 30.0,
-               max_payload: int = DEFAULT_MAX_PAYLOAD) -> tuple[int, dict, bytes]:
+               max_payload: int = DEFAULT_MAX_PAYLOAD, session: Session | None = None) -> tuple[int, dict, bytes]:
     deadline = _deadline(timeout)
-    kind, meta, n = recv_frame_header(sock, _remaining(deadline), max_payload)
+    kind, meta, n = recv_frame_header(sock, _remaining(deadline), max_payload, session)
     payload = recv_exact(sock, n, deadline) if n else b""
     return kind, meta, payload
 
 
 def connect(addr: str, port: int, secret: bytes, timeout: float = 60.0, what: str = "peer",
-            retry_every: float = 0.2) -> socket.socket:
-    """Connect (retrying while the peer starts up), then prove the secret both ways."""
+            retry_every: float = 0.2, keyed: bool = False):
+    """Connect and prove the secret both ways, retrying with backoff while the peer starts up
+    or is busy, until `timeout`. keyed: returns (socket, session key)."""
     deadline = time.monotonic() + timeout
+    wait = retry_every
     while True:
         try:
             sock = socket.create_connection((addr, port), timeout=5.0)
-            break
         except OSError as e:
             if time.monotonic() > deadline:
                 raise ConnectionError(f"{what} {addr}:{port} unreachable: {e}") from None
             time.sleep(retry_every)
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        client_handshake(sock, secret, timeout=10.0)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
+            continue
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            key = client_handshake(sock, secret, timeout=10.0)
+            return (sock, key) if keyed else sock
+        except (BusyError, TimeoutError) as e:
+            sock.close()
+            if time.monotonic() + wait > deadline:
+                raise ConnectionError(f"{what} {addr}:{port}: {e}") from None
+            time.sleep(wait)
+            wait = min(wait * 2, 2.0)
+        except BaseException:
+            sock.close()
+            raise

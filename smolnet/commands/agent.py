@@ -16,11 +16,15 @@ def add_arguments(p) -> None:
     p.add_argument("--secret-stdin", action="store_true",
                    help="read the secret from the first line of standard input (how matrix starts agents)")
     p.add_argument("--iface", default=None, help="cluster interface, when it is not the one holding --bind")
+    p.add_argument("--lease", type=float, default=None, metavar="SECONDS",
+                   help="exit when no controller request renews the lease for this long (how matrix starts agents)")
 
 
 def run(args) -> int:
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port} outside 0..65535")
+    if args.lease is not None and not args.lease > 0:
+        raise UsageError(f"--lease {args.lease}: must be a positive number of seconds")
     if args.secret_stdin:
         line = sys.stdin.buffer.readline(8192)
         try:
@@ -33,7 +37,7 @@ def run(args) -> int:
     from smolnet.agent import Agent
 
     try:
-        agent = Agent(args.bind, args.port, secret, iface=args.iface)
+        agent = Agent(args.bind, args.port, secret, iface=args.iface, lease=args.lease)
     except OSError as e:
         raise SmolError(f"cannot listen on {args.bind}:{args.port}: {e.strerror or e}") from None
 

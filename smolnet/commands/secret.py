@@ -1,7 +1,7 @@
 """`smolnet secret init|path`."""
 from __future__ import annotations
 
-from smolnet.secret import ensure_secret, secret_path
+from smolnet.secret import ensure_secret, file_mode, secret_path
 
 
 def add_arguments(p) -> None:
@@ -14,7 +14,7 @@ def run(args) -> int:
     if args.action == "init":
         existed = path.exists()
         ensure_secret(path)
-        print(f"{path}: {'exists' if existed else 'created'} (mode 0600)")
+        print(f"{path}: {'exists' if existed else 'created'} (mode {file_mode(path):04o})")
     else:
         print(path)
     return 0

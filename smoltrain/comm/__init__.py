@@ -11,11 +11,13 @@ BACKENDS = ("socket", "torch")
 
 
 def make_comm(backend: str, rank: int, world_size: int, coordinator_addr: str, port: int, secret: bytes,
-              timeout: float = 30.0, device="cpu", addrs: list[str] | None = None) -> Comm:
+              timeout: float = 30.0, device="cpu", addrs: list[str] | None = None,
+              integrity: str = "header") -> Comm:
     """Join the group. socket: authenticated, counts real bytes; torch: gloo/nccl, trusted network."""
     if backend == "socket":
         from smoltrain.comm.socket_comm import SocketComm
-        return SocketComm(rank, world_size, coordinator_addr, port, secret, timeout=timeout, device=device, addrs=addrs)
+        return SocketComm(rank, world_size, coordinator_addr, port, secret, timeout=timeout, device=device, addrs=addrs,
+                          integrity=integrity)
     if backend == "torch":
         from smoltrain.comm.torch_comm import TorchComm
         return TorchComm(rank, world_size, coordinator_addr, port, secret, timeout=timeout, device=device, addrs=addrs)

@@ -11,10 +11,12 @@ the wait goes on until the deadline.
 from __future__ import annotations
 
 import logging
+import queue
 import socket
 import time
 
 from smolnet import wire
+from smolnet.server import AuthListener
 
 from smoltrain.comm.base import CommError
 
@@ -64,33 +66,73 @@ def _dial(addr: str, port: int, deadline: float, who: str, peer: int) -> socket.
             time.sleep(min(0.05, _left(deadline)))
 
 
-def _prove(s: socket.socket, secret: bytes, deadline: float, who: str, peer: int) -> None:
+def _prove(s: socket.socket, secret: bytes, deadline: float, who: str, peer: int) -> bytes:
     """Client side of the secret check, with a message that says what most likely went wrong."""
     try:
-        wire.client_handshake(s, secret, timeout=min(HANDSHAKE_TIMEOUT, max(_left(deadline), 0.1)))
+        return wire.client_handshake(s, secret, timeout=min(HANDSHAKE_TIMEOUT, max(_left(deadline), 0.1)))
     except (wire.AuthError, wire.PeerClosed, ConnectionResetError) as e:
         s.close()
         raise CommError(f"{who} refused us at the cluster-secret check (different secret?): {e}", peer=peer) from None
+    except BaseException:
+        s.close()
+        raise
 
 
-def _accept_authenticated(listener: socket.socket, secret: bytes, deadline: float, where: str):
-    """Next connection that passes the challenge and sends one bounded frame: (sock, kind, meta)."""
+def dial_authenticated(addr: str, port: int, secret: bytes, deadline: float, who: str, peer: int):
+    """Dial and pass the secret check, retrying with backoff while the peer is busy or slow
+    (a stranger may hold its listener for a moment) until the run's connect deadline.
+    Returns (socket, session key)."""
+    wait = 0.05
     while True:
+        s = _dial(addr, port, deadline, who, peer)
+        try:
+            return s, _prove(s, secret, deadline, f"{who} ({addr}:{port})", peer)
+        except (wire.BusyError, TimeoutError, OSError) as e:
+            if _left(deadline) <= wait:
+                raise CommError(f"{who} ({addr}:{port}) did not complete the handshake: {e}", peer=peer) from None
+            log.info("%s (%s:%s): %s; retrying in %.2fs", who, addr, port, e, wait)
+            time.sleep(wait)
+            wait = min(wait * 2, 1.0)
+
+
+class Inbox:
+    """Authenticated connections to a listener, each with its first (bounded) frame, in a queue.
+
+    Handshakes run concurrently in smolnet.server.AuthListener, so a silent stranger costs
+    nothing but a pre-authentication slot for a few seconds."""
+
+    def __init__(self, listener: socket.socket, secret: bytes, where: str):
+        self.where = where
+        self.queue: queue.Queue = queue.Queue()
+        self.server = AuthListener(listener, secret, self._first_frame, name=where, with_key=True).start()
+
+    def _first_frame(self, s: socket.socket, peer, key: bytes) -> None:
+        try:
+            kind, meta, _ = wire.recv_frame(s, timeout=HANDSHAKE_TIMEOUT, max_payload=0)
+        except (wire.WireError, OSError, TimeoutError) as e:
+            log.warning("%s: dropped connection from %s:%s: %s", self.where, peer[0], peer[1], e)
+            s.close()
+            return
+        self.queue.put((s, kind, meta, key))
+
+    def next(self, deadline: float):
+        """(sock, kind, meta, session key) of the next authenticated connection, or TimeoutError."""
         left = _left(deadline)
         if left <= 0:
             raise TimeoutError
-        listener.settimeout(left)
         try:
-            s, peer_addr = listener.accept()
-        except socket.timeout:
+            return self.queue.get(timeout=left)
+        except queue.Empty:
             raise TimeoutError from None
-        try:
-            wire.server_handshake(s, secret, timeout=min(HANDSHAKE_TIMEOUT, max(left, 0.1)))
-            kind, meta, _ = wire.recv_frame(s, timeout=min(HANDSHAKE_TIMEOUT, max(left, 0.1)), max_payload=0)
-            return s, kind, meta
-        except (wire.WireError, OSError, TimeoutError) as e:
-            log.warning("%s: dropped connection from %s:%s: %s", where, peer_addr[0], peer_addr[1], e)
-            s.close()
+
+    def close(self) -> None:
+        """Stop accepting; close connections nobody took (the listening socket is the caller's)."""
+        self.server.stopping.set()
+        while True:
+            try:
+                self.queue.get_nowait()[0].close()
+            except queue.Empty:
+                return
 
 
 def _valid_rank(meta: dict, world_size: int) -> int | None:
@@ -108,9 +150,8 @@ def rendezvous(rank: int, world_size: int, coordinator_addr: str, port: int, sec
         return [(my_addr, my_port)]
     if rank == 0:
         return _serve_table(world_size, coordinator_addr, port, secret, my_addr, my_port, deadline)
-    s = _dial(coordinator_addr, port, deadline, "rank 0 (rendezvous)", 0)
+    s, _ = dial_authenticated(coordinator_addr, port, secret, deadline, "rank 0 (rendezvous)", 0)
     try:
-        _prove(s, secret, deadline, f"rank 0 ({coordinator_addr}:{port})", 0)
         wire.send_frame(s, K_HELLO, {"rank": rank, "world_size": world_size, "addr": my_addr, "port": my_port},
                         timeout=max(_left(deadline), 0.1))
         kind, meta, _ = wire.recv_frame(s, timeout=max(_left(deadline), 0.1), max_payload=0)
@@ -133,10 +174,11 @@ def _serve_table(world_size, coordinator_addr, port, secret, my_addr, my_port, d
     conns: dict[int, socket.socket] = {}
     listener = listen(coordinator_addr, port, backlog=max(16, world_size))
     where = f"rendezvous {coordinator_addr}:{port}"
+    inbox = Inbox(listener, secret, where)
     try:
         while len(conns) < world_size - 1:
             try:
-                s, kind, meta = _accept_authenticated(listener, secret, deadline, where)
+                s, kind, meta, key = inbox.next(deadline)
             except TimeoutError:
                 missing = [r for r in range(1, world_size) if r not in conns]
                 raise CommError(f"rendezvous at {coordinator_addr}:{port} timed out: rank(s) "
@@ -165,6 +207,7 @@ def _serve_table(world_size, coordinator_addr, port, secret, my_addr, my_port, d
             except (OSError, TimeoutError) as e:
                 raise CommError(f"rank {r} ({table[r][0]}) left during rendezvous: {e}", peer=r) from None
     finally:
+        inbox.close()
         for s in conns.values():
             s.close()
         listener.close()
@@ -172,27 +215,31 @@ def _serve_table(world_size, coordinator_addr, port, secret, my_addr, my_port, d
 
 
 def connect_mesh(rank: int, table: list[tuple[str, int]], listener: socket.socket | None, secret: bytes,
-                 timeout: float) -> dict[int, socket.socket]:
-    """One authenticated TCP connection to every other rank: dial lower ranks, accept higher ones."""
+                 timeout: float, keys: dict | None = None) -> dict[int, socket.socket]:
+    """One authenticated TCP connection to every other rank: dial lower ranks, accept higher ones.
+    keys (filled in when given): peer -> (session key, whether this rank dialled)."""
+    keys = {} if keys is None else keys
     world_size = len(table)
     deadline = time.monotonic() + timeout
     socks: dict[int, socket.socket] = {}
+    inbox = None
     try:
         for j in range(rank):
             addr, port = table[j]
-            s = _dial(addr, port, deadline, f"rank {j}", j)
+            s, keys[j] = dial_authenticated(addr, port, secret, deadline, f"rank {j}", j)
+            keys[j] = (keys[j], True)
             tune(s)
             try:
-                _prove(s, secret, deadline, f"rank {j} ({addr}:{port})", j)
                 wire.send_frame(s, K_PEER, {"rank": rank, "world_size": world_size}, timeout=max(_left(deadline), 0.1))
             except (wire.WireError, OSError, TimeoutError) as e:
                 s.close()
                 raise CommError(f"rank {j} ({addr}:{port}) dropped the connection: {e}", peer=j) from None
             socks[j] = s
         where = f"rank {rank} mesh"
+        inbox = Inbox(listener, secret, where) if len(socks) < world_size - 1 else None
         while len(socks) < world_size - 1:
             try:
-                s, kind, meta = _accept_authenticated(listener, secret, deadline, where)
+                s, kind, meta, key = inbox.next(deadline)
             except TimeoutError:
                 missing = [j for j in range(rank + 1, world_size) if j not in socks]
                 raise CommError(f"rank(s) {', '.join(map(str, missing))} never connected to rank {rank} "
@@ -204,7 +251,12 @@ def connect_mesh(rank: int, table: list[tuple[str, int]], listener: socket.socke
                 continue
             tune(s)
             socks[j] = s
+            keys[j] = (key, False)
+        if inbox is not None:
+            inbox.close()
     except BaseException:
+        if inbox is not None:
+            inbox.close()
         for s in socks.values():
             s.close()
         raise

@@ -40,6 +40,11 @@ def add_arguments(p) -> None:
     p.add_argument("--control-port", type=int, default=0, help="port of the control channel (default: any free)")
     p.add_argument("--device", default="cpu", help="--local: torch device of every worker (cpu, cuda, mps, auto)")
     p.add_argument("--data-cap-mb", type=float, default=2.0, help="use at most this much of the corpus")
+    p.add_argument("--heartbeat", type=float, default=1.0,
+                   help="seconds between controller<->worker heartbeats; 5 missed = stopped or cut off")
+    p.add_argument("--keep-checkpoints", type=int, default=3, help="keep the newest N complete checkpoints")
+    p.add_argument("--integrity", default="header", choices=("header", "full"),
+                   help="rank frames: MAC over every header (default) or over whole frames")
 
 
 def _shares(text: str | None, hosts) -> list[float] | None:
@@ -70,6 +75,8 @@ def run(args) -> int:
 
     console = Console(stderr=False)
     info = registry.get(args.strategy, trainable=True)
+    from smoltrain.run import preflight
+    preflight.check_args(args)
     if args.local is None and not args.inventory:
         raise UsageError("give --local N or -i INVENTORY")
     try:
@@ -102,7 +109,8 @@ def run(args) -> int:
         timeout=max(10.0, args.timeout / 2), pace=args.pace,
         names=tuple(p.name for p in placements),
         devices=tuple(p.host.torch_device if p.host else args.device for p in placements),
-        control_port=args.control_port,
+        control_port=args.control_port, heartbeat_s=args.heartbeat, keep_checkpoints=args.keep_checkpoints,
+        integrity=args.integrity,
     )
     check_usage(cfg)
 
@@ -152,8 +160,7 @@ def run(args) -> int:
     if plan_for_run is not None:
         links = None
         if args.links:
-            import json
-            links = json.loads(open(args.links).read())
+            links = preflight.load_links(args.links)
         elif hosts is not None:
             from smoltrain.planner.links import find_report
 
@@ -178,13 +185,19 @@ def run(args) -> int:
     else:
         import secrets
         secret = secrets.token_hex(32).encode()  # loopback run: a fresh secret for this run only
+    preflight.check_outputs(args)
     log_dir = tempfile.mkdtemp(prefix="smoltrain-logs-")
     ctl = Controller(cfg, placements, secret, console, log_dir, external=args.external, corpus=corpus)
     console.print(f"{args.strategy} on {world} rank(s) ({args.backend}), model {spec.name}, "
                   f"batch {args.batch}x{args.seq}, steps {cfg.start_step}..{args.steps}, logs {log_dir}")
     if cfg.start_step:
         ctl.events.append({"step": cfg.start_step, "kind": "resume", "who": "all"})
-    doc = ctl.run(bind, control_addr, connect_timeout=max(60.0, args.timeout), idle_timeout=args.timeout)
+    try:
+        doc = ctl.run(bind, control_addr, connect_timeout=max(60.0, args.timeout), idle_timeout=args.timeout)
+    except (Exception, KeyboardInterrupt) as e:  # the report survives failure and Ctrl-C (exit 1, 130)
+        preflight.write_report(args.json, ctl, e, plan)
+        raise
+    doc = preflight.write_report(None, ctl, None, doc=doc)
     import shutil
     shutil.rmtree(log_dir, ignore_errors=True)  # kept only when the run failed
     if plan is not None:

@@ -50,6 +50,9 @@ class RunConfig:
     port: int = 0
     addrs: tuple[str, ...] = ()      # address of each rank for the rank mesh
     control_port: int = 0
+    heartbeat_s: float = 1.0         # controller <-> workers; silent for 5 beats = stopped or cut off
+    keep_checkpoints: int = 3        # newest complete checkpoints kept
+    integrity: str = "header"        # frames after the handshake: MAC over "header" or "full" frame
 
     @property
     def world_size(self) -> int:

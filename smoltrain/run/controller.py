@@ -9,6 +9,7 @@ workers measured. A worker that fails stops the run with its one-line reason
 """
 from __future__ import annotations
 
+import math
 import os
 import socket
 import subprocess
@@ -21,7 +22,7 @@ from smolnet.errors import SmolError, UsageError
 from smolnet.files import write_json_atomic
 
 from smoltrain import registry
-from smoltrain.run import checkpoint
+from smoltrain.run import blame, checkpoint
 from smoltrain.run.channel import ControlServer
 from smoltrain.run.config import RunConfig
 
@@ -68,6 +69,9 @@ class Controller:
         self.saved: dict[int, set] = {}
         self.sent: dict[str, int] = {}
         self.shown = cfg.start_step - 1
+        self.views: blame.Views | None = None  # every rank's view, gathered once something fails
+        self.blame_by = 0.0
+        self.blamed: str | None = None
 
     # --- configs handed to workers ---
     def config_for(self, hello: dict) -> tuple[RunConfig, int, str]:
@@ -149,6 +153,8 @@ class Controller:
             rec["comm_s"] = max(rec["comm_s"], msg["comm_s"])
             if msg.get("loss") is not None:
                 rec["parts"][who] = msg["loss"]
+                if not math.isfinite(msg["loss"]):
+                    raise SmolError(f"{who}: loss is {msg['loss']} at step {msg['step'] + 1} (diverged: lower --lr?)")
             self.sent[who] = msg.get("sent", 0)
         elif kind == "loss":
             rec = self.steps.setdefault(msg["step"], {"parts": {}, "step_s": 0.0, "comm_s": 0.0})
@@ -163,6 +169,7 @@ class Controller:
             parts.add(msg["part"])
             if len(parts) == len(self.info.checkpoint_parts(self.world)):
                 checkpoint.mark_complete(self.cfg.checkpoint_dir, msg["step"], checkpoint.identity(self.cfg))
+                checkpoint.prune(self.cfg.checkpoint_dir, self.cfg.keep_checkpoints)
                 self.events.append({"step": msg["step"], "kind": "checkpoint", "who": "all"})
         elif kind == "done":
             self.finished.add(who)
@@ -173,11 +180,11 @@ class Controller:
             if self.info.elastic and who != self.names[0]:
                 self.console.log(f"{who} failed: {msg['message']}")
             else:
-                raise SmolError(f"{who}: {msg['message']}")
+                self._gather(who, error=msg)
         elif kind == "closed":
             self.closed.add(who)
             if who not in self.finished and not (self.info.elastic and who != self.names[0]):
-                raise SmolError(f"{who}: worker exited before finishing ({self.log_tail(who) or 'no log'})")
+                self._gather(who, died=True)
         self._show(progress)
 
     def _show(self, progress) -> None:
@@ -207,7 +214,7 @@ class Controller:
 
     def run(self, bind: str, control_addr: str, connect_timeout: float, idle_timeout: float) -> dict:
         server = ControlServer(bind, self.secret, self.config_for, port=self.cfg.control_port,
-                               corpus=self.corpus)
+                               corpus=self.corpus, heartbeat_s=self.cfg.heartbeat_s)
         self.console.print(f"control channel {control_addr}:{server.port}")
         started = time.monotonic()
         try:
@@ -223,6 +230,7 @@ class Controller:
             try:
                 last = time.monotonic()
                 while not self.all_done():
+                    self.check_liveness(server)
                     try:
                         who, msg = server.messages.get(timeout=0.5)
                     except Exception:  # queue.Empty
@@ -236,7 +244,8 @@ class Controller:
                             raise SmolError(f"no word from any worker for {idle_timeout:.0f}s (a stalled link? "
                                             "check it with `smolnet matrix`)")
                         continue
-                    last = time.monotonic()
+                    if who is not None:  # only authenticated workers hold the clock
+                        last = time.monotonic()
                     self.handle(who, msg, progress)
             finally:
                 if progress is not None:
@@ -257,13 +266,48 @@ class Controller:
         self.stop_workers()
         return self.report()
 
-    def report(self) -> dict:
+    # --- failures: gather every rank's view, then blame (smoltrain.run.blame) ---
+    def _gather(self, who: str, error: dict | None = None, died: bool = False) -> None:
+        if self.views is None:
+            self.views = blame.Views(list(self.names))
+            self.blame_by = time.monotonic() + max(2.0, 2 * self.cfg.heartbeat_s)
+        if error is not None:
+            peer = error.get("peer")
+            self.views.error(who, error.get("message", "failed"), peer if isinstance(peer, str) else None)
+        if died and who not in self.views.errors:
+            self.views.died[who] = self.log_tail(who)
+        self._decide()
+
+    def _decide(self, force: bool = False) -> None:
+        v = self.views
+        alive = {n for n in self.names if n in self.connected and n not in self.finished and n not in self.left}
+        if force or v.died or v.silent or v.complete(alive) or time.monotonic() > self.blame_by:
+            who, why = blame.culprit(v)
+            self.blamed = who
+            raise SmolError(f"{who}: {why}")
+
+    def check_liveness(self, server) -> None:
+        """Workers whose authenticated heartbeats stopped (SIGSTOP, a cut link) fail the run."""
+        exempt = self.left | self.finished | (set(self.connected) - {self.names[0]} if self.info.elastic else set())
+        silent = server.silent([n for n in self.connected if n not in exempt])
+        if silent:
+            if self.views is None:
+                self.views = blame.Views(list(self.names))
+                self.blame_by = time.monotonic()
+            self.views.silent.update(silent)
+        if self.views is not None:
+            self._decide()
+
+    def report(self, partial: bool = False) -> dict:
+        """The run report; `partial`: only the steps that finished (a failed or interrupted run)."""
         start, steps = self.cfg.start_step, self.cfg.steps
         tokens = self.cfg.global_tokens
         rows = []
         for k in range(start, steps):
             rec = self.steps.get(k)
             if rec is None or not rec["parts"]:
+                if partial:
+                    continue
                 raise SmolError(f"step {k}: no loss reported")
             loss = sum(v for _, v in sorted(rec["parts"].items()))
             rows.append({"step": k, "loss": loss, "step_s": rec["step_s"], "comm_s": rec["comm_s"], "tokens": tokens})

@@ -52,8 +52,8 @@ class Reporter:
     def done(self, links, state_bytes):
         self._send({"type": "done", "links": [list(x) for x in links], "state_bytes": state_bytes})
 
-    def error(self, message):
-        self._send({"type": "error", "message": message})
+    def error(self, message, peer=None):
+        self._send({"type": "error", "message": message, "peer": peer})
 
 
 def resolve_device(want: str) -> str:
@@ -86,12 +86,20 @@ def worker_main(control_addr: str, control_port: int, secret: bytes, rank: int, 
         traceback.print_exc()
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         try:
-            rep.error(f"{type(e).__name__}: {msg}")
+            rep.error(f"{type(e).__name__}: {msg}", peer=blamed_peer(client.config, e))
         except ConnectionError:
             pass
         return 1
     finally:
         client.close()
+
+
+def blamed_peer(cfg: RunConfig, e: BaseException) -> str | None:
+    """The name of the rank this rank's transport blames for `e` (CommError.peer), if any."""
+    peer = getattr(e, "peer", None)
+    if isinstance(peer, int) and 0 <= peer < len(cfg.names):
+        return cfg.names[peer]
+    return None
 
 
 def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, corpus: bytes) -> None:
@@ -108,7 +116,8 @@ def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, co
     if not ps and world > 1:
         from smoltrain.comm import make_comm
         comm = TimedComm(make_comm(cfg.backend, rank, world, cfg.coord_addr, cfg.port, secret,
-                                   timeout=cfg.timeout, device=device, addrs=list(cfg.addrs) or None))
+                                   timeout=cfg.timeout, device=device, addrs=list(cfg.addrs) or None,
+                                   integrity=cfg.integrity))
     start = cfg.start_step
     server_state, server_saver = None, None
     if ps and rank == 0:

@@ -27,6 +27,7 @@ import time
 import torch
 
 from smolnet import wire
+from smolnet.server import AuthListener
 from smoltrain.comm.base import ByteCounter
 from smoltrain.models.data import split_batch
 from smoltrain.models.gpt import build_model
@@ -81,24 +82,12 @@ class ParameterServer:
         self.lock = threading.Lock()
         self.stopping = False
         self.error: BaseException | None = None
-        self.listener = socket.create_server((bind, port), reuse_port=False)
-        self.listener.settimeout(0.5)
-        self._accepter = threading.Thread(target=self._accept_loop, daemon=True)
-        self._accepter.start()
+        # handshakes run concurrently, strangers capped (smolnet.server): none can hold the door
+        self.listener = AuthListener.serve(bind, port, secret, self._greet, name="parameter server")
 
     # --- membership ---
-    def _accept_loop(self) -> None:
-        while not self.stopping:
-            try:
-                sock, addr = self.listener.accept()
-            except (socket.timeout, OSError):
-                continue
-            threading.Thread(target=self._greet, args=(sock, addr), daemon=True).start()
-
     def _greet(self, sock: socket.socket, addr) -> None:
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            wire.server_handshake(sock, self.secret, timeout=10.0)
             kind, meta, _ = wire.recv_frame(sock, timeout=10.0, max_payload=0)
             if kind != HELLO or not isinstance(meta.get("name"), str):
                 raise wire.WireError("first frame is not a HELLO")

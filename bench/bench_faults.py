@@ -1,0 +1,236 @@
+"""Fault matrix: every trainable strategy under every fault, on loopback (`--local`).
+
+For each strategy (dp, fsdp, syncps, edp, mp, pp, tp) and fault:
+  sigkill     worker rank1 SIGKILLed mid-run
+  sigstop     worker rank1 SIGSTOPped mid-run (a stall: only heartbeats can tell)
+  controller  the controller SIGKILLed mid-run (workers must notice and exit)
+  flood       200 silent TCP connections held on every listening port of the run
+it records the detection time (fault -> controller exit, or -> the `leave` event for the
+elastic strategies, or -> the last worker gone when the controller dies), whom the controller
+blamed, the exit status, whether the report and the newest complete checkpoint survived, and
+during a flood whether a legitimate client (one that knows the secret) still got through.
+
+    flock /tmp/smol-bench.lock .venv/bin/python bench/bench_faults.py --json bench/out/faults.json
+    .venv/bin/python bench/bench_faults.py --integrity   # cost of --integrity full vs header
+
+A host link cut needs the sim (network namespaces); it is not part of this loopback matrix.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+STRATEGIES = ["dp", "fsdp", "syncps", "edp", "mp", "pp", "tp"]
+FAULTS = ["sigkill", "sigstop", "controller", "flood"]
+ELASTIC = {"syncps", "edp"}
+HEARTBEAT = 0.5
+
+
+def _listening_ports(pids: list[int]) -> list[int]:
+    """TCP ports the run's processes listen on (control channel, parameter server, ...)."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout
+    ports = []
+    for line in out.splitlines():
+        if any(f"pid={p}," in line for p in pids):
+            ports.append(int(line.split()[3].rsplit(":", 1)[1]))
+    return sorted(set(ports))
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] in "ZX"
+    except FileNotFoundError:
+        return True
+
+
+def _checkpoint_ok(ck: str) -> bool:
+    from smoltrain.run import checkpoint
+
+    done = checkpoint._complete_steps(__import__("pathlib").Path(ck))
+    if not done:
+        return False
+    step, d = done[0]
+    try:
+        for p in d.glob("*.safetensors"):
+            checkpoint.load_part(ck, step, p.stem)
+    except Exception:
+        return False
+    return True
+
+
+def _legit_client(port: int, secret: bytes) -> bool:
+    from smolnet import wire
+
+    try:
+        s = wire.connect("127.0.0.1", port, secret, timeout=10.0, what="bench client")
+        s.close()
+        return True
+    except Exception:
+        return False
+
+
+def cell(strategy: str, fault: str, secret_file: str, secret: bytes, tmp: str) -> dict:
+    world = 3 if strategy in ELASTIC else 2
+    report, ck = os.path.join(tmp, "run.json"), os.path.join(tmp, "ck")
+    argv = [sys.executable, "-m", "smoltrain", "run", "--strategy", strategy, "--local", str(world),
+            "--batch", "4", "--seq", "32", "--steps", "40", "--pace", "0.15", "--heartbeat", str(HEARTBEAT),
+            "--barrier-timeout", "3", "--timeout", "60", "--secret-file", secret_file, "--json", report,
+            "--checkpoint-dir", ck, "--checkpoint-every", "2", "--out", tmp]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: list[str] = []
+    killer = threading.Timer(180, proc.kill)
+    killer.start()
+    row = {"strategy": strategy, "fault": fault, "world": world}
+    flood: list[socket.socket] = []
+    stopped = None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if re.search(r"step 6/", line):
+                break
+        pids = {m.group(1): int(m.group(2)) for m in re.finditer(r"worker (\w+) pid (\d+)", "".join(lines))}
+        t0 = time.monotonic()
+        if fault == "sigkill":
+            os.kill(pids["rank1"], signal.SIGKILL)
+        elif fault == "sigstop":
+            stopped = pids["rank1"]
+            os.kill(stopped, signal.SIGSTOP)
+        elif fault == "controller":
+            os.kill(proc.pid, signal.SIGKILL)
+        elif fault == "flood":
+            ports = _listening_ports([proc.pid, *pids.values()])
+            for port in ports:
+                for _ in range(200 // len(ports) + 1):
+                    try:
+                        flood.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+                    except OSError:
+                        pass
+            row["flood_ports"] = len(ports)
+            row["legit_served"] = all(_legit_client(p, secret) for p in ports)
+        detected = None
+        if fault == "controller":
+            while not all(_gone(p) for p in pids.values()) and time.monotonic() - t0 < 60:
+                time.sleep(0.05)
+            detected = time.monotonic() - t0
+        for line in proc.stdout:
+            lines.append(line)
+            if detected is None and strategy in ELASTIC and re.search(r"event: leave", line):
+                detected = time.monotonic() - t0
+        rc = proc.wait(timeout=60)
+        if detected is None and fault in ("sigkill", "sigstop"):
+            detected = time.monotonic() - t0
+        row["detect_s"] = round(detected, 2) if detected is not None else None
+        row["rc"] = rc
+    finally:
+        killer.cancel()
+        for s in flood:
+            s.close()
+        if stopped:
+            for sig in (signal.SIGKILL, signal.SIGCONT):
+                try:
+                    os.kill(stopped, sig)
+                except ProcessLookupError:
+                    pass
+        if proc.poll() is None:
+            proc.kill()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # leftovers of a killed controller
+        except (ProcessLookupError, PermissionError):
+            pass
+    out = "".join(lines)
+    m = re.search(r"smoltrain: error: (\w+):", out)
+    left = re.search(r"event: leave (\w+)", out)
+    row["blamed"] = m.group(1) if m else (left.group(1) if left else None)
+    try:
+        doc = json.loads(open(report).read())
+        row["report"] = doc.get("status")
+    except (OSError, ValueError):
+        row["report"] = None
+    row["checkpoint"] = _checkpoint_ok(ck)
+    if fault in ("sigkill", "sigstop"):
+        row["right_culprit"] = row["blamed"] == "rank1"
+    return row
+
+
+def integrity_cost(rounds: int) -> list[dict]:
+    """all_reduce time with header MACs vs full-payload MACs (2 ranks, threads, loopback)."""
+    import torch
+
+    from smoltrain.comm import make_comm
+    from smoltrain.comm.group import free_port_base
+
+    secret = secrets.token_hex(16).encode()
+    out = []
+    for nbytes in (1 << 16, 1 << 20, 16 << 20):
+        res = {}
+        for integrity in ("header", "full"):
+            port, got = free_port_base(2), {}
+
+            def go(r):
+                c = make_comm("socket", r, 2, "127.0.0.1", port, secret, timeout=60, integrity=integrity)
+                x = torch.ones(nbytes // 4)
+                c.all_reduce(x)
+                t = time.perf_counter()
+                for _ in range(rounds):
+                    c.all_reduce(x)
+                got[r] = (time.perf_counter() - t) / rounds
+                c.close()
+            ts = [threading.Thread(target=go, args=(r,)) for r in range(2)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            res[integrity] = max(got.values())
+        out.append({"bytes": nbytes, "header_s": res["header"], "full_s": res["full"],
+                    "full_over_header": res["full"] / res["header"]})
+        print(f"{nbytes >> 10} KiB: header {res['header'] * 1e3:.2f} ms, full {res['full'] * 1e3:.2f} ms, "
+              f"ratio {res['full'] / res['header']:.2f}", flush=True)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--strategies", default=",".join(STRATEGIES))
+    ap.add_argument("--faults", default=",".join(FAULTS))
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--integrity", action="store_true", help="measure --integrity full against header instead")
+    ap.add_argument("--rounds", type=int, default=10)
+    a = ap.parse_args()
+    if a.integrity:
+        rows = integrity_cost(a.rounds)
+    else:
+        rows = []
+        with tempfile.TemporaryDirectory(prefix="bench-faults-") as tmp:
+            sf = os.path.join(tmp, "secret")
+            secret = secrets.token_hex(32).encode()
+            fd = os.open(sf, os.O_WRONLY | os.O_CREAT, 0o600)
+            os.write(fd, secret + b"\n")
+            os.close(fd)
+            for s in a.strategies.split(","):
+                for f in a.faults.split(","):
+                    d = tempfile.mkdtemp(dir=tmp)
+                    row = cell(s, f, sf, secret, d)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    if a.json:
+        from smolnet.files import write_json_atomic
+        write_json_atomic(a.json, {"schema": "smolcluster.bench.faults/1", "rows": rows}, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

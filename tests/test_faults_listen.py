@@ -1,0 +1,160 @@
+"""Issue 15, defects 1 and 5: strangers on a port never stop a run or lock a legitimate client out.
+
+Before: handshakes were served one at a time (one silent connection to rank 0's rendezvous or
+rank port made the others time out), the agent counted unauthenticated connections against its
+64 slots and then said the secret was rejected, and the control channel and the parameter
+server gave every idle connection a thread, without a cap.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from smolnet import agent_client as control
+from smolnet import wire
+from smolnet.agent import Agent
+from smolnet.server import MAX_PENDING, AuthListener
+from smoltrain.comm import make_comm
+from smoltrain.comm.group import free_port_base
+from smoltrain.comm.rendezvous import data_port
+
+SECRET = b"test-secret-0123456789abcdef"
+
+
+def _connect_when_listening(port: int, limit: float = 20.0) -> socket.socket:
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            return socket.create_connection(("127.0.0.1", port), timeout=2)
+        except OSError:
+            assert time.monotonic() < deadline, f"nothing listens on {port}"
+            time.sleep(0.02)
+
+
+def _rank(rank, n, port, out, timeout):
+    def go():
+        try:
+            out[rank] = make_comm("socket", rank, n, "127.0.0.1", port, SECRET, timeout=timeout)
+        except Exception as e:  # reported through `out`
+            out[rank] = e
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("where", ["rendezvous", "rank port"])
+def test_a_silent_connection_does_not_stop_the_group_forming(where):
+    n, port = 3, free_port_base(3)
+    out: dict = {}
+    threads = [_rank(0, n, port, out, timeout=20.0)]
+    target = port if where == "rendezvous" else data_port(port, 0)
+    strangers = [_connect_when_listening(target) for _ in range(3)]  # connected first, never speak
+    try:
+        threads += [_rank(r, n, port, out, timeout=20.0) for r in range(1, n)]
+        for t in threads:
+            t.join(40)
+        errors = {r: x for r, x in out.items() if isinstance(x, Exception)}
+        assert not errors and len(out) == n, errors
+    finally:
+        for s in strangers:
+            s.close()
+        for c in out.values():
+            if not isinstance(c, Exception):
+                c.close()
+
+
+def _echo_handler(sock, peer):
+    with sock:
+        kind, meta, _ = wire.recv_frame(sock, timeout=5.0, max_payload=0)
+        wire.send_frame(sock, kind, meta, timeout=5.0)
+
+
+def test_flood_of_idle_connections_is_capped_and_legit_client_is_served_or_told_busy():
+    srv = AuthListener.serve("127.0.0.1", 0, SECRET, _echo_handler, name="test", preauth_timeout=30.0,
+                             max_pending=32, max_per_source=1000)
+    before = threading.active_count()
+    flood = []
+    try:
+        for _ in range(3 * 32):
+            flood.append(socket.create_connection(("127.0.0.1", srv.port), timeout=5))
+        # wait until the listener has seen them all (accepted, evicted or turned away)
+        deadline = time.monotonic() + 20
+        while srv.stats["accepted"] < len(flood):
+            assert time.monotonic() < deadline, srv.stats
+            time.sleep(0.02)
+        assert threading.active_count() - before <= 32 + 4, srv.stats  # threads bounded by the cap
+        time.sleep(0.6)  # the flood is now older than min_age: a newcomer evicts the oldest
+        s = wire.connect("127.0.0.1", srv.port, SECRET, timeout=10.0)
+        wire.send_frame(s, 1, {"hi": 1})
+        assert wire.recv_frame(s, timeout=5.0)[1] == {"hi": 1}
+        s.close()
+        assert srv.stats["evicted"] >= 1
+    finally:
+        for s in flood:
+            s.close()
+        srv.close()
+
+
+def test_busy_is_said_as_busy_never_as_a_secret_problem():
+    srv = AuthListener.serve("127.0.0.1", 0, SECRET, _echo_handler, name="test", preauth_timeout=30.0,
+                             max_pending=4, max_per_source=4, min_age=60.0)  # nothing is ever old enough
+    flood = [socket.create_connection(("127.0.0.1", srv.port), timeout=5) for _ in range(4)]
+    try:
+        deadline = time.monotonic() + 20
+        while len(srv.pending) < 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        with pytest.raises(wire.BusyError):
+            wire.client_handshake(s, SECRET, timeout=5.0)
+        s.close()
+        assert srv.stats["busy"] >= 1
+    finally:
+        for s in flood:
+            s.close()
+        srv.close()
+
+
+def test_agent_serves_legit_clients_through_a_flood_and_never_blames_the_secret():
+    a = Agent("127.0.0.23", 0, SECRET, handshake_timeout=30.0, request_timeout=2.0)
+    a.start_background()
+    flood = []
+    try:
+        before = threading.active_count()
+        for _ in range(MAX_PENDING + 16):
+            flood.append(socket.create_connection((a.bind, a.port), timeout=5))
+        time.sleep(0.6)
+        served = 0
+        for _ in range(3):
+            try:
+                served += control.call(a.bind, a.port, SECRET, "ping", timeout=5.0)["ok"]
+            except control.AgentError as e:
+                assert "busy" in str(e) and "secret" not in str(e), e
+        assert served >= 1
+        assert threading.active_count() - before <= MAX_PENDING + 8
+    finally:
+        for s in flood:
+            s.close()
+        a.stop()
+
+
+def test_control_channel_caps_idle_connections_and_keeps_them_off_its_queue():
+    from smoltrain.run.channel import ControlServer
+
+    srv = ControlServer("127.0.0.1", SECRET, lambda hello: None)
+    before = threading.active_count()
+    flood = [socket.create_connection(("127.0.0.1", srv.port), timeout=5) for _ in range(200)]
+    try:
+        deadline = time.monotonic() + 20
+        while srv.listener.stats["accepted"] < len(flood):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert threading.active_count() - before <= MAX_PENDING + 4
+        assert srv.messages.empty()  # strangers never reach the controller's queue (nor its clock)
+    finally:
+        for s in flood:
+            s.close()
+        srv.close()
