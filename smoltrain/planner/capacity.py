@@ -148,3 +148,12 @@ def memory(w: RankWork, model: ModelSpec, mode: str, dtype: str, seq: int, strat
                   optimizer=w.params_owned * (ADAM_BYTES + master),
                   activations=_activations(w, model, a, seq, strategy),
                   kv_cache=0)
+
+
+def fixed_share(w: RankWork, model: ModelSpec, strategy: str) -> float:
+    """Share of a whole-model step's fixed cost (per-operation overhead, optimizer loop) a
+    rank pays: a pipeline stage runs its layers' operations only, every other rank all of
+    them (tp narrower, dp/fsdp on fewer tokens, but as many operations)."""
+    if strategy in ("pp", "mp"):
+        return (w.layers + (1 if w.matmul_params > w.layers * model.layer_params() else 0)) / (model.layers + 1)
+    return 1.0
