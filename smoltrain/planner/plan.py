@@ -111,7 +111,7 @@ def make_plan(strategy: str, model: ModelSpec, world: int, dtype: str = "fp32", 
     a = dtype_bytes(dtype)
 
     # compute and memory per rank
-    works = capacity.layout(strategy, mode, model, world, batch, seq)
+    works = capacity.layout(strategy, mode, model, world, batch, seq, microbatches)
     per_rank = []
     for r, (w, rk) in enumerate(zip(works, ranks)):
         fl = capacity.flops(w, model, mode, seq)
@@ -155,6 +155,8 @@ def make_plan(strategy: str, model: ModelSpec, world: int, dtype: str = "fp32", 
     else:
         slowest = max(per_rank, key=lambda p: p["compute_s"])
         compute_s = slowest["compute_s"]
+        if train and strategy in ("syncps", "edp") and world > 1:   # the server aggregates and updates
+            compute_s += capacity.server_seconds(model, world, ranks[0].device.mem_bw)
         cc = timing.comm_cost(tr, names, lm)
         comm_s = cc.total_s
         if overlap and train and cc.overlappable_s > 0:
