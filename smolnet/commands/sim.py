@@ -17,6 +17,9 @@ def add_arguments(p) -> None:
                    help="shape every host to this rate both ways (0 = unshaped; uniform default 1000)")
     u.add_argument("--mtu", type=int, default=None, help="interface and switch MTU (scenario uniform; default 1500)")
     u.add_argument("--inventory", default="inventory/sim.yml", help="where to write the inventory")
+    u.add_argument("--cpu-limit", default=None, metavar="CORES",
+                   help="cap each host's CPU (cgroup quota): one figure for all or one per host, "
+                        "comma-separated; 0 = uncapped (home default: 0.15,0.25,0.45,0.65)")
     u.add_argument("--loopback", action="store_true",
                    help="no namespaces, no shaping: local hosts on 127.x addresses (also SMOL_SIM_LOOPBACK=1); "
                         "only when asked, never as a silent fallback")
@@ -45,6 +48,7 @@ def _table(st: dict):
     t.add_column("device")
     t.add_column("mtu (port)", no_wrap=True)
     t.add_column("down/up Mbit/s", no_wrap=True)
+    t.add_column("cpu cap", no_wrap=True)
     t.add_column("netns")
     t.add_column("sshd pid")
     for h in st["hosts"]:
@@ -52,7 +56,9 @@ def _table(st: dict):
         sshd = "local" if loop else (str(h["pid_sshd"]) if h.get("sshd_alive") else "[red]dead[/]")
         t.add_row(h["name"], h["address"], h["device"],
                   str(h["mtu"]) if loop else f"{h['mtu']} ({h['port_mtu']})",
-                  "unshaped" if loop else _rate(h), h.get("netns") or "-",
+                  "unshaped" if loop else _rate(h),
+                  f"{h['cpu_cores']:g} cores" if h.get("cgroup") and h.get("cpu_cores") else "none",
+                  h.get("netns") or "-",
                   sshd if ok else f"[red]{sshd}[/]")
     return t
 
@@ -65,7 +71,8 @@ def run(args) -> int:
     con = Console()
     if args.action == "up":
         kw = dict(name=args.name, scenario=args.scenario, hosts=args.hosts, subnet=args.subnet,
-                  inventory=args.inventory, rate_mbit=args.rate_mbit, mtu=args.mtu)
+                  inventory=args.inventory, rate_mbit=args.rate_mbit, mtu=args.mtu,
+                  cpu_limit=args.cpu_limit)
         loopback = True if args.loopback else None
         try:
             with con.status(f"building sim {args.name} ({args.scenario})"):

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
-from smolnet.sim import net
+from smolnet.sim import cgroup, net
 from smolnet.files import write_text_atomic
 from smolnet.sim.inventory import inventory_text, remove_inventory
 from smolnet.sim.net import SimError, SimUnavailable, unavailable_reason
@@ -147,7 +147,8 @@ def _etc_hosts(host: str, address: str) -> str:
 
 def up(name: str = "smol", scenario: str = "home", hosts: int | None = None,
        subnet: str = "10.213.0.0/24", inventory: str = "inventory/sim.yml",
-       rate_mbit: float | None = None, mtu: int | None = None, loopback: bool | None = None) -> dict:
+       rate_mbit: float | None = None, mtu: int | None = None, loopback: bool | None = None,
+       cpu_limit: str | None = None) -> dict:
     """Build the sim and write its inventory; return the recorded state.
 
     loopback=None follows $SMOL_SIM_LOOPBACK (default off); off raises SimUnavailable when
@@ -156,7 +157,7 @@ def up(name: str = "smol", scenario: str = "home", hosts: int | None = None,
     from smolnet.sim.scenarios import scenario as make_scenario
 
     _check_name(name)
-    specs = make_scenario(scenario, hosts, rate_mbit, mtu)
+    specs = make_scenario(scenario, hosts, rate_mbit, mtu, cpu_limit)
     net_, addrs, controller = _addresses(subnet, len(specs))
     if loopback is None:
         loopback = os.environ.get("SMOL_SIM_LOOPBACK", "") not in ("", "0")
@@ -180,7 +181,7 @@ def up(name: str = "smol", scenario: str = "home", hosts: int | None = None,
         }
         for i, (s, a) in enumerate(zip(specs, addrs), 1):
             h = s.to_dict()
-            h.update({"index": i, "address": a, "netns": None, "pid_sshd": None})
+            h.update({"index": i, "address": a, "netns": None, "pid_sshd": None, "cgroup": None})
             if loopback:
                 h["address"] = _loopback_addresses(net_, len(specs))[i - 1]
             else:
@@ -188,6 +189,8 @@ def up(name: str = "smol", scenario: str = "home", hosts: int | None = None,
             st["hosts"].append(h)
         if not loopback:
             _preflight(st)
+            if any(s.cpu_cores for s in specs) and cgroup.unavailable_reason():
+                raise SimError(f"cannot cap CPU: {cgroup.unavailable_reason()} (--cpu-limit 0 runs uncapped)")
         if d.exists():
             shutil.rmtree(d)        # leftovers of a crashed run without state.json
         d.mkdir(parents=True, mode=0o700)
@@ -289,14 +292,22 @@ def _build(st: dict, specs: list[HostSpec]) -> None:
     net.steer_flows(sw, [h["port"] for h in st["hosts"]] + ["pc"])
     _save(st)
 
+    capped = any(h.get("cpu_cores") for h in st["hosts"])
     for h in st["hosts"]:
         hd = d / "hosts" / h["name"]
-        net.start_sshd(h["netns"], h["name"], hd, hd / "sshd.log")
+        net.start_sshd(h["netns"], h["name"], hd, hd / "sshd.log", cgroup.mount_lines() if capped else [])
     deadline = time.monotonic() + SSHD_TIMEOUT
     for h in st["hosts"]:
         hd = d / "hosts" / h["name"]
         h["pid_sshd"] = net.wait_sshd(h["name"], h["address"], hd / "sshd.pid", hd / "sshd.log", deadline)
         _save(st)
+        if h.get("cpu_cores"):      # sessions are forked by this sshd, so they inherit its cgroup
+            try:
+                h["cgroup"] = cgroup.create(cgroup.cap_name(name, h["name"]), h["cpu_cores"])
+                _save(st)
+                cgroup.add_pid(h["cgroup"], h["pid_sshd"])
+            except cgroup.CgroupError as e:
+                raise SimError(f"{h['name']}: {e}") from None
 
 
 # --- down ---------------------------------------------------------------------------------
@@ -317,6 +328,9 @@ def _teardown(st: dict) -> list[str]:
             pids.update(net.netns_pids(ns))
     pids.discard(os.getpid())
     left += [f"process {p}" for p in net.kill_all(pids)]
+    for h in st.get("hosts", []):
+        if h.get("cgroup") and not cgroup.remove(h["cgroup"]):
+            left.append(f"cgroup {h['cgroup']}")
     ctl = st.get("controller_iface")
     if ctl and net.link_exists(ctl):
         net.sh([net.IP, "link", "del", ctl], check=False)
@@ -366,6 +380,10 @@ def _orphans(name: str) -> dict | None:
     if not found and not has_ctl and not state_dir(name).exists():
         return None
     hosts = [{"name": n[len(prefix):], "netns": n} for n in found if n != f"{prefix}sw"]
+    v = cgroup.version()
+    for h in hosts:     # a cap made before the crash has the host's name
+        cg = cgroup.ROOT / ("cpu" if v == 1 else "") / cgroup.cap_name(name, h["name"])
+        h["cgroup"] = str(cg) if v and cg.is_dir() else None
     return {"name": name, "hosts": hosts, "switch_netns": f"{prefix}sw" if f"{prefix}sw" in found else None,
             "controller_iface": ctl if has_ctl else None, "state_dir": str(state_dir(name))}
 

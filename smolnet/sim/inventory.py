@@ -47,6 +47,8 @@ def inventory_text(st: dict) -> str:
         if not loop:
             v.update({"smol_sim_netns": h["netns"], "smol_sim_port_mtu": h["port_mtu"],
                       "smol_sim_up_mbit": h["up_mbit"], "smol_sim_down_mbit": h["down_mbit"]})
+            if h.get("cgroup"):
+                v["smol_sim_cpu_cores"] = h["cpu_cores"]
         hosts[h["name"]] = v
     first = st["hosts"][0]["name"]
     doc = {"all": {"children": {

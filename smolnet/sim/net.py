@@ -171,7 +171,7 @@ LogLevel ERROR
 """
 
 
-def start_sshd(ns: str, host: str, d: Path, log: Path) -> None:
+def start_sshd(ns: str, host: str, d: Path, log: Path, extra: list[str] = ()) -> None:
     """Launch sshd inside the host's netns plus fresh UTS and mount namespaces.
 
     Overlays make /etc and /root per host (hostname, /etc/hosts, home) on top of the
@@ -187,6 +187,7 @@ def start_sshd(ns: str, host: str, d: Path, log: Path) -> None:
         f"mount -t overlay smol-etc -o lowerdir=/etc,upperdir={q(str(d / 'etc'))},workdir={q(str(d / 'etc.work'))} /etc",
         f"mount -t overlay smol-root -o lowerdir=/root,upperdir={q(str(d / 'root'))},workdir={q(str(d / 'root.work'))} /root",
         f"hostname {q(host)}",
+        *extra,                 # e.g. the cgroup mount (smolnet/sim/cgroup.py)
         f"exec /usr/sbin/sshd -D -e -f {q(str(d / 'sshd_config'))}",
     ])
     argv = ["setsid", "-f", IP, "netns", "exec", ns,

@@ -6,6 +6,7 @@ so they live in one place and the README states the same values.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 
 from smolnet.errors import UsageError
@@ -26,18 +27,49 @@ class HostSpec:
     up_mbit: float | None = None     # shaped host -> switch rate; None = unshaped
     down_mbit: float | None = None   # shaped switch -> host rate; None = unshaped
     nic_mbit: float | None = None    # rated NIC speed, written as link_rate_mbit
+    cpu_cores: float | None = None   # CPU cap (cgroup quota, in cores); None = uncapped
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+# CPU caps of the home hosts, in cores: about the ratio of a Pi 5, a Jetson, a Mac mini and
+# a laptop training a small model on CPU, summing to 1.5 so a 2-core machine holds them all.
+HOME_CPU = (0.15, 0.25, 0.45, 0.65)
+
+
 def _home() -> list[HostSpec]:
-    return [
+    specs = [
         HostSpec("pi5", "pi5", 1500, 1500, 1000, 1000, 1000),
         HostSpec("jetson", "jetson-orin-nano", 1500, 1500, 300, 1000, 1000),   # slow uplink
         HostSpec("macmini", "mac-mini-m4", 9000, 9000, 2500, 2500, 2500),
         HostSpec("laptop", "rtx4050-laptop", 9000, 1500, 1000, 1000, 1000),    # silent mismatch
     ]
+    scale = min(1.0, 0.75 * (os.cpu_count() or 1) / sum(HOME_CPU))   # caps must fit the machine
+    for s, c in zip(specs, HOME_CPU):
+        s.cpu_cores = round(c * scale, 3)
+    return specs
+
+
+def cpu_limits(text: str | None, n: int) -> list[float | None] | None:
+    """--cpu-limit: one figure for every host or one per host (comma-separated), in cores;
+    0 uncaps. None when not given (the scenario's own caps stay)."""
+    if text is None:
+        return None
+    try:
+        vals = [float(x) for x in str(text).split(",")]
+    except ValueError:
+        raise UsageError(f"--cpu-limit wants cores like 0.5 or 0.15,0.25,...; got {text!r}") from None
+    if len(vals) == 1:
+        vals = vals * n
+    if len(vals) != n:
+        raise UsageError(f"--cpu-limit has {len(vals)} figures for {n} hosts")
+    if any(v < 0 for v in vals):
+        raise UsageError(f"--cpu-limit figures must be >= 0 cores (0 = uncapped), got {text}")
+    total = sum(vals)
+    if total > (os.cpu_count() or 1):
+        raise UsageError(f"--cpu-limit caps sum to {total:g} cores, more than this machine's {os.cpu_count()}")
+    return [v or None for v in vals]
 
 
 def _mtu_lab() -> list[HostSpec]:
@@ -50,7 +82,17 @@ def _mtu_lab() -> list[HostSpec]:
 
 
 def scenario(name: str, hosts: int | None = None, rate_mbit: float | None = None,
-             mtu: int | None = None) -> list[HostSpec]:
+             mtu: int | None = None, cpu_limit: str | None = None) -> list[HostSpec]:
+    specs = _scenario(name, hosts, rate_mbit, mtu)
+    caps = cpu_limits(cpu_limit, len(specs))
+    if caps is not None:
+        for s, c in zip(specs, caps):
+            s.cpu_cores = c
+    return specs
+
+
+def _scenario(name: str, hosts: int | None = None, rate_mbit: float | None = None,
+              mtu: int | None = None) -> list[HostSpec]:
     """Host specs for a scenario; options the scenario cannot honour are usage errors."""
     if name not in SCENARIOS:
         raise UsageError(f"unknown sim scenario {name!r} (one of {', '.join(SCENARIOS)})")

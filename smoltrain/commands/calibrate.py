@@ -15,8 +15,17 @@ from smolnet.errors import UsageError
 from smolnet.files import write_json_atomic
 
 
+DEFAULT_COMPUTE = "reports/compute.json"
+
+
 def add_arguments(p) -> None:
-    p.add_argument("--out", help="where to write the profile (default ~/.config/smolcluster/calibration.json)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("-i", "--inventory", help="measure every cluster host over SSH into a smoltrain.compute/1 "
+                                             "report (default reports/compute.json)")
+    g.add_argument("--local", action="store_true", help="measure this machine into a smoltrain.compute/1 report")
+    p.add_argument("--hosts", help="with -i: only these hosts (comma-separated)")
+    p.add_argument("--out", help="where to write the profile (default ~/.config/smolcluster/calibration.json; "
+                                 f"with -i or --local the compute report, default {DEFAULT_COMPUTE})")
     p.add_argument("--seconds", type=float, default=0.3, help="time per measurement (default 0.3)")
     p.add_argument("--model", default="tiny", help="model whose training step sets the achieved fraction "
                                                    "(none: skip)")
@@ -120,6 +129,10 @@ def run(args) -> int:
             get_model(args.model)
         except ModelSpecError as e:
             raise UsageError(str(e)) from None
+    if getattr(args, "inventory", None) or getattr(args, "local", False):
+        from smoltrain.calibration.command import run_compute
+
+        return run_compute(args, args.out or DEFAULT_COMPUTE)
     con = Console()
     with con.status("measuring matmul FLOP/s, memory bandwidth and a training step ..."):
         doc = calibrate(args.seconds, args.model, args.batch, args.seq, args.threads)

@@ -120,6 +120,7 @@ def run(args) -> int:
         stage.run("4. measure again" if provisioned else "4. measure: the report the plan reads",
                   [py, "-m", "smolnet", "matrix", "-i", str(inv), "--duration", dur, "--out", str(out)],
                   ok_codes=(0, 4))
+        from smoltrain.commands.demo_compute import compute_stage; compute_stage(stage, py, inv, out, links, steps, args.quick)  # noqa: E702,E501
         plans = out / "plans.json"
         stage.run("5. plan: every strategy on the measured links",
                   [py, "-m", "smoltrain", "plan", "--strategy", "all", "-i", str(inv), "--links", str(links),

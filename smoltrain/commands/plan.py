@@ -24,6 +24,8 @@ def add_arguments(p) -> None:
     p.add_argument("--calibration", metavar="FILE",
                    help="profile from `smoltrain calibrate` for generic hosts "
                         "(default ~/.config/smolcluster/calibration.json when present)")
+    p.add_argument("--compute", metavar="COMPUTE.json",
+                   help="measured compute (smoltrain calibrate; default reports/compute.json when present)")
     p.add_argument("--json", metavar="FILE", help="write the plan (smoltrain.plan/1; --strategy all: "
                                                   "smoltrain.plans/1 with a list under 'plans')")
     p.add_argument("--chart", metavar="PNG", help="bytes per token and step time split, per strategy")
@@ -107,6 +109,9 @@ def run(args) -> int:
         raise UsageError(f"--world {world} is larger than the {len(hosts)} hosts available")
     calibration = load_calibration(args.calibration, required=bool(args.calibration))
     ranks = resolve_ranks(world, hosts, calibration)
+    from smoltrain.planner import compute as measured
+    ranks, compute_source = measured.apply(ranks, hosts[:world] if hosts else None,
+                                           getattr(args, "compute", None), model)
     if run_doc is not None and hosts is None and world > 1:   # a --local run: ranks share this machine
         ranks = share_machine(ranks, busy=busy_ranks(args.strategy, world, args.microbatches, args.mode))
     lm = link_model([r.name for r in ranks], hosts[:world] if hosts else None, links_doc, args.link_class)
@@ -135,6 +140,7 @@ def run(args) -> int:
 
     plan = make_plan(args.strategy, model, world, ranks=ranks, lm=lm, **kw)
     render.summary(con, plan)
+    con.print(f"  compute: {compute_source}; [bold]verdict:[/] {plan['verdict']}")
     render.links_table(con, plan)
     render.memory_table(con, plan)
     for n in plan["notes"]:

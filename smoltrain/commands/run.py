@@ -30,6 +30,8 @@ def add_arguments(p) -> None:
     p.add_argument("--json", help="write the run report (smoltrain.run/1) here")
     p.add_argument("--out", default="reports", help="folder for the loss-curve PNG (default reports/)")
     p.add_argument("--links", help="links.json for the plan shown before the run")
+    p.add_argument("--compute", metavar="COMPUTE.json",
+                   help="measured compute for the plan (default reports/compute.json when present)")
     p.add_argument("--secret-file", help="cluster secret (default ~/.config/smolcluster/secret, created if missing)")
     p.add_argument("--barrier-timeout", type=float, default=30.0, help="syncps/edp: drop a worker this late")
     p.add_argument("--timeout", type=float, default=120.0,
@@ -169,7 +171,8 @@ def run(args) -> int:
                 console.print("plan: using reports/links.json (measured links of these hosts)")
         try:
             plan = plan_for_run(strategy=args.strategy, model=spec, world=world, dtype="fp32", batch=args.batch,
-                                seq=args.seq, microbatches=args.microbatches, hosts=hosts, links=links)
+                                seq=args.seq, microbatches=args.microbatches, hosts=hosts, links=links,
+                                compute=getattr(args, "compute", None))
             console.print(f"plan: {plan['step_s'] * 1e3:.1f} ms/step predicted, bottleneck "
                           f"{plan['bottleneck']} ({plan.get('bottleneck_where')}), "
                           f"{plan['bytes_per_step'] / 1e6:.2f} MB/step on the busiest rank")

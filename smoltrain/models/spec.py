@@ -77,6 +77,10 @@ class ModelSpec:
 BUILTIN: dict[str, ModelSpec] = {
     "tiny": ModelSpec("tiny", vocab=256, layers=6, hidden=96, heads=6, kv_heads=6, ffn=384, ctx=64,
                       tied_embeddings=False),
+    # tiny8: the demo's model, whose 8 layers and 4 heads split evenly over 1, 2 or 4 ranks
+    # (pp and tp apply on the 4-host sim); untied like tiny
+    "tiny8": ModelSpec("tiny8", vocab=256, layers=8, hidden=96, heads=4, kv_heads=4, ffn=384, ctx=64,
+                       tied_embeddings=False),
     "gpt2-124m": ModelSpec("gpt2-124m", vocab=50257, layers=12, hidden=768, heads=12, kv_heads=12,
                            ffn=3072, ctx=1024),
     "llama-3.2-1b": ModelSpec("llama-3.2-1b", vocab=128256, layers=16, hidden=2048, heads=32, kv_heads=8,

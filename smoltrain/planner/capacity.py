@@ -7,7 +7,7 @@ s*b*h*(34 + 5*heads*s/h) bytes at 16 bits, tp: s*b*h*(10 + 24/t + 5*heads*s/(h*t
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from smoltrain.models.spec import ModelSpec
 
@@ -28,7 +28,11 @@ class RankWork:
     tokens: float           # tokens this rank processes per step (infer: per generated token)
     attn_share: float = 1.0  # share of attention heads (tp) this rank computes
     kv_positions: float = 0  # KV cache positions held (infer)
-    gathered: float = 0.0   # transient full copy (fsdp all-gather)
+    gathered: float = 0.0   # transient copy of gathered parameters (fsdp: one unit at a time)
+    logits: bool = True     # computes the LM head's logits (a pipeline's last stage only)
+    recompute: bool = False  # reruns each unit's forward in backward (fsdp)
+    saved_only: bool = False  # keeps only each unit's input activation (fsdp)
+    in_flight: float = 0.0  # tokens whose activations are held at once (0: all of `tokens`)
 
 
 @dataclass
@@ -57,12 +61,13 @@ def _head(model: ModelSpec) -> int:
     return model.vocab * model.hidden
 
 
-def layout(strategy: str, mode: str, model: ModelSpec, world: int, batch: int, seq: int) -> list[RankWork]:
+def layout(strategy: str, mode: str, model: ModelSpec, world: int, batch: int, seq: int,
+           microbatches: int = 1) -> list[RankWork]:
     """Per rank: what it stores, owns and computes, per step (train) or per token (infer)."""
     N, L, P = world, model.layers, model.params()
     lp = model.layer_params()
-    lp_active = lp if (mode == "train" or model.experts == 1) else \
-        (model.active_params() - model.embedding_params()) / L
+    # MoE: a token multiplies only its top_k experts, in training as in decode
+    lp_active = lp if model.experts == 1 else (model.active_params() - model.embedding_params()) / L
     train = mode == "train"
     toks_all = batch * seq if train else 1
     kv = 0 if train else seq
@@ -74,9 +79,11 @@ def layout(strategy: str, mode: str, model: ModelSpec, world: int, batch: int, s
         for r in range(N):
             owned = P / N if strategy == "fsdp" else (P if strategy in ("dp", "sp") or r == 0 or not train else 0)
             held = P / N if strategy == "fsdp" else P
+            fs = strategy == "fsdp"
             out.append(RankWork(L, held, owned, full_matmul, toks,
                                 kv_positions=kv / N if strategy == "sp" else kv,
-                                gathered=P if strategy == "fsdp" else 0.0))
+                                gathered=_largest_unit(model) if fs else 0.0,
+                                recompute=fs and train, saved_only=fs and train))
             if strategy == "sp" and not train:
                 out[-1].tokens = 1 / N   # each rank attends over its share; matmuls split by position
         return out
@@ -93,7 +100,11 @@ def layout(strategy: str, mode: str, model: ModelSpec, world: int, batch: int, s
             if r == N - 1:
                 held += 2 * model.hidden + (head if (not model.tied_embeddings or N > 1) else 0)
                 mm += head
-            out.append(RankWork(nl, held, held, mm, toks_all, kv_positions=kv))
+            m = max(1, microbatches) if strategy == "pp" and train else 1
+            # 1F1B: stage r holds at most min(m, N - r) microbatches' activations (<= p)
+            live = toks_all / m * min(m, N - r) if m > 1 else 0.0
+            out.append(RankWork(nl, held, held, mm, toks_all, kv_positions=kv, logits=r == N - 1,
+                                in_flight=live))
         return out
     if strategy == "ep":
         ex = expert_params(model)
@@ -107,11 +118,18 @@ def layout(strategy: str, mode: str, model: ModelSpec, world: int, batch: int, s
     raise ValueError(strategy)
 
 
+def _largest_unit(model: ModelSpec) -> float:
+    from smoltrain.planner.traffic import fsdp_units
+    return max(fsdp_units(model))
+
+
 def flops(w: RankWork, model: ModelSpec, mode: str, seq: int) -> float:
-    """6 FLOPs per parameter per token in training (2 in decode), plus attention over seq."""
+    """6 FLOPs per parameter per token in training (2 in decode), plus attention over seq;
+    8 (and 16) where the forward is recomputed in backward (fsdp)."""
     attn = w.layers * model.hidden * seq * w.attn_share
     if mode == "train":
-        return w.tokens * (6 * w.matmul_params + 12 * attn)
+        k = 8 / 6 if w.recompute else 1.0
+        return w.tokens * k * (6 * w.matmul_params + 12 * attn)
     return w.tokens * 2 * w.matmul_params + 4 * attn * (w.kv_positions / seq if seq else 0)
 
 
@@ -120,8 +138,9 @@ def memory_traffic(w: RankWork, model: ModelSpec, mode: str, dtype: str, batch: 
     """Bytes moved to and from memory per step: what a memory-bound rank waits for."""
     a = dtype_bytes(dtype)
     if mode == "train":
-        weights = w.gathered or w.params_held
-        return weights * 3 * a + w.params_owned * OPT_TRAFFIC + 2 * _activations(w, model, a, seq, strategy)
+        weights = model.params() if w.gathered else w.params_held   # fsdp: every unit passes through
+        every = replace(w, in_flight=0.0, saved_only=False)   # all tokens' activations pass through memory
+        return weights * 3 * a + w.params_owned * OPT_TRAFFIC + 2 * _activations(every, model, a, seq, strategy)
     kv = 2 * w.layers * model.kv_dim * w.kv_positions * a * w.attn_share
     return w.matmul_params * a + kv
 
@@ -132,8 +151,11 @@ def _activations(w: RankWork, model: ModelSpec, a: int, seq: int, strategy: str)
     if strategy == "tp":
         t = 1 / w.attn_share
         per_token = h * (10 + 24 / t + 5 * heads * seq / (h * t))
-    logits = w.tokens * model.vocab * 4 if w.matmul_params >= _head(model) else 0
-    return w.tokens * w.layers * per_token * a / 2 + logits
+    toks = w.in_flight or w.tokens
+    logits = toks * model.vocab * 4 if w.logits else 0
+    if w.saved_only:    # each unit's input is kept; one unit's full activations live at a time
+        return w.tokens * (w.layers + 2) * h * a + w.tokens * per_token * a / 2 + logits
+    return toks * w.layers * per_token * a / 2 + logits
 
 
 def memory(w: RankWork, model: ModelSpec, mode: str, dtype: str, seq: int, strategy: str) -> Memory:
@@ -142,9 +164,26 @@ def memory(w: RankWork, model: ModelSpec, mode: str, dtype: str, seq: int, strat
     if mode == "infer":
         return Memory(w.params_held * a + w.gathered * a, 0, 0, 0, kv)
     master = MASTER_BYTES if a < 4 else 0
-    grads_full = w.gathered or w.params_held     # fsdp holds the full gradient before reduce-scatter
+    # fsdp: the shard's gradient plus one gathered unit's full gradient before its reduce-scatter
+    grads_full = w.params_held + w.gathered
     return Memory(weights=w.params_held * a + w.gathered * a,
                   grads=grads_full * a,
                   optimizer=w.params_owned * (ADAM_BYTES + master),
                   activations=_activations(w, model, a, seq, strategy),
                   kv_cache=0)
+
+
+def fixed_share(w: RankWork, model: ModelSpec, strategy: str) -> float:
+    """Share of a whole-model step's fixed cost (per-operation overhead, optimizer loop) a
+    rank pays: a pipeline stage runs its layers' operations only, every other rank all of
+    them (tp narrower, dp/fsdp on fewer tokens, but as many operations)."""
+    if strategy in ("pp", "mp"):
+        return (w.layers + (1 if w.matmul_params > w.layers * model.layer_params() else 0)) / (model.layers + 1)
+    return 1.0
+
+
+def server_seconds(model: ModelSpec, world: int, mem_bw: float) -> float:
+    """syncps/edp: the server sums `world` fp32 gradients (read each, read-modify-write the
+    sum) and runs AdamW on the whole model, between the last push and the first pull, so
+    the step waits for it: memory-bound, (2 * world * 4 + 28) bytes per parameter."""
+    return model.params() * (8 * world + OPT_TRAFFIC) / mem_bw

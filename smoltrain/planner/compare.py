@@ -1,7 +1,9 @@
 """Predicted against measured: the plan for a finished `smoltrain run`, link by link.
 
 Measured bytes are the transport's payload counters summed over the run, divided by the
-number of steps; step time is the median over steps after the first (warm-up).
+number of steps; step time, communication time and tokens/s are taken over the steps after
+the warm-up (the first WARMUP_STEPS: allocator, thread pools and first connections), which
+no steady-state prediction describes.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from smolnet.files import read_json
 RUN_SCHEMA = "smoltrain.run/1"
 COMPARE_SCHEMA = "smoltrain.compare/1"
 TOLERANCE = 0.02
+WARMUP_STEPS = 1
 
 
 def read_run(path: str) -> dict:
@@ -55,11 +58,21 @@ def measured_steps(run: dict) -> int:
     return len(steps) or int(run.get("config", {}).get("steps") or 1)
 
 
+def after_warmup(steps: list) -> list:
+    """The steps a prediction describes: all but the warm-up, when any remain."""
+    return steps[WARMUP_STEPS:] if len(steps) > WARMUP_STEPS else list(steps)
+
+
 def _median_after_warmup(values: list[float]) -> float | None:
-    vals = [v for v in values if isinstance(v, (int, float))]
-    if len(vals) > 2:
-        vals = vals[1:]
+    vals = [v for v in after_warmup(list(values)) if isinstance(v, (int, float))]
     return statistics.median(vals) if vals else None
+
+
+def tokens_per_s_after_warmup(run: dict) -> float | None:
+    steps = [s for s in after_warmup(run.get("steps") or []) if s.get("step_s") and s.get("tokens")]
+    if not steps:
+        return run.get("tokens_per_s")
+    return sum(s["tokens"] for s in steps) / sum(s["step_s"] for s in steps)
 
 
 def compare(plan: dict, run: dict) -> dict:
@@ -83,8 +96,38 @@ def compare(plan: dict, run: dict) -> dict:
             "bytes_within_2pct": all(r["within_2pct"] for r in rows),
             "step_s": {"predicted": plan["step_s"], "measured": step_m},
             "comm_s": {"predicted": plan["comm_s_per_step"], "measured": comm_m},
-            "tokens_per_s": {"predicted": plan["tokens_per_s"], "measured": run.get("tokens_per_s")},
+            "tokens_per_s": {"predicted": plan["tokens_per_s"], "measured": tokens_per_s_after_warmup(run)},
+            **per_rank(plan, run),
             "plan": plan}
+
+
+MISS = 0.25     # a per-rank figure further than this from its prediction "missed"
+
+
+def per_rank(plan: dict, run: dict) -> dict:
+    """Compute and communication per rank, predicted vs measured (median after warm-up),
+    and which of them missed by more than MISS, so a wrong step time has a named cause."""
+    steps = after_warmup([s for s in run.get("steps") or [] if s.get("ranks")])
+    if not steps:
+        return {"ranks": [], "missed": []}
+    names = [r.get("name", f"rank{i}") for i, r in enumerate(plan.get("ranks") or [])]
+    comm_p = plan.get("comm_s_per_step")
+    rows, missed = [], []
+    for i, pr in enumerate(plan.get("ranks") or []):
+        got = [next((x for x in s["ranks"] if x["rank"] == i), None) for s in steps]
+        got = [g for g in got if g]
+        if not got:
+            continue
+        row = {"rank": i, "name": names[i]}
+        for what, pred in (("compute_s", pr["compute_s"]), ("comm_s", comm_p)):
+            m = statistics.median(g[what] for g in got)
+            ratio = m / pred if pred else None
+            row[what] = {"predicted": pred, "measured": m, "ratio": ratio}
+            if ratio is not None and abs(ratio - 1) > MISS and max(m, pred) > 0.05 * (plan.get("step_s") or 0):
+                missed.append(f"{what[:-2]} on rank {i} ({names[i]}) x{ratio:.2f}")
+        row["wait_s"] = statistics.median(g["wait_s"] for g in got)
+        rows.append(row)
+    return {"ranks": rows, "missed": missed}
 
 
 def render(con, cmp: dict) -> None:
@@ -107,5 +150,20 @@ def render(con, cmp: dict) -> None:
         t.add_row(f"[bold]{what.replace('_s', ' time')}[/]", "", human_s(p) if p is not None else "-",
                   human_s(m) if m is not None else "-", ratio)
     con.print(t)
+    if cmp.get("ranks"):
+        from smoltrain.planner.plan import human_s as hs
+        rt = Table(title="per rank: predicted vs measured (median after warm-up)", title_justify="left")
+        for c in ("rank", "host", "compute", "comm", "wait"):
+            rt.add_column(c)
+        for r in cmp["ranks"]:
+            def cell(x):
+                ok = x["ratio"] is not None and abs(x["ratio"] - 1) <= MISS
+                col = "green" if ok else "red"
+                return (f"{hs(x['predicted'])} / {hs(x['measured'])} "
+                        f"[{col}]x{x['ratio']:.2f}[/]" if x["ratio"] is not None else "-")
+            rt.add_row(str(r["rank"]), r["name"], cell(r["compute_s"]), cell(r["comm_s"]), hs(r["wait_s"]))
+        con.print(rt)
+        con.print("  missed: " + ("; ".join(cmp["missed"]) if cmp["missed"] else "nothing (compute and comm "
+                                                                                  f"within {MISS:.0%} on every rank)"))
     verdict = "all links within 2%" if cmp["bytes_within_2pct"] else "[red]some links differ by more than 2%[/]"
     con.print(f"  bytes: {verdict}")

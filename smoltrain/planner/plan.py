@@ -25,6 +25,8 @@ class Rank:
     name: str
     device: DeviceProfile
     memory_bytes: float
+    fixed_s: float = 0.0        # measured fixed cost of a whole-model training step (planner/compute.py)
+    measured: bool = False      # figures from a compute report, not a device profile
 
 
 def rank_names(world: int, hosts=None) -> list[str]:
@@ -96,7 +98,7 @@ def human_s(s: float) -> str:
 
 def make_plan(strategy: str, model: ModelSpec, world: int, dtype: str = "fp32", batch: int = 8,
               seq: int = 64, microbatches: int = 1, mode: str = "train", ranks: list[Rank] | None = None,
-              lm: LinkModel | None = None, overlap: bool = True) -> dict:
+              lm: LinkModel | None = None, overlap: bool = True, single: bool = True) -> dict:
     if mode == "infer":
         batch, microbatches = 1, 1   # the contract's bytes per token are for batch-1 decode
     if strategy != "pp":
@@ -109,7 +111,7 @@ def make_plan(strategy: str, model: ModelSpec, world: int, dtype: str = "fp32", 
     a = dtype_bytes(dtype)
 
     # compute and memory per rank
-    works = capacity.layout(strategy, mode, model, world, batch, seq)
+    works = capacity.layout(strategy, mode, model, world, batch, seq, microbatches)
     per_rank = []
     for r, (w, rk) in enumerate(zip(works, ranks)):
         fl = capacity.flops(w, model, mode, seq)
@@ -117,8 +119,11 @@ def make_plan(strategy: str, model: ModelSpec, world: int, dtype: str = "fp32", 
         t_fl = fl / rk.device.flops(dtype)
         t_mem = mt / rk.device.mem_bw
         mem = capacity.memory(w, model, mode, dtype, seq, strategy)
+        t_c = max(t_fl, t_mem)
+        if rk.measured and train:   # timed steps hold the memory traffic already, plus a fixed cost
+            t_c = t_fl + rk.fixed_s * capacity.fixed_share(w, model, strategy)
         per_rank.append({"rank": r, "name": rk.name, "device": rk.device.name, "flops_per_step": fl,
-                         "memory_traffic_bytes": mt, "compute_s": max(t_fl, t_mem),
+                         "memory_traffic_bytes": mt, "compute_s": t_c,
                          "bound": "compute" if t_fl >= t_mem else "memory-bandwidth",
                          "memory": mem.to_dict(), "memory_available": int(rk.memory_bytes * capacity.HEADROOM),
                          "fits": mem.total <= rk.memory_bytes * capacity.HEADROOM})
@@ -150,6 +155,8 @@ def make_plan(strategy: str, model: ModelSpec, world: int, dtype: str = "fp32", 
     else:
         slowest = max(per_rank, key=lambda p: p["compute_s"])
         compute_s = slowest["compute_s"]
+        if train and strategy in ("syncps", "edp") and world > 1:   # the server aggregates and updates
+            compute_s += capacity.server_seconds(model, world, ranks[0].device.mem_bw)
         cc = timing.comm_cost(tr, names, lm)
         comm_s = cc.total_s
         if overlap and train and cc.overlappable_s > 0:
@@ -192,6 +199,8 @@ def make_plan(strategy: str, model: ModelSpec, world: int, dtype: str = "fp32", 
         "total_bytes_per_step": int(round(sum(link_b.values()))),
         "links": links_out,
         "compute_s_per_step": compute_s,
+        "compute_source": "measured" if ranks and all(rk.measured for rk in ranks) else "nominal",
+        "compute_s_per_rank": [p["compute_s"] for p in per_rank],
         "comm_s_per_step": comm_s if finite else None,
         "step_s": step_s if finite else None,
         "tokens_per_s": tps,
@@ -205,6 +214,11 @@ def make_plan(strategy: str, model: ModelSpec, world: int, dtype: str = "fp32", 
         "notes": tr.notes + ([] if train else ["infer: one generated token per step, batch-1 decode, "
                                                f"KV cache over {seq} positions"]),
     }
+    if single:
+        from smoltrain.planner import verdict
+        doc["single_host"] = verdict.single_host(make_plan, model, ranks, dtype=dtype, batch=batch, seq=seq,
+                                                 mode=mode)
+        doc["verdict"] = verdict.sentence(doc)
     return doc
 
 
@@ -248,7 +262,8 @@ def _bottleneck(tr, per_rank, names, lm, link_b, link_s, compute_s, comm_s, cc, 
 
 def plan_for_run(strategy, model: ModelSpec, world: int, dtype: str = "fp32", batch: int = 8, seq: int = 64,
                  microbatches: int = 1, mode: str = "train", hosts=None, links: dict | None = None,
-                 link_class: str | None = None, *, calibration=None, overlap: bool = True) -> dict:
+                 link_class: str | None = None, *, calibration=None, overlap: bool = True,
+                 compute: str | None | bool = None) -> dict:
     """The plan `smoltrain run` shows before launching and writes beside what it measured.
 
     Host names are the inventory's, or rank0..rank{N-1} when `hosts` is None (`--local N`).
@@ -262,6 +277,9 @@ def plan_for_run(strategy, model: ModelSpec, world: int, dtype: str = "fp32", ba
     elif calibration is False:
         calibration = None
     ranks = resolve_ranks(world, hosts, calibration)
+    if compute is not False:    # None: reports/compute.json when it exists (planner/compute.py)
+        from smoltrain.planner import compute as measured
+        ranks, _ = measured.apply(ranks, hosts[:world] if hosts else None, compute, model)
     if hosts is None and world > 1:
         ranks = share_machine(ranks, busy=busy_ranks(strategy, world, microbatches, mode))
     lm = link_model([r.name for r in ranks], hosts[:world] if hosts else None, links, link_class)
@@ -290,7 +308,8 @@ def share_machine(ranks: list[Rank], cores: int | None = None, busy: int | None 
     n = len(ranks)
     f = min(1.0, (cores or os.cpu_count() or 1) / (busy or n))
     return [Rank(r.name, replace(r.device, flops_fp32=r.device.flops_fp32 * f, flops_fp16=r.device.flops_fp16 * f,
-                                 mem_bw=r.device.mem_bw * f), r.memory_bytes / n) for r in ranks]
+                                 mem_bw=r.device.mem_bw * f), r.memory_bytes / n, r.fixed_s / f, r.measured)
+            for r in ranks]
 
 
 WHAT_IF_CLASSES = ("1gbe", "2.5gbe", "10gbe", "tb4", "25gbe", "tb5", "100gbe", "200gbe")  # by goodput
@@ -301,7 +320,7 @@ def what_if(strategy: str, model: ModelSpec, world: int, ranks: list[Rank], **kw
     """The same plan over every link class: where the links stop being the bottleneck."""
     rows = []
     for name in WHAT_IF_CLASSES:
-        d = make_plan(strategy, model, world, ranks=ranks, lm=from_class(name), **kw)
+        d = make_plan(strategy, model, world, ranks=ranks, lm=from_class(name), single=False, **kw)
         rows.append({"link_class": name, "goodput_mbit": LINK_CLASSES[name].goodput_mbit,
                      "rtt_us": LINK_CLASSES[name].rtt_us, "step_s": d["step_s"],
                      "comm_s_per_step": d["comm_s_per_step"], "tokens_per_s": d["tokens_per_s"],

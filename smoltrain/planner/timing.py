@@ -27,6 +27,13 @@ def phase_cost(ph: Phase, names: list[str], lm: LinkModel) -> PhaseCost:
     best, best_alpha, limiter = 0.0, 0.0, ""
     out_b: dict[int, float] = {}
     in_b: dict[int, float] = {}
+    if ph.serial:   # hops one after another: the round costs their sum
+        secs = []
+        for t in ph.transfers:
+            ln = lm.get(names[t.src], names[t.dst])
+            secs.append((t.msgs * ln.alpha_s, t.msgs * ln.alpha_s + (t.nbytes / ln.bytes_per_s if ln.up else math.inf)))
+        return PhaseCost(sum(s for _, s in secs) * ph.repeat, sum(a for a, _ in secs) * ph.repeat,
+                         f"{len(secs)} hops in series")
     for t in ph.transfers:
         ln = lm.get(names[t.src], names[t.dst])
         alpha = t.msgs * ln.alpha_s

@@ -43,6 +43,7 @@ class Phase:
     repeat: int = 1
     overlap_backward: bool = False   # dp buckets may hide behind the backward pass
     buckets: int = 1                 # gradient buckets the rounds are grouped in
+    serial: bool = False             # each transfer waits for the one before (a decode ring)
 
 
 @dataclass
@@ -101,11 +102,12 @@ def expert_params(model: ModelSpec) -> int:
 
 
 def fsdp_units(model: ModelSpec) -> list[int]:
-    """Parameters per fsdp unit, as smoltrain's model cuts it: embeddings, each block, head.
+    """Parameters per fsdp unit: embeddings, each block, head (final norm + LM head).
 
-    The head unit holds the LM head matrix even when it is tied to the embedding."""
+    A tied LM head is the embedding matrix: it is one parameter, gathered and reduced once
+    (with the embedding unit), so the head unit holds only the final norm then."""
     emb = model.vocab * model.hidden + (model.ctx * model.hidden if model.learned_pos else 0)
-    head = 2 * model.hidden + model.vocab * model.hidden
+    head = 2 * model.hidden + (0 if model.tied_embeddings else model.vocab * model.hidden)
     return [emb] + [model.layer_params()] * model.layers + [head]
 
 
@@ -256,7 +258,7 @@ def traffic(strategy: str, mode: str, model: ModelSpec, world: int, dtype: str =
             if N > 1:
                 ph.append(Phase("ring-attention decode: q and partial (out, lse) around the ring",
                                 [Transfer(r, (r + 1) % N, 2 * h * a + model.heads * LSE_BYTES)
-                                 for r in range(N)], L))
+                                 for r in range(N)], L, serial=True))
                 tr.notes.append("sp decode: the KV cache is split by position; q and the running "
                                 "(out, lse) go once around the ring per layer")
     return tr

@@ -151,6 +151,7 @@ class Controller:
             rec = self.steps.setdefault(msg["step"], {"parts": {}, "step_s": 0.0, "comm_s": 0.0})
             rec["step_s"] = max(rec["step_s"], msg["step_s"])
             rec["comm_s"] = max(rec["comm_s"], msg["comm_s"])
+            rec.setdefault("by", {})[who] = (msg["step_s"], msg["comm_s"])   # per-rank timings (run/timings.py)
             if msg.get("loss") is not None:
                 rec["parts"][who] = msg["loss"]
                 if not math.isfinite(msg["loss"]):
@@ -313,6 +314,11 @@ class Controller:
             rows.append({"step": k, "loss": loss, "step_s": rec["step_s"], "comm_s": rec["comm_s"], "tokens": tokens})
         total_s = sum(r["step_s"] for r in rows)
         order = {n: i for i, n in enumerate(self.names)}
+        from smoltrain.run.timings import rank_timings
+        for row in rows:
+            by = self.steps[row["step"]].get("by", {})
+            row["ranks"] = rank_timings({order.get(n, len(order) + i): v for i, (n, v) in enumerate(sorted(by.items()))},
+                                        row["step_s"])
         links = sorted(self.links.items(), key=lambda kv: (order.get(kv[0][0], 1 << 20), kv[0][0],
                                                              order.get(kv[0][1], 1 << 20), kv[0][1]))
         return {

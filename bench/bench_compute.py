@@ -1,0 +1,127 @@
+"""Predicted vs measured step time per strategy on the CPU-capped `home` sim, and calibrated
+compute vs each host's cap.
+
+Brings up sim `cbench` (home scenario, CPU caps 0.15/0.25/0.45/0.65 cores scaled to this
+machine, 10.42.3.0/24), measures the links (`smolnet matrix`), calibrates every host
+(`smoltrain calibrate -i`, tiny8), trains each of the seven trained strategies for a few
+steps with `smoltrain run -i`, and compares with the plan made from the measured links and
+the measured compute (`plan --compare`). Target: measured/predicted within 0.75..1.25, bytes
+within 2% on every link. Also: each host's calibrated fp32 FLOP/s against its cap's share of
+an uncapped host's (target within 15%), from a second calibration with `--cpu-limit 0`.
+
+Writes bench/RESULTS-compute.md. Run under the shared benchmark lock:
+    flock /tmp/smol-bench.lock .venv/bin/python bench/bench_compute.py [--steps 8] [--model tiny8]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from smoltrain.commands.demo_compute import _nominal_step  # noqa: E402
+
+PY = sys.executable
+STRATEGIES = ("dp", "fsdp", "syncps", "edp", "mp", "pp", "tp")
+NAME, SUBNET = "cbench", "10.42.3.0/24"
+
+
+def sh(argv, ok=(0, 4), timeout=900):
+    r = subprocess.run([str(a) for a in argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if r.returncode not in ok:
+        raise SystemExit(f"{' '.join(map(str, argv))} failed ({r.returncode}): {(r.stdout + r.stderr)[-800:]}")
+    return r
+
+
+def up(d: Path, cpu_limit: str | None = None) -> Path:
+    inv = d / "sim.yml"
+    sh([PY, "-m", "smolnet", "sim", "down", "--name", NAME])
+    extra = ["--cpu-limit", cpu_limit] if cpu_limit is not None else []
+    sh([PY, "-m", "smolnet", "sim", "up", "--name", NAME, "--subnet", SUBNET, "--inventory", inv] + extra)
+    return inv
+
+
+def down():
+    sh([PY, "-m", "smolnet", "sim", "down", "--name", NAME])
+
+
+def calibration_check(d: Path, model: str) -> list[dict]:
+    """Capped hosts vs the same hosts uncapped: measured fp32 ratio against the cap."""
+    inv = up(d, "0")
+    try:
+        sh([PY, "-m", "smoltrain", "calibrate", "-i", inv, "--model", "none", "--out", d / "uncapped.json"])
+    finally:
+        down()
+    free = {h["name"]: h for h in json.loads((d / "uncapped.json").read_text())["hosts"]}
+    capped = {h["name"]: h for h in json.loads((d / "compute.json").read_text())["hosts"]}
+    rows = []
+    for n, h in capped.items():
+        if h["status"] != "ok" or free[n]["status"] != "ok":
+            continue
+        share = h["flops"]["fp32"] / free[n]["flops"]["fp32"]
+        cap = min(1.0, h["cpu_limit_cores"] or 1.0)
+        rows.append({"host": n, "cap": cap, "share": share, "ratio": share / cap})
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", default="8")
+    ap.add_argument("--model", default="tiny8")
+    ap.add_argument("--strategies", default=",".join(STRATEGIES))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "RESULTS-compute.md"))
+    a = ap.parse_args()
+    d = Path(tempfile.mkdtemp(prefix="cbench-"))
+    inv = up(d)
+    rows = []
+    try:
+        sh([PY, "-m", "smolnet", "matrix", "-i", inv, "--duration", "2", "--out", d])
+        sh([PY, "-m", "smoltrain", "calibrate", "-i", inv, "--model", a.model, "--out", d / "compute.json"])
+        for s in a.strategies.split(","):
+            run = d / f"run-{s}.json"
+            r = sh([PY, "-m", "smoltrain", "run", "--strategy", s, "-i", inv, "--model", a.model, "--steps", a.steps,
+                    "--links", d / "links.json", "--compute", d / "compute.json", "--json", run, "--out", d],
+                   ok=(0, 1, 2, 4))
+            if not run.exists():
+                rows.append({"strategy": s, "error": (r.stdout + r.stderr).strip().splitlines()[-1][:120]})
+                continue
+            cmp = d / f"cmp-{s}.json"
+            sh([PY, "-m", "smoltrain", "plan", "--compare", run, "--links", d / "links.json", "--compute",
+                d / "compute.json", "-i", inv, "--no-what-if", "--json", cmp])
+            c = json.loads(cmp.read_text())
+            rows.append({"strategy": s, "pred": c["step_s"]["predicted"], "meas": c["step_s"]["measured"],
+                         "nominal": _nominal_step(s, c["plan"], inv, d / "links.json"),
+                         "bytes_ok": c["bytes_within_2pct"], "missed": c.get("missed") or []})
+    finally:
+        down()
+    cal = calibration_check(d, a.model)
+    lines = [f"# Compute prediction on the CPU-capped home sim ({a.model}, {a.steps} steps, 1 Gbit links)", "",
+             "| strategy | predicted ms | measured ms | measured/predicted | within 25% | nominal ms "
+             "| measured/nominal | bytes within 2% | missed |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['strategy']} | - | - | - | - | - | - | - | {r['error']} |")
+            continue
+        q = r["meas"] / r["pred"]
+        qn = r["meas"] / r["nominal"] if r["nominal"] else float("nan")
+        lines.append(f"| {r['strategy']} | {r['pred'] * 1e3:.1f} | {r['meas'] * 1e3:.1f} | {q:.2f} | "
+                     f"{'yes' if 0.75 <= q <= 1.25 else 'no'} | {(r['nominal'] or 0) * 1e3:.1f} | {qn:.2f} | "
+                     f"{'yes' if r['bytes_ok'] else 'no'} | {'; '.join(r['missed']) or '-'} |")
+    lines += ["", "Calibrated fp32 FLOP/s of each capped host / the same host uncapped, against its cap:", "",
+              "| host | cap (cores) | measured share | share/cap | within 15% |", "|---|---|---|---|---|"]
+    for c in cal:
+        lines.append(f"| {c['host']} | {c['cap']:g} | {c['share']:.3f} | {c['ratio']:.2f} | "
+                     f"{'yes' if abs(c['ratio'] - 1) <= 0.15 else 'no'} |")
+    text = "\n".join(lines) + "\n"
+    Path(a.out).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""CPU caps for sim hosts: one cgroup per host with a CFS quota, v1 or v2.
+
+Why: the sim's hosts are processes on one machine, so without a cap they all compute at
+the machine's speed and a compute prediction cannot be checked. A quota on everything a
+host's sshd starts makes hosts that differ in compute the way a Pi and a laptop do, with
+the truth known (the cap). The cgroup is joined from the root namespace after sshd starts
+(children inherit it); `ip netns exec` remounts /sys, so inside a host the cgroup
+filesystem is mounted again (mount_lines) for probes to read their own limit.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+ROOT = Path(os.environ.get("SMOL_CGROUP_ROOT", "/sys/fs/cgroup"))
+PERIOD_US = 100_000
+
+
+class CgroupError(Exception):
+    """A cap could not be set or removed."""
+
+
+def version(root: Path = ROOT) -> int | None:
+    """1 (cpu controller mounted at root/cpu), 2 (unified with cpu enabled), or None."""
+    if (root / "cpu" / "cpu.cfs_quota_us").exists():
+        return 1
+    ctl = root / "cgroup.controllers"
+    if ctl.exists() and "cpu" in ctl.read_text().split():
+        return 2
+    return None
+
+
+def unavailable_reason(root: Path = ROOT) -> str | None:
+    if version(root) is None:
+        return f"no cgroup cpu controller under {root} (v1 {root}/cpu or v2 with cpu enabled)"
+    if os.geteuid() != 0:
+        return "capping CPU needs root"
+    return None
+
+
+def _dir(name: str, root: Path, v: int) -> Path:
+    return (root / "cpu" / name) if v == 1 else (root / name)
+
+
+def create(name: str, cores: float, root: Path = ROOT) -> str:
+    """Make cgroup `name` capped at `cores` CPUs; return its directory."""
+    if cores <= 0:
+        raise CgroupError(f"cpu cap must be > 0 cores, got {cores:g}")
+    v = version(root)
+    if v is None:
+        raise CgroupError(unavailable_reason(root) or "no cgroup cpu controller")
+    d = _dir(name, root, v)
+    try:
+        d.mkdir(exist_ok=True)
+        quota = max(1000, int(round(cores * PERIOD_US)))
+        if v == 1:
+            (d / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+            (d / "cpu.cfs_quota_us").write_text(str(quota))
+        else:
+            sub = root / "cgroup.subtree_control"
+            if "cpu" not in sub.read_text().split():
+                sub.write_text("+cpu")
+            (d / "cpu.max").write_text(f"{quota} {PERIOD_US}")
+    except OSError as e:
+        raise CgroupError(f"cannot cap {d} at {cores:g} cores: {e.strerror or e}") from None
+    return str(d)
+
+
+def add_pid(path: str, pid: int) -> None:
+    try:
+        Path(path, "cgroup.procs").write_text(str(pid))
+    except OSError as e:
+        raise CgroupError(f"cannot move pid {pid} into {path}: {e.strerror or e}") from None
+
+
+def pids(path: str) -> list[int]:
+    try:
+        return [int(x) for x in Path(path, "cgroup.procs").read_text().split()]
+    except OSError:
+        return []
+
+
+def remove(path: str, timeout: float = 5.0) -> bool:
+    """Move what is left to the parent and remove the cgroup; True when it is gone."""
+    d = Path(path)
+    if not d.is_dir():
+        return True
+    deadline = time.monotonic() + timeout
+    while True:
+        for pid in pids(path):
+            try:
+                (d.parent / "cgroup.procs").write_text(str(pid))
+            except OSError:
+                pass
+        try:
+            d.rmdir()
+            return True
+        except OSError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+
+
+def limit(path: str) -> float | None:
+    """Cores the cgroup at `path` may use; None when unlimited or unreadable."""
+    d = Path(path)
+    try:
+        if (d / "cpu.max").exists():
+            q, p = (d / "cpu.max").read_text().split()[:2]
+            return None if q == "max" else int(q) / int(p)
+        q = int((d / "cpu.cfs_quota_us").read_text())
+        p = int((d / "cpu.cfs_period_us").read_text())
+        return None if q < 0 else q / p
+    except (OSError, ValueError):
+        return None
+
+
+def own_limit(root: Path = ROOT, proc_cgroup: str = "/proc/self/cgroup") -> float | None:
+    """The CPU cap this process runs under (the tightest on its cgroup path), or None."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    best = None
+    for ln in lines:
+        hid, ctrls, rel = (ln.split(":", 2) + ["", ""])[:3]
+        if hid == "0" and ctrls == "":
+            base = root
+        elif "cpu" in ctrls.split(","):
+            base = root / "cpu" if (root / "cpu").is_dir() else root / ctrls
+        else:
+            continue
+        parts = [p for p in rel.strip("/").split("/") if p]
+        for i in range(len(parts), -1, -1):     # every ancestor may cap too
+            lim = limit(str(base.joinpath(*parts[:i])))
+            if lim is not None:
+                best = lim if best is None else min(best, lim)
+    return best
+
+
+def _v1_cpu_options(proc_cgroup: str = "/proc/self/cgroup") -> str:
+    """The cpu hierarchy's controller list (cpu, or cpu,cpuacct where they are co-mounted)."""
+    try:
+        for ln in Path(proc_cgroup).read_text().splitlines():
+            ctrls = (ln.split(":", 2) + [""])[1].split(",")
+            if "cpu" in ctrls:
+                return ",".join(ctrls)
+    except OSError:
+        pass
+    return "cpu"
+
+
+def mount_lines() -> list[str]:
+    """Shell lines for a host's private mount namespace, after `ip netns exec` gave it a
+    fresh /sys: mount the cpu controller again so probes can read their own cap. Failing
+    to mount costs only that reading (calibrate reports the cap as unknown)."""
+    v = version()
+    if v == 1:
+        body = ("mount -t tmpfs smol-cg /sys/fs/cgroup && mkdir -p /sys/fs/cgroup/cpu && "
+                f"mount -t cgroup -o {_v1_cpu_options()} smol-cgcpu /sys/fs/cgroup/cpu")
+    elif v == 2:
+        body = "mount -t cgroup2 smol-cg2 /sys/fs/cgroup"
+    else:
+        return []
+    return [f"{{ {body}; }} 2>/dev/null || true"]
+
+
+def cap_name(sim: str, host: str) -> str:
+    return f"smol-{sim}-{host}"

@@ -1,0 +1,143 @@
+"""The compute probe, run on the host it measures: `python -m smoltrain.calibration.probe`.
+
+Prints one JSON object (a `hosts` entry of `smoltrain.compute/1`, less its name). Every
+figure is a throughput over a window of many CFS periods, never a best-of: under a CPU
+quota a short operation runs at full speed until the quota is spent and then waits, so the
+fastest sample measures the uncapped machine, while work over a window sees the cap,
+as a training rank does.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+WINDOW_MIN = 0.25       # seconds; >= 2.5 CFS periods of 100 ms
+TRAIN_BATCHES = (2, 8)
+
+
+def machine_id() -> str:
+    """Ranks on one kernel share its cores: the boot id names the kernel (a VM has its own,
+    a namespace or container does not), the machine id where there is no boot id."""
+    for p in ("/proc/sys/kernel/random/boot_id", "/etc/machine-id"):
+        try:
+            v = open(p).read().strip()
+            if v:
+                return v
+        except OSError:
+            continue
+    import socket
+    return socket.gethostname()
+
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def rate(fn, window: float) -> float:
+    """Calls per second over a window of at least `window` seconds, after one warm-up."""
+    fn()
+    n, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        n += 1
+        el = time.perf_counter() - t0
+        if el >= window and n >= 2:
+            return n / el
+
+
+def matmul_flops(torch, dtype, n: int, window: float) -> float:
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    return 2 * n ** 3 * rate(lambda: torch.mm(a, b), window)
+
+
+def copy_bw(torch, nbytes: int, window: float) -> float:
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    return 2 * nbytes * rate(lambda: dst.copy_(src), window)   # read + write
+
+
+def train_seconds(torch, model_name: str, batch: int, seq: int, window: float) -> float:
+    """Seconds per real fwd + bwd + AdamW step of the model, as smoltrain run takes them."""
+    from smoltrain.models.gpt import build_model
+    from smoltrain.models.optim import AdamW
+    from smoltrain.models.spec import get_model
+
+    spec = get_model(model_name)
+    model = build_model(spec, seed=0)
+    params = list(model.parameters())
+    opt = AdamW(params, lr=1e-3)
+    x = torch.randint(0, spec.vocab, (batch, seq))
+
+    def step():
+        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, spec.vocab), x.reshape(-1))
+        loss.backward()
+        opt.step([p.grad for p in params])
+        for p in params:
+            p.grad = None
+
+    return 1.0 / rate(step, window)
+
+
+def usable_memory() -> int:
+    import psutil
+
+    avail = psutil.virtual_memory().available
+    for p in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            v = open(p).read().strip()
+            if v.isdigit():
+                avail = min(avail, int(v))
+        except OSError:
+            pass
+    return int(avail)
+
+
+def probe(model: str | None = "tiny", seconds: float = 0.5, threads: int = 1, seq: int | None = None) -> dict:
+    import torch
+
+    from smolnet.sim.cgroup import own_limit
+
+    torch.set_num_threads(threads)
+    w = max(WINDOW_MIN, seconds)
+    flops = {"fp32": matmul_flops(torch, torch.float32, 384, w),
+             "bf16": matmul_flops(torch, torch.bfloat16, 256, w)}
+    flops["fp16"] = flops["bf16"]
+    doc = {"machine_id": machine_id(), "cores": cores(), "cpu_limit_cores": own_limit(),
+           "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "flops": flops, "mem_bw_bytes_s": copy_bw(torch, 32 << 20, w),
+           "usable_memory_bytes": usable_memory(), "train_step": []}
+    if model and model != "none":
+        from smoltrain.models.spec import get_model
+
+        s = seq or min(64, get_model(model).ctx)
+        for b in TRAIN_BATCHES:
+            doc["train_step"].append({"model": model, "batch": b, "seq": s,
+                                      "seconds": train_seconds(torch, model, b, s, 2 * w)})
+    return doc
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m smoltrain.calibration.probe")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--seconds", type=float, default=0.5, help="window per measurement")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (a rank runs one)")
+    p.add_argument("--seq", type=int, default=None)
+    a = p.parse_args(argv)
+    try:
+        doc = probe(a.model, a.seconds, a.threads, a.seq)
+    except Exception as e:     # one line for the controller, which names the host
+        print(f"probe failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

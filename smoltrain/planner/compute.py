@@ -1,0 +1,175 @@
+"""Measured compute for the planner: read a `smoltrain.compute/1` report into per-host figures.
+
+Why: device profiles are published peaks times a guessed fraction; a host's real training
+rate (a Pi without fast bf16, a throttling laptop, a rank that is really a capped process)
+differs by integer factors. The report's two timed training steps give, per host, a fixed
+cost per step and a cost per token; the plan charges each rank those for its share of the
+model. Hosts that share a machine (same machine_id) share its cores when they run at once.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from smolnet.errors import UsageError
+from smoltrain.models.spec import ModelSpec, get_model
+
+COMPUTE_SCHEMA = "smoltrain.compute/1"
+DEFAULT_COMPUTE = "reports/compute.json"
+
+
+@dataclass
+class HostCompute:
+    name: str
+    machine_id: str
+    cores: int
+    cpu_limit_cores: float | None
+    flops: dict                      # matmul FLOP/s per dtype at one thread
+    mem_bw: float                    # bytes/s
+    usable_memory: float             # bytes
+    train_step: list = field(default_factory=list)
+
+    def fit(self, model: ModelSpec) -> tuple[float, float, int] | None:
+        """(fixed seconds per step, seconds per token, the timed seq) of the model's training step, from the
+        two timed batch sizes; another calibrated model's figures scaled by FLOPs and layers
+        when this model was not timed; None without timed steps."""
+        steps = [s for s in self.train_step if s.get("model") == model.name] or list(self.train_step)
+        if len(steps) < 2:
+            return None
+        a, b = sorted(steps, key=lambda s: s["batch"] * s["seq"])[:1] + \
+            sorted(steps, key=lambda s: s["batch"] * s["seq"])[-1:]
+        na, nb = a["batch"] * a["seq"], b["batch"] * b["seq"]
+        per = (b["seconds"] - a["seconds"]) / (nb - na) if nb > na else 0.0
+        if per <= 0:                 # noise: charge everything per token
+            per, fixed = b["seconds"] / nb, 0.0
+        else:
+            fixed = max(0.0, a["seconds"] - per * na)
+        if a.get("model") != model.name:
+            try:
+                cal = get_model(a["model"])
+            except Exception:
+                return None
+            per *= train_flops_per_token(model, a["seq"]) / train_flops_per_token(cal, a["seq"])
+            fixed *= model.layers / cal.layers
+        return fixed, per, a["seq"]
+
+
+def train_flops_per_token(model: ModelSpec, seq: int) -> float:
+    """The planner's count for one token of a whole-model training step (capacity.flops)."""
+    mm = model.layers * model.layer_params() + model.vocab * model.hidden
+    return 6 * mm + 12 * model.layers * model.hidden * seq
+
+
+def _host(d: dict, origin: str) -> HostCompute:
+    try:
+        return HostCompute(str(d["name"]), str(d.get("machine_id") or d["name"]), int(d.get("cores") or 1),
+                           (float(d["cpu_limit_cores"]) if d.get("cpu_limit_cores") else None),
+                           {k: float(v) for k, v in d["flops"].items()}, float(d["mem_bw_bytes_s"]),
+                           float(d.get("usable_memory_bytes") or 0), list(d.get("train_step") or []))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise UsageError(f"{origin}: host {d.get('name', '?')!r} lacks flops or mem_bw_bytes_s") from None
+
+
+def read_compute(path: str) -> dict:
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no compute report (run `smoltrain calibrate -i INVENTORY`)") from None
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{path}: cannot read compute report: {e}") from None
+    if not isinstance(doc, dict) or doc.get("schema") != COMPUTE_SCHEMA:
+        raise UsageError(f"{path}: not a {COMPUTE_SCHEMA} report (run `smoltrain calibrate`)")
+    return doc
+
+
+def load_compute(path: str, hosts=None) -> dict[str, HostCompute]:
+    """Per-host figures by name. With `hosts` (names or inventory hosts), every one must have
+    been measured: a report of another inventory is an error naming the missing hosts."""
+    doc = read_compute(path)
+    entries = {h.get("name"): h for h in doc.get("hosts") or [] if isinstance(h, dict)}
+    ok = {n: _host(h, path) for n, h in entries.items() if h.get("status", "ok") == "ok"}
+    if hosts is None:
+        return ok
+    names = [getattr(h, "name", h) for h in hosts]
+    missing = [n for n in names if n not in entries]
+    if missing:
+        raise UsageError(f"{path}: compute report has no {', '.join(missing)} (measured: "
+                         f"{', '.join(entries) or 'none'}); run `smoltrain calibrate -i` on this inventory")
+    failed = [n for n in names if n not in ok]
+    if failed:
+        raise UsageError(f"{path}: calibration failed on {', '.join(failed)} "
+                         f"({entries[failed[0]].get('error')}); calibrate again or pass --compute")
+    return {n: ok[n] for n in names}
+
+
+def default_path(path: str | None) -> str | None:
+    """--compute, else reports/compute.json when it exists, else None (device profiles)."""
+    if path:
+        return path
+    p = os.environ.get("SMOL_COMPUTE", DEFAULT_COMPUTE)
+    return p if Path(p).is_file() else None
+
+
+def this_machine() -> str:
+    from smoltrain.calibration.probe import machine_id
+    return machine_id()
+
+
+def for_local(path: str) -> HostCompute | None:
+    """For --local ranks: an uncapped host of the report measured on this very machine."""
+    mine = this_machine()
+    for h in load_compute(path).values():
+        if h.machine_id == mine and not h.cpu_limit_cores:
+            return h
+    return None
+
+
+def shared_factors(figs: list[HostCompute]) -> list[float]:
+    """Ranks on one machine run at once: each asks for min(cap, 1 thread) of a core; when
+    the asks exceed the machine's cores, everyone there gets the same fraction."""
+    ask: dict[str, float] = {}
+    cores: dict[str, int] = {}
+    for f in figs:
+        ask[f.machine_id] = ask.get(f.machine_id, 0.0) + min(f.cpu_limit_cores or 1.0, 1.0)
+        cores[f.machine_id] = f.cores
+    return [min(1.0, cores[f.machine_id] / ask[f.machine_id]) for f in figs]
+
+
+def measured_ranks(ranks: list, figs: list[HostCompute], model: ModelSpec) -> list:
+    """The planner's ranks with measured speed, memory and fixed step cost."""
+    from smoltrain.planner.devices import DeviceProfile
+
+    out = []
+    for rk, f, share in zip(ranks, figs, shared_factors(figs)):
+        fit = f.fit(model)
+        f32 = f.flops.get("fp32", 0.0)
+        if fit is not None:
+            fixed, per, seq = fit
+            achieved = train_flops_per_token(model, seq) / per
+        else:
+            fixed, achieved = 0.0, f32 * 0.4
+        ratio = (f.flops.get("bf16") or f32) / f32 if f32 else 1.0
+        prof = DeviceProfile(f"{rk.device.name}*", achieved * share, achieved * ratio * share, f.mem_bw * share,
+                             f.usable_memory or rk.memory_bytes, f32, f.mem_bw,
+                             f"measured on {f.name}" + (f" (cap {f.cpu_limit_cores:g} cores)" if f.cpu_limit_cores else ""))
+        out.append(replace(rk, device=prof, memory_bytes=f.usable_memory or rk.memory_bytes,
+                           fixed_s=fixed / share, measured=True))
+    return out
+
+
+def apply(ranks: list, hosts, path: str | None, model: ModelSpec) -> tuple[list, str]:
+    """(ranks, compute_source): measured figures when a report is given or found."""
+    path = default_path(path)
+    if path is None:
+        return ranks, "nominal"
+    if hosts is None:
+        f = for_local(path)
+        if f is None:
+            return ranks, "nominal"
+        figs = [replace(f, machine_id=f"{f.machine_id}-{i}") for i in range(len(ranks))]  # shared later
+        return measured_ranks(ranks, figs, model), "measured"
+    figs = list(load_compute(path, [r.name for r in ranks]).values())
+    return measured_ranks(ranks, figs, model), "measured"

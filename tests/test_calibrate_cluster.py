@@ -1,0 +1,59 @@
+"""`smoltrain calibrate -i`: every host measured on itself, failures reported, caps ranked."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from smolnet.inventory import Host
+from smoltrain.calibration.cluster import COMPUTE_SCHEMA, calibrate_hosts
+from smoltrain.cli import main
+
+
+def _local(name: str) -> Host:
+    return Host(name=name, address="127.0.0.1", cluster_ip="127.0.0.1", local=True, python=sys.executable)
+
+
+def test_unreachable_host_is_reported_and_the_rest_measured():
+    dead = Host(name="gone", address="127.0.0.1", cluster_ip="127.0.0.1", port=1, user="root")
+    seen = []
+    doc = calibrate_hosts([_local("a"), dead, _local("b")], "tiny", 0.05,
+                          progress=lambda n, w: seen.append((n, w)))
+    assert doc["schema"] == COMPUTE_SCHEMA
+    a, gone, b = doc["hosts"]
+    assert gone["status"] == "failed" and gone["error"] and gone["name"] == "gone"
+    for h in (a, b):
+        assert h["status"] == "ok" and h["flops"]["fp32"] > 0 and h["mem_bw_bytes_s"] > 0
+        assert [s["batch"] for s in h["train_step"]] == [2, 8]
+        assert all(s["seconds"] > 0 and s["model"] == "tiny" for s in h["train_step"])
+        assert h["cores"] >= 1 and h["usable_memory_bytes"] > 0 and "cpu_limit_cores" in h
+    assert a["machine_id"] == b["machine_id"]            # one machine: measured one after another
+    order = [n for n, w in seen if w == "measuring"]
+    assert order == ["a", "b"]
+    assert any(n == "gone" and w.startswith("failed") for n, w in seen)
+
+
+def test_cli_writes_the_report_and_exits_4_when_a_host_failed(tmp_path, capsys):
+    inv = tmp_path / "hosts.yml"
+    inv.write_text(f"""all:
+  children:
+    cluster:
+      hosts:
+        here: {{ansible_connection: local, ansible_host: 127.0.0.1}}
+        gone: {{ansible_host: 127.0.0.2, ansible_port: 1, ansible_user: root}}
+      vars: {{smol_python: {sys.executable}}}
+""")
+    out = tmp_path / "compute.json"
+    rc = main(["calibrate", "-i", str(inv), "--seconds", "0.05", "--model", "none", "--out", str(out)])
+    assert rc == 4
+    doc = json.loads(out.read_text())
+    assert [h["status"] for h in doc["hosts"]] == ["ok", "failed"]
+    assert "gone" in capsys.readouterr().out
+
+
+def test_local_writes_a_compute_report(tmp_path):
+    out = tmp_path / "c.json"
+    assert main(["calibrate", "--local", "--seconds", "0.05", "--model", "none", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == COMPUTE_SCHEMA and len(doc["hosts"]) == 1 and doc["hosts"][0]["train_step"] == []

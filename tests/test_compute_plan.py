@@ -1,0 +1,94 @@
+"""The plan on measured compute: the report's hosts, shared machines, the single-host verdict."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from smolnet.errors import UsageError
+from smoltrain.models.spec import get_model
+from smoltrain.planner import compute as measured
+from smoltrain.planner.plan import make_plan, resolve_ranks
+from smoltrain.planner.links import from_class
+
+
+class H:
+    def __init__(self, name, device="generic"):
+        self.name, self.device, self.local, self.link_rate_mbit, self.vars = name, device, False, None, {}
+
+
+def _host(name, fixed, per_token, machine="m1", cap=None, cores=2, flops=10e9):
+    return {"name": name, "status": "ok", "error": None, "machine_id": machine, "cores": cores,
+            "cpu_limit_cores": cap, "flops": {"fp32": flops, "bf16": 2 * flops}, "mem_bw_bytes_s": 5e9,
+            "usable_memory_bytes": 4e9,
+            "train_step": [{"model": "tiny", "batch": b, "seq": 64, "seconds": fixed + per_token * b * 64}
+                           for b in (2, 8)]}
+
+
+def _report(tmp_path, hosts):
+    p = tmp_path / "compute.json"
+    p.write_text(json.dumps({"schema": "smoltrain.compute/1", "created": "x", "hosts": hosts}))
+    return str(p)
+
+
+def test_report_of_another_inventory_names_the_missing_hosts(tmp_path):
+    p = _report(tmp_path, [_host("a", 0.01, 1e-4)])
+    with pytest.raises(UsageError, match=r"no b, c .*measured: a"):
+        measured.load_compute(p, ["a", "b", "c"])
+    bad = _report(tmp_path, [_host("a", 0.01, 1e-4), {"name": "b", "status": "failed", "error": "ssh refused"}])
+    with pytest.raises(UsageError, match="failed on b .*ssh refused"):
+        measured.load_compute(bad, ["a", "b"])
+    (tmp_path / "x.json").write_text("{}")
+    with pytest.raises(UsageError, match="not a smoltrain.compute/1"):
+        measured.load_compute(str(tmp_path / "x.json"), ["a"])
+
+
+def test_fit_recovers_fixed_and_per_token_cost(tmp_path):
+    f = measured.load_compute(_report(tmp_path, [_host("a", 0.02, 3e-5)]))["a"]
+    fixed, per, seq = f.fit(get_model("tiny"))
+    assert fixed == pytest.approx(0.02) and per == pytest.approx(3e-5) and seq == 64
+
+
+def test_measured_plan_charges_each_rank_its_host(tmp_path):
+    """dp on 2 hosts, one 3x slower per token: each rank's time is its host's fixed cost plus
+    its tokens (batch 8 x 64 / 2) at its per-token cost, by hand."""
+    tiny = get_model("tiny")
+    p = _report(tmp_path, [_host("slow", 0.01, 3e-4), _host("fast", 0.01, 1e-4, machine="m2")])
+    ranks = resolve_ranks(2, [H("slow"), H("fast")])
+    ranks, src = measured.apply(ranks, [H("slow"), H("fast")], p, tiny)
+    assert src == "measured"
+    d = make_plan("dp", tiny, 2, batch=8, seq=64, ranks=ranks, lm=from_class("10gbe"))
+    assert d["compute_source"] == "measured"
+    assert d["compute_s_per_rank"] == pytest.approx([0.01 + 256 * 3e-4, 0.01 + 256 * 1e-4], rel=1e-6)
+    assert d["compute_s_per_step"] == pytest.approx(0.01 + 256 * 3e-4, rel=1e-6)
+    one = d["single_host"]
+    assert one["name"] == "fast" and one["fits"]
+    assert one["step_s"] == pytest.approx(0.01 + 512 * 1e-4, rel=1e-6)
+    assert "slower than fast alone" in d["verdict"] and "compute" in d["verdict"]
+
+
+def test_nominal_without_a_report(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ranks, src = measured.apply(resolve_ranks(2, [H("a"), H("b")]), [H("a"), H("b")], None, get_model("tiny"))
+    assert src == "nominal"
+    d = make_plan("dp", get_model("tiny"), 2, ranks=ranks, lm=from_class("1gbe"))
+    assert d["compute_source"] == "nominal" and len(d["compute_s_per_rank"]) == 2
+
+
+def test_hosts_on_one_machine_share_its_cores():
+    f = lambda n, m, cap, cores: measured.HostCompute(n, m, cores, cap, {"fp32": 1e9}, 1e9, 1e9)  # noqa: E731
+    # four uncapped one-thread ranks on a 2-core machine: half a core each
+    assert measured.shared_factors([f(str(i), "m", None, 2) for i in range(4)]) == [0.5] * 4
+    # capped hosts whose caps fit the machine keep their measured speed
+    assert measured.shared_factors([f("a", "m", 0.15, 2), f("b", "m", 0.65, 2)]) == [1.0, 1.0]
+    # separate machines never share
+    assert measured.shared_factors([f("a", "m1", None, 1), f("b", "m2", None, 1)]) == [1.0, 1.0]
+
+
+def test_verdict_when_nothing_fits_alone():
+    from smoltrain.planner.verdict import sentence
+
+    s = sentence({"strategy": "fsdp", "world_size": 4, "tokens_per_s": 10.0, "bottleneck": "link",
+                  "bottleneck_where": "link a -> b carries 1 GB",
+                  "single_host": {"name": "mac", "fits": False, "step_s": None, "tokens_per_s": 0.0}})
+    assert "does not fit on any single host" in s and "link bandwidth" in s

@@ -1,0 +1,52 @@
+"""Per-rank timings: they add up to the step time, and compare names what missed."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from smoltrain.run.timings import rank_timings
+
+
+def test_rank_timings_add_up_to_the_step():
+    parts = {0: (0.30, 0.05), 1: (0.28, 0.20), 2: (0.10, 0.02)}
+    step = max(s for s, _ in parts.values())
+    rows = rank_timings(parts, step)
+    assert [r["rank"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert r["compute_s"] + r["comm_s"] + r["wait_s"] == pytest.approx(step)
+        assert min(r.values()) >= 0
+    assert [r["compute_s"] for r in rows] == pytest.approx([0.25, 0.08, 0.08])
+    assert all(r["comm_s"] == pytest.approx(0.02) for r in rows)
+
+
+@pytest.mark.slow
+def test_run_records_per_rank_timings_that_add_up(tmp_path):
+    from smoltrain.cli import main
+
+    out = tmp_path / "run.json"
+    assert main(["run", "--strategy", "dp", "--local", "2", "--steps", "3", "--batch", "4", "--seq", "32",
+                 "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    for s in doc["steps"]:
+        assert [r["rank"] for r in s["ranks"]] == [0, 1]
+        for r in s["ranks"]:
+            assert r["compute_s"] + r["comm_s"] + r["wait_s"] == pytest.approx(s["step_s"], rel=1e-6)
+            assert r["compute_s"] > 0
+
+
+def test_compare_names_the_rank_and_part_that_missed():
+    from smoltrain.models.spec import get_model
+    from smoltrain.planner.compare import compare
+    from smoltrain.planner.links import from_class
+    from smoltrain.planner.plan import make_plan, resolve_ranks
+
+    plan = make_plan("dp", get_model("tiny"), 2, ranks=resolve_ranks(2), lm=from_class("1gbe"), single=False)
+    c0, c1, comm = plan["ranks"][0]["compute_s"], plan["ranks"][1]["compute_s"], plan["comm_s_per_step"]
+    step = {"step_s": 3 * c0 + comm, "comm_s": comm, "tokens": 512,
+            "ranks": [{"rank": 0, "compute_s": 3 * c0, "comm_s": comm, "wait_s": 0.0},
+                      {"rank": 1, "compute_s": c1, "comm_s": comm, "wait_s": 2 * c0}]}
+    run = {"config": {}, "bytes": [], "steps": [dict(step, step=k) for k in range(3)]}
+    cmp = compare(plan, run)
+    assert [r["compute_s"]["ratio"] for r in cmp["ranks"]] == pytest.approx([3.0, 1.0])
+    assert cmp["missed"] == ["compute on rank 0 (rank0) x3.00"]

@@ -1,0 +1,95 @@
+"""CPU-capped sim hosts: caps parse, a host reads its own cap, and capped hosts compute in
+the order of their caps (rank order only: the machine is shared, so no absolute timings)."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+from pathlib import Path
+
+import pytest
+
+from smolnet.errors import UsageError
+from smolnet.sim import cgroup
+from smolnet.sim import cluster as sim
+from smolnet.sim.scenarios import HOME_CPU, scenario
+
+NAME, SUBNET = "ccpu", "10.42.0.0/24"
+
+
+def test_home_caps_in_device_order_and_fit_the_machine():
+    caps = [h.cpu_cores for h in scenario("home")]
+    assert caps == sorted(caps) and len(set(caps)) == 4
+    assert sum(caps) <= os.cpu_count()
+    assert caps[3] / caps[0] == pytest.approx(HOME_CPU[3] / HOME_CPU[0], rel=0.02)
+    assert all(h.cpu_cores is None for h in scenario("uniform"))
+
+
+def test_cpu_limit_override():
+    assert [h.cpu_cores for h in scenario("uniform", hosts=2, cpu_limit="0.5")] == [0.5, 0.5]
+    assert [h.cpu_cores for h in scenario("home", cpu_limit="0")] == [None] * 4
+    assert [h.cpu_cores for h in scenario("home", cpu_limit="0.1,0.2,0.3,0.4")] == [0.1, 0.2, 0.3, 0.4]
+    for bad in ("x", "0.1,0.2", "-1", str(os.cpu_count() + 1)):
+        with pytest.raises(UsageError):
+            scenario("home", cpu_limit=bad)
+
+
+def test_own_limit_reads_v1_and_v2(tmp_path):
+    v1 = tmp_path / "v1"
+    (v1 / "cpu" / "smol-x-a").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000")
+    (v1 / "cpu" / "smol-x-a" / "cpu.cfs_quota_us").write_text("25000")
+    (v1 / "cpu" / "smol-x-a" / "cpu.cfs_period_us").write_text("100000")
+    pc = tmp_path / "pc1"
+    pc.write_text("2:cpuacct:/\n1:cpu:/smol-x-a\n0::/\n")
+    assert cgroup.own_limit(v1, str(pc)) == pytest.approx(0.25)
+    pc.write_text("1:cpu:/\n")
+    assert cgroup.own_limit(v1, str(pc)) is None
+    v2 = tmp_path / "v2"
+    (v2 / "a" / "b").mkdir(parents=True)
+    (v2 / "cgroup.controllers").write_text("cpu memory")
+    (v2 / "a" / "cpu.max").write_text("50000 100000")
+    (v2 / "a" / "b" / "cpu.max").write_text("max 100000")
+    pc.write_text("0::/a/b\n")
+    assert cgroup.version(v2) == 2
+    assert cgroup.own_limit(v2, str(pc)) == pytest.approx(0.5)   # the parent's cap binds
+
+
+def _spin(host, seconds: float = 2.0) -> tuple[float | None, int]:
+    from smolnet.remote import connect
+
+    code = ("import time\nfrom smolnet.sim.cgroup import own_limit\n"
+            f"n=0; end=time.perf_counter()+{seconds}\n"
+            "while time.perf_counter()<end:\n n+=1\n"
+            "print(own_limit(), n)")
+    with connect(host) as r:
+        out = r.run([host.python, "-c", code], timeout=60, check=True).stdout.split()
+    return (None if out[0] == "None" else float(out[0])), int(out[1])
+
+
+@pytest.mark.sim
+@pytest.mark.slow
+@pytest.mark.skipif(sim.unavailable_reason() is not None or cgroup.unavailable_reason() is not None,
+                    reason=str(sim.unavailable_reason() or cgroup.unavailable_reason()))
+def test_capped_hosts_compute_in_the_order_of_their_caps(tmp_path):
+    from smolnet.inventory import load_inventory
+
+    sim.down(NAME)
+    # Caps 20x apart: a busy shared machine gives an uncapped process only its fair share,
+    # which narrows the ratio between a tight cap and a loose one but cannot invert it.
+    st = sim.up(name=NAME, scenario="home", subnet=SUBNET, inventory=str(tmp_path / "sim.yml"),
+                cpu_limit="0.05,0.2,0.3,1.0")
+    try:
+        made = [h["cgroup"] for h in st["hosts"]]
+        assert all(made) and all(Path(p).is_dir() for p in made)
+        assert [cgroup.limit(p) for p in made] == pytest.approx([h["cpu_cores"] for h in st["hosts"]], rel=0.01)
+        inv = load_inventory(st["inventory"])
+        assert inv.host("pi5").vars["smol_sim_cpu_cores"] == st["hosts"][0]["cpu_cores"]
+        pick = [inv.host("pi5"), inv.host("laptop")]
+        with cf.ThreadPoolExecutor(2) as ex:
+            (cap_a, n_a), (cap_b, n_b) = ex.map(_spin, pick)
+        assert cap_a == pytest.approx(st["hosts"][0]["cpu_cores"]) and cap_b == pytest.approx(st["hosts"][3]["cpu_cores"])
+        assert n_b > 2 * n_a, (n_a, n_b)
+    finally:
+        sim.down(NAME)
+    assert not any(Path(p).exists() for p in made)
