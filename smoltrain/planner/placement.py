@@ -174,3 +174,52 @@ def place(strategy: str, mode: str, model: ModelSpec, names: list[str], speeds: 
     if splits == "heads":
         return split.place_heads(strategy, mode, model, names, speeds, batch, seq, link_s)
     raise PlacementError(f"{strategy}: placement covers strategies that split the batch, layers or heads")
+
+
+def named_batch_ranges(batch: int, names: list[str], placement: dict | None) -> dict[str, tuple[int, int]]:
+    """The parameter server's split over the members present, by name: the placement's counts
+    when every placed host is there; otherwise (a leave or a join) the same speeds renormalised,
+    a newcomer weighted as the average member, at least one sequence each."""
+    from smoltrain.models.data import split_batch
+
+    by = dict(zip((placement or {}).get("order") or [], (placement or {}).get("shares") or []))
+    if not by:
+        weights = [1.0] * len(names)
+    else:
+        mean = sum(by.values()) / len(by)
+        weights = [float(by.get(n, mean)) for n in names]
+    counts = counts_from_shares(batch, weights) if batch >= len(names) else []
+    if set(names) == set(by) and counts and min(counts) >= 1:
+        return dict(zip(names, (tuple(r) for r in ranges(counts))))
+    return dict(zip(names, split_batch(batch, weights)))
+
+
+def validate(doc: dict, strategy: str, model: ModelSpec, batch: int, world: int) -> Placement:
+    """Refuse a placement the run cannot execute (a hand-edited file, another model), before
+    anything starts."""
+    p = Placement.from_dict(doc)
+    if len(set(p.order)) != p.world or p.world != world:
+        raise PlacementError(f"placement: order {p.order} must name each of the {world} ranks once")
+    splits = registry.get(strategy).splits
+
+    def covers(cuts, total, what, step=1):
+        if not cuts or cuts[0][0] != 0 or cuts[-1][1] != total or any(
+                not (isinstance(a, int) and isinstance(b, int)) or b <= a or (a % step) or (b % step)
+                for a, b in cuts) or any(cuts[i][1] != cuts[i + 1][0] for i in range(len(cuts) - 1)):
+            raise PlacementError(f"placement: {what} {cuts} must cut 0..{total} into non-empty consecutive "
+                                 f"ranges" + (f" of whole groups of {step}" if step > 1 else ""))
+    if splits == "batch" and p.shares is not None:
+        if min(counts_from_shares(batch, p.shares)) < 1:
+            raise PlacementError(f"placement: shares {p.shares} leave a rank without a sequence of --batch {batch}")
+    elif splits == "layers" and p.layers is not None:
+        covers(p.layers, model.layers, "layers")
+    elif splits == "heads" and p.heads is not None:
+        covers(p.heads, model.heads, "heads", model.heads // model.kv_heads)
+        if p.ffn is not None:
+            covers(p.ffn, model.ffn, "ffn")
+    elif p.shares is p.layers is p.heads is None:
+        pass
+    else:
+        raise PlacementError(f"placement: a {strategy} placement must give its "
+                             f"{ {'batch': 'shares', 'layers': 'layers', 'heads': 'heads'}.get(splits, splits)}")
+    return p

@@ -50,6 +50,7 @@ class RunConfig:
     port: int = 0
     addrs: tuple[str, ...] = ()      # address of each rank for the rank mesh
     control_port: int = 0
+    placement: dict | None = None    # planner.placement document: who gets which share, layers or heads
 
     @property
     def world_size(self) -> int:
@@ -117,6 +118,10 @@ def _coerce(name: str, hint, value):
         if "None" in text:
             return None
         raise ConfigError(f"run config: {name} must not be null")
+    if text.startswith("dict"):
+        if not isinstance(value, dict):
+            raise ConfigError(f"run config: {name} must be an object")
+        return value
     if text.startswith("tuple"):
         if not isinstance(value, list):
             raise ConfigError(f"run config: {name} must be a list")
