@@ -174,7 +174,7 @@ def place_heads(strategy, mode, model, names, speeds, batch, seq, link_s) -> Pla
     if not kept:
         raise PlacementError(f"tp: no host has memory for a slice of {model.name} ({excluded[0]['why']})")
     if len(kept) > G:
-        raise PlacementError(f"tp: {model.name} has {G} KV head groups, fewer than {len(kept)} ranks")
+        raise PlacementError(f"tp: {model.name} has {model.heads} heads in {G} KV groups, fewer than {len(kept)} ranks")
     hi = [max(g for g in range(1, G + 1) if need(g) <= usable(speeds[n])) for n in kept]
     if mode == "even":
         counts = even_counts(G, len(kept))
