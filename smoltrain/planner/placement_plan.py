@@ -136,3 +136,44 @@ def for_run(strategy: str, mode_arg: str | None, compute_path: str | None, model
     mb = microbatches if strategy == "pp" else 1
     placement, _ = choose(strategy, default_mode(mode_arg, compute), model, hosts, names, compute, batch, seq, mb, lm)
     return placement.to_dict()
+
+
+def attach(plan: dict, mode_arg: str | None, compute_doc, model, hosts, lm) -> dict | None:
+    """Add the `placement` section to a train plan of a strategy that splits work (else leave
+    it); a placement that cannot fit is recorded as an error, not raised: the plan says why."""
+    strategy = plan["strategy"]
+    if plan["mode"] != "train" or strategy not in registry.REGISTRY or not applies(strategy):
+        return None
+    world = plan["world_size"]
+    names = [r["name"] for r in plan["ranks"]]
+    try:
+        sec = section(strategy, default_mode(mode_arg, compute_doc), model, hosts[:world] if hosts else None, names,
+                      compute_doc, plan["batch"], plan["seq"], plan["microbatches"], lm)
+    except PlacementError as e:
+        sec = {"mode": default_mode(mode_arg, compute_doc), "strategy": strategy, "error": str(e)}
+    plan["placement"] = sec
+    return sec
+
+
+def placed_tokens_per_s(plan: dict) -> float:
+    """The plan's tokens/s under its best placement (the placement's gain over even applied)."""
+    sec = plan.get("placement") or {}
+    pred = sec.get("predicted") or {}
+    steps = [p.get("step_s") for p in pred.values() if p.get("step_s")]
+    even = (pred.get("even") or {}).get("step_s")
+    if not steps or not even:
+        return plan.get("tokens_per_s") or 0.0
+    return (plan.get("tokens_per_s") or 0.0) * even / min(steps)
+
+
+def ranking(con, plans: list[dict]) -> list[str]:
+    """Strategies ranked by tokens/s under their best placement, printed as a short table."""
+    rows = sorted(plans, key=lambda p: -placed_tokens_per_s(p))
+    con.print("  [bold]under the best placement[/] (even vs auto, by measured speed where known):")
+    for p in rows:
+        sec = p.get("placement") or {}
+        gain = sec.get("speedup")
+        best = "auto" if gain and gain > 1.0 else "even"
+        extra = f", auto {gain:.2f}x even" if gain else (f" ({sec['error']})" if sec.get("error") else "")
+        con.print(f"    {p['strategy']:7s} {placed_tokens_per_s(p):>12,.1f} tokens/s  ({best}{extra})")
+    return [p["strategy"] for p in rows]
