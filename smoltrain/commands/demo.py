@@ -130,6 +130,8 @@ def run(args) -> int:
         from smoltrain.commands.demo_report import write_report
 
         path = write_report(out, chosen, stage.results)
+        from smoltrain.commands.demo_placement import placement_stage
+        placement_stage(stage, console, py, inv, links, out, steps, path)  # even vs auto, appended to REPORT.md
         console.rule("[bold green]done")
         console.print(f"report: {path}")
         return 0
