@@ -131,7 +131,7 @@ def run(args) -> int:
 
         path = write_report(out, chosen, stage.results)
         from smoltrain.commands.demo_placement import placement_stage
-        placement_stage(stage, console, py, inv, links, out, steps, path)  # even vs auto, appended to REPORT.md
+        placement_stage(stage, console, py, inv, links, out, steps, path, args.quick)  # even vs auto, into REPORT.md
         console.rule("[bold green]done")
         console.print(f"report: {path}")
         return 0

@@ -82,8 +82,9 @@ def markdown(rows: list[dict], png: str | None) -> list[str]:
     return out
 
 
-def placement_stage(stage, console, py: str, inv: Path, links: Path, out: Path, steps: str, report: Path) -> None:
-    """Run the stage and append its section to the demo's REPORT.md."""
+def placement_stage(stage, console, py: str, inv: Path, links: Path, out: Path, steps: str, report: Path,
+                    quick: bool = False) -> None:
+    """Run the stage and append its section to the demo's REPORT.md (--quick: dp only)."""
     if not has_calibrate_inventory(py):
         console.print("[bold red]PLACEMENT STAGE SKIPPED: this smoltrain has no `calibrate -i` (measured compute); "
                       "even vs auto needs measured host speeds[/]")
@@ -92,7 +93,7 @@ def placement_stage(stage, console, py: str, inv: Path, links: Path, out: Path, 
     stage.run("8. calibrate: measure every host's training speed",
               [py, "-m", "smoltrain", "calibrate", "-i", str(inv), "--json", str(compute)], timeout=900)
     rows = []
-    for strat in STRATEGIES:
+    for strat in STRATEGIES[:1] if quick else STRATEGIES:
         row = {"strategy": strat}
         plan = out / f"plan-placement-{strat}.json"
         stage.run(f"9. plan: {strat} placed by measured speed",
@@ -101,7 +102,7 @@ def placement_stage(stage, console, py: str, inv: Path, links: Path, out: Path, 
                    "--json", str(plan)])
         row["plan"] = json.loads(plan.read_text())["placement"]
         for mode in ("even", "auto"):
-            rj = out / f"run-{strat}-{mode}.json"
+            rj = out / f"placement-{strat}-{mode}.json"  # not run-*.json: those are the demo's main runs
             stage.run(f"10. train: {strat} --placement {mode}",
                       [py, "-m", "smoltrain", "run", "--strategy", strat, "-i", str(inv), "--steps", steps,
                        "--microbatches", "4", "--compute", str(compute), "--placement", mode, "--json", str(rj),
