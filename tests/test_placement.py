@@ -131,3 +131,44 @@ def test_validate_refuses_a_placement_the_run_cannot_execute():
         validate({"order": ["a", "a"], "shares": [0.5, 0.5]}, "dp", TINY, 8, 2)
     validate(json.loads(json.dumps(place("tp", "even", TINY, ["a", "b", "c", "d"],
                                          speeds(a=1, b=1, c=1, d=1), 8, 32).to_dict())), "tp", TINY, 8, 4)
+
+
+def _compute_file(tmp_path, fast="rank0", names=("rank0", "rank1", "rank2")):
+    hosts = [{"name": n, "machine_id": n, "cores": 1, "cpu_limit_cores": 1, "flops": {"fp32": 1e10},
+              "mem_bw_bytes_s": 1e10, "usable_memory_bytes": 4e9,
+              "train_step": [{"model": "tiny", "batch": b, "seq": 64, "seconds": b * (0.01 if n == fast else 0.03)}
+                             for b in (2, 8)]} for n in names]
+    path = tmp_path / "compute.json"
+    path.write_text(json.dumps({"schema": "smoltrain.compute/1", "created": "x", "hosts": hosts}))
+    return path
+
+
+def test_plan_shows_the_placement_next_to_even(tmp_path, capsys):
+    from smoltrain.cli import main
+
+    c = _compute_file(tmp_path)
+    assert main(["plan", "--strategy", "pp", "--world", "3", "--microbatches", "4", "--compute", str(c),
+                 "--no-what-if", "--json", str(tmp_path / "p.json")]) == 0
+    sec = json.loads((tmp_path / "p.json").read_text())["placement"]
+    assert sec["mode"] == "auto" and sec["speed_source"] == "measured"   # auto: a compute report was given
+    assert sec["layers"][0][1] - sec["layers"][0][0] > 2 and sec["speedup"] > 1.2
+    out = capsys.readouterr().out
+    assert "placement auto" in out and "auto vs even" in out
+    assert main(["plan", "--strategy", "all", "--world", "3", "--compute", str(c), "--placement", "even",
+                 "--no-what-if", "--json", str(tmp_path / "all.json")]) == 0
+    doc = json.loads((tmp_path / "all.json").read_text())
+    assert doc["ranking_placed"] and all(p["placement"]["mode"] == "even" for p in doc["plans"] if "placement" in p)
+
+
+def test_run_config_carries_the_placement_over_the_wire():
+    from smoltrain.run.config import ConfigError, RunConfig
+
+    pl = place("tp", "even", TINY, ["a", "b", "c", "d"], speeds(a=1, b=1, c=1, d=1), 8, 32).to_dict()
+    cfg = RunConfig(strategy="tp", backend="socket", model=TINY, steps=1, batch=8, seq=32, lr=1e-3, seed=0,
+                    names=("a", "b", "c", "d"), devices=("cpu",) * 4, placement=pl)
+    back = RunConfig.from_wire(json.loads(json.dumps(cfg.to_wire())))
+    assert back.placement == pl and cfg.report_view()["placement"] == pl
+    bad = cfg.to_wire()
+    bad["placement"] = [1, 2]
+    with pytest.raises(ConfigError, match="placement"):
+        RunConfig.from_wire(bad)

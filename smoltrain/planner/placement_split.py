@@ -50,12 +50,13 @@ def _model_bytes(strategy: str, model: ModelSpec, n: int) -> float:
 def place_batch(strategy, mode, model, names, speeds, batch, seq, link_s) -> Placement:
     per_seq = model.layers * act_bytes_per_layer(model, seq, seq) + seq * model.vocab * 8
     caps, excluded = {}, []
+    held = _model_bytes(strategy, model, len(names))
     for n in names:
-        room = usable(speeds[n]) - _model_bytes(strategy, model, len(names))
+        room = usable(speeds[n]) - held
         caps[n] = int(room // per_seq) if room > 0 else 0
         if caps[n] < 1:
-            excluded.append({"name": n, "why": f"needs {human_bytes(_model_bytes(strategy, model, len(names)) + per_seq)}"
-                                               f" for the model and one sequence, has {human_bytes(usable(speeds[n]))}"})
+            excluded.append({"name": n, "why": f"needs {human_bytes(held + per_seq)} for the model and one "
+                                               f"sequence, has {human_bytes(usable(speeds[n]))}"})
     kept = [n for n in names if caps[n] >= 1]
     if not kept:
         raise PlacementError(f"{strategy}: {model.name} fits on no host ({excluded[0]['why']})")
@@ -181,8 +182,9 @@ def place_heads(strategy, mode, model, names, speeds, batch, seq, link_s) -> Pla
         if any(c > h for c, h in zip(counts, hi)):
             raise PlacementError(f"tp: an even split of {G} head groups does not fit in memory; try --placement auto")
     else:
-        counts = greedy_counts(G, lambda i, g: _rate(speeds[kept[i]], tokens) * (f_head + model.layers * f_layer * g / G),
-                               [1] * len(kept), hi)
+        def cost(i, g):
+            return _rate(speeds[kept[i]], tokens) * (f_head + model.layers * f_layer * g / G)
+        counts = greedy_counts(G, cost, [1] * len(kept), hi)
         if counts is None:
             raise PlacementError(f"tp: {model.name} does not fit in the memory of {', '.join(kept)}")
     by_host = dict(zip(kept, counts))
