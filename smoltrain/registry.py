@@ -23,6 +23,7 @@ class StrategyInfo:
     splits: str = "batch"           # what the world divides: batch, layers, heads, experts, sequence
     replicated_infer: bool = False  # batch-1 decode runs on one replica, nothing crosses the links
     module: str = ""                # smoltrain.strategies.<module> holds the algorithm
+    topology: str = "ring"          # how its transfers run over rank numbers: ring, chain, star (placement order)
 
     @property
     def elastic(self) -> bool:
@@ -43,13 +44,14 @@ _ALL = (
     StrategyInfo("fsdp", "fully sharded data parallel (ZeRO-3): gather parameters per unit, reduce-scatter "
                  "gradients", loss_from="all", module="fsdp"),
     StrategyInfo("syncps", "synchronous parameter server: workers send gradients, rank 0 updates",
-                 parameter_server=True, replicated_infer=True, module="syncps"),
+                 parameter_server=True, replicated_infer=True, module="syncps", topology="star"),
     StrategyInfo("edp", "elastic data parallel: a parameter server that survives leaves and admits joiners",
-                 synchronous=False, parameter_server=True, joiners=True, replicated_infer=True, module="edp"),
+                 synchronous=False, parameter_server=True, joiners=True, replicated_infer=True, module="edp",
+                 topology="star"),
     StrategyInfo("mp", "model parallel: consecutive layer blocks, one microbatch at a time", splits="layers",
-                 module="mp"),
+                 module="mp", topology="chain"),
     StrategyInfo("pp", "pipeline parallel: layer stages with microbatches (GPipe or 1F1B)", splits="layers",
-                 module="pp"),
+                 module="pp", topology="chain"),
     StrategyInfo("tp", "tensor parallel (Megatron): heads and MLP columns split, 2 all-reduces per layer",
                  splits="heads", module="tp"),
     StrategyInfo("ep", "expert parallel: MoE experts spread over ranks, all-to-all per MoE layer",

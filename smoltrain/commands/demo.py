@@ -138,6 +138,8 @@ def run(args) -> int:
         from smoltrain.commands.demo_report import write_report
 
         path = write_report(out, chosen, stage.results)
+        from smoltrain.commands.demo_placement import placement_stage
+        placement_stage(stage, console, py, inv, links, out, steps, path, args.quick)  # even vs auto, into REPORT.md
         if skipped:
             console.rule("[bold yellow]done, with stages SKIPPED")
             console.print(f"[bold yellow]SKIPPED: {'; '.join(skipped)} -- run as root without --loopback for the "

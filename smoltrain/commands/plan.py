@@ -31,6 +31,10 @@ def add_arguments(p) -> None:
     p.add_argument("--chart", metavar="PNG", help="bytes per token and step time split, per strategy")
     p.add_argument("--compare", metavar="RUN.json", help="predicted vs measured for a smoltrain run report")
     p.add_argument("--no-what-if", action="store_true", help="skip the table over link classes")
+    p.add_argument("--placement", choices=("even", "auto"),
+                   help="split work evenly or by measured speed (default auto when a compute report is available)")
+    p.add_argument("--compute", metavar="COMPUTE.json",
+                   help="smoltrain.compute/1 report (default reports/compute.json when present)")
 
 
 _write_json = write_json_atomic
@@ -116,6 +120,9 @@ def run(args) -> int:
         ranks = share_machine(ranks, busy=busy_ranks(args.strategy, world, args.microbatches, args.mode))
     lm = link_model([r.name for r in ranks], hosts[:world] if hosts else None, links_doc, args.link_class)
     kw = dict(dtype=args.dtype, batch=args.batch, seq=args.seq, microbatches=args.microbatches, mode=args.mode)
+    from smoltrain.planner import placement_plan
+    compute_doc = placement_plan.load_compute(getattr(args, "compute", None))
+    placement_mode = getattr(args, "placement", None)
 
     if args.strategy == "all":
         plans, skipped = [], []
@@ -127,12 +134,16 @@ def run(args) -> int:
         if not plans:
             raise UsageError(f"no strategy can run this: {skipped[0]['reason']}")
         render.ranking_table(con, plans, skipped)
+        for p in plans:
+            placement_plan.attach(p, placement_mode, compute_doc, model, hosts, lm)
+        placed_ranking = placement_plan.ranking(con, plans)
         best = render.rank_plans(plans)[0]
         con.print(f"  best here: [bold]{best['strategy']}[/], {best['tokens_per_s']:,.1f} tokens/s, "
                   f"bottleneck {best['bottleneck']}")
         if args.json:
             _write_json(args.json, {"schema": "smoltrain.plans/1",
                                     "ranking": [p["strategy"] for p in render.rank_plans(plans)],
+                                    "ranking_placed": placed_ranking,
                                     "plans": plans, "skipped": skipped})
         if args.chart:
             render.chart(plans, args.chart)
@@ -143,6 +154,11 @@ def run(args) -> int:
     con.print(f"  compute: {compute_source}; [bold]verdict:[/] {plan['verdict']}")
     render.links_table(con, plan)
     render.memory_table(con, plan)
+    sec = placement_plan.attach(plan, placement_mode, compute_doc, model, hosts, lm)
+    if sec is not None and "error" in sec:
+        con.print(f"  [bold yellow]placement: {sec['error']}[/]")
+    elif sec is not None:
+        placement_plan.render(con, sec)
     for n in plan["notes"]:
         con.print(f"  [dim]note: {n}[/]")
     if not args.no_what_if:

@@ -23,7 +23,10 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--microbatches", type=int, default=4, help="pp microbatches (default 4)")
     p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"), help="pp schedule")
-    p.add_argument("--shares", help="dp/fsdp per-rank batch shares, e.g. 2,1,1, or 'auto' (device profiles)")
+    p.add_argument("--shares", help="dp/fsdp per-rank batch shares by hand, e.g. 2,1,1 (see --placement)")
+    p.add_argument("--placement", help="even, auto (split by measured speed; the default when a compute report "
+                                       "is available), or a placement / plan JSON to run exactly")
+    p.add_argument("--compute", help="compute report, smoltrain.compute/1 (default reports/compute.json if present)")
     p.add_argument("--checkpoint-dir", help="write checkpoints here (state dicts, safetensors)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every K steps")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
@@ -53,13 +56,7 @@ def _shares(text: str | None, hosts) -> list[float] | None:
     if not text:
         return None
     if text == "auto":
-        if not hosts:
-            return None
-        try:
-            from smoltrain.planner.devices import get_device
-            return [get_device(h.device).flops("fp32") for h in hosts]
-        except Exception:
-            return None
+        raise UsageError("--shares auto is gone: use --placement auto (split by measured speed)")
     try:
         out = [float(x) for x in text.split(",")]
     except ValueError:
@@ -99,6 +96,17 @@ def run(args) -> int:
         inv = load_inventory(args.inventory)
         hosts = [inv.coordinator] + [h for h in inv.hosts if h.name != inv.coordinator.name]
         placements = [Placement(h.name, h.cluster_ip, h) for h in hosts]
+    from smoltrain.planner.placement_plan import for_run
+    placed = for_run(args.strategy, args.placement, args.compute, spec, [p.name for p in placements], hosts,
+                     args.batch, args.seq, args.microbatches, legacy_shares=args.shares)
+    if placed is not None:  # rank r runs on placed["order"][r]; hosts the placement leaves out get no rank
+        by_name = {p.name: p for p in placements}
+        placements = [by_name[n] for n in placed["order"]]
+        hosts = [p.host for p in placements] if hosts is not None else None
+        for line in placed.get("why") or []:
+            console.print(f"placement {placed['mode']}: {line}")
+        for e in placed.get("excluded") or []:
+            console.print(f"[bold yellow]placement: {e['name']} gets nothing: {e['why']}")
     world = len(placements)
     data = os.path.abspath(args.data) if args.data else None
     cfg = RunConfig(
@@ -113,6 +121,7 @@ def run(args) -> int:
         devices=tuple(p.host.torch_device if p.host else args.device for p in placements),
         control_port=args.control_port, heartbeat_s=args.heartbeat, keep_checkpoints=args.keep_checkpoints,
         integrity=args.integrity,
+        placement=placed,
     )
     check_usage(cfg)
 
@@ -203,6 +212,7 @@ def run(args) -> int:
     doc = preflight.write_report(None, ctl, None, doc=doc)
     import shutil
     shutil.rmtree(log_dir, ignore_errors=True)  # kept only when the run failed
+    doc["placement"] = placed
     if plan is not None:
         doc["plan"] = plan
     if args.json:

@@ -152,11 +152,9 @@ def validate(strategy: str, mode: str, model: ModelSpec, world: int, batch: int,
     if strategy in ("pp", "mp") and world > model.layers:
         raise UsageError(f"{strategy} over {world} ranks needs at least {world} layers; "
                          f"{model.name} has {model.layers}")
-    if strategy == "pp" and model.layers % world:
-        raise UsageError(f"pp: {model.layers} layers of {model.name} do not divide over {world} stages")
-    if strategy == "tp" and (model.heads % world or model.ffn % world):
-        raise UsageError(f"tp over {world} ranks needs heads and ffn divisible by the world; "
-                         f"{model.name} has {model.heads} heads, ffn {model.ffn}")
+    if strategy == "tp" and world > model.kv_heads:  # uneven splits are the placement's (planner.placement)
+        raise UsageError(f"tp over {world} ranks needs at least one KV head group per rank; "
+                         f"{model.name} has {model.heads} heads in {model.kv_heads} groups")
     if strategy == "ep":
         if model.experts < 2:
             raise UsageError(f"ep needs a mixture-of-experts model; {model.name} is dense "

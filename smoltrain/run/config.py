@@ -53,6 +53,7 @@ class RunConfig:
     heartbeat_s: float = 1.0         # controller <-> workers; silent for 5 beats = stopped or cut off
     keep_checkpoints: int = 3        # newest complete checkpoints kept
     integrity: str = "header"        # frames after the handshake: MAC over "header" or "full" frame
+    placement: dict | None = None    # planner.placement document: who gets which share, layers or heads
 
     @property
     def world_size(self) -> int:
@@ -120,6 +121,10 @@ def _coerce(name: str, hint, value):
         if "None" in text:
             return None
         raise ConfigError(f"run config: {name} must not be null")
+    if text.startswith("dict"):
+        if not isinstance(value, dict):
+            raise ConfigError(f"run config: {name} must be an object")
+        return value
     if text.startswith("tuple"):
         if not isinstance(value, list):
             raise ConfigError(f"run config: {name} must be a list")

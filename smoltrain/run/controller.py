@@ -379,3 +379,6 @@ def check_usage(cfg: RunConfig) -> None:
         raise UsageError(f"--microbatches {cfg.microbatches} exceeds --batch {cfg.batch}")
     if cfg.shares and len(cfg.shares) != world:
         raise UsageError(f"--shares has {len(cfg.shares)} entries for {world} ranks")
+    if cfg.placement:
+        from smoltrain.planner.placement import validate
+        validate(cfg.placement, cfg.strategy, spec, cfg.batch, world)

@@ -52,6 +52,37 @@ class Context:
     def global_tokens(self) -> int:
         return self.run.global_tokens
 
+    # --- this rank's part of the work, as the run's placement says (planner.placement) ---
+    @property
+    def placement(self) -> dict:
+        return self.run.placement or {}
+
+    def batch_range(self, rank: int | None = None) -> tuple[int, int]:
+        """[lo, hi) sequences of the global batch: the placement's shares, else --shares, else even."""
+        from smoltrain.planner.placement import batch_ranges
+
+        shares = self.placement.get("shares") or self.run.shares
+        return batch_ranges(self.batch, list(shares) if shares else None, self.world)[
+            self.rank if rank is None else rank]
+
+    def layer_range(self) -> tuple[int, int]:
+        """[first, last+1) transformer layers of this stage (mp, pp)."""
+        from smoltrain.planner.placement import even_counts, ranges
+
+        cuts = self.placement.get("layers") or ranges(even_counts(self.spec.layers, self.world))
+        return tuple(cuts[self.rank])
+
+    def head_range(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """([first, last+1) attention heads, [first, last+1) MLP columns) of this rank (tp)."""
+        from smoltrain.planner.placement import counts_from_shares, even_counts, ranges
+
+        heads = self.placement.get("heads")
+        if heads is None:
+            g = self.spec.heads // self.spec.kv_heads
+            heads = ranges([n * g for n in even_counts(self.spec.kv_heads, self.world)])
+        ffn = self.placement.get("ffn") or ranges(counts_from_shares(self.spec.ffn, [hi - lo for lo, hi in heads]))
+        return tuple(heads[self.rank]), tuple(ffn[self.rank])
+
 
 class Strategy(ABC):
     """One rank's share of the model, its optimizer, and its training step."""
@@ -112,12 +143,12 @@ def check_world(strategy: str, spec, world: int) -> None:
     registry.get(strategy, trainable=True)
     if world < 1:
         raise UsageError("world size must be at least 1")
-    if strategy == "pp" and spec.layers % world:
-        raise UsageError(f"pp: {spec.layers} layers of {spec.name} do not divide over {world} stages")
-    if strategy == "mp" and world > spec.layers:
-        raise UsageError(f"mp: {spec.name} has {spec.layers} layers, fewer than {world} ranks")
-    if strategy == "tp" and (spec.heads % world or spec.ffn % world):
-        raise UsageError(f"tp: {spec.heads} heads / ffn {spec.ffn} of {spec.name} do not divide over {world} ranks")
+    if strategy in ("pp", "mp") and world > spec.layers:
+        raise UsageError(f"{strategy}: {spec.layers} layers of {spec.name} do not divide over {world} stages "
+                         f"(at most one stage per layer)")
+    if strategy == "tp" and (world > spec.kv_heads or world > spec.ffn):
+        raise UsageError(f"tp: {spec.kv_heads} KV head groups of {spec.name} do not divide over {world} ranks "
+                         f"(at most one rank per group)")
     if strategy == "fsdp" and spec.tied_embeddings:
         raise UsageError(f"fsdp: {spec.name} ties its embeddings across units; use an untied model such as tiny")
 

@@ -1,7 +1,7 @@
 """dp: data parallel, ring all-reduce of gradients in buckets, overlapped with backward.
 
 Every rank holds the whole model and optimizer and trains on its slice of the
-global batch (`--shares` makes slices uneven: a slow host gets fewer sequences).
+global batch (the placement makes slices uneven: a slow host gets fewer sequences).
 Each rank's loss is its sum of token losses divided by the *global* token count,
 so summing gradients over ranks gives exactly the gradient of the global mean
 loss, whatever the shares.
@@ -22,7 +22,6 @@ import threading
 
 import torch
 
-from smoltrain.models.data import split_batch
 from smoltrain.models.gpt import build_model, loss_sum
 from smoltrain.models.optim import AdamW
 from smoltrain.strategies import Context, Strategy
@@ -45,8 +44,7 @@ class DataParallel(Strategy):
         self.model = build_model(ctx.spec, ctx.seed).to(ctx.device)
         self.params = list(self.model.parameters())
         self.opt = AdamW(self.params, lr=ctx.lr)
-        shares = ctx.shares or [1.0] * ctx.world
-        self.lo, self.hi = split_batch(ctx.batch, shares)[ctx.rank]
+        self.lo, self.hi = ctx.batch_range()
         # Buckets in reverse parameter order: roughly the order backward finishes them.
         self.buckets, cur, size = [], [], 0
         for p in reversed(self.params):

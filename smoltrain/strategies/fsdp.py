@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from smoltrain.models.data import split_batch
 from smoltrain.models.gpt import build_model, loss_sum
 from smoltrain.models.optim import AdamW
 from smoltrain.strategies import Context, Strategy
@@ -78,8 +77,7 @@ class FullyShardedDataParallel(Strategy):
         model = build_model(ctx.spec, ctx.seed)
         self.units = [ShardedUnit(u, ctx.rank, ctx.world, ctx.comm, ctx.device) for u in model.units]
         self.opt = AdamW([u.shard for u in self.units], lr=ctx.lr)
-        shares = ctx.shares or [1.0] * ctx.world
-        self.lo, self.hi = split_batch(ctx.batch, shares)[ctx.rank]
+        self.lo, self.hi = ctx.batch_range()  # uneven by the placement; shards stay even
 
     def train_step(self, step: int) -> float:
         x, y = self.ctx.batches.slice(step, self.lo, self.hi)

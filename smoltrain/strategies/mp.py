@@ -1,7 +1,8 @@
 """mp: naive model parallelism: consecutive layers on consecutive ranks.
 
 Rank r holds a run of units (rank 0 also the embeddings, the last rank also the
-LM head) and only their optimizer state. One step with the whole global batch:
+LM head) and only their optimizer state; the run's placement says which layers
+(any count per stage, cut by speed and memory). One step with the whole global batch:
   forward:  rank 0 embeds and runs its layers, sends the boundary activation
             (B x T x hidden fp32) straight to rank 1, which runs its layers and
             sends on, ...; the last rank computes the loss;
@@ -20,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from smoltrain.models.gpt import build_model, loss_sum, split_units
+from smoltrain.models.gpt import build_model, loss_sum
 from smoltrain.models.optim import AdamW
 from smoltrain.strategies import Context, Strategy
 
@@ -31,9 +32,10 @@ class StageStrategy(Strategy):
     def __init__(self, ctx: Context):
         super().__init__(ctx)
         full = build_model(ctx.spec, ctx.seed)
-        ranges = split_units(len(full.units), ctx.spec.layers, ctx.world)
-        self.stage = nn.Sequential(*[full.units[i] for i in ranges[ctx.rank]]).to(ctx.device)
         self.first, self.last = ctx.rank == 0, ctx.rank == ctx.world - 1
+        lo, hi = ctx.layer_range()  # the placement's cut (uneven by speed, or as even as it goes)
+        units = range(0 if self.first else lo + 1, hi + 1 + (1 if self.last else 0))
+        self.stage = nn.Sequential(*[full.units[i] for i in units]).to(ctx.device)
         self.loss_owner = self.last
         self.params = list(self.stage.parameters())
         self.opt = AdamW(self.params, lr=ctx.lr)

@@ -29,9 +29,9 @@ import torch
 from smolnet import wire
 from smolnet.server import AuthListener
 from smoltrain.comm.base import ByteCounter
-from smoltrain.models.data import split_batch
 from smoltrain.models.gpt import build_model
 from smoltrain.models.optim import AdamW
+from smoltrain.planner.placement import named_batch_ranges
 
 HELLO, PARAMS, GRADS, STOP = 1, 2, 3, 4
 
@@ -142,8 +142,7 @@ class ParameterServer:
             self._admit(step, first=False)
             if not self.members:
                 raise RuntimeError("every worker has left")
-            ranges = dict(zip([m.name for m in self.members],
-                              split_batch(self.ctx.batch, [1.0] * len(self.members))))
+            ranges = named_batch_ranges(self.ctx.batch, [m.name for m in self.members], self.ctx.run.placement)
             for m in list(self.members):
                 lo, hi = ranges[m.name]
                 try:

@@ -1,6 +1,6 @@
 """pp: pipeline parallelism over M microbatches, GPipe or 1F1B schedule.
 
-Stages are cut as in `mp` (the layer count must divide by the stage count), but
+Stages are cut as in `mp` (the placement's layer ranges, any count per stage), but
 the global batch is split into M microbatches, so stage r can work on microbatch
 m while stage r+1 works on m-1. Gradients of all microbatches accumulate before
 one optimizer step, so the result is the same as one big batch.

@@ -2,10 +2,11 @@
 
 Every rank sees the whole global batch and holds every layer, but only 1/N of
 each block's matrices:
-  attention: q, k, v are column-parallel (rank r computes heads
-             [r*H/N, (r+1)*H/N) in full); the output projection is row-parallel
+  attention: q, k, v are column-parallel (rank r computes its heads, a
+             contiguous range the placement sizes by speed, H/N each when even,
+             in full); the output projection is row-parallel
              (rank r multiplies its heads' slice of the input dimension);
-  MLP:       fc is column-parallel (ffn/N hidden units each), proj row-parallel.
+  MLP:       fc is column-parallel (hidden units in the heads' proportion), proj row-parallel.
 A row-parallel product leaves each rank with a partial sum of the output, so:
   g = all-reduce forward, identity backward (after each row-parallel layer);
   f = identity forward, all-reduce backward (before each column-parallel layer),
@@ -60,18 +61,15 @@ class _AllReduceForward(torch.autograd.Function):
 class ParallelBlock(nn.Module):
     """A transformer block holding rank r's slice of attention heads and MLP units."""
 
-    def __init__(self, full, rank: int, world: int, comm):
+    def __init__(self, full, heads: tuple[int, int], ffn: tuple[int, int], comm):
         super().__init__()
         self.comm = comm
         self.ln1, self.ln2 = full.ln1, full.ln2
         a = full.attn
-        heads = a.heads // world
-        width = heads * a.head_dim
-        cols = slice(rank * width, (rank + 1) * width)
-        self.attn = Attention(a.q.in_features, heads, a.head_dim)
-        ffn = full.mlp.fc.out_features // world
-        units = slice(rank * ffn, (rank + 1) * ffn)
-        self.mlp = MLP(full.mlp.fc.in_features, ffn)
+        cols = slice(heads[0] * a.head_dim, heads[1] * a.head_dim)
+        self.attn = Attention(a.q.in_features, heads[1] - heads[0], a.head_dim)
+        units = slice(*ffn)
+        self.mlp = MLP(full.mlp.fc.in_features, ffn[1] - ffn[0])
         with torch.no_grad():
             for name in ("q", "k", "v"):  # column-parallel: output rows
                 getattr(self.attn, name).weight.copy_(getattr(a, name).weight[cols])
@@ -93,7 +91,8 @@ class TensorParallel(Strategy):
         full = build_model(ctx.spec, ctx.seed)
         units = list(full.units)
         if ctx.world > 1:
-            units = [units[0]] + [ParallelBlock(b, ctx.rank, ctx.world, ctx.comm) for b in units[1:-1]] + [units[-1]]
+            heads, ffn = ctx.head_range()  # the placement's split: uneven by speed, whole KV groups
+            units = [units[0]] + [ParallelBlock(b, heads, ffn, ctx.comm) for b in units[1:-1]] + [units[-1]]
         self.model = nn.Sequential(*units).to(ctx.device)
         self.params = list(self.model.parameters())
         self.opt = AdamW(self.params, lr=ctx.lr)

@@ -1,0 +1,125 @@
+"""How fast each host trains, and how much memory it has: what placement splits work by.
+
+Measured when a compute report (`smoltrain.compute/1`, from `smoltrain calibrate -i`) covers
+the host: its timed training steps at two batch sizes give the seconds per token (the slope)
+and a fixed per-step cost (the intercept), so a host's time for n tokens is
+`fixed_s + n * s_per_token`. A report for another model is scaled by 6 x parameters per
+token (the FLOPs of a training step). Hosts the report does not cover fall back to the
+device profiles (`planner/devices.py`) with the same 6P rule, and say so (`source`).
+
+Torch-free; the interface is deliberately small (`host_speeds`) so the compute loader can
+replace the document reading without touching placement.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from smolnet.errors import UsageError
+from smoltrain.models.spec import ModelSpec, get_model
+
+
+@dataclass(frozen=True)
+class HostSpeed:
+    name: str
+    s_per_token: float       # training seconds per token of the whole model (forward, backward, update)
+    memory_bytes: float      # memory a training process may use there
+    fixed_s: float = 0.0     # per-step cost that does not grow with the batch
+    machine_id: str = ""     # ranks with the same machine share its cores
+    source: str = "nominal"  # measured (compute report) or nominal (device profile)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1.0 / self.s_per_token if self.s_per_token > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "s_per_token": self.s_per_token, "tokens_per_s": self.tokens_per_s,
+                "fixed_s": self.fixed_s, "memory_bytes": self.memory_bytes, "machine_id": self.machine_id,
+                "source": self.source}
+
+
+def _host_name(h) -> str:
+    return h if isinstance(h, str) else h.name
+
+
+def _flop_cost(model: ModelSpec) -> float:
+    """FLOPs per trained token: 6 x parameters (2 forward, 4 backward)."""
+    return 6.0 * model.params()
+
+
+def _from_steps(rows: list[dict], model: ModelSpec) -> tuple[float, float] | None:
+    """(s_per_token, fixed_s) from timed steps: the slope between the two batch sizes."""
+    good = []
+    for r in rows:
+        try:
+            tokens, sec = int(r["batch"]) * int(r["seq"]), float(r["seconds"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if tokens > 0 and sec > 0:
+            good.append((tokens, sec, r.get("model")))
+    if not good:
+        return None
+    same = [g for g in good if g[2] == model.name]
+    use = same or good
+    scale = 1.0
+    if not same:
+        try:
+            scale = _flop_cost(model) / _flop_cost(get_model(str(use[0][2])))
+        except Exception:
+            return None
+        use = [g for g in use if g[2] == use[0][2]]
+    use.sort()
+    (t1, s1, _), (t2, s2, _) = use[0], use[-1]
+    if t2 > t1 and s2 > s1:
+        slope = (s2 - s1) / (t2 - t1)
+        return slope * scale, max(0.0, s1 - slope * t1) * scale
+    return s2 / t2 * scale, 0.0
+
+
+def _measured(entry: dict, model: ModelSpec) -> HostSpeed | None:
+    name = entry.get("name")
+    if not isinstance(name, str):
+        return None
+    fit = _from_steps(entry.get("train_step") or [], model)
+    if fit is None:
+        fl = (entry.get("flops") or {}).get("fp32")
+        if not isinstance(fl, (int, float)) or fl <= 0:
+            return None
+        fit = (_flop_cost(model) / fl, 0.0)
+    mem = entry.get("usable_memory_bytes")
+    if not isinstance(mem, (int, float)) or mem <= 0:
+        return None
+    return HostSpeed(name, fit[0], float(mem), fit[1], str(entry.get("machine_id") or ""), "measured")
+
+
+def _nominal(host, model: ModelSpec) -> HostSpeed:
+    from smoltrain.planner.devices import get_device
+
+    name = _host_name(host)
+    dev = get_device(getattr(host, "device", None) or "generic")
+    mem = dev.memory_bytes
+    gb = (getattr(host, "vars", None) or {}).get("smol_memory_gb")
+    if gb is not None:
+        try:
+            mem = float(gb) * 1e9
+        except (TypeError, ValueError):
+            raise UsageError(f"host {name}: smol_memory_gb must be a number, got {gb!r}") from None
+    return HostSpeed(name, _flop_cost(model) / dev.flops("fp32"), mem, 0.0, "", "nominal")
+
+
+def host_speeds(compute_doc: dict | None, hosts, model: ModelSpec) -> dict[str, HostSpeed]:
+    """Speed and memory of each host (names or inventory hosts): measured where the compute
+    report has the host, else its device profile."""
+    measured = {}
+    if compute_doc is not None:
+        if not isinstance(compute_doc, dict) or not str(compute_doc.get("schema", "")).startswith("smoltrain.compute/"):
+            raise UsageError("compute report: not a smoltrain.compute/1 document")
+        for entry in compute_doc.get("hosts") or []:
+            hs = _measured(entry, model) if isinstance(entry, dict) else None
+            if hs is not None:
+                measured[hs.name] = hs
+    return {_host_name(h): measured.get(_host_name(h)) or _nominal(h, model) for h in hosts}
+
+
+def source_of(speeds: dict[str, HostSpeed]) -> str:
+    kinds = {s.source for s in speeds.values()}
+    return kinds.pop() if len(kinds) == 1 else "mixed"
