@@ -150,7 +150,7 @@ def validate(strategy: str, mode: str, model: ModelSpec, world: int, batch: int,
     if strategy in ("pp", "mp") and world > model.layers:
         raise UsageError(f"{strategy} over {world} ranks needs at least {world} layers; "
                          f"{model.name} has {model.layers}")
-    if strategy == "pp" and model.layers % world:
+    if strategy == "pp" and mode == "train" and model.layers % world:  # decode takes uneven stages
         raise UsageError(f"pp: {model.layers} layers of {model.name} do not divide over {world} stages")
     if strategy == "tp" and (model.heads % world or model.ffn % world):
         raise UsageError(f"tp over {world} ranks needs heads and ffn divisible by the world; "
