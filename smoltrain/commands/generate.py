@@ -51,8 +51,8 @@ def check_request(ids, max_new: int, temperature: float, top_p: float, ctx: int)
 class Printer:
     """Streams text (or ids) to the terminal as tokens arrive."""
 
-    def __init__(self, tokenizer, out=sys.stdout):
-        self.tok, self.out, self.ids, self.shown = tokenizer, out, [], ""
+    def __init__(self, tokenizer, out=None):
+        self.tok, self.out, self.ids, self.shown = tokenizer, out or sys.stdout, [], ""
 
     def __call__(self, t: int) -> None:
         self.ids.append(t)
