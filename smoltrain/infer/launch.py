@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import secrets
 import tempfile
+import threading
 from dataclasses import dataclass
 
 from smolnet.errors import UsageError
@@ -26,14 +27,18 @@ class LocalRunner:
         cfg = ckpt.config
         self.engine = Engine(Stage(ckpt, 0, cfg.layers, True, True, dtype=dtype))
         self.dead = None
+        self.lock = threading.Lock()
+        self.cancelled = threading.Event()
 
-    def generate(self, req, on_token=lambda t: None, cancelled=lambda: False, timeout=None) -> list[dict]:
-        st = self.engine.generate(req, emit=on_token, cancelled=cancelled)
+    def generate(self, req, on_token=lambda t: None, timeout=None) -> list[dict]:
+        with self.lock:
+            self.cancelled.clear()
+            st = self.engine.generate(req, emit=on_token, cancelled=self.cancelled.is_set)
         st["links"] = []
         return [st]
 
     def cancel(self) -> None:
-        pass
+        self.cancelled.set()
 
     def close(self) -> None:
         pass
