@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from smoltrain.models.hf import HFConfig
+from smoltrain.models.hf import GELUS, HFConfig
 from smoltrain.models.llama import KVCache, attend
 
 
@@ -34,7 +34,7 @@ class GPT2Block(torch.nn.Module):
         a = attend(q, k, v, n, n, causal=T > 1).transpose(1, 2).reshape(1, T, n * hd)
         x = x + (reduce(a @ w["attn.c_proj.weight"]) + w["attn.c_proj.bias"])
         y = self._ln(x, "ln_2")
-        m = F.gelu(y @ w["mlp.c_fc.weight"] + w["mlp.c_fc.bias"], approximate="tanh")
+        m = F.gelu(y @ w["mlp.c_fc.weight"] + w["mlp.c_fc.bias"], approximate=GELUS[self.cfg.act])
         return x + (reduce(m @ w["mlp.c_proj.weight"]) + w["mlp.c_proj.bias"])
 
 
@@ -72,13 +72,13 @@ class _LN(torch.nn.Module):
 
 def load_ends(ckpt, first: bool, last: bool, dtype) -> dict:
     out = {}
-    if first or last:
+    if first or (last and ckpt.config.tied):
         out["embed"] = ckpt.read("wte.weight").to(dtype)
     if first:
         out["pos"] = ckpt.read("wpe.weight").to(dtype)
     if last:
         out["norm"] = _LN(ckpt.read("ln_f.weight").to(dtype), ckpt.read("ln_f.bias").to(dtype), ckpt.config.eps)
-        out["head"] = out["embed"]
+        out["head"] = out["embed"] if ckpt.config.tied else ckpt.read("lm_head.weight").to(dtype)
     return out
 
 

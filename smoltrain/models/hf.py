@@ -15,6 +15,7 @@ from pathlib import Path
 from smolnet.errors import SmolError
 
 DTYPES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
+GELUS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
 TORCH_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -40,6 +41,7 @@ class HFConfig:
     bias: bool = False   # llama attention_bias
     eos: int | None = None
     name: str = ""
+    act: str = "silu"    # gpt2: gelu_new (tanh) or gelu (exact)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -95,7 +97,9 @@ def read_config(model_dir: str) -> HFConfig:
             return HFConfig("gpt2", vocab=int(c["vocab_size"]), hidden=h, layers=int(c["n_layer"]), heads=heads,
                             kv_heads=heads, head_dim=h // heads, ffn=int(c.get("n_inner") or 4 * h),
                             ctx=int(c["n_positions"]), eps=float(c.get("layer_norm_epsilon", 1e-5)),
-                            tied=True, dtype=dtype, bias=True, eos=_first_eos(c.get("eos_token_id")), name=name)
+                            tied=bool(c.get("tie_word_embeddings", True)), dtype=dtype, bias=True,
+                            eos=_first_eos(c.get("eos_token_id")), name=name,
+                            act=str(c.get("activation_function", "gelu_new")))
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: missing or bad field {e}") from None
     raise CheckpointError(f"{path}: unknown architecture {kind!r} (supported: llama, gpt2)")
@@ -132,6 +136,8 @@ def expected_tensors(cfg: HFConfig) -> dict[str, tuple[int, ...]]:
                         p + "mlp.c_proj.weight": (f, h), p + "mlp.c_proj.bias": (h,)})
         out["ln_f.weight"] = (h,)
         out["ln_f.bias"] = (h,)
+        if not cfg.tied:
+            out["lm_head.weight"] = (cfg.vocab, h)
     return out
 
 
@@ -156,21 +162,27 @@ class Checkpoint:
                 raise CheckpointError(f"{fp}: not a readable safetensors file: {e}") from None
         self.prefix = "transformer." if self.config.arch == "gpt2" and "transformer.wte.weight" in self.index else ""
 
+    def key(self, name: str) -> str:
+        return name if name == "lm_head.weight" else self.prefix + name
+
     def check(self, names=None) -> None:
         """Name, shape and dtype of every tensor the model needs; raises CheckpointError naming the first miss."""
+        if self.config.arch == "gpt2" and self.config.act not in GELUS:
+            raise CheckpointError(f"{self.dir}: activation {self.config.act!r} is not supported "
+                                  f"({', '.join(GELUS)})")
         want = expected_tensors(self.config)
         dtypes = set()
         for name, shape in want.items():
             if names is not None and name not in names:
                 continue
-            got = self.index.get(self.prefix + name)
+            got = self.index.get(self.key(name))
             if got is None:
-                raise CheckpointError(f"{self.dir}: missing tensor {self.prefix + name}")
+                raise CheckpointError(f"{self.dir}: missing tensor {self.key(name)}")
             if got[1] != shape:
-                raise CheckpointError(f"{self.dir}: tensor {self.prefix + name} has shape {list(got[1])}, "
+                raise CheckpointError(f"{self.dir}: tensor {self.key(name)} has shape {list(got[1])}, "
                                       f"config.json implies {list(shape)}")
             if got[2] not in DTYPES:
-                raise CheckpointError(f"{self.dir}: tensor {self.prefix + name} has dtype {got[2]} "
+                raise CheckpointError(f"{self.dir}: tensor {self.key(name)} has dtype {got[2]} "
                                       f"(supported: {', '.join(DTYPES)})")
             dtypes.add(got[2])
         if len(dtypes) > 1:
@@ -179,7 +191,7 @@ class Checkpoint:
     def read(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None):
         """One tensor, or only a [rows, cols] window of it (read lazily from disk)."""
         from safetensors import safe_open
-        key = self.prefix + name
+        key = self.key(name)
         if key not in self.index:
             raise CheckpointError(f"{self.dir}: missing tensor {key}")
         with safe_open(self.index[key][0], framework="pt") as f:
