@@ -25,6 +25,9 @@ class LocalRunner:
         from smoltrain.infer.engine import Engine
         from smoltrain.models.stage import Stage
         cfg = ckpt.config
+        if os.environ.get("SMOL_INFER_THREADS"):  # as the ranks do (benchmarks compare like with like)
+            import torch
+            torch.set_num_threads(int(os.environ["SMOL_INFER_THREADS"]))
         self.engine = Engine(Stage(ckpt, 0, cfg.layers, True, True, dtype=dtype))
         self.dead = None
         self.lock = threading.Lock()
