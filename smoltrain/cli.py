@@ -9,6 +9,9 @@ COMMANDS = {
     "bench": ("smoltrain.commands.bench", "benchmark collectives (allreduce) on the transport"),
     "calibrate": ("smoltrain.commands.calibrate", "measure this host's matmul FLOP/s and memory bandwidth"),
     "worker": ("smoltrain.commands.worker", "internal: one rank of a run, started by `smoltrain run`"),
+    "generate": ("smoltrain.commands.generate", "generate text with a Hugging Face model split over ranks (pp/tp)"),
+    "serve": ("smoltrain.commands.serve", "serve a split Hugging Face model behind the OpenAI HTTP API"),
+    "export": ("smoltrain.commands.export", "export a `smoltrain run` checkpoint as a Hugging Face GPT-2 folder"),
     "demo": ("smoltrain.commands.demo", "walk the whole flow on the built-in cluster"),
 }
 

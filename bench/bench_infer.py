@@ -1,0 +1,103 @@
+"""Inference: decode tokens/s of pp over 2 loopback ranks vs the one-process reference, and measured
+decode bytes per token vs the `--mode infer` plan, for pp and tp.
+
+The model is a random-weight Llama (made with transformers) big enough that compute
+dominates a decode step (default hidden 1024, 8 layers: ~130M parameters, ~0.5 GB
+fp32), so the question is what the transport adds. Every rank and the reference run
+one torch thread (SMOL_INFER_THREADS=1): pp stages run one after another in decode, so
+at best pp matches the reference. Rounds alternate the setups so machine noise hits
+all alike; each figure is the median over rounds.
+
+    flock /tmp/smol-bench.lock .venv/bin/python bench/bench_infer.py --rounds 3 --json bench/out/infer.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_model(path: str, hidden: int, layers: int) -> None:
+    import torch
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=int(hidden * 2.75),
+                                   num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                                   num_key_value_heads=max(1, hidden // 256), max_position_embeddings=512,
+                                   tie_word_embeddings=False)
+    with torch.device("cpu"):
+        model = transformers.LlamaForCausalLM(cfg)
+    model.eval().save_pretrained(path, safe_serialization=True)
+
+
+def generate(model: str, strategy: str, world: int, new: int, out: str) -> dict:
+    env = dict(os.environ, SMOL_INFER_THREADS="1")
+    where = ["--local", str(world)]
+    r = subprocess.run([sys.executable, "-m", "smoltrain", "generate", "--strategy", strategy, *where,
+                        "--model", model, "--prompt-ids", ",".join(str(i) for i in range(1, 33)),
+                        "--max-new-tokens", str(new), "--ignore-eos", "--json", out],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    if r.returncode:
+        raise SystemExit(f"{strategy} {world}: {r.stderr.strip()}")
+    return json.load(open(out))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--new", type=int, default=64, help="tokens to generate per run")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="bench-infer-")
+    model = os.path.join(tmp, "llama")
+    make_model(model, a.hidden, a.layers)
+    setups = [("local", 1), ("pp", 2), ("tp", 2)]
+    runs: dict[str, list[dict]] = {f"{s}{w}": [] for s, w in setups}
+    for rnd in range(a.rounds):
+        order = setups if rnd % 2 == 0 else setups[::-1]
+        for s, w in order:
+            doc = generate(model, s, w, a.new, os.path.join(tmp, f"{s}{w}.json"))
+            runs[f"{s}{w}"].append(doc)
+            print(f"round {rnd} {s}{w}: decode {doc['decode']['tokens_per_s']:.2f} tok/s, "
+                  f"{doc['decode']['bytes_per_token']:.0f} B/token", flush=True)
+    ref = statistics.median(d["decode"]["tokens_per_s"] for d in runs["local1"])
+    ref_best = max(d["decode"]["tokens_per_s"] for d in runs["local1"])
+    rows = []
+    for key, docs in runs.items():
+        d = docs[-1]
+        tps = statistics.median(x["decode"]["tokens_per_s"] for x in docs)
+        bpt, plan_bpt = d["decode"]["bytes_per_token"], (d["plan"] or {}).get("bytes_per_token")
+        best = max(x["decode"]["tokens_per_s"] for x in docs)
+        rows.append({"setup": key, "decode_tokens_per_s": tps, "vs_local1": tps / ref,
+                     "best_tokens_per_s": best, "best_vs_local1": best / ref_best,
+                     "ttft_s": statistics.median(x["ttft_s"] for x in docs),
+                     "bytes_per_token": bpt, "plan_bytes_per_token": plan_bpt,
+                     "bytes_vs_plan": (bpt / plan_bpt) if plan_bpt else None,
+                     "plan_tokens_per_s": (d["plan"] or {}).get("tokens_per_s"),
+                     "same_tokens_as_local1": d["output_ids"] == runs["local1"][-1]["output_ids"]})
+    print(f"\nmodel: Llama hidden {a.hidden}, {a.layers} layers, {a.new} new tokens, median and best of {a.rounds} rounds")
+    print("| setup | decode tok/s (median) | vs local 1 | best tok/s | best vs best local 1 | ttft s | B/token "
+          "| plan B/token | measured/plan | same tokens |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['setup']} | {r['decode_tokens_per_s']:.2f} | {r['vs_local1']:.2f}x | {r['best_tokens_per_s']:.2f} | "
+              f"{r['best_vs_local1']:.2f}x | {r['ttft_s']:.3f} | "
+              f"{r['bytes_per_token']:.0f} | {r['plan_bytes_per_token'] or 0:.0f} | "
+              f"{(r['bytes_vs_plan'] or 0):.3f} | {r['same_tokens_as_local1']} |")
+    if a.json:
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+        json.dump({"model": {"hidden": a.hidden, "layers": a.layers}, "new": a.new, "rows": rows},
+                  open(a.json, "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

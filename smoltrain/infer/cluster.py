@@ -1,0 +1,200 @@
+"""The controller side of inference: start the ranks, hand them the config, drive requests.
+
+Ranks start as in `smoltrain run` (loopback processes for `--local N`, SSH for the
+inventory's hosts, the secret on standard input) but run `smoltrain.infer.worker`,
+which stays up between requests so `serve` pays the model load once. A rank that
+dies or goes silent turns into a `RankDied` with its one-line reason, never a hang.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from smolnet import wire
+from smolnet.errors import SmolError
+from smoltrain.infer.config import InferConfig
+from smoltrain.infer.engine import Request
+
+MSG = 1
+
+
+class RankDied(SmolError):
+    """A rank exited, failed or went silent; the cluster cannot serve until restarted."""
+
+
+class Cluster:
+    def __init__(self, cfg: InferConfig, placements, secret: bytes, log_dir: str, bind: str = "127.0.0.1",
+                 control_addr: str = "127.0.0.1"):
+        self.cfg, self.placements, self.secret, self.log_dir = cfg, placements, secret, log_dir
+        self.bind, self.control_addr = bind, control_addr
+        self.world = cfg.world_size
+        self.procs: list = []
+        self.socks: dict[int, socket.socket] = {}
+        self.messages: queue.Queue = queue.Queue()
+        self.dead: str | None = None
+        self.lock = threading.Lock()
+
+    # --- start ---
+    def start(self, timeout: float = 120.0) -> None:
+        listener = socket.create_server((self.bind, 0))
+        listener.settimeout(0.5)
+        port = listener.getsockname()[1]
+        try:
+            self._launch(port)
+            deadline = time.monotonic() + timeout
+            while len(self.socks) < self.world:
+                self._check_procs()
+                if time.monotonic() > deadline:
+                    missing = [self.cfg.names[r] for r in range(self.world) if r not in self.socks]
+                    raise RankDied(f"{', '.join(missing)}: never connected within {timeout:.0f}s "
+                                   f"({self.log_tail(self.cfg.names.index(missing[0])) or 'host unreachable?'})")
+                try:
+                    sock, _ = listener.accept()
+                except (socket.timeout, OSError):
+                    continue
+                try:
+                    wire.server_handshake(sock, self.secret, timeout=10.0)
+                    _, hello, _ = wire.recv_frame(sock, timeout=10.0, max_payload=0)
+                    rank = int(hello.get("rank", -1))
+                    if hello.get("type") != "hello" or not 0 <= rank < self.world or rank in self.socks:
+                        raise wire.WireError(f"unexpected hello {hello}")
+                    wire.send_frame(sock, MSG, {"type": "config", "config": self.cfg.to_wire()}, timeout=10.0)
+                except (OSError, wire.WireError, TimeoutError, ValueError):
+                    sock.close()
+                    continue
+                self.socks[rank] = sock
+                threading.Thread(target=self._read, args=(rank, sock), daemon=True).start()
+        finally:
+            listener.close()
+        ready = set()
+        while len(ready) < self.world:
+            rank, msg = self._next(timeout)
+            if msg.get("type") == "ready":
+                ready.add(rank)
+
+    def _launch(self, port: int) -> None:
+        for r, p in enumerate(self.placements):
+            argv = ["-m", "smoltrain.infer.worker", "--control", f"{self.control_addr}:{port}", "--rank", str(r)]
+            if p.host is None or p.host.local:
+                log = open(os.path.join(self.log_dir, f"{p.name}.log"), "wb")
+                python = sys.executable if p.host is None else p.host.python
+                proc = subprocess.Popen([python, *argv], stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+                proc.stdin.write(self.secret + b"\n")
+                proc.stdin.close()
+                self.procs.append(proc)
+            else:
+                from smolnet.remote import connect
+                remote = connect(p.host)
+                self.procs.append((remote, remote.start([p.host.python, *argv], stdin=self.secret + b"\n",
+                                                        log=f"/tmp/smoltrain-infer-{p.name}.log")))
+
+    def _check_procs(self) -> None:
+        for r, proc in enumerate(self.procs):
+            if isinstance(proc, subprocess.Popen) and proc.poll() not in (None, 0):
+                raise RankDied(f"{self.cfg.names[r]}: exited with status {proc.returncode} "
+                               f"({self.log_tail(r) or 'no log'})")
+
+    def log_tail(self, r: int) -> str:
+        proc = self.procs[r] if r < len(self.procs) else None
+        if isinstance(proc, tuple):
+            remote, rproc = proc
+            try:
+                return remote.run(["tail", "-n", "1", rproc.log], timeout=5.0).stdout.strip()[:200]
+            except Exception:
+                return ""
+        try:
+            lines = [ln for ln in Path(self.log_dir, f"{self.placements[r].name}.log").read_text(
+                errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            return ""
+        return lines[-1][:200] if lines else ""
+
+    def _read(self, rank: int, sock: socket.socket) -> None:
+        while True:
+            try:
+                _, msg, _ = wire.recv_frame(sock, timeout=None, max_payload=0)
+            except (OSError, wire.WireError, TimeoutError):
+                self.messages.put((rank, {"type": "closed"}))
+                return
+            self.messages.put((rank, msg))
+
+    def _next(self, timeout: float):
+        """The next message from any rank; a closed or failed rank raises RankDied."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.dead:
+                raise RankDied(self.dead)
+            try:
+                rank, msg = self.messages.get(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    self.dead = f"no word from the ranks for {timeout:.0f}s"
+                    raise RankDied(self.dead) from None
+                continue
+            name = self.cfg.names[rank]
+            if msg.get("type") == "error":
+                self.dead = f"{name}: {msg.get('message')}"
+            elif msg.get("type") == "closed":
+                time.sleep(0.2)  # let its error message, if any, arrive first
+                self.dead = f"{name}: rank exited ({self.log_tail(rank) or 'no log'})"
+            else:
+                return rank, msg
+
+    # --- requests ---
+    def generate(self, req: Request, on_token=lambda t: None, timeout: float | None = None) -> list[dict]:
+        """Run one request on every rank; on_token(id) as rank 0 streams them. Returns each rank's stats."""
+        timeout = timeout or self.cfg.timeout
+        with self.lock:
+            if self.dead:
+                raise RankDied(self.dead)
+            for r in range(self.world):
+                self._send(r, {"type": "generate", "request": req.to_dict()})
+            stats: dict[int, dict] = {}
+            while len(stats) < self.world:
+                rank, msg = self._next(timeout)
+                if msg.get("type") == "token" and rank == 0:
+                    on_token(int(msg["id"]))
+                elif msg.get("type") == "done":
+                    stats[rank] = msg["stats"]
+            return [stats[r] for r in range(self.world)]
+
+    def cancel(self) -> None:
+        """Ask rank 0 to end the current request after the token in flight."""
+        self._send(0, {"type": "cancel"})
+
+    def _send(self, rank: int, msg: dict) -> None:
+        try:
+            wire.send_frame(self.socks[rank], MSG, msg, timeout=10.0)
+        except (OSError, wire.WireError, TimeoutError) as e:
+            self.dead = f"{self.cfg.names[rank]}: control connection lost ({e})"
+            raise RankDied(self.dead) from None
+
+    def close(self) -> None:
+        for r, s in list(self.socks.items()):
+            try:
+                wire.send_frame(s, MSG, {"type": "quit"}, timeout=2.0)
+            except Exception:
+                pass
+        for proc in self.procs:
+            try:
+                if isinstance(proc, subprocess.Popen):
+                    try:
+                        proc.wait(timeout=10)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait(timeout=5)
+                else:
+                    remote, rproc = proc
+                    remote.stop(rproc)
+                    remote.close()
+            except Exception:  # best effort: never mask the real failure
+                pass
+        for s in self.socks.values():
+            s.close()

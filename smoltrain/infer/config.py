@@ -1,0 +1,39 @@
+"""What every inference rank needs to know, sent by the controller over the control channel as JSON."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from smolnet.errors import SmolError
+
+STRATEGIES = ("local", "pp", "tp")
+
+
+@dataclass(frozen=True)
+class InferConfig:
+    strategy: str
+    backend: str
+    model_dir: str
+    dtype: str | None
+    names: tuple[str, ...]
+    layers: tuple[tuple[int, int], ...]   # pp: [first, last) per rank; tp: all layers on every rank
+    coord_addr: str = "127.0.0.1"
+    port: int = 0
+    addrs: tuple[str, ...] = ()
+    timeout: float = 60.0
+
+    @property
+    def world_size(self) -> int:
+        return len(self.names)
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, d) -> "InferConfig":
+        if not isinstance(d, dict) or set(d) != {f.name for f in fields(cls)}:
+            raise SmolError("the controller sent an inference config of another version")
+        d = dict(d, names=tuple(d["names"]), addrs=tuple(d["addrs"]),
+                 layers=tuple(tuple(int(x) for x in p) for p in d["layers"]))
+        if d["strategy"] not in STRATEGIES or len(d["layers"]) != len(d["names"]):
+            raise SmolError("the controller sent a malformed inference config")
+        return cls(**d)

@@ -1,0 +1,121 @@
+"""One inference rank: `python -m smoltrain.infer.worker --control ADDR:PORT --rank R` (secret on stdin).
+
+It dials the controller, gets the InferConfig, joins the rank group, loads only its own
+layers (or tp slice) from the shared checkpoint folder, says `ready`, then serves
+`generate` requests until `quit`. Rank 0 streams each token as it comes; every rank
+ends a request with `done` and its stats, or `error` with a one-line reason.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+import traceback
+
+from smolnet import wire
+from smoltrain.infer.config import InferConfig
+from smoltrain.infer.engine import Engine, Request
+
+MSG = 1
+
+
+class Control:
+    """The worker's end of the control connection; a reader thread turns `cancel` into an event."""
+
+    def __init__(self, addr: str, port: int, secret: bytes, rank: int):
+        self.sock = wire.connect(addr, port, secret, timeout=60.0, what="controller")
+        self.lock = threading.Lock()
+        self.inbox: queue.Queue = queue.Queue()
+        self.cancel = threading.Event()
+        self.send({"type": "hello", "rank": rank, "pid": os.getpid(), "host": socket.gethostname()})
+        kind, msg, _ = wire.recv_frame(self.sock, timeout=60.0, max_payload=0)
+        if msg.get("type") != "config":
+            raise wire.WireError("the controller did not send a config")
+        self.config = InferConfig.from_wire(msg.get("config"))
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                _, msg, _ = wire.recv_frame(self.sock, timeout=None, max_payload=0)
+            except (OSError, wire.WireError, TimeoutError):
+                self.inbox.put({"type": "quit"})
+                return
+            if msg.get("type") == "cancel":
+                self.cancel.set()
+            else:
+                self.inbox.put(msg)
+
+    def send(self, msg: dict) -> None:
+        with self.lock:
+            wire.send_frame(self.sock, MSG, msg, timeout=30.0)
+
+
+def serve(ctl: Control, rank: int, secret: bytes) -> None:
+    import torch
+
+    from smoltrain.models.hf import Checkpoint
+    from smoltrain.models.stage import Stage
+
+    torch.set_num_threads(max(1, int(os.environ.get("SMOL_INFER_THREADS", "1"))))
+    cfg = ctl.config
+    world = cfg.world_size
+    t0 = time.perf_counter()
+    comm = None
+    if world > 1:
+        from smoltrain.comm import make_comm
+        comm = make_comm(cfg.backend, rank, world, cfg.coord_addr, cfg.port, secret, timeout=cfg.timeout,
+                         addrs=list(cfg.addrs) or None)
+    first, last = cfg.layers[rank]
+    pp = cfg.strategy == "pp"
+    stage = Stage(Checkpoint(cfg.model_dir), first, last, is_first=rank == 0 or not pp,
+                  is_last=rank == world - 1 or not pp, tp_rank=rank if cfg.strategy == "tp" else 0,
+                  tp_world=world if cfg.strategy == "tp" else 1, dtype=cfg.dtype)
+    engine = Engine(stage, cfg.strategy, comm, rank, world)
+    ctl.send({"type": "ready", "load_s": time.perf_counter() - t0})
+    try:
+        while True:
+            msg = ctl.inbox.get()
+            if msg.get("type") == "quit":
+                break
+            if msg.get("type") != "generate":
+                continue
+            ctl.cancel.clear()
+            req = Request(**msg["request"])
+            stats = engine.generate(req, emit=lambda t: ctl.send({"type": "token", "id": t}),
+                                    cancelled=ctl.cancel.is_set)
+            stats["links"] = sorted((comm.bytes_sent() if comm else {}).items())
+            ctl.send({"type": "done", "stats": stats})
+    finally:
+        if comm is not None:
+            comm.close()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="smoltrain.infer.worker")
+    p.add_argument("--control", required=True)
+    p.add_argument("--rank", type=int, required=True)
+    a = p.parse_args(argv)
+    from smolnet.secret import parse_secret
+    secret = parse_secret(sys.stdin.buffer.readline(), "stdin")
+    addr, _, port = a.control.rpartition(":")
+    ctl = Control(addr, int(port), secret, a.rank)
+    try:
+        serve(ctl, a.rank, secret)
+        return 0
+    except BaseException as e:  # one line to the controller, the trace to the log
+        traceback.print_exc()
+        line = str(e).splitlines()[0] if str(e) else type(e).__name__
+        try:
+            ctl.send({"type": "error", "message": f"{type(e).__name__}: {line}"})
+        except Exception:
+            pass
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""A readable GPT-2 block for inference (pre-LayerNorm, gelu_new, Conv1D weights stored [in, out]), with a KV cache.
+
+Matches `transformers`' GPT2LMHeadModel number for number. Under tp a block holds
+its ranks' heads and MLP columns; the two output projections are partial sums that
+`reduce` finishes, and their biases are added once, after it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from smoltrain.models.hf import GELUS, HFConfig
+from smoltrain.models.llama import KVCache, attend
+
+
+class GPT2Block(torch.nn.Module):
+    def __init__(self, cfg: HFConfig, w: dict, heads: int):
+        super().__init__()
+        self.cfg, self.w, self.heads = cfg, w, heads
+        self.cache: KVCache | None = None
+
+    def reset(self, max_len: int, dtype) -> None:
+        self.cache = KVCache(self.heads, self.cfg.head_dim, max_len, dtype)
+
+    def _ln(self, x, name):
+        return F.layer_norm(x, (x.shape[-1],), self.w[name + ".weight"], self.w[name + ".bias"], self.cfg.eps)
+
+    def forward(self, x, pos: int, reduce):
+        w, hd, T, n = self.w, self.cfg.head_dim, x.shape[1], self.heads
+        y = self._ln(x, "ln_1")
+        qkv = y @ w["attn.c_attn.weight"] + w["attn.c_attn.bias"]
+        q, k, v = (t.view(1, T, n, hd).transpose(1, 2) for t in qkv.split(n * hd, dim=-1))
+        k, v = self.cache.update(k, v, pos)
+        a = attend(q, k, v, n, n, causal=T > 1).transpose(1, 2).reshape(1, T, n * hd)
+        x = x + (reduce(a @ w["attn.c_proj.weight"]) + w["attn.c_proj.bias"])
+        y = self._ln(x, "ln_2")
+        m = F.gelu(y @ w["mlp.c_fc.weight"] + w["mlp.c_fc.bias"], approximate=GELUS[self.cfg.act])
+        return x + (reduce(m @ w["mlp.c_proj.weight"]) + w["mlp.c_proj.bias"])
+
+
+def load_block(ckpt, i: int, rank: int, world: int, dtype) -> GPT2Block:
+    cfg = ckpt.config
+    h, n, hd = cfg.hidden, cfg.heads // world, cfg.head_dim
+    f = cfg.ffn // world
+    p = f"h.{i}."
+
+    def rd(name, rows=None, cols=None):
+        return ckpt.read(p + name, rows, cols).to(dtype)
+
+    c0, c1 = rank * n * hd, (rank + 1) * n * hd
+    w = {"ln_1.weight": rd("ln_1.weight"), "ln_1.bias": rd("ln_1.bias"),
+         "ln_2.weight": rd("ln_2.weight"), "ln_2.bias": rd("ln_2.bias"),
+         # q, k, v each: this rank's heads' columns
+         "attn.c_attn.weight": torch.cat([rd("attn.c_attn.weight", None, (o + c0, o + c1)) for o in (0, h, 2 * h)], 1),
+         "attn.c_attn.bias": torch.cat([rd("attn.c_attn.bias", (o + c0, o + c1)) for o in (0, h, 2 * h)]),
+         "attn.c_proj.weight": rd("attn.c_proj.weight", (c0, c1)), "attn.c_proj.bias": rd("attn.c_proj.bias"),
+         "mlp.c_fc.weight": rd("mlp.c_fc.weight", None, (rank * f, (rank + 1) * f)),
+         "mlp.c_fc.bias": rd("mlp.c_fc.bias", (rank * f, (rank + 1) * f)),
+         "mlp.c_proj.weight": rd("mlp.c_proj.weight", (rank * f, (rank + 1) * f)),
+         "mlp.c_proj.bias": rd("mlp.c_proj.bias")}
+    return GPT2Block(cfg, w, n)
+
+
+class _LN(torch.nn.Module):
+    def __init__(self, w, b, eps):
+        super().__init__()
+        self.w, self.b, self.eps = w, b, eps
+
+    def forward(self, x):
+        return F.layer_norm(x, (x.shape[-1],), self.w, self.b, self.eps)
+
+
+def load_ends(ckpt, first: bool, last: bool, dtype) -> dict:
+    out = {}
+    if first or (last and ckpt.config.tied):
+        out["embed"] = ckpt.read("wte.weight").to(dtype)
+    if first:
+        out["pos"] = ckpt.read("wpe.weight").to(dtype)
+    if last:
+        out["norm"] = _LN(ckpt.read("ln_f.weight").to(dtype), ckpt.read("ln_f.bias").to(dtype), ckpt.config.eps)
+        out["head"] = out["embed"] if ckpt.config.tied else ckpt.read("lm_head.weight").to(dtype)
+    return out
+
+
+def embed(ends: dict, ids, pos: int):
+    T = ids.shape[1]
+    return F.embedding(ids, ends["embed"]) + ends["pos"][pos:pos + T]

@@ -1,0 +1,216 @@
+"""Reading a Hugging Face checkpoint folder: config.json, *.safetensors, optional tokenizer.json.
+
+Only the safetensors headers are read up front (names, shapes, dtypes), so the
+controller can check the whole checkpoint before any rank starts; each rank then
+reads just its own layers (and, under tp, just its own slice of each matrix)
+through safetensors' lazy `safe_open`.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from smolnet.errors import SmolError
+
+DTYPES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
+GELUS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
+TORCH_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+class CheckpointError(SmolError):
+    """A checkpoint folder that is missing, of an unknown architecture, or not what its config says."""
+
+
+@dataclass(frozen=True)
+class HFConfig:
+    arch: str            # "llama" or "gpt2"
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    ctx: int
+    eps: float
+    rope_theta: float = 10000.0
+    tied: bool = True
+    dtype: str = "fp32"
+    bias: bool = False   # llama attention_bias
+    eos: int | None = None
+    name: str = ""
+    act: str = "silu"    # gpt2: gelu_new (tanh) or gelu (exact)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HFConfig":
+        return cls(**d)
+
+    def spec(self):
+        """The planner's ModelSpec of this checkpoint (for the `--mode infer` plan)."""
+        from smoltrain.models.spec import ModelSpec
+        return ModelSpec(self.name or self.arch, vocab=self.vocab, layers=self.layers, hidden=self.hidden,
+                         heads=self.heads, kv_heads=self.kv_heads, ffn=self.ffn, ctx=self.ctx,
+                         tied_embeddings=self.tied, gated_mlp=self.arch == "llama",
+                         learned_pos=self.arch == "gpt2")
+
+
+def _first_eos(v):
+    if isinstance(v, list):
+        return int(v[0]) if v else None
+    return int(v) if isinstance(v, int) else None
+
+
+def read_config(model_dir: str) -> HFConfig:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{model_dir}: no config.json (is this a Hugging Face checkpoint folder?)")
+    try:
+        c = json.loads(path.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{path}: not JSON: {e}") from None
+    kind = c.get("model_type")
+    dtype = TORCH_DTYPES.get(str(c.get("dtype") or c.get("torch_dtype") or "float32"), "fp32")
+    name = Path(model_dir).resolve().name
+    try:
+        if kind == "llama":
+            heads = int(c["num_attention_heads"])
+            rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+            if rope and rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+                raise CheckpointError(f"{path}: rope scaling {rope.get('rope_type')!r} is not supported")
+            theta = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
+            return HFConfig("llama", vocab=int(c["vocab_size"]), hidden=int(c["hidden_size"]),
+                            layers=int(c["num_hidden_layers"]), heads=heads,
+                            kv_heads=int(c.get("num_key_value_heads") or heads),
+                            head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
+                            ffn=int(c["intermediate_size"]), ctx=int(c["max_position_embeddings"]),
+                            eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+                            tied=bool(c.get("tie_word_embeddings", False)), dtype=dtype,
+                            bias=bool(c.get("attention_bias", False)), eos=_first_eos(c.get("eos_token_id")),
+                            name=name)
+        if kind == "gpt2":
+            h, heads = int(c["n_embd"]), int(c["n_head"])
+            return HFConfig("gpt2", vocab=int(c["vocab_size"]), hidden=h, layers=int(c["n_layer"]), heads=heads,
+                            kv_heads=heads, head_dim=h // heads, ffn=int(c.get("n_inner") or 4 * h),
+                            ctx=int(c["n_positions"]), eps=float(c.get("layer_norm_epsilon", 1e-5)),
+                            tied=bool(c.get("tie_word_embeddings", True)), dtype=dtype, bias=True,
+                            eos=_first_eos(c.get("eos_token_id")), name=name,
+                            act=str(c.get("activation_function", "gelu_new")))
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: missing or bad field {e}") from None
+    raise CheckpointError(f"{path}: unknown architecture {kind!r} (supported: llama, gpt2)")
+
+
+def expected_tensors(cfg: HFConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the model reads, by its checkpoint name (without a `transformer.` prefix), with its shape."""
+    h, f, q, kv = cfg.hidden, cfg.ffn, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    out: dict[str, tuple[int, ...]] = {}
+    if cfg.arch == "llama":
+        out["model.embed_tokens.weight"] = (cfg.vocab, h)
+        for i in range(cfg.layers):
+            p = f"model.layers.{i}."
+            out.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                        p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                        p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                        p + "mlp.down_proj.weight": (h, f), p + "input_layernorm.weight": (h,),
+                        p + "post_attention_layernorm.weight": (h,)})
+            if cfg.bias:
+                out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                            p + "self_attn.v_proj.bias": (kv,), p + "self_attn.o_proj.bias": (h,)})
+        out["model.norm.weight"] = (h,)
+        if not cfg.tied:
+            out["lm_head.weight"] = (cfg.vocab, h)
+    else:
+        out["wte.weight"] = (cfg.vocab, h)
+        out["wpe.weight"] = (cfg.ctx, h)
+        for i in range(cfg.layers):
+            p = f"h.{i}."
+            out.update({p + "ln_1.weight": (h,), p + "ln_1.bias": (h,), p + "ln_2.weight": (h,),
+                        p + "ln_2.bias": (h,), p + "attn.c_attn.weight": (h, 3 * h), p + "attn.c_attn.bias": (3 * h,),
+                        p + "attn.c_proj.weight": (h, h), p + "attn.c_proj.bias": (h,),
+                        p + "mlp.c_fc.weight": (h, f), p + "mlp.c_fc.bias": (f,),
+                        p + "mlp.c_proj.weight": (f, h), p + "mlp.c_proj.bias": (h,)})
+        out["ln_f.weight"] = (h,)
+        out["ln_f.bias"] = (h,)
+        if not cfg.tied:
+            out["lm_head.weight"] = (cfg.vocab, h)
+    return out
+
+
+class Checkpoint:
+    """The tensor index of a checkpoint folder: name -> (file, shape, dtype), from the headers only."""
+
+    def __init__(self, model_dir: str):
+        self.dir = str(model_dir)
+        self.config = read_config(model_dir)
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{model_dir}: no *.safetensors files")
+        from safetensors import safe_open
+        self.index: dict[str, tuple[str, tuple[int, ...], str]] = {}
+        for fp in files:
+            try:
+                with safe_open(str(fp), framework="pt") as f:
+                    for k in f.keys():
+                        sl = f.get_slice(k)
+                        self.index[k] = (str(fp), tuple(sl.get_shape()), sl.get_dtype())
+            except Exception as e:
+                raise CheckpointError(f"{fp}: not a readable safetensors file: {e}") from None
+        self.prefix = "transformer." if self.config.arch == "gpt2" and "transformer.wte.weight" in self.index else ""
+
+    def key(self, name: str) -> str:
+        return name if name == "lm_head.weight" else self.prefix + name
+
+    def check(self, names=None) -> None:
+        """Name, shape and dtype of every tensor the model needs; raises CheckpointError naming the first miss."""
+        if self.config.arch == "gpt2" and self.config.act not in GELUS:
+            raise CheckpointError(f"{self.dir}: activation {self.config.act!r} is not supported "
+                                  f"({', '.join(GELUS)})")
+        want = expected_tensors(self.config)
+        dtypes = set()
+        for name, shape in want.items():
+            if names is not None and name not in names:
+                continue
+            got = self.index.get(self.key(name))
+            if got is None:
+                raise CheckpointError(f"{self.dir}: missing tensor {self.key(name)}")
+            if got[1] != shape:
+                raise CheckpointError(f"{self.dir}: tensor {self.key(name)} has shape {list(got[1])}, "
+                                      f"config.json implies {list(shape)}")
+            if got[2] not in DTYPES:
+                raise CheckpointError(f"{self.dir}: tensor {self.key(name)} has dtype {got[2]} "
+                                      f"(supported: {', '.join(DTYPES)})")
+            dtypes.add(got[2])
+        if len(dtypes) > 1:
+            raise CheckpointError(f"{self.dir}: tensors of mixed dtypes {sorted(dtypes)}")
+
+    def read(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None):
+        """One tensor, or only a [rows, cols] window of it (read lazily from disk)."""
+        from safetensors import safe_open
+        key = self.key(name)
+        if key not in self.index:
+            raise CheckpointError(f"{self.dir}: missing tensor {key}")
+        with safe_open(self.index[key][0], framework="pt") as f:
+            sl = f.get_slice(key)
+            if rows is None and cols is None:
+                return sl[:]
+            r = slice(*rows) if rows else slice(None)
+            if len(self.index[key][1]) == 1:
+                return sl[r]
+            return sl[r, slice(*cols) if cols else slice(None)]
+
+
+def load_tokenizer(model_dir: str):
+    """The checkpoint's tokenizer.json through `tokenizers`, or None when the folder has none."""
+    path = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    from tokenizers import Tokenizer
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:
+        raise CheckpointError(f"{path}: not a tokenizer: {e}") from None

@@ -1,0 +1,91 @@
+"""A stage of a Hugging Face model: layers [first, last), the embedding on the first stage,
+the final norm and LM head on the last; under tp, one rank's slice of every layer.
+
+`Stage.forward` takes token ids (first stage) or the previous stage's hidden state and
+returns the hidden state, or the last position's logits on the last stage. The KV cache
+lives in the blocks; `reset` starts a new sequence.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from smoltrain.models import gpt2, llama
+from smoltrain.models.hf import Checkpoint, CheckpointError, expected_tensors
+
+ARCH = {"llama": llama, "gpt2": gpt2}
+TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def even_layers(layers: int, world: int) -> list[tuple[int, int]]:
+    """`--placement even`: [first, last) per stage, the first stages one layer longer (3 over 2: 2,1)."""
+    if world > layers:
+        raise CheckpointError(f"{world} pipeline stages for {layers} layers: at most one stage per layer")
+    base, extra = divmod(layers, world)
+    out, at = [], 0
+    for r in range(world):
+        n = base + (1 if r < extra else 0)
+        out.append((at, at + n))
+        at += n
+    return out
+
+
+def check_tp(cfg, world: int) -> None:
+    for what, n in (("attention heads", cfg.heads), ("kv heads", cfg.kv_heads), ("MLP width", cfg.ffn)):
+        if n % world:
+            raise CheckpointError(f"tp over {world} ranks: the model's {n} {what} do not split evenly")
+
+
+def stage_tensors(cfg, first: int, last: int, is_first: bool, is_last: bool) -> set[str]:
+    """Names of the tensors one stage reads (what a rank checks and loads)."""
+    names = set()
+    for name in expected_tensors(cfg):
+        parts = name.split(".")
+        if "layers" in parts or (parts[0] == "h" and len(parts) > 2):
+            i = int(parts[parts.index("layers") + 1] if "layers" in parts else parts[1])
+            if first <= i < last:
+                names.add(name)
+        elif name in ("model.embed_tokens.weight", "wte.weight"):
+            if is_first or (is_last and cfg.tied):
+                names.add(name)
+        elif name == "wpe.weight":
+            if is_first:
+                names.add(name)
+        elif is_last:
+            names.add(name)
+    return names
+
+
+class Stage(torch.nn.Module):
+    def __init__(self, ckpt: Checkpoint, first: int, last: int, is_first: bool, is_last: bool,
+                 tp_rank: int = 0, tp_world: int = 1, dtype: str | None = None):
+        super().__init__()
+        cfg = ckpt.config
+        self.cfg, self.first, self.last, self.is_first, self.is_last = cfg, first, last, is_first, is_last
+        self.dtype = TORCH[dtype or cfg.dtype]
+        ckpt.check(stage_tensors(cfg, first, last, is_first, is_last))
+        if tp_world > 1:
+            check_tp(cfg, tp_world)
+        mod = ARCH[cfg.arch]
+        self.mod = mod
+        self.blocks = [mod.load_block(ckpt, i, tp_rank, tp_world, self.dtype) for i in range(first, last)]
+        self.ends = mod.load_ends(ckpt, is_first, is_last, self.dtype)
+        self.pos = 0
+
+    def reset(self, max_len: int) -> None:
+        for b in self.blocks:
+            b.reset(max_len, self.dtype)
+        self.pos = 0
+
+    @torch.no_grad()
+    def forward(self, x, reduce=lambda t: t):
+        """x: token ids [1, T] on the first stage, else hidden [1, T, hidden]; returns hidden or logits [vocab]."""
+        pos = self.pos
+        if self.is_first:
+            x = self.mod.embed(self.ends, x, pos)
+        for b in self.blocks:
+            x = b(x, pos, reduce)
+        self.pos = pos + x.shape[1]
+        if self.is_last:
+            return F.linear(self.ends["norm"](x[:, -1:]), self.ends["head"]).view(-1).float()
+        return x

@@ -1,0 +1,136 @@
+"""`smoltrain generate` end to end: token for token what transformers' greedy generation gives,
+for the one-process reference, pp over 2 and 3 ranks (3 layers: uneven stages) and tp over 2,
+Llama (grouped-query attention) and GPT-2; and a clear one-line error for each bad input."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from smoltrain.cli import main
+
+from infer_models import make_checkpoint, reference
+
+PROMPT = [3, 5, 7, 9, 11]
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for arch in ("llama", "gpt2"):
+        path = make_checkpoint(str(root / arch), arch, layers=3)
+        out[arch] = (path, reference(path, PROMPT, NEW))
+    return out
+
+
+def generate(tmp_path, model: str, *extra) -> dict:
+    out = tmp_path / "gen.json"
+    rc = main(["generate", "--model", model, "--prompt-ids", ",".join(map(str, PROMPT)),
+               "--max-new-tokens", str(NEW), "--ignore-eos", "--json", str(out), *extra])
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_local_matches_transformers(models, tmp_path, arch):
+    path, want = models[arch]
+    doc = generate(tmp_path, path, "--strategy", "local")
+    assert doc["schema"] == "smoltrain.generate/1"
+    assert doc["output_ids"] == want
+    assert len(set(want)) > 2, "a degenerate reference would not test much"
+    assert doc["world_size"] == 1 and doc["links"] == []
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("strategy,world", [("pp", 2), ("pp", 3), ("tp", 2)])
+def test_split_matches_transformers(models, tmp_path, arch, strategy, world):
+    path, want = models[arch]
+    doc = generate(tmp_path, path, "--strategy", strategy, "--local", str(world))
+    assert doc["output_ids"] == want
+    h, a = 32, 4
+    steps = NEW - 1
+    assert doc["decode"]["tokens"] == steps
+    if strategy == "pp":
+        assert doc["placement"]["layers"] == ([[0, 2], [2, 3]] if world == 2 else [[0, 1], [1, 2], [2, 3]])
+        want_bpt = h * a                      # one hidden state per hop; the token id back is 8 bytes
+    else:
+        want_bpt = 2 * 3 * h * a * 2 * (world - 1) / world   # 2 ring all-reduces per layer
+    assert doc["decode"]["bytes_per_token"] == want_bpt
+    assert doc["plan"]["bytes_per_token"] == pytest.approx(want_bpt, rel=0.02)
+    sent = {(x["src"], x["dst"]): x["bytes"] for x in doc["links"]}
+    if strategy == "pp":  # the prompt's hidden states, each decode step, the stop marker; ids back
+        assert sent[("rank0", "rank1")] == (len(PROMPT) + steps + 1) * h * a
+        assert sent[(f"rank{world - 1}", "rank0")] == NEW * 8
+
+
+def test_torch_backend_and_sampling(models, tmp_path):
+    path, want = models["llama"]
+    doc = generate(tmp_path, path, "--strategy", "tp", "--local", "2", "--backend", "torch")
+    assert doc["output_ids"] == want
+    sampled = ["--temperature", "0.9", "--top-p", "0.9", "--seed", "7"]
+    local = generate(tmp_path, path, "--strategy", "local", *sampled)["output_ids"]
+    assert local != want  # sampling draws something else than greedy
+    assert generate(tmp_path, path, "--strategy", "local", *sampled)["output_ids"] == local
+    assert generate(tmp_path, path, "--strategy", "pp", "--local", "2", *sampled)["output_ids"] == local
+
+
+def test_text_prompt_with_tokenizer(models, tmp_path, capsys):
+    from tokenizers import Tokenizer, models as tm, pre_tokenizers
+    path = str(tmp_path / "withtok")
+    shutil.copytree(models["gpt2"][0], path)
+    vocab = {w: i for i, w in enumerate(["[UNK]"] + [f"w{i}" for i in range(1, 97)])}
+    tok = Tokenizer(tm.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(os.path.join(path, "tokenizer.json"))
+    out = tmp_path / "t.json"
+    assert main(["generate", "--strategy", "local", "--model", path, "--prompt", "w3 w5 w7 w9 w11",
+                 "--max-new-tokens", str(NEW), "--ignore-eos", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["prompt_ids"] == PROMPT and doc["output_ids"] == models["gpt2"][1]
+    assert doc["text"] == " ".join(f"w{i}" if i else "[UNK]" for i in doc["output_ids"])
+    assert doc["text"] in capsys.readouterr().out.replace("\n", "")
+
+
+def one_line_error(capsys, argv) -> str:
+    rc = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc != 0 and err.count("\n") == 0, err
+    return err
+
+
+def test_bad_inputs(models, tmp_path, capsys):
+    path = models["llama"][0]
+    base = ["generate", "--strategy", "local", "--model"]
+    err = one_line_error(capsys, base + [path, "--prompt-ids", ",".join(["1"] * 60), "--max-new-tokens", "10"])
+    assert "exceed the model's context of 64" in err
+    err = one_line_error(capsys, base + [path, "--prompt", "hello"])
+    assert "no tokenizer.json" in err and "--prompt-ids" in err
+    err = one_line_error(capsys, base + [path, "--prompt-ids", "1,200"])
+    assert "outside the model's vocabulary" in err
+
+    other = tmp_path / "bert"
+    shutil.copytree(path, other)
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(dict(cfg, model_type="bert")))
+    assert "unknown architecture 'bert'" in one_line_error(capsys, base + [str(other), "--prompt-ids", "1"])
+
+    from safetensors.torch import load_file, save_file
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    (st,) = broken.glob("*.safetensors")
+    tensors = load_file(str(st))
+    del tensors["model.layers.2.mlp.up_proj.weight"]
+    save_file(tensors, str(st), metadata={"format": "pt"})
+    err = one_line_error(capsys, ["generate", "--strategy", "pp", "--local", "2", "--model", str(broken),
+                                  "--prompt-ids", "1"])
+    assert "missing tensor model.layers.2.mlp.up_proj.weight" in err
+    tensors["model.layers.2.mlp.up_proj.weight"] = tensors["model.layers.2.mlp.gate_proj.weight"][:, :16].clone()
+    save_file(tensors, str(st), metadata={"format": "pt"})
+    err = one_line_error(capsys, base + [str(broken), "--prompt-ids", "1"])
+    assert "model.layers.2.mlp.up_proj.weight has shape [64, 16]" in err
+    err = one_line_error(capsys, ["generate", "--strategy", "tp", "--local", "3", "--model", path, "--prompt-ids", "1"])
+    assert "do not split evenly" in err
