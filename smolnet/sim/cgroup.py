@@ -9,6 +9,8 @@ filesystem is mounted again (mount_lines) for probes to read their own limit.
 """
 from __future__ import annotations
 
+from smolnet.errors import SmolError
+
 import os
 import time
 from pathlib import Path
@@ -17,7 +19,7 @@ ROOT = Path(os.environ.get("SMOL_CGROUP_ROOT", "/sys/fs/cgroup"))
 PERIOD_US = 100_000
 
 
-class CgroupError(Exception):
+class CgroupError(SmolError):
     """A cap could not be set or removed."""
 
 

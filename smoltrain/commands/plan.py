@@ -33,8 +33,6 @@ def add_arguments(p) -> None:
     p.add_argument("--no-what-if", action="store_true", help="skip the table over link classes")
     p.add_argument("--placement", choices=("even", "auto"),
                    help="split work evenly or by measured speed (default auto when a compute report is available)")
-    p.add_argument("--compute", metavar="COMPUTE.json",
-                   help="smoltrain.compute/1 report (default reports/compute.json when present)")
 
 
 _write_json = write_json_atomic

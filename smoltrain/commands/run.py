@@ -33,8 +33,6 @@ def add_arguments(p) -> None:
     p.add_argument("--json", help="write the run report (smoltrain.run/1) here")
     p.add_argument("--out", default="reports", help="folder for the loss-curve PNG (default reports/)")
     p.add_argument("--links", help="links.json for the plan shown before the run")
-    p.add_argument("--compute", metavar="COMPUTE.json",
-                   help="measured compute for the plan (default reports/compute.json when present)")
     p.add_argument("--secret-file", help="cluster secret (default ~/.config/smolcluster/secret, created if missing)")
     p.add_argument("--barrier-timeout", type=float, default=30.0, help="syncps/edp: drop a worker this late")
     p.add_argument("--timeout", type=float, default=120.0,

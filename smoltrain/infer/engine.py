@@ -12,6 +12,8 @@ NaNs of the same shape, which no real hidden state contains.
 """
 from __future__ import annotations
 
+from smolnet.errors import SmolError
+
 import time
 from dataclasses import dataclass, field
 
@@ -34,8 +36,8 @@ class Request:
         return dict(self.__dict__)
 
 
-class _Stop(Exception):
-    pass
+class _Stop(SmolError):
+    """The request was cancelled (client gone); ends generation early."""
 
 
 class Engine:

@@ -8,6 +8,8 @@ log line, and every later request a 503 too, at once.
 """
 from __future__ import annotations
 
+from smolnet.errors import SmolError
+
 import json
 import sys
 import threading
@@ -20,9 +22,11 @@ from smoltrain.infer.engine import Request
 MAX_BODY = 1 << 20
 
 
-class BadRequest(Exception):
+class BadRequest(SmolError):
+    """A request the API refuses; `status` is the HTTP code of the JSON error."""
+
     def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
+        super().__init__(message, code=2)
         self.status = status
 
 
