@@ -40,10 +40,10 @@ import socket
 import torch
 
 from smolnet import wire
+from smolnet.errors import SmolError
 
 from smoltrain.comm import rendezvous as rdv
 from smoltrain.comm.base import ByteCounter, Comm, CommError
-from smolnet.errors import SmolError
 
 log = logging.getLogger("smoltrain.comm")
 
