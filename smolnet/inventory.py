@@ -12,6 +12,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
 from smolnet.errors import SmolError
 
 DEVICE_PROFILES = ("pi4", "pi5", "jetson-orin-nano", "mac-mini-m4", "rtx4050-laptop", "generic")

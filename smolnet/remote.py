@@ -17,8 +17,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
 
-from smolnet.inventory import Host
 from smolnet.errors import SmolError
+from smolnet.inventory import Host
 
 
 class RemoteError(SmolError):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
+
 from smolnet.errors import SmolError
 
 DEFAULT_SECRET_FILE = "~/.config/smolcluster/secret"

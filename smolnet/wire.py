@@ -18,6 +18,7 @@ import os
 import socket
 import struct
 import time
+
 from smolnet.errors import SmolError
 
 MAGIC_AUTH = b"SMOLAUTH1"

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.sim
 
 from smolnet.sim import cluster as sim  # noqa: E402
 from smolnet.sim.scenarios import HostSpec  # noqa: E402
-from need import sim_up
+from need import sim_up  # noqa: E402
 
 LOW, HIGH = 0.85, 1.10      # shaped goodput, tests; bench/bench_probe.py measures the 5 % bar
 MTU_TOLERANCE = 8

@@ -16,7 +16,7 @@ from smoltrain.schema import check_any
 pytestmark = pytest.mark.sim
 
 from smolnet.sim import cluster as sim  # noqa: E402
-from need import sim_up
+from need import sim_up  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import threading
 import time
+
 from smolnet.errors import SmolError
 
 

@@ -39,6 +39,7 @@ import socket
 import torch
 
 from smolnet import wire
+from smolnet.errors import SmolError
 
 from smoltrain.comm import rendezvous as rdv
 from smoltrain.comm.exchange import (HEADER_SIZE, K_ABORT, K_DATA, _byte_view, _consume,  # noqa: F401 (K_DATA: tests)

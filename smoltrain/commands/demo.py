@@ -87,8 +87,9 @@ def run(args) -> int:
     up = False
     try:
         subprocess.run(sim + ["down", "--name", args.name], cwd=ROOT, capture_output=True, timeout=180)
+        loopback = ["--loopback"] if args.loopback else []
         stage.run("1. cluster: build the sim", sim + ["up", "--name", args.name, "--subnet", args.subnet,
-                                                      "--inventory", str(inv)] + (["--loopback"] if args.loopback else []))
+                                                      "--inventory", str(inv)] + loopback)
         up = True
         stage.run("   cluster: status", sim + ["status", "--name", args.name])
         stage.run("2. measure: every link, both directions, before provisioning",
