@@ -4,7 +4,9 @@ For each strategy (dp, fsdp, syncps, edp, mp, pp, tp) and fault:
   sigkill     worker rank1 SIGKILLed mid-run
   sigstop     worker rank1 SIGSTOPped mid-run (a stall: only heartbeats can tell)
   controller  the controller SIGKILLed mid-run (workers must notice and exit)
-  flood       200 silent TCP connections held on every listening port of the run
+  ctlstop     the controller SIGSTOPped mid-run (cut off without a reset: only heartbeats tell)
+  flood       silent TCP connections held on every listening port of the run, from its start
+              (rendezvous, rank mesh, control channel, parameter server: 64 each, 200 mid-run)
 it records the detection time (fault -> controller exit, or -> the `leave` event for the
 elastic strategies, or -> the last worker gone when the controller dies), whom the controller
 blamed, the exit status, whether the report and the newest complete checkpoint survived, and
@@ -34,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 STRATEGIES = ["dp", "fsdp", "syncps", "edp", "mp", "pp", "tp"]
-FAULTS = ["sigkill", "sigstop", "controller", "flood"]
+FAULTS = ["sigkill", "sigstop", "controller", "ctlstop", "flood"]
 ELASTIC = {"syncps", "edp"}
 HEARTBEAT = 0.5
 
@@ -47,6 +49,47 @@ def _listening_ports(pids: list[int]) -> list[int]:
         if any(f"pid={p}," in line for p in pids):
             ports.append(int(line.split()[3].rsplit(":", 1)[1]))
     return sorted(set(ports))
+
+
+def _session_ports(sid: int) -> set[int]:
+    """Ports listened on by any process of the run's session (the controller leads it)."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout
+    ports = set()
+    for line in out.splitlines():
+        for pid in re.findall(r"pid=(\d+),", line):
+            try:
+                if os.getsid(int(pid)) == sid:
+                    ports.add(int(line.split()[3].rsplit(":", 1)[1]))
+            except OSError:
+                pass
+    return ports
+
+
+class StartFlood:
+    """Until stopped: every listening port the run opens gets `per_port` silent connections."""
+
+    def __init__(self, sid: int, per_port: int = 64):
+        self.sid, self.per_port, self.socks, self.ports = sid, per_port, [], set()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            for port in _session_ports(self.sid) - self.ports:
+                self.ports.add(port)
+                for _ in range(self.per_port):
+                    try:
+                        self.socks.append(socket.create_connection(("127.0.0.1", port), timeout=1))
+                    except OSError:
+                        break
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        for s in self.socks:
+            s.close()
 
 
 def _gone(pid: int) -> bool:
@@ -97,6 +140,7 @@ def cell(strategy: str, fault: str, secret_file: str, secret: bytes, tmp: str) -
     row = {"strategy": strategy, "fault": fault, "world": world}
     flood: list[socket.socket] = []
     stopped = None
+    start_flood = StartFlood(proc.pid) if fault == "flood" else None
     try:
         for line in proc.stdout:
             lines.append(line)
@@ -111,6 +155,8 @@ def cell(strategy: str, fault: str, secret_file: str, secret: bytes, tmp: str) -
             os.kill(stopped, signal.SIGSTOP)
         elif fault == "controller":
             os.kill(proc.pid, signal.SIGKILL)
+        elif fault == "ctlstop":
+            os.kill(proc.pid, signal.SIGSTOP)
         elif fault == "flood":
             ports = _listening_ports([proc.pid, *pids.values()])
             for port in ports:
@@ -119,13 +165,17 @@ def cell(strategy: str, fault: str, secret_file: str, secret: bytes, tmp: str) -
                         flood.append(socket.create_connection(("127.0.0.1", port), timeout=2))
                     except OSError:
                         pass
-            row["flood_ports"] = len(ports)
+            row["flood_ports"] = len(set(ports) | start_flood.ports)
+            row["flood_conns"] = len(flood) + len(start_flood.socks)
             row["legit_served"] = all(_legit_client(p, secret) for p in ports)
         detected = None
-        if fault == "controller":
+        if fault in ("controller", "ctlstop"):
             while not all(_gone(p) for p in pids.values()) and time.monotonic() - t0 < 60:
                 time.sleep(0.05)
             detected = time.monotonic() - t0
+            if fault == "ctlstop":
+                proc.kill()
+                os.kill(proc.pid, signal.SIGCONT)
         for line in proc.stdout:
             lines.append(line)
             if detected is None and strategy in ELASTIC and re.search(r"event: leave", line):
@@ -137,6 +187,8 @@ def cell(strategy: str, fault: str, secret_file: str, secret: bytes, tmp: str) -
         row["rc"] = rc
     finally:
         killer.cancel()
+        if start_flood is not None:
+            start_flood.close()
         for s in flood:
             s.close()
         if stopped:

@@ -47,14 +47,14 @@ def flat_params(model: torch.nn.Module) -> torch.Tensor:
     return flat
 
 
-def _send_tensor(sock, kind: int, meta: dict, t: torch.Tensor, timeout: float) -> int:
-    wire.send_frame(sock, kind, meta, memoryview(t.numpy()).cast("B"), timeout=timeout)
+def _send_tensor(sock, kind: int, meta: dict, t: torch.Tensor, timeout: float, session=None) -> int:
+    wire.send_frame(sock, kind, meta, memoryview(t.numpy()).cast("B"), timeout=timeout, session=session)
     return t.numel() * t.element_size()
 
 
-def _recv_tensor(sock, kind: int, into: torch.Tensor, timeout: float) -> dict:
+def _recv_tensor(sock, kind: int, into: torch.Tensor, timeout: float, session=None) -> dict:
     deadline = time.monotonic() + timeout
-    got, meta, n = wire.recv_frame_header(sock, timeout, max_payload=into.numel() * 4)
+    got, meta, n = wire.recv_frame_header(sock, timeout, max_payload=into.numel() * 4, session=session)
     if got != kind or n != into.numel() * 4:
         raise wire.WireError(f"expected frame {kind} with {into.numel() * 4} bytes, got frame {got} with {n}")
     wire.recv_exact_into(sock, memoryview(into.numpy()).cast("B"), deadline)
@@ -62,8 +62,8 @@ def _recv_tensor(sock, kind: int, into: torch.Tensor, timeout: float) -> dict:
 
 
 class _Conn:
-    def __init__(self, name: str, order: int, sock: socket.socket):
-        self.name, self.order, self.sock = name, order, sock
+    def __init__(self, name: str, order: int, sock: socket.socket, session: wire.Session):
+        self.name, self.order, self.sock, self.session = name, order, sock, session
 
 
 class ParameterServer:
@@ -83,18 +83,20 @@ class ParameterServer:
         self.stopping = False
         self.error: BaseException | None = None
         # handshakes run concurrently, strangers capped (smolnet.server): none can hold the door
-        self.listener = AuthListener.serve(bind, port, secret, self._greet, name="parameter server")
+        self.listener = AuthListener.serve(bind, port, secret, self._greet, name="parameter server",
+                                           with_key=True)
 
     # --- membership ---
-    def _greet(self, sock: socket.socket, addr) -> None:
+    def _greet(self, sock: socket.socket, addr, key: bytes) -> None:
+        ses = wire.Session(key, client=False)  # frame headers MACed, in sequence
         try:
-            kind, meta, _ = wire.recv_frame(sock, timeout=10.0, max_payload=0)
+            kind, meta, _ = wire.recv_frame(sock, timeout=10.0, max_payload=0, session=ses)
             if kind != HELLO or not isinstance(meta.get("name"), str):
                 raise wire.WireError("first frame is not a HELLO")
             with self.lock:
                 late = self.admitted >= self.expected and not self.allow_join
                 if not late:
-                    self.pending.append(_Conn(meta["name"], int(meta.get("order", 1 << 30)), sock))
+                    self.pending.append(_Conn(meta["name"], int(meta.get("order", 1 << 30)), sock, ses))
                     self.admitted += 1
             if late:
                 raise wire.WireError("syncps does not admit workers after the start")
@@ -147,7 +149,7 @@ class ParameterServer:
                 lo, hi = ranges[m.name]
                 try:
                     n = _send_tensor(m.sock, PARAMS, {"step": step, "lo": lo, "hi": hi}, self.flat,
-                                     self.barrier_timeout)
+                                     self.barrier_timeout, m.session)
                     self.sent.add(m.name, n)
                 except (OSError, wire.WireError, TimeoutError) as e:
                     self._drop(m, step, f"send failed: {e}")
@@ -157,7 +159,7 @@ class ParameterServer:
             for m in list(self.members):
                 buf = parts.setdefault(m.name, torch.empty_like(self.flat))
                 try:
-                    meta = _recv_tensor(m.sock, GRADS, buf, max(0.01, deadline - time.monotonic()))
+                    meta = _recv_tensor(m.sock, GRADS, buf, max(0.01, deadline - time.monotonic()), m.session)
                     if meta.get("step") != step:
                         raise wire.WireError(f"gradients for step {meta.get('step')}, expected {step}")
                 except (OSError, wire.WireError, TimeoutError) as e:
@@ -180,7 +182,7 @@ class ParameterServer:
                 self.on_save(step, self)
         for m in list(self.members):
             try:
-                wire.send_frame(m.sock, STOP, {"step": steps}, timeout=5.0)
+                wire.send_frame(m.sock, STOP, {"step": steps}, timeout=5.0, session=m.session)
             except (OSError, wire.WireError, TimeoutError):
                 pass
 
@@ -208,13 +210,16 @@ class Member:
 
     def __init__(self, addr: str, port: int, secret: bytes, name: str, order: int, timeout: float = 60.0):
         self.timeout = timeout
-        self.sock = wire.connect(addr, port, secret, timeout=timeout, what="parameter server", retry_every=0.1)
-        wire.send_frame(self.sock, HELLO, {"name": name, "order": order}, timeout=10.0)
+        self.sock, key = wire.connect(addr, port, secret, timeout=timeout, what="parameter server", retry_every=0.1,
+                                      keyed=True)
+        self.session = wire.Session(key, client=True)
+        wire.send_frame(self.sock, HELLO, {"name": name, "order": order}, timeout=10.0, session=self.session)
 
     def pull(self, flat: torch.Tensor) -> dict | None:
         """The next step's assignment with the current parameters, or None at the end."""
         deadline = time.monotonic() + self.timeout
-        kind, meta, n = wire.recv_frame_header(self.sock, self.timeout, max_payload=flat.numel() * 4)
+        kind, meta, n = wire.recv_frame_header(self.sock, self.timeout, max_payload=flat.numel() * 4,
+                                               session=self.session)
         if kind == STOP:
             return None
         if kind != PARAMS or n != flat.numel() * 4:
@@ -223,7 +228,7 @@ class Member:
         return meta
 
     def push(self, step: int, loss: float, grad: torch.Tensor) -> None:
-        _send_tensor(self.sock, GRADS, {"step": step, "loss": loss}, grad, self.timeout)
+        _send_tensor(self.sock, GRADS, {"step": step, "loss": loss}, grad, self.timeout, self.session)
 
     def close(self) -> None:
         self.sock.close()
