@@ -85,6 +85,61 @@ def train_seconds(torch, model_name: str, batch: int, seq: int, window: float) -
     return 1.0 / rate(step, window)
 
 
+SMALL_ROUNDS, BIG_FLOATS, BIG_ROUNDS = 100, 1 << 19, 4
+
+
+def comm_cpu(torch) -> dict | None:
+    """What smoltrain's own communication costs this host's CPU (under its cap): two ranks
+    of SocketComm on this host all-reduce a small and a large tensor. Both run here, so each
+    round's wall time is twice one rank's cost; a rank on its own host pays half.
+    Returns per-message seconds and per-end bytes/s, or None when it cannot be measured."""
+    import random
+    import secrets
+
+    from smoltrain.comm import make_comm
+
+    secret = secrets.token_bytes(32)
+    port = random.randrange(20000, 60000)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            c = make_comm("socket", 1, 2, "127.0.0.1", port, secret, timeout=60.0)
+            small, big = torch.zeros(64), torch.zeros(BIG_FLOATS)
+            for _ in range(SMALL_ROUNDS + 1):
+                c.all_reduce(small)
+            for _ in range(BIG_ROUNDS + 1):
+                c.all_reduce(big)
+            c.close()
+            code = 0
+        finally:
+            os._exit(code)
+    try:
+        c = make_comm("socket", 0, 2, "127.0.0.1", port, secret, timeout=60.0)
+        small, big = torch.zeros(64), torch.zeros(BIG_FLOATS)
+        c.all_reduce(small)
+        t0 = time.perf_counter()
+        for _ in range(SMALL_ROUNDS):
+            c.all_reduce(small)
+        t_small = (time.perf_counter() - t0) / SMALL_ROUNDS
+        c.all_reduce(big)
+        t0 = time.perf_counter()
+        for _ in range(BIG_ROUNDS):
+            c.all_reduce(big)
+        t_big = (time.perf_counter() - t0) / BIG_ROUNDS
+        c.close()
+    except Exception:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        return None
+    os.waitpid(pid, 0)
+    # a ring all-reduce of 2 ranks is 2 rounds; here both ranks share the CPU: / 2 again
+    msg = t_small / 4
+    chunk = BIG_FLOATS * 4 / 2
+    per_byte = max(1e-12, (t_big / 4 - msg) / chunk)
+    return {"message_s": msg, "bytes_s": 1 / per_byte}
+
+
 def usable_memory() -> int:
     import psutil
 
@@ -100,19 +155,20 @@ def usable_memory() -> int:
 
 
 def probe(model: str | None = "tiny", seconds: float = 0.5, threads: int = 1, seq: int | None = None) -> dict:
+    w = max(WINDOW_MIN, seconds)
     import torch
 
     from smolnet.sim.cgroup import own_limit
 
     torch.set_num_threads(threads)
-    w = max(WINDOW_MIN, seconds)
+    comm = comm_cpu(torch) if hasattr(os, "fork") else None
     flops = {"fp32": matmul_flops(torch, torch.float32, 384, w),
              "bf16": matmul_flops(torch, torch.bfloat16, 256, w)}
     flops["fp16"] = flops["bf16"]
     doc = {"machine_id": machine_id(), "cores": cores(), "cpu_limit_cores": own_limit(),
            "threads": torch.get_num_threads(), "torch": torch.__version__,
            "flops": flops, "mem_bw_bytes_s": copy_bw(torch, 32 << 20, w),
-           "usable_memory_bytes": usable_memory(), "train_step": []}
+           "usable_memory_bytes": usable_memory(), "comm_cpu": comm, "train_step": []}
     if model and model != "none":
         from smoltrain.models.spec import get_model
 
