@@ -85,14 +85,28 @@ def train_seconds(torch, model_name: str, batch: int, seq: int, window: float) -
     return 1.0 / rate(step, window)
 
 
-SMALL_ROUNDS, BIG_FLOATS, BIG_ROUNDS = 100, 1 << 19, 4
+BIG_FLOATS = 1 << 19
+COMM_WINDOW = 1.0       # seconds per measurement: ten CFS periods, so a cap shows
 
 
-def comm_cpu(torch) -> dict | None:
+def _loop(c, t, rank: int, window: float) -> tuple[int, float]:
+    """All-reduce `t` until rank 0 has spent `window`; element 0 carries rank 0's "go on"."""
+    n, t0 = 0, time.perf_counter()
+    while True:
+        t.zero_()
+        if rank == 0:
+            t[0] = 1.0 if (time.perf_counter() - t0 < window or n < 3) else 0.0
+        c.all_reduce(t)
+        if t[0] == 0:
+            return n, time.perf_counter() - t0
+        n += 1
+
+
+def comm_cpu(torch, window: float = COMM_WINDOW) -> dict | None:
     """What smoltrain's own communication costs this host's CPU (under its cap): two ranks
-    of SocketComm on this host all-reduce a small and a large tensor. Both run here, so each
-    round's wall time is twice one rank's cost; a rank on its own host pays half.
-    Returns per-message seconds and per-end bytes/s, or None when it cannot be measured."""
+    of SocketComm on this host all-reduce a small and a large tensor over a window. Both
+    run here, so each round's wall time is twice one rank's cost; a rank on its own host
+    pays half. Per-message seconds and per-end bytes/s, or None when it cannot be measured."""
     import random
     import secrets
 
@@ -105,28 +119,18 @@ def comm_cpu(torch) -> dict | None:
         code = 1
         try:
             c = make_comm("socket", 1, 2, "127.0.0.1", port, secret, timeout=60.0)
-            small, big = torch.zeros(64), torch.zeros(BIG_FLOATS)
-            for _ in range(SMALL_ROUNDS + 1):
-                c.all_reduce(small)
-            for _ in range(BIG_ROUNDS + 1):
-                c.all_reduce(big)
+            _loop(c, torch.zeros(64), 1, window)
+            _loop(c, torch.zeros(BIG_FLOATS), 1, window)
             c.close()
             code = 0
         finally:
             os._exit(code)
     try:
         c = make_comm("socket", 0, 2, "127.0.0.1", port, secret, timeout=60.0)
-        small, big = torch.zeros(64), torch.zeros(BIG_FLOATS)
-        c.all_reduce(small)
-        t0 = time.perf_counter()
-        for _ in range(SMALL_ROUNDS):
-            c.all_reduce(small)
-        t_small = (time.perf_counter() - t0) / SMALL_ROUNDS
-        c.all_reduce(big)
-        t0 = time.perf_counter()
-        for _ in range(BIG_ROUNDS):
-            c.all_reduce(big)
-        t_big = (time.perf_counter() - t0) / BIG_ROUNDS
+        n, el = _loop(c, torch.zeros(64), 0, window)
+        t_small = el / (n + 1)
+        n, el = _loop(c, torch.zeros(BIG_FLOATS), 0, window)
+        t_big = el / (n + 1)
         c.close()
     except Exception:
         os.kill(pid, 9)

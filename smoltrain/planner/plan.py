@@ -109,7 +109,7 @@ def make_plan(strategy: str, model: ModelSpec, world: int, dtype: str = "fp32", 
     names = [r.name for r in ranks]
     lm = lm or from_class("1gbe")
     from smoltrain.planner.compute import cpu_links
-    lm = cpu_links(lm, ranks)   # a busy host's CPU slows its messages (measured compute only)
+    lm_wire, lm = lm, cpu_links(lm, ranks)   # a busy host's CPU slows its messages (measured compute only)
     train = mode == "train"
     a = dtype_bytes(dtype)
 
@@ -164,8 +164,10 @@ def make_plan(strategy: str, model: ModelSpec, world: int, dtype: str = "fp32", 
         cc = timing.comm_cost(tr, names, lm)
         comm_s = cc.total_s
         if overlap and train and cc.overlappable_s > 0:
-            comm_s = comm_s - cc.overlappable_s + timing.exposed_overlap(
-                cc.overlappable_s, cc.last_bucket_s, 2 / 3 * compute_s)
+            # only the wire's share hides behind backward; the CPU's share competes with it
+            wire = timing.comm_cost(tr, names, lm_wire) if lm is not lm_wire else cc
+            comm_s = comm_s - cc.overlappable_s + max(0.0, cc.overlappable_s - wire.overlappable_s) + \
+                timing.exposed_overlap(wire.overlappable_s, wire.last_bucket_s, 2 / 3 * compute_s)
     step_s = compute_s + comm_s
     finite = math.isfinite(step_s)
     tokens_step = batch * seq if train else 1
