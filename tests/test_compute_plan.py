@@ -106,3 +106,14 @@ def test_busy_host_cpu_slows_its_messages_and_bytes():
     assert ln.alpha_s == pytest.approx(100e-6 + 2e-3)       # the slower end's message cost
     assert ln.bytes_per_s == pytest.approx(50e6)             # a's CPU moves 50 MB/s < the wire's 117.6
     assert cpu_links(lm, [Rank("a", get_device("generic"), 1e9)]) is lm   # nothing measured: unchanged
+
+
+def test_default_report_of_other_hosts_falls_back_to_profiles(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "reports" / "compute.json").write_text(json.dumps(
+        {"schema": "smoltrain.compute/1", "created": "x", "hosts": [_host("elsewhere", 0.01, 1e-4)]}))
+    ranks = resolve_ranks(2, [H("a"), H("b")])
+    assert measured.apply(ranks, [H("a"), H("b")], None, get_model("tiny"))[1] == "nominal"
+    with pytest.raises(UsageError, match="no a, b"):
+        measured.apply(ranks, [H("a"), H("b")], "reports/compute.json", get_model("tiny"))

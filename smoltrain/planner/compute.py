@@ -193,6 +193,7 @@ def cpu_links(lm, ranks: list):
 
 def apply(ranks: list, hosts, path: str | None, model: ModelSpec) -> tuple[list, str]:
     """(ranks, compute_source): measured figures when a report is given or found."""
+    given = path
     path = default_path(path)
     if path is None:
         return ranks, "nominal"
@@ -202,5 +203,10 @@ def apply(ranks: list, hosts, path: str | None, model: ModelSpec) -> tuple[list,
             return ranks, "nominal"
         figs = [replace(f, machine_id=f"{f.machine_id}-{i}") for i in range(len(ranks))]  # shared later
         return measured_ranks(ranks, figs, model), "measured"
-    figs = list(load_compute(path, [r.name for r in ranks]).values())
+    try:
+        figs = list(load_compute(path, [r.name for r in ranks]).values())
+    except UsageError:
+        if given:           # asked for: its hosts must be these
+            raise
+        return ranks, "nominal"   # the default report is of other hosts: device profiles
     return measured_ranks(ranks, figs, model), "measured"
