@@ -32,9 +32,13 @@ def compute_stage(stage, py: str, inv: Path, out: Path, links: Path, steps: str,
             rows.append({"strategy": strat, "error": f"run exited {p.returncode}"})
             continue
         cmp_json = out / f"compute-compare-{strat}.json"
-        stage.run(f"4d. plan vs measured for {strat} (measured links + measured compute)",
-                  [py, "-m", "smoltrain", "plan", "--compare", str(run_json), "--links", str(links),
-                   "--compute", str(compute), "-i", str(inv), "--no-what-if", "--json", str(cmp_json)])
+        p = stage.run(f"4d. plan vs measured for {strat} (measured links + measured compute)",
+                      [py, "-m", "smoltrain", "plan", "--compare", str(run_json), "--links", str(links),
+                       "--compute", str(compute), "-i", str(inv), "--no-what-if", "--json", str(cmp_json)],
+                      ok_codes=(0, 2))
+        if p.returncode != 0 or not cmp_json.exists():
+            rows.append({"strategy": strat, "error": f"plan --compare exited {p.returncode}"})
+            continue
         rows.append(_row(strat, json.loads(cmp_json.read_text()), inv, links))
     path = out / "compute-demo.md"
     path.write_text(table(rows))
