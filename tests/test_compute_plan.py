@@ -92,3 +92,28 @@ def test_verdict_when_nothing_fits_alone():
                   "bottleneck_where": "link a -> b carries 1 GB",
                   "single_host": {"name": "mac", "fits": False, "step_s": None, "tokens_per_s": 0.0}})
     assert "does not fit on any single host" in s and "link bandwidth" in s
+
+
+def test_busy_host_cpu_slows_its_messages_and_bytes():
+    from smoltrain.planner.compute import cpu_links
+    from smoltrain.planner.plan import Rank
+    from smoltrain.planner.devices import get_device
+
+    lm = from_class("1gbe")        # 941 Mbit/s, RTT 200 us: alpha 100 us
+    ranks = [Rank("a", get_device("generic"), 1e9, comm_cpu={"message_s": 2e-3, "bytes_s": 50e6}),
+             Rank("b", get_device("generic"), 1e9, comm_cpu={"message_s": 1e-4, "bytes_s": 500e6})]
+    ln = cpu_links(lm, ranks).get("b", "a")
+    assert ln.alpha_s == pytest.approx(100e-6 + 2e-3)       # the slower end's message cost
+    assert ln.bytes_per_s == pytest.approx(50e6)             # a's CPU moves 50 MB/s < the wire's 117.6
+    assert cpu_links(lm, [Rank("a", get_device("generic"), 1e9)]) is lm   # nothing measured: unchanged
+
+
+def test_default_report_of_other_hosts_falls_back_to_profiles(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "reports" / "compute.json").write_text(json.dumps(
+        {"schema": "smoltrain.compute/1", "created": "x", "hosts": [_host("elsewhere", 0.01, 1e-4)]}))
+    ranks = resolve_ranks(2, [H("a"), H("b")])
+    assert measured.apply(ranks, [H("a"), H("b")], None, get_model("tiny"))[1] == "nominal"
+    with pytest.raises(UsageError, match="no a, b"):
+        measured.apply(ranks, [H("a"), H("b")], "reports/compute.json", get_model("tiny"))

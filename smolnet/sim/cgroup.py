@@ -170,3 +170,22 @@ def mount_lines() -> list[str]:
 
 def cap_name(sim: str, host: str) -> str:
     return f"smol-{sim}-{host}"
+
+
+def path(name: str, root: Path = ROOT) -> str:
+    return str(_dir(name, root, version(root) or 1))
+
+
+def existing(name: str) -> str | None:
+    """The cgroup of that name when it exists (teardown after lost state)."""
+    p = path(name)
+    return p if version() and Path(p).is_dir() else None
+
+
+def cap_pid(cg: str, cores: float, pid: int, error=CgroupError) -> None:
+    """Create cgroup `cg` capped at `cores` and move `pid` into it; failures raise `error`."""
+    try:
+        create(Path(cg).name, cores, Path(cg).parent.parent if version() == 1 else Path(cg).parent)
+        add_pid(cg, pid)
+    except CgroupError as e:
+        raise error(f"{Path(cg).name}: {e}") from None

@@ -33,7 +33,6 @@ __all__ = ["up", "down", "status", "SimError", "SimUnavailable", "SCENARIOS",
            "path_truth", "tcp_goodput_mbit", "state_dir", "unavailable_reason"]
 
 
-
 def _state_root() -> Path:
     """/run (tmpfs on most machines: a reboot forgets the sim, as it forgets the namespaces);
     a per-user directory when not root, where only the loopback fallback can run."""
@@ -190,7 +189,7 @@ def up(name: str = "smol", scenario: str = "home", hosts: int | None = None,
         if not loopback:
             _preflight(st)
             if any(s.cpu_cores for s in specs) and cgroup.unavailable_reason():
-                raise SimError(f"cannot cap CPU: {cgroup.unavailable_reason()} (--cpu-limit 0 runs uncapped)")
+                raise SimError(f"cannot cap CPU: {cgroup.unavailable_reason()} (--cpu-limit 0: uncapped)")
         if d.exists():
             shutil.rmtree(d)        # leftovers of a crashed run without state.json
         d.mkdir(parents=True, mode=0o700)
@@ -292,22 +291,19 @@ def _build(st: dict, specs: list[HostSpec]) -> None:
     net.steer_flows(sw, [h["port"] for h in st["hosts"]] + ["pc"])
     _save(st)
 
-    capped = any(h.get("cpu_cores") for h in st["hosts"])
+    cg_mount = cgroup.mount_lines() if any(h.get("cpu_cores") for h in st["hosts"]) else []
     for h in st["hosts"]:
         hd = d / "hosts" / h["name"]
-        net.start_sshd(h["netns"], h["name"], hd, hd / "sshd.log", cgroup.mount_lines() if capped else [])
+        net.start_sshd(h["netns"], h["name"], hd, hd / "sshd.log", cg_mount)
     deadline = time.monotonic() + SSHD_TIMEOUT
     for h in st["hosts"]:
         hd = d / "hosts" / h["name"]
         h["pid_sshd"] = net.wait_sshd(h["name"], h["address"], hd / "sshd.pid", hd / "sshd.log", deadline)
         _save(st)
         if h.get("cpu_cores"):      # sessions are forked by this sshd, so they inherit its cgroup
-            try:
-                h["cgroup"] = cgroup.create(cgroup.cap_name(name, h["name"]), h["cpu_cores"])
-                _save(st)
-                cgroup.add_pid(h["cgroup"], h["pid_sshd"])
-            except cgroup.CgroupError as e:
-                raise SimError(f"{h['name']}: {e}") from None
+            h["cgroup"] = cgroup.path(cgroup.cap_name(name, h["name"]))
+            _save(st)
+            cgroup.cap_pid(h["cgroup"], h["cpu_cores"], h["pid_sshd"], SimError)
 
 
 # --- down ---------------------------------------------------------------------------------
@@ -328,9 +324,7 @@ def _teardown(st: dict) -> list[str]:
             pids.update(net.netns_pids(ns))
     pids.discard(os.getpid())
     left += [f"process {p}" for p in net.kill_all(pids)]
-    for h in st.get("hosts", []):
-        if h.get("cgroup") and not cgroup.remove(h["cgroup"]):
-            left.append(f"cgroup {h['cgroup']}")
+    left += [f"cgroup {h['cgroup']}" for h in st.get("hosts", []) if h.get("cgroup") and not cgroup.remove(h["cgroup"])]
     ctl = st.get("controller_iface")
     if ctl and net.link_exists(ctl):
         net.sh([net.IP, "link", "del", ctl], check=False)
@@ -380,10 +374,8 @@ def _orphans(name: str) -> dict | None:
     if not found and not has_ctl and not state_dir(name).exists():
         return None
     hosts = [{"name": n[len(prefix):], "netns": n} for n in found if n != f"{prefix}sw"]
-    v = cgroup.version()
     for h in hosts:     # a cap made before the crash has the host's name
-        cg = cgroup.ROOT / ("cpu" if v == 1 else "") / cgroup.cap_name(name, h["name"])
-        h["cgroup"] = str(cg) if v and cg.is_dir() else None
+        h["cgroup"] = cgroup.existing(cgroup.cap_name(name, h["name"]))
     return {"name": name, "hosts": hosts, "switch_netns": f"{prefix}sw" if f"{prefix}sw" in found else None,
             "controller_iface": ctl if has_ctl else None, "state_dir": str(state_dir(name))}
 

@@ -85,6 +85,65 @@ def train_seconds(torch, model_name: str, batch: int, seq: int, window: float) -
     return 1.0 / rate(step, window)
 
 
+BIG_FLOATS = 1 << 19
+COMM_WINDOW = 1.0       # seconds per measurement: ten CFS periods, so a cap shows
+
+
+def _loop(c, t, rank: int, window: float) -> tuple[int, float]:
+    """All-reduce `t` until rank 0 has spent `window`; element 0 carries rank 0's "go on"."""
+    n, t0 = 0, time.perf_counter()
+    while True:
+        t.zero_()
+        if rank == 0:
+            t[0] = 1.0 if (time.perf_counter() - t0 < window or n < 3) else 0.0
+        c.all_reduce(t)
+        if t[0] == 0:
+            return n, time.perf_counter() - t0
+        n += 1
+
+
+def comm_cpu(torch, window: float = COMM_WINDOW) -> dict | None:
+    """What smoltrain's own communication costs this host's CPU (under its cap): two ranks
+    of SocketComm on this host all-reduce a small and a large tensor over a window. Both
+    run here, so each round's wall time is twice one rank's cost; a rank on its own host
+    pays half. Per-message seconds and per-end bytes/s, or None when it cannot be measured."""
+    import random
+    import secrets
+
+    from smoltrain.comm import make_comm
+
+    secret = secrets.token_bytes(32)
+    port = random.randrange(20000, 60000)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            c = make_comm("socket", 1, 2, "127.0.0.1", port, secret, timeout=60.0)
+            _loop(c, torch.zeros(64), 1, window)
+            _loop(c, torch.zeros(BIG_FLOATS), 1, window)
+            c.close()
+            code = 0
+        finally:
+            os._exit(code)
+    try:
+        c = make_comm("socket", 0, 2, "127.0.0.1", port, secret, timeout=60.0)
+        n, el = _loop(c, torch.zeros(64), 0, window)
+        t_small = el / (n + 1)
+        n, el = _loop(c, torch.zeros(BIG_FLOATS), 0, window)
+        t_big = el / (n + 1)
+        c.close()
+    except Exception:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        return None
+    os.waitpid(pid, 0)
+    # a ring all-reduce of 2 ranks is 2 rounds; here both ranks share the CPU: / 2 again
+    msg = t_small / 4
+    chunk = BIG_FLOATS * 4 / 2
+    per_byte = max(1e-12, (t_big / 4 - msg) / chunk)
+    return {"message_s": msg, "bytes_s": 1 / per_byte}
+
+
 def usable_memory() -> int:
     import psutil
 
@@ -100,19 +159,20 @@ def usable_memory() -> int:
 
 
 def probe(model: str | None = "tiny", seconds: float = 0.5, threads: int = 1, seq: int | None = None) -> dict:
+    w = max(WINDOW_MIN, seconds)
     import torch
 
     from smolnet.sim.cgroup import own_limit
 
     torch.set_num_threads(threads)
-    w = max(WINDOW_MIN, seconds)
+    comm = comm_cpu(torch) if hasattr(os, "fork") else None
     flops = {"fp32": matmul_flops(torch, torch.float32, 384, w),
              "bf16": matmul_flops(torch, torch.bfloat16, 256, w)}
     flops["fp16"] = flops["bf16"]
     doc = {"machine_id": machine_id(), "cores": cores(), "cpu_limit_cores": own_limit(),
            "threads": torch.get_num_threads(), "torch": torch.__version__,
            "flops": flops, "mem_bw_bytes_s": copy_bw(torch, 32 << 20, w),
-           "usable_memory_bytes": usable_memory(), "train_step": []}
+           "usable_memory_bytes": usable_memory(), "comm_cpu": comm, "train_step": []}
     if model and model != "none":
         from smoltrain.models.spec import get_model
 

@@ -124,10 +124,15 @@ def per_rank(plan: dict, run: dict) -> dict:
             ratio = m / pred if pred else None
             row[what] = {"predicted": pred, "measured": m, "ratio": ratio}
             if ratio is not None and abs(ratio - 1) > MISS and max(m, pred) > 0.05 * (plan.get("step_s") or 0):
-                missed.append(f"{what[:-2]} on rank {i} ({names[i]}) x{ratio:.2f}")
+                missed.append((abs(ratio - 1), what, f"{what[:-2]} on rank {i} ({names[i]}) x{ratio:.2f}"))
         row["wait_s"] = statistics.median(g["wait_s"] for g in got)
         rows.append(row)
-    return {"ranks": rows, "missed": missed}
+    # name the worst miss of each kind: the one that explains the step time
+    worst = {}
+    for off, what, text in missed:
+        if off > worst.get(what, (0, ""))[0]:
+            worst[what] = (off, text)
+    return {"ranks": rows, "missed": [worst[w][1] for w in ("compute_s", "comm_s") if w in worst]}
 
 
 def render(con, cmp: dict) -> None:

@@ -30,6 +30,7 @@ class HostCompute:
     mem_bw: float                    # bytes/s
     usable_memory: float             # bytes
     train_step: list = field(default_factory=list)
+    comm_cpu: dict | None = None     # smoltrain comm's CPU cost here: message_s, bytes_s
 
     def fit(self, model: ModelSpec) -> tuple[float, float, int] | None:
         """(fixed seconds per step, seconds per token, the timed seq) of the model's training step, from the
@@ -67,7 +68,8 @@ def _host(d: dict, origin: str) -> HostCompute:
         return HostCompute(str(d["name"]), str(d.get("machine_id") or d["name"]), int(d.get("cores") or 1),
                            (float(d["cpu_limit_cores"]) if d.get("cpu_limit_cores") else None),
                            {k: float(v) for k, v in d["flops"].items()}, float(d["mem_bw_bytes_s"]),
-                           float(d.get("usable_memory_bytes") or 0), list(d.get("train_step") or []))
+                           float(d.get("usable_memory_bytes") or 0), list(d.get("train_step") or []),
+                           d.get("comm_cpu") if isinstance(d.get("comm_cpu"), dict) else None)
     except (KeyError, TypeError, ValueError, AttributeError):
         raise UsageError(f"{origin}: host {d.get('name', '?')!r} lacks flops or mem_bw_bytes_s") from None
 
@@ -155,13 +157,43 @@ def measured_ranks(ranks: list, figs: list[HostCompute], model: ModelSpec) -> li
         prof = DeviceProfile(f"{rk.device.name}*", achieved * share, achieved * ratio * share, f.mem_bw * share,
                              f.usable_memory or rk.memory_bytes, f32, f.mem_bw,
                              f"measured on {f.name}" + (f" (cap {f.cpu_limit_cores:g} cores)" if f.cpu_limit_cores else ""))
+        cc = None
+        if f.comm_cpu and f.comm_cpu.get("message_s") and f.comm_cpu.get("bytes_s"):
+            cc = {"message_s": float(f.comm_cpu["message_s"]) / share, "bytes_s": float(f.comm_cpu["bytes_s"]) * share}
         out.append(replace(rk, device=prof, memory_bytes=f.usable_memory or rk.memory_bytes,
-                           fixed_s=fixed / share, measured=True))
+                           fixed_s=fixed / share, measured=True, comm_cpu=cc))
     return out
+
+
+def cpu_links(lm, ranks: list):
+    """Links as a busy host sees them: each message also costs the slower end's measured
+    per-message CPU time, and bytes go no faster than either end's CPU moves them. On a
+    capped Pi-class host this, not the wire, is what a ring of small all-reduces waits for."""
+    from smoltrain.planner.links import Link, LinkModel
+
+    cost = {r.name: r.comm_cpu for r in ranks if getattr(r, "comm_cpu", None)}
+    if not cost:
+        return lm
+    names = [r.name for r in ranks]
+    links = {}
+    for s in names:
+        for d in names:
+            if s == d:
+                continue
+            ln = lm.get(s, d)
+            ends = [cost[n] for n in (s, d) if n in cost]
+            msg = max(c["message_s"] for c in ends) if ends else 0.0
+            rate = ln.rate_mbit
+            if rate and ends:
+                rate = min(rate, min(c["bytes_s"] for c in ends) * 8 / 1e6)
+            links[(s, d)] = Link(rate, ln.rtt_us + 2e6 * msg, ln.status)
+    return LinkModel(dict(lm.source, comm_cpu="per-message and per-byte CPU cost of each end (measured)"),
+                     links, None)
 
 
 def apply(ranks: list, hosts, path: str | None, model: ModelSpec) -> tuple[list, str]:
     """(ranks, compute_source): measured figures when a report is given or found."""
+    given = path
     path = default_path(path)
     if path is None:
         return ranks, "nominal"
@@ -171,5 +203,10 @@ def apply(ranks: list, hosts, path: str | None, model: ModelSpec) -> tuple[list,
             return ranks, "nominal"
         figs = [replace(f, machine_id=f"{f.machine_id}-{i}") for i in range(len(ranks))]  # shared later
         return measured_ranks(ranks, figs, model), "measured"
-    figs = list(load_compute(path, [r.name for r in ranks]).values())
+    try:
+        figs = list(load_compute(path, [r.name for r in ranks]).values())
+    except UsageError:
+        if given:           # asked for: its hosts must be these
+            raise
+        return ranks, "nominal"   # the default report is of other hosts: device profiles
     return measured_ranks(ranks, figs, model), "measured"

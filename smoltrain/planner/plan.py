@@ -27,6 +27,7 @@ class Rank:
     memory_bytes: float
     fixed_s: float = 0.0        # measured fixed cost of a whole-model training step (planner/compute.py)
     measured: bool = False      # figures from a compute report, not a device profile
+    comm_cpu: dict | None = None  # measured CPU cost of communication on this host (planner/compute.py)
 
 
 def rank_names(world: int, hosts=None) -> list[str]:
@@ -107,6 +108,8 @@ def make_plan(strategy: str, model: ModelSpec, world: int, dtype: str = "fp32", 
     ranks = ranks or resolve_ranks(world)
     names = [r.name for r in ranks]
     lm = lm or from_class("1gbe")
+    from smoltrain.planner.compute import cpu_links
+    lm_wire, lm = lm, cpu_links(lm, ranks)   # a busy host's CPU slows its messages (measured compute only)
     train = mode == "train"
     a = dtype_bytes(dtype)
 
@@ -121,7 +124,8 @@ def make_plan(strategy: str, model: ModelSpec, world: int, dtype: str = "fp32", 
         mem = capacity.memory(w, model, mode, dtype, seq, strategy)
         t_c = max(t_fl, t_mem)
         if rk.measured and train:   # timed steps hold the memory traffic already, plus a fixed cost
-            t_c = t_fl + rk.fixed_s * capacity.fixed_share(w, model, strategy)
+            # every microbatch runs all of the stage's operations: a pipeline pays the fixed cost m times
+            t_c = t_fl + rk.fixed_s * capacity.fixed_share(w, model, strategy) * (microbatches if strategy == "pp" else 1)
         per_rank.append({"rank": r, "name": rk.name, "device": rk.device.name, "flops_per_step": fl,
                          "memory_traffic_bytes": mt, "compute_s": t_c,
                          "bound": "compute" if t_fl >= t_mem else "memory-bandwidth",
@@ -160,8 +164,10 @@ def make_plan(strategy: str, model: ModelSpec, world: int, dtype: str = "fp32", 
         cc = timing.comm_cost(tr, names, lm)
         comm_s = cc.total_s
         if overlap and train and cc.overlappable_s > 0:
-            comm_s = comm_s - cc.overlappable_s + timing.exposed_overlap(
-                cc.overlappable_s, cc.last_bucket_s, 2 / 3 * compute_s)
+            # only the wire's share hides behind backward; the CPU's share competes with it
+            wire = timing.comm_cost(tr, names, lm_wire) if lm is not lm_wire else cc
+            comm_s = comm_s - cc.overlappable_s + max(0.0, cc.overlappable_s - wire.overlappable_s) + \
+                timing.exposed_overlap(wire.overlappable_s, wire.last_bucket_s, 2 / 3 * compute_s)
     step_s = compute_s + comm_s
     finite = math.isfinite(step_s)
     tokens_step = batch * seq if train else 1
@@ -308,7 +314,9 @@ def share_machine(ranks: list[Rank], cores: int | None = None, busy: int | None 
     n = len(ranks)
     f = min(1.0, (cores or os.cpu_count() or 1) / (busy or n))
     return [Rank(r.name, replace(r.device, flops_fp32=r.device.flops_fp32 * f, flops_fp16=r.device.flops_fp16 * f,
-                                 mem_bw=r.device.mem_bw * f), r.memory_bytes / n, r.fixed_s / f, r.measured)
+                                 mem_bw=r.device.mem_bw * f), r.memory_bytes / n, r.fixed_s / f, r.measured,
+                 dict(r.comm_cpu, message_s=r.comm_cpu["message_s"] / f, bytes_s=r.comm_cpu["bytes_s"] * f)
+                 if r.comm_cpu else None)
             for r in ranks]
 
 
