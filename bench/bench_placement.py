@@ -12,7 +12,7 @@ workers are started by this script, each inside its cgroup, against a `--externa
 Targets (issue 13): dp auto >= 1.5x even, pp auto >= 1.2x even; the plan's predicted gains
 within 25% of the measured ones. Results: bench/RESULTS-place.md.
 
-    sudo .venv/bin/python bench/bench_placement.py [--steps 12] [--fast 0.2] [--slow 0.05]
+    sudo .venv/bin/python bench/bench_placement.py [--steps 12] [--fast 0.2] [--slow 0.03]
 """
 from __future__ import annotations
 
@@ -62,10 +62,14 @@ def in_group(g: Path, argv: list[str]) -> list[str]:
 
 
 def measure(groups, model: str, seq: int) -> dict:
+    """All ranks at once, as they will run: on a shared machine the others' load is part of the speed."""
+    procs = [subprocess.Popen(in_group(g, [sys.executable, "-c", MEASURE, model, str(seq)]), stdout=subprocess.PIPE,
+                              text=True) for g in groups]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise SystemExit("measuring a rank's speed failed")
     hosts = []
-    for r, g in enumerate(groups):
-        out = subprocess.run(in_group(g, [sys.executable, "-c", MEASURE, model, str(seq)]), capture_output=True,
-                             text=True, check=True, timeout=600).stdout
+    for r, (g, out) in enumerate(zip(groups, outs)):
         hosts.append({"name": f"rank{r}", "machine_id": "bench", "cores": os.cpu_count(),
                       "cpu_limit_cores": float((g / "cpu.cfs_quota_us").read_text()) / PERIOD_US,
                       "flops": {}, "mem_bw_bytes_s": None, "train_step": json.loads(out),
@@ -115,7 +119,7 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--fast", type=float, default=0.2, help="cores of rank0")
-    ap.add_argument("--slow", type=float, default=0.05, help="cores of rank1 and rank2")
+    ap.add_argument("--slow", type=float, default=0.03, help="cores of rank1 and rank2")
     ap.add_argument("--json", default="reports/bench-placement.json")
     args = ap.parse_args()
     if not os.access(CG, os.W_OK):
