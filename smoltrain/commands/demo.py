@@ -130,6 +130,8 @@ def run(args) -> int:
         from smoltrain.commands.demo_report import write_report
 
         path = write_report(out, chosen, stage.results)
+        from smoltrain.commands.demo_generate import generate_stages
+        generate_stages(stage, py, inv, out, steps, path)
         console.rule("[bold green]done")
         console.print(f"report: {path}")
         return 0
