@@ -78,20 +78,23 @@ def main() -> int:
         tps = statistics.median(x["decode"]["tokens_per_s"] for x in docs)
         bpt, plan_bpt = d["decode"]["bytes_per_token"], (d["plan"] or {}).get("bytes_per_token")
         best = max(x["decode"]["tokens_per_s"] for x in docs)
+        cpu = statistics.median(x["decode"]["cpu_s"] / x["decode"]["tokens"] for x in docs)
         rows.append({"setup": key, "decode_tokens_per_s": tps, "vs_local1": tps / ref,
-                     "best_tokens_per_s": best, "best_vs_local1": best / ref_best,
+                     "best_tokens_per_s": best, "best_vs_local1": best / ref_best, "cpu_s_per_token": cpu,
                      "ttft_s": statistics.median(x["ttft_s"] for x in docs),
                      "bytes_per_token": bpt, "plan_bytes_per_token": plan_bpt,
                      "bytes_vs_plan": (bpt / plan_bpt) if plan_bpt else None,
                      "plan_tokens_per_s": (d["plan"] or {}).get("tokens_per_s"),
                      "same_tokens_as_local1": d["output_ids"] == runs["local1"][-1]["output_ids"]})
     print(f"\nmodel: Llama hidden {a.hidden}, {a.layers} layers, {a.new} new tokens, median and best of {a.rounds} rounds")
-    print("| setup | decode tok/s (median) | vs local 1 | best tok/s | best vs best local 1 | ttft s | B/token "
-          "| plan B/token | measured/plan | same tokens |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    cpu_ref = next(r["cpu_s_per_token"] for r in rows if r["setup"] == "local1")
+    print("| setup | decode tok/s (median) | vs local 1 | best tok/s | best vs best local 1 | CPU s/token (all ranks) "
+          "| local 1 CPU / this CPU | ttft s | B/token | plan B/token | measured/plan | same tokens |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['setup']} | {r['decode_tokens_per_s']:.2f} | {r['vs_local1']:.2f}x | {r['best_tokens_per_s']:.2f} | "
-              f"{r['best_vs_local1']:.2f}x | {r['ttft_s']:.3f} | "
+              f"{r['best_vs_local1']:.2f}x | {r['cpu_s_per_token']:.4f} | {cpu_ref / r['cpu_s_per_token']:.2f}x | "
+              f"{r['ttft_s']:.3f} | "
               f"{r['bytes_per_token']:.0f} | {r['plan_bytes_per_token'] or 0:.0f} | "
               f"{(r['bytes_vs_plan'] or 0):.3f} | {r['same_tokens_as_local1']} |")
     sim_rows = run_sim(model, a.new, tmp) if a.sim else []

@@ -69,7 +69,7 @@ class Engine:
         out_ids: list[int] = []
         t0, sent0 = time.perf_counter(), self.sent()
         tok = self.prefill(torch.tensor([req.prompt_ids], dtype=torch.int64), sampler)
-        t_first = time.perf_counter()
+        t_first, cpu_first = time.perf_counter(), time.process_time()
         if r == 0:
             out_ids.append(tok)
             emit(tok)
@@ -90,7 +90,7 @@ class Engine:
                 emit(tok)
         t_end = time.perf_counter()
         return {"rank": r, "output_ids": out_ids, "prefill_tokens": len(req.prompt_ids), "prefill_s": t_first - t0,
-                "decode_steps": steps, "decode_s": t_end - t_first,
+                "decode_steps": steps, "decode_s": t_end - t_first, "decode_cpu_s": time.process_time() - cpu_first,
                 "prefill_bytes": prefill_sent - sent0, "decode_bytes": step_sent - prefill_sent}
 
 
