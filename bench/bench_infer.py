@@ -9,6 +9,7 @@ at best pp matches the reference. Rounds alternate the setups so machine noise h
 all alike; each figure is the median over rounds.
 
     flock /tmp/smol-bench.lock .venv/bin/python bench/bench_infer.py --rounds 3 --json bench/out/infer.json
+    flock /tmp/smol-bench.lock .venv/bin/python bench/bench_infer.py --rounds 1 --sim   # + shaped sim links (root)
 """
 from __future__ import annotations
 
@@ -36,9 +37,9 @@ def make_model(path: str, hidden: int, layers: int) -> None:
     model.eval().save_pretrained(path, safe_serialization=True)
 
 
-def generate(model: str, strategy: str, world: int, new: int, out: str) -> dict:
+def generate(model: str, strategy: str, world: int, new: int, out: str, inventory: str | None = None) -> dict:
     env = dict(os.environ, SMOL_INFER_THREADS="1")
-    where = ["--local", str(world)]
+    where = ["-i", inventory] if inventory else ["--local", str(world)]
     r = subprocess.run([sys.executable, "-m", "smoltrain", "generate", "--strategy", strategy, *where,
                         "--model", model, "--prompt-ids", ",".join(str(i) for i in range(1, 33)),
                         "--max-new-tokens", str(new), "--ignore-eos", "--json", out],
@@ -54,6 +55,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--new", type=int, default=64, help="tokens to generate per run")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--sim", action="store_true", help="also pp and tp across a 2-host `uniform` sim (shaped links)")
     ap.add_argument("--json")
     a = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="bench-infer-")
@@ -76,27 +78,56 @@ def main() -> int:
         tps = statistics.median(x["decode"]["tokens_per_s"] for x in docs)
         bpt, plan_bpt = d["decode"]["bytes_per_token"], (d["plan"] or {}).get("bytes_per_token")
         best = max(x["decode"]["tokens_per_s"] for x in docs)
+        cpu = statistics.median(x["decode"]["cpu_s"] / x["decode"]["tokens"] for x in docs)
         rows.append({"setup": key, "decode_tokens_per_s": tps, "vs_local1": tps / ref,
-                     "best_tokens_per_s": best, "best_vs_local1": best / ref_best,
+                     "best_tokens_per_s": best, "best_vs_local1": best / ref_best, "cpu_s_per_token": cpu,
                      "ttft_s": statistics.median(x["ttft_s"] for x in docs),
                      "bytes_per_token": bpt, "plan_bytes_per_token": plan_bpt,
                      "bytes_vs_plan": (bpt / plan_bpt) if plan_bpt else None,
                      "plan_tokens_per_s": (d["plan"] or {}).get("tokens_per_s"),
                      "same_tokens_as_local1": d["output_ids"] == runs["local1"][-1]["output_ids"]})
     print(f"\nmodel: Llama hidden {a.hidden}, {a.layers} layers, {a.new} new tokens, median and best of {a.rounds} rounds")
-    print("| setup | decode tok/s (median) | vs local 1 | best tok/s | best vs best local 1 | ttft s | B/token "
-          "| plan B/token | measured/plan | same tokens |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    cpu_ref = next(r["cpu_s_per_token"] for r in rows if r["setup"] == "local1")
+    print("| setup | decode tok/s (median) | vs local 1 | best tok/s | best vs best local 1 | CPU s/token (all ranks) "
+          "| local 1 CPU / this CPU | ttft s | B/token | plan B/token | measured/plan | same tokens |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['setup']} | {r['decode_tokens_per_s']:.2f} | {r['vs_local1']:.2f}x | {r['best_tokens_per_s']:.2f} | "
-              f"{r['best_vs_local1']:.2f}x | {r['ttft_s']:.3f} | "
+              f"{r['best_vs_local1']:.2f}x | {r['cpu_s_per_token']:.4f} | {cpu_ref / r['cpu_s_per_token']:.2f}x | "
+              f"{r['ttft_s']:.3f} | "
               f"{r['bytes_per_token']:.0f} | {r['plan_bytes_per_token'] or 0:.0f} | "
               f"{(r['bytes_vs_plan'] or 0):.3f} | {r['same_tokens_as_local1']} |")
+    sim_rows = run_sim(model, a.new, tmp) if a.sim else []
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-        json.dump({"model": {"hidden": a.hidden, "layers": a.layers}, "new": a.new, "rows": rows},
+        json.dump({"model": {"hidden": a.hidden, "layers": a.layers}, "new": a.new, "rows": rows, "sim": sim_rows},
                   open(a.json, "w"), indent=1)
     return 0
+
+
+def run_sim(model: str, new: int, tmp: str) -> list[dict]:
+    """pp and tp across two namespaced hosts on tc-shaped links: decode tokens/s and bytes vs the plan."""
+    sys.path.insert(0, ROOT)
+    from smolnet.sim import cluster as sim
+    inv = os.path.join(tmp, "i2.yml")
+    sim.up(name="i2", scenario="uniform", hosts=2, subnet="10.44.1.0/24", inventory=inv)
+    rows = []
+    try:
+        for s in ("pp", "tp"):
+            d = generate(model, s, 2, new, os.path.join(tmp, f"sim-{s}.json"), inventory=inv)
+            p = d["plan"] or {}
+            rows.append({"setup": f"{s}2-sim", "decode_tokens_per_s": d["decode"]["tokens_per_s"],
+                         "plan_tokens_per_s": p.get("tokens_per_s"), "bytes_per_token": d["decode"]["bytes_per_token"],
+                         "plan_bytes_per_token": p.get("bytes_per_token"), "plan_bottleneck": p.get("bottleneck")})
+    finally:
+        sim.down(name="i2")
+    print("\n| sim setup | decode tok/s | plan tok/s | measured/plan | B/token | plan B/token | plan bottleneck |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['setup']} | {r['decode_tokens_per_s']:.2f} | {r['plan_tokens_per_s'] or 0:.2f} | "
+              f"{r['decode_tokens_per_s'] / (r['plan_tokens_per_s'] or 1):.2f} | {r['bytes_per_token']:.0f} | "
+              f"{r['plan_bytes_per_token'] or 0:.0f} | {r['plan_bottleneck']} |")
+    return rows
 
 
 if __name__ == "__main__":

@@ -141,6 +141,8 @@ def run(args) -> int:
         path = write_report(out, chosen, stage.results)
         from smoltrain.commands.demo_placement import placement_stage
         placement_stage(stage, console, py, inv, links, out, steps, path, args.quick)  # even vs auto, into REPORT.md
+        from smoltrain.commands.demo_generate import generate_stages
+        generate_stages(stage, py, inv, out, steps, path)
         if skipped:
             console.rule("[bold yellow]done, with stages SKIPPED")
             console.print(f"[bold yellow]SKIPPED: {'; '.join(skipped)} -- run as root without --loopback for the "

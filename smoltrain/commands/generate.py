@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from smolnet.errors import UsageError
+from smolnet.errors import SmolError, UsageError
 
 
 def add_arguments(p) -> None:
@@ -95,7 +95,7 @@ def run(args) -> int:
         try:
             stats = setup.runner.generate(req, on_token=pr)
         except RankDied as e:
-            raise UsageError(f"generation failed: {e}") from None
+            raise SmolError(f"generation failed: {e}") from None
         print()
     finally:
         setup.runner.close()

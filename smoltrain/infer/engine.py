@@ -1,14 +1,11 @@
-"""One rank's decode loop, for the one-process reference (`local`), pp and tp.
+"""One rank's decode loop; the one-process reference here, pp and tp in their own modules.
 
-pp: rank 0 embeds, each stage sends its hidden state to the next, the last stage
-samples and sends the token id (one int64) back to rank 0. tp: every rank runs every
-layer on its heads, two all-reduces per layer, and samples the same token from the
-same logits with the same seeded generator.
-
+Prefill runs the whole prompt at once, then each decode step feeds the last token.
 Rank 0 alone decides when to stop (token budget, end-of-sequence, a cancelled
-request) and tells the others in-band, at no extra cost in bytes per token: instead
-of the next step's hidden state (pp) or first all-reduce contribution (tp) it sends
-NaNs of the same shape, which no real hidden state contains.
+request) and tells the other ranks in band, at no extra cost in bytes per token:
+instead of the next step's first message (pp: the hidden state; tp: the first
+all-reduce contribution) it sends NaNs of the same shape, which no real hidden state
+contains. A rank that sees them raises `Stop` and the request ends everywhere.
 """
 from __future__ import annotations
 
@@ -36,103 +33,76 @@ class Request:
         return dict(self.__dict__)
 
 
-class _Stop(SmolError):
-    """The request was cancelled (client gone); ends generation early."""
+class Stop(SmolError):
+    """Rank 0's stop marker arrived: the request is over."""
+
+
+def is_marker(t: torch.Tensor) -> bool:
+    return bool(torch.isnan(t.reshape(-1)[0]))
 
 
 class Engine:
-    def __init__(self, stage: Stage, strategy: str = "local", comm=None, rank: int = 0, world: int = 1):
-        self.stage, self.strategy, self.comm, self.rank, self.world = stage, strategy, comm, rank, world
-        self.armed = False
+    """`local`: one process holds every layer; no network. The reference the others must equal."""
+
+    def __init__(self, stage: Stage, comm=None, rank: int = 0, world: int = 1):
+        self.stage, self.comm, self.rank, self.world = stage, comm, rank, world
 
     def sent(self) -> int:
         return self.comm.counter.total_payload() if self.comm is not None else 0
 
-    def _reduce(self, t):
-        if self.strategy != "tp" or self.world == 1:
-            return t
-        t = t.contiguous()
-        self.comm.all_reduce(t)
-        if self.armed:
-            self.armed = False
-            if torch.isnan(t.view(-1)[0]):
-                raise _Stop
-        return t
+    # what the strategies override
+    def prefill(self, ids: torch.Tensor, sampler) -> int | None:
+        return sampler(self.stage(ids))
+
+    def step(self, tok: int | None, sampler) -> int | None:
+        return sampler(self.stage(torch.tensor([[tok]])))
+
+    def signal_stop(self) -> None:
+        pass
+
+    def marker(self) -> torch.Tensor:
+        return torch.full((1, 1, self.stage.cfg.hidden), float("nan"), dtype=self.stage.dtype)
 
     def generate(self, req: Request, emit=lambda tok: None, cancelled=lambda: False) -> dict:
         """Run one request on this rank; rank 0 emits each new token as it comes. Returns this rank's stats."""
-        st, r, N = self.stage, self.rank, self.world
-        pp = self.strategy == "pp" and N > 1
-        st.reset(len(req.prompt_ids) + req.max_new_tokens)
+        r = self.rank
+        self.stage.reset(len(req.prompt_ids) + req.max_new_tokens)
         sampler = Sampler(req.temperature, req.top_p, req.seed)
-        h, dt = st.cfg.hidden, st.dtype
-        tokbuf = torch.zeros(1, dtype=torch.int64)
         out_ids: list[int] = []
-        t0 = time.perf_counter()
-        sent0 = self.sent()
-        # prefill: the whole prompt at once
-        T = len(req.prompt_ids)
-        if pp and r > 0:
-            x = torch.zeros(1, T, h, dtype=dt)
-            self.comm.recv(x, r - 1)
-        else:
-            x = torch.tensor([req.prompt_ids], dtype=torch.int64)
-        out = st(x, self._reduce)
-        tok = None
-        if pp:
-            if st.is_last:
-                tokbuf[0] = sampler(out)
-                self.comm.send(tokbuf, 0)
-            else:
-                self.comm.send(out, r + 1)
-            if r == 0:
-                self.comm.recv(tokbuf, N - 1)
-                tok = int(tokbuf[0])
-        else:
-            tok = sampler(out)
-        t_first = time.perf_counter()
+        t0, sent0 = time.perf_counter(), self.sent()
+        tok = self.prefill(torch.tensor([req.prompt_ids], dtype=torch.int64), sampler)
+        t_first, cpu_first = time.perf_counter(), time.process_time()
         if r == 0:
             out_ids.append(tok)
             emit(tok)
         prefill_sent = step_sent = self.sent()
         steps = 0
         while True:
-            step_sent = self.sent()
-            if r == 0:
-                if len(out_ids) >= req.max_new_tokens or tok in req.stop_ids or cancelled():
-                    if N > 1:
-                        nan = torch.full((1, 1, h), float("nan"), dtype=dt)
-                        self.comm.send(nan, 1) if pp else self.comm.all_reduce(nan)
-                    break
-            if pp:
-                if r == 0:
-                    self.comm.send(st(torch.tensor([[tok]]), self._reduce), 1)
-                    self.comm.recv(tokbuf, N - 1)
-                    tok = int(tokbuf[0])
-                else:
-                    x = torch.zeros(1, 1, h, dtype=dt)
-                    self.comm.recv(x, r - 1)
-                    if torch.isnan(x.view(-1)[0]):
-                        if not st.is_last:
-                            self.comm.send(x, r + 1)
-                        break
-                    out = st(x, self._reduce)
-                    if st.is_last:
-                        tokbuf[0] = sampler(out)
-                        self.comm.send(tokbuf, 0)
-                    else:
-                        self.comm.send(out, r + 1)
-            else:
-                self.armed = r != 0 and N > 1
-                try:
-                    tok = sampler(st(torch.tensor([[tok]]), self._reduce))
-                except _Stop:
-                    break
+            step_sent = self.sent()   # the stop marker is not a decode step's traffic
+            if r == 0 and (len(out_ids) >= req.max_new_tokens or tok in req.stop_ids or cancelled()):
+                self.signal_stop()
+                break
+            try:
+                tok = self.step(tok, sampler)
+            except Stop:
+                break
             steps += 1
             if r == 0:
                 out_ids.append(tok)
                 emit(tok)
         t_end = time.perf_counter()
-        return {"rank": r, "output_ids": out_ids, "prefill_tokens": T, "prefill_s": t_first - t0,
-                "decode_steps": steps, "decode_s": t_end - t_first,
+        return {"rank": r, "output_ids": out_ids, "prefill_tokens": len(req.prompt_ids), "prefill_s": t_first - t0,
+                "decode_steps": steps, "decode_s": t_end - t_first, "decode_cpu_s": time.process_time() - cpu_first,
                 "prefill_bytes": prefill_sent - sent0, "decode_bytes": step_sent - prefill_sent}
+
+
+def make_engine(strategy: str, stage: Stage, comm=None, rank: int = 0, world: int = 1) -> Engine:
+    if world == 1 or strategy == "local":
+        return Engine(stage)
+    if strategy == "pp":
+        from smoltrain.infer.pp import PipelineEngine
+        return PipelineEngine(stage, comm, rank, world)
+    if strategy == "tp":
+        from smoltrain.infer.tp import TensorParallelEngine
+        return TensorParallelEngine(stage, comm, rank, world)
+    raise ValueError(f"unknown inference strategy {strategy!r}")

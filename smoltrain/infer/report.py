@@ -46,7 +46,9 @@ def build(cfg, mc, stats: list[dict], prompt_ids: list[int], text: str | None, p
                     "bytes": max(s["prefill_bytes"] for s in stats)},
         "decode": {"tokens": steps, "seconds": r0["decode_s"],
                    "tokens_per_s": steps / r0["decode_s"] if steps and r0["decode_s"] > 0 else None,
-                   "bytes_per_token": busiest / steps if steps else None},
+                   "bytes_per_token": busiest / steps if steps else None,
+                   # CPU seconds of all ranks together: what the split costs, whatever else loads the machine
+                   "cpu_s": sum(s.get("decode_cpu_s", 0.0) for s in stats)},
         "ttft_s": r0["prefill_s"],
         "links": links,
         "plan": plan,

@@ -18,7 +18,7 @@ import traceback
 
 from smolnet import wire
 from smoltrain.infer.config import InferConfig
-from smoltrain.infer.engine import Engine, Request
+from smoltrain.infer.engine import Request, make_engine
 
 MSG = 1
 
@@ -75,7 +75,7 @@ def serve(ctl: Control, rank: int, secret: bytes) -> None:
     stage = Stage(Checkpoint(cfg.model_dir), first, last, is_first=rank == 0 or not pp,
                   is_last=rank == world - 1 or not pp, tp_rank=rank if cfg.strategy == "tp" else 0,
                   tp_world=world if cfg.strategy == "tp" else 1, dtype=cfg.dtype)
-    engine = Engine(stage, cfg.strategy, comm, rank, world)
+    engine = make_engine(cfg.strategy, stage, comm, rank, world)
     ctl.send({"type": "ready", "load_s": time.perf_counter() - t0})
     try:
         while True:
