@@ -85,6 +85,7 @@ class ControlServer:
         finally:
             sock.close()
             if who is not None:
+                self.peers.pop(who, None)  # gone, not silent: "closed" says so
                 self.messages.put((who, {"type": "closed"}))
 
     def _beat(self) -> None:
