@@ -11,6 +11,20 @@ import shutil
 import socket
 
 
+def machine_id() -> str:
+    """Ranks on one kernel share its cores: the boot id names the kernel (a VM has its own,
+    a namespace or container does not), the machine id where there is no boot id."""
+    for p in ("/proc/sys/kernel/random/boot_id", "/etc/machine-id"):
+        try:
+            v = open(p).read().strip()
+            if v:
+                return v
+        except OSError:
+            continue
+    import socket
+    return socket.gethostname()
+
+
 def _iface_for(addr: str | None, addrs: dict) -> str | None:
     """The interface that holds addr, or None."""
     if not addr:

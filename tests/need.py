@@ -49,3 +49,16 @@ def need_tool(name: str) -> None:
     if _root():
         pytest.fail(f"{name} is not installed; {FIX}", pytrace=False)
     pytest.skip(f"{name} is not installed")
+
+
+def need_cgroup() -> None:
+    """CPU caps for sim hosts: skip without root, fail as root when no cpu cgroup is usable."""
+    from smolnet.sim import cgroup
+
+    need_sim()
+    reason = cgroup.unavailable_reason()
+    if reason is None:
+        return
+    if _root():
+        pytest.fail(f"no cpu cgroup for the sim's CPU caps: {reason}", pytrace=False)
+    pytest.skip(reason)

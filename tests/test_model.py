@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from smolnet.errors import UsageError
-from smoltrain.models.data import Batches, load_corpus, split_batch
+from smoltrain.models.data import Batches, load_corpus
+from smoltrain.planner.placement import split_batch
 from smoltrain.models.gpt import build_model, loss_sum, split_units
 from smoltrain.models.spec import get_model, with_overrides
 from smoltrain.models.optim import AdamW

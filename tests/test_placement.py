@@ -107,7 +107,7 @@ def test_order_search_beyond_eight_hosts_uses_the_heuristic():
 
 def test_speeds_from_a_compute_report_and_nominal_fallback():
     doc = {"schema": "smoltrain.compute/1", "hosts": [
-        {"name": "a", "machine_id": "m1", "usable_memory_bytes": 4e9, "flops": {"fp32": 1e10},
+        {"name": "a", "machine_id": "m1", "usable_memory_bytes": 4e9, "flops": {"fp32": 1e10}, "mem_bw_bytes_s": 1e10,
          "train_step": [{"model": "tiny", "batch": 2, "seq": 64, "seconds": 0.03},
                         {"model": "tiny", "batch": 8, "seq": 64, "seconds": 0.09}]}]}
     sp = host_speeds(doc, ["a", "b"], TINY)

@@ -14,22 +14,10 @@ import os
 import sys
 import time
 
+from smolnet.facts import machine_id
+
 WINDOW_MIN = 0.25       # seconds; >= 2.5 CFS periods of 100 ms
 TRAIN_BATCHES = (2, 8)
-
-
-def machine_id() -> str:
-    """Ranks on one kernel share its cores: the boot id names the kernel (a VM has its own,
-    a namespace or container does not), the machine id where there is no boot id."""
-    for p in ("/proc/sys/kernel/random/boot_id", "/etc/machine-id"):
-        try:
-            v = open(p).read().strip()
-            if v:
-                return v
-        except OSError:
-            continue
-    import socket
-    return socket.gethostname()
 
 
 def cores() -> int:

@@ -85,27 +85,3 @@ class Batches:
         """Sequences [lo, hi) of step's global batch."""
         x, y = self.global_batch(step)
         return x[lo:hi], y[lo:hi]
-
-
-def split_batch(batch: int, shares: list[float]) -> list[tuple[int, int]]:
-    """Cut B sequences into contiguous [lo, hi) ranges proportional to `shares`
-    (largest remainder; every rank gets at least one sequence)."""
-    n = len(shares)
-    if batch < n:
-        raise UsageError(f"--batch {batch} is smaller than the {n} ranks sharing it")
-    if any(s <= 0 for s in shares):
-        raise UsageError("--shares must all be positive")
-    total = sum(shares)
-    ideal = [batch * s / total for s in shares]
-    counts = [max(1, int(x)) for x in ideal]
-    while sum(counts) > batch:
-        i = max(range(n), key=lambda j: counts[j] - ideal[j] if counts[j] > 1 else -1e9)
-        counts[i] -= 1
-    while sum(counts) < batch:
-        i = max(range(n), key=lambda j: ideal[j] - counts[j])
-        counts[i] += 1
-    out, lo = [], 0
-    for c in counts:
-        out.append((lo, lo + c))
-        lo += c
-    return out

@@ -75,15 +75,15 @@ def _host(d: dict, origin: str) -> HostCompute:
 
 
 def read_compute(path: str) -> dict:
-    p = Path(path)
-    try:
-        doc = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise UsageError(f"{path}: no compute report (run `smoltrain calibrate -i INVENTORY`)") from None
-    except (OSError, ValueError) as e:
-        raise UsageError(f"{path}: cannot read compute report: {e}") from None
+    """The report, checked against its JSON Schema (one line and exit 2 when it breaks it)."""
+    from smolnet.files import read_json
+
+    doc = read_json(path, "compute report", " (run `smoltrain calibrate -i INVENTORY`)")
     if not isinstance(doc, dict) or doc.get("schema") != COMPUTE_SCHEMA:
         raise UsageError(f"{path}: not a {COMPUTE_SCHEMA} report (run `smoltrain calibrate`)")
+    from smolnet.schema import check
+
+    check(doc, COMPUTE_SCHEMA, str(path))
     return doc
 
 
@@ -116,7 +116,7 @@ def default_path(path: str | None) -> str | None:
 
 
 def this_machine() -> str:
-    from smoltrain.calibration.probe import machine_id
+    from smolnet.facts import machine_id
     return machine_id()
 
 

@@ -116,6 +116,30 @@ def ranges(counts: list[int]) -> list[list[int]]:
     return out
 
 
+def split_batch(batch: int, shares: list[float]) -> list[tuple[int, int]]:
+    """Cut B sequences into contiguous [lo, hi) ranges proportional to `shares`
+    (largest remainder; every rank gets at least one sequence)."""
+    n = len(shares)
+    if batch < n:
+        raise UsageError(f"--batch {batch} is smaller than the {n} ranks sharing it")
+    if any(s <= 0 for s in shares):
+        raise UsageError("--shares must all be positive")
+    total = sum(shares)
+    ideal = [batch * s / total for s in shares]
+    counts = [max(1, int(x)) for x in ideal]
+    while sum(counts) > batch:
+        i = max(range(n), key=lambda j: counts[j] - ideal[j] if counts[j] > 1 else -1e9)
+        counts[i] -= 1
+    while sum(counts) < batch:
+        i = max(range(n), key=lambda j: ideal[j] - counts[j])
+        counts[i] += 1
+    out, lo = [], 0
+    for c in counts:
+        out.append((lo, lo + c))
+        lo += c
+    return out
+
+
 def batch_ranges(batch: int, shares: list[float] | None, world: int) -> list[tuple[int, int]]:
     """[lo, hi) sequences of the global batch per rank: by the placement's shares, else even."""
     counts = counts_from_shares(batch, list(shares)) if shares else even_counts(batch, world)
@@ -180,8 +204,6 @@ def named_batch_ranges(batch: int, names: list[str], placement: dict | None) -> 
     """The parameter server's split over the members present, by name: the placement's counts
     when every placed host is there; otherwise (a leave or a join) the same speeds renormalised,
     a newcomer weighted as the average member, at least one sequence each."""
-    from smoltrain.models.data import split_batch
-
     by = dict(zip((placement or {}).get("order") or [], (placement or {}).get("shares") or []))
     if not by:
         weights = [1.0] * len(names)

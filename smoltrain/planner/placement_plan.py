@@ -7,31 +7,18 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 from smolnet.errors import UsageError
 from smoltrain import registry
+from smoltrain.planner import compute
 from smoltrain.planner.placement import MODES, Placement, PlacementError, place
 from smoltrain.planner.placement_split import predict
 from smoltrain.planner.speeds import host_speeds, source_of
 
-DEFAULT_COMPUTE = "reports/compute.json"
-
-
 def load_compute(path: str | None) -> dict | None:
     """The compute report: the given file (required), else reports/compute.json when present."""
-    p = path or (DEFAULT_COMPUTE if os.path.exists(DEFAULT_COMPUTE) else None)
-    if p is None:
-        return None
-    try:
-        doc = json.loads(open(p).read())
-    except FileNotFoundError:
-        raise UsageError(f"--compute {p}: no such file (run `smoltrain calibrate -i INVENTORY`)") from None
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--compute {p}: not readable JSON ({e})") from None
-    if not isinstance(doc, dict) or not str(doc.get("schema", "")).startswith("smoltrain.compute/"):
-        raise UsageError(f"--compute {p}: not a smoltrain.compute/1 report")
-    return doc
+    p = compute.default_path(path)
+    return compute.read_compute(p) if p else None
 
 
 def default_mode(mode: str | None, compute_doc: dict | None) -> str:

@@ -2,20 +2,18 @@
 
 Measured when a compute report (`smoltrain.compute/1`, from `smoltrain calibrate -i`) covers
 the host: its timed training steps at two batch sizes give the seconds per token (the slope)
-and a fixed per-step cost (the intercept), so a host's time for n tokens is
-`fixed_s + n * s_per_token`. A report for another model is scaled by 6 x parameters per
-token (the FLOPs of a training step). Hosts the report does not cover fall back to the
+and a fixed per-step cost (the intercept), fitted by `planner.compute` exactly as the plan
+does, so a host's time for n tokens is `fixed_s + n * s_per_token`. Hosts the report does not cover fall back to the
 device profiles (`planner/devices.py`) with the same 6P rule, and say so (`source`).
 
-Torch-free; the interface is deliberately small (`host_speeds`) so the compute loader can
-replace the document reading without touching placement.
+Torch-free; placement sees only `host_speeds`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from smolnet.errors import UsageError
-from smoltrain.models.spec import ModelSpec, get_model
+from smoltrain.models.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -46,49 +44,28 @@ def _flop_cost(model: ModelSpec) -> float:
     return 6.0 * model.params()
 
 
-def _from_steps(rows: list[dict], model: ModelSpec) -> tuple[float, float] | None:
-    """(s_per_token, fixed_s) from timed steps: the slope between the two batch sizes."""
-    good = []
-    for r in rows:
-        try:
-            tokens, sec = int(r["batch"]) * int(r["seq"]), float(r["seconds"])
-        except (KeyError, TypeError, ValueError):
-            continue
-        if tokens > 0 and sec > 0:
-            good.append((tokens, sec, r.get("model")))
-    if not good:
-        return None
-    same = [g for g in good if g[2] == model.name]
-    use = same or good
-    scale = 1.0
-    if not same:
-        try:
-            scale = _flop_cost(model) / _flop_cost(get_model(str(use[0][2])))
-        except Exception:
-            return None
-        use = [g for g in use if g[2] == use[0][2]]
-    use.sort()
-    (t1, s1, _), (t2, s2, _) = use[0], use[-1]
-    if t2 > t1 and s2 > s1:
-        slope = (s2 - s1) / (t2 - t1)
-        return slope * scale, max(0.0, s1 - slope * t1) * scale
-    return s2 / t2 * scale, 0.0
-
-
 def _measured(entry: dict, model: ModelSpec) -> HostSpeed | None:
-    name = entry.get("name")
-    if not isinstance(name, str):
+    """A host of the compute report: its two timed steps fitted by planner.compute (the one
+    fit the plan uses too), else its fp32 matmul rate."""
+    from smoltrain.planner.compute import _host
+
+    if not isinstance(entry.get("name"), str):
         return None
-    fit = _from_steps(entry.get("train_step") or [], model)
-    if fit is None:
-        fl = (entry.get("flops") or {}).get("fp32")
-        if not isinstance(fl, (int, float)) or fl <= 0:
+    try:
+        hc = _host(entry, "compute report")
+    except UsageError:
+        return None
+    fit = hc.fit(model)
+    if fit is not None:
+        fixed, per, _seq = fit
+    else:
+        fl = hc.flops.get("fp32", 0.0)
+        if fl <= 0:
             return None
-        fit = (_flop_cost(model) / fl, 0.0)
-    mem = entry.get("usable_memory_bytes")
-    if not isinstance(mem, (int, float)) or mem <= 0:
+        fixed, per = 0.0, _flop_cost(model) / fl
+    if hc.usable_memory <= 0:
         return None
-    return HostSpeed(name, fit[0], float(mem), fit[1], str(entry.get("machine_id") or ""), "measured")
+    return HostSpeed(hc.name, per, hc.usable_memory, fixed, str(entry.get("machine_id") or ""), "measured")
 
 
 def _nominal(host, model: ModelSpec) -> HostSpeed:

@@ -25,7 +25,7 @@ import torch
 
 from smolnet.errors import UsageError
 
-from smoltrain.models.data import split_batch
+from smoltrain.planner.placement import split_batch
 from smoltrain.models.gpt import loss_sum
 from smoltrain.strategies import Context
 from smoltrain.strategies.mp import StageStrategy
