@@ -94,3 +94,12 @@ def test_capped_hosts_compute_in_the_order_of_their_caps(tmp_path):
     finally:
         sim.down(NAME)
     assert not any(Path(p).exists() for p in made)
+
+
+def test_default_caps_are_dropped_where_cgroups_cannot_be_written(monkeypatch):
+    monkeypatch.setattr(cgroup, "unavailable_reason", lambda root=cgroup.ROOT: "no cgroup cpu controller")
+    hosts = [{"cpu_cores": 0.15}, {"cpu_cores": 0.65}]
+    cgroup.check_caps(hosts, explicit=False)
+    assert [h["cpu_cores"] for h in hosts] == [None, None]
+    with pytest.raises(cgroup.CgroupError, match="cannot cap CPU"):
+        cgroup.check_caps([{"cpu_cores": 0.5}], explicit=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from smolnet.errors import SmolError
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -182,10 +183,30 @@ def existing(name: str) -> str | None:
     return p if version() and Path(p).is_dir() else None
 
 
-def cap_pid(cg: str, cores: float, pid: int, error=CgroupError) -> None:
-    """Create cgroup `cg` capped at `cores` and move `pid` into it; failures raise `error`."""
+def check_caps(hosts: list[dict], explicit: bool, error=CgroupError) -> None:
+    """Caps the user asked for (--cpu-limit) must be possible here; a scenario's default caps
+    are dropped, with a warning, so the sim still runs where cgroups cannot be written."""
+    why = unavailable_reason() if any(h.get("cpu_cores") for h in hosts) else None
+    if why and explicit:
+        raise error(f"cannot cap CPU: {why} (--cpu-limit 0: uncapped)")
+    if why:
+        print(f"smolnet: sim hosts run uncapped: {why}", file=sys.stderr)
+    for h in hosts:
+        h["cpu_required"] = explicit
+        if why:
+            h["cpu_cores"] = None
+
+
+def cap_pid(cg: str, cores: float, pid: int, error=CgroupError, required: bool = True) -> bool:
+    """Create cgroup `cg` capped at `cores` and move `pid` into it. A failure raises `error`
+    when the cap is required, else is reported and leaves the host uncapped (False)."""
     try:
         create(Path(cg).name, cores, Path(cg).parent.parent if version() == 1 else Path(cg).parent)
         add_pid(cg, pid)
+        return True
     except CgroupError as e:
-        raise error(f"{Path(cg).name}: {e}") from None
+        if required:
+            raise error(f"{Path(cg).name}: {e}") from None
+        print(f"smolnet: {Path(cg).name} runs uncapped: {e}", file=sys.stderr)
+        remove(cg)
+        return False

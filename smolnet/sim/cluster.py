@@ -188,8 +188,7 @@ def up(name: str = "smol", scenario: str = "home", hosts: int | None = None,
             st["hosts"].append(h)
         if not loopback:
             _preflight(st)
-            if any(s.cpu_cores for s in specs) and cgroup.unavailable_reason():
-                raise SimError(f"cannot cap CPU: {cgroup.unavailable_reason()} (--cpu-limit 0: uncapped)")
+            cgroup.check_caps(st["hosts"], explicit=cpu_limit is not None, error=SimError)
         if d.exists():
             shutil.rmtree(d)        # leftovers of a crashed run without state.json
         d.mkdir(parents=True, mode=0o700)
@@ -303,7 +302,8 @@ def _build(st: dict, specs: list[HostSpec]) -> None:
         if h.get("cpu_cores"):      # sessions are forked by this sshd, so they inherit its cgroup
             h["cgroup"] = cgroup.path(cgroup.cap_name(name, h["name"]))
             _save(st)
-            cgroup.cap_pid(h["cgroup"], h["cpu_cores"], h["pid_sshd"], SimError)
+            if not cgroup.cap_pid(h["cgroup"], h["cpu_cores"], h["pid_sshd"], SimError, h.get("cpu_required", True)):
+                h["cgroup"] = None
 
 
 # --- down ---------------------------------------------------------------------------------
