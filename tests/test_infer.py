@@ -134,3 +134,25 @@ def test_bad_inputs(models, tmp_path, capsys):
     assert "model.layers.2.mlp.up_proj.weight has shape [64, 16]" in err
     err = one_line_error(capsys, ["generate", "--strategy", "tp", "--local", "3", "--model", path, "--prompt-ids", "1"])
     assert "do not split evenly" in err
+
+
+@pytest.mark.parametrize("strategy,world", [("pp", 3), ("tp", 2)])
+def test_end_of_sequence_stops_every_rank(models, tmp_path, strategy, world):
+    """Rank 0 sees the end-of-sequence token and stops the others in band; the next request still runs."""
+    path, want = models["llama"]
+    k = 3
+    eos = want[k]
+    k = want.index(eos)
+    eos_dir = tmp_path / "eos"
+    shutil.copytree(path, eos_dir)
+    cfg = json.loads((eos_dir / "config.json").read_text())
+    (eos_dir / "config.json").write_text(json.dumps(dict(cfg, eos_token_id=eos)))
+    out = tmp_path / "eos.json"
+    assert main(["generate", "--strategy", strategy, "--local", str(world), "--model", str(eos_dir),
+                 "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", str(NEW), "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["output_ids"] == want[:k + 1]
+    assert doc["decode"]["tokens"] == k
+    # one token only: the stop marker goes out right after prefill
+    assert generate(tmp_path, path, "--strategy", strategy, "--local", str(world), "--max-new-tokens", "1") \
+        ["output_ids"] == want[:1]

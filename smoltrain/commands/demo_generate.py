@@ -26,18 +26,19 @@ def model_dir(inv: Path, out: Path) -> Path:
 
 
 def generate_stages(stage, py: str, inv: Path, out: Path, steps: str, report: Path | None = None) -> list[dict]:
-    ck, model = out / "gen-checkpoints", model_dir(inv, out)
+    gen = out / "generate"   # its own folder: the training sections' run-*.json and PNGs stay as they are
+    ck, model = gen / "checkpoints", model_dir(inv, out)
     stage.run("8. train with checkpoints: dp across the cluster",
               [py, "-m", "smoltrain", "run", "--strategy", "dp", "-i", str(inv), "--steps", steps,
-               "--checkpoint-dir", str(ck), "--json", str(out / "run-gen.json"), "--out", str(out)], timeout=900)
+               "--checkpoint-dir", str(ck), "--json", str(gen / "train.json"), "--out", str(gen)], timeout=900)
     stage.run("9. export: the trained model as a Hugging Face checkpoint on the share",
               [py, "-m", "smoltrain", "export", "--checkpoint-dir", str(ck), "--out", str(model)])
-    world = len(json.loads((out / "run-gen.json").read_text()).get("hosts", []))
+    world = len(json.loads((gen / "train.json").read_text()).get("hosts", []))
     rows = []
     for strat in ("pp", "tp"):
         if strat == "tp" and 6 % max(world, 1):
             continue  # tiny's 6 heads do not split over this many hosts
-        rep = out / f"generate-{strat}.json"
+        rep = gen / f"generate-{strat}.json"
         stage.run(f"10. generate: {strat} across the cluster from the share",
                   [py, "-m", "smoltrain", "generate", "--strategy", strat, "-i", str(inv), "--model", str(model),
                    "--prompt", "def main():", "--max-new-tokens", "32", "--ignore-eos", "--json", str(rep)])

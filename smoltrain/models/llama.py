@@ -98,7 +98,7 @@ class LlamaBlock(torch.nn.Module):
 
 def shard_windows(cfg: HFConfig, rank: int, world: int) -> dict:
     """Which rows/cols of each layer tensor tp rank `rank` of `world` reads: {suffix: (rows, cols)}."""
-    hd, h = cfg.head_dim, cfg.hidden
+    hd = cfg.head_dim
     qh, kvh, f = cfg.heads // world, cfg.kv_heads // world, cfg.ffn // world
     q = (rank * qh * hd, (rank + 1) * qh * hd)
     kv = (rank * kvh * hd, (rank + 1) * kvh * hd)
@@ -111,7 +111,6 @@ def shard_windows(cfg: HFConfig, rank: int, world: int) -> dict:
     if cfg.bias:
         out.update({"self_attn.q_proj.bias": (q, None), "self_attn.k_proj.bias": (kv, None),
                     "self_attn.v_proj.bias": (kv, None), "self_attn.o_proj.bias": (None, None)})
-    del h
     return out
 
 
