@@ -17,17 +17,16 @@ import pytest
 
 pytestmark = pytest.mark.sim
 
-sim = pytest.importorskip("smolnet.sim.cluster")
+from need import sim_up  # noqa: E402
+
+from smolnet.sim import cluster as sim  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def three(tmp_path_factory):
     d = tmp_path_factory.mktemp("f1")
     inv = d / "f1.yml"
-    try:
-        st = sim.up(name="f1", scenario="uniform", hosts=3, subnet="10.41.0.0/24", inventory=str(inv))
-    except sim.SimUnavailable as e:
-        pytest.skip(f"sim unavailable: {e}")
+    st = sim_up(sim, name="f1", scenario="uniform", hosts=3, subnet="10.41.0.0/24", inventory=str(inv))
     try:
         yield st, inv, d
     finally:

@@ -17,7 +17,9 @@ from infer_models import make_checkpoint, reference
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
-sim = pytest.importorskip("smolnet.sim.cluster")
+from need import sim_up  # noqa: E402
+
+from smolnet.sim import cluster as sim  # noqa: E402
 
 PROMPT, NEW = [3, 5, 7, 9], 8
 
@@ -27,10 +29,7 @@ def cluster(tmp_path_factory):
     d = tmp_path_factory.mktemp("i1")
     inv = d / "i1.yml"
     path = make_checkpoint(str(d / "llama"), "llama", layers=3)
-    try:
-        st = sim.up(name="i1", scenario="uniform", hosts=2, subnet="10.44.0.0/24", inventory=str(inv))
-    except sim.SimUnavailable as e:
-        pytest.skip(f"sim unavailable: {e}")
+    st = sim_up(sim, name="i1", scenario="uniform", hosts=2, subnet="10.44.0.0/24", inventory=str(inv))
     try:
         yield st, inv, d, path, reference(path, PROMPT, NEW)
     finally:

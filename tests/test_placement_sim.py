@@ -15,7 +15,9 @@ import pytest
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
-sim = pytest.importorskip("smolnet.sim.cluster")
+from need import sim_up  # noqa: E402
+
+from smolnet.sim import cluster as sim  # noqa: E402
 
 
 def run_cli(args):
@@ -26,10 +28,7 @@ def run_cli(args):
 def three(tmp_path_factory):
     d = tmp_path_factory.mktemp("pl")
     inv = d / "pl.yml"
-    try:
-        st = sim.up(name="pl", scenario="uniform", hosts=3, subnet="10.43.0.0/24", inventory=str(inv))
-    except sim.SimUnavailable as e:
-        pytest.skip(f"sim unavailable: {e}")
+    st = sim_up(sim, name="pl", scenario="uniform", hosts=3, subnet="10.43.0.0/24", inventory=str(inv))
     try:
         yield st, inv, d
     finally:
