@@ -14,6 +14,7 @@ what each backend costs.
 --sim builds a two-host `uniform` sim (tc-shaped 1000 Mbit links) and runs each rank in
 its host's network namespace; the result is compared with the link's TCP goodput.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,8 +75,18 @@ def worker(a) -> None:
                 times[name] += everyone[:, :k].max(dim=0).values.tolist()
                 cpu[name].append(float(everyone[:, k].sum()))
         if a.rank == 0:
-            print(json.dumps({"world_size": a.world, "bytes": nbytes, "iters": k * a.rounds,
-                              "seconds": times, "cpu_seconds": cpu}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "world_size": a.world,
+                        "bytes": nbytes,
+                        "iters": k * a.rounds,
+                        "seconds": times,
+                        "cpu_seconds": cpu,
+                    }
+                ),
+                flush=True,
+            )
         del buf
     sock.close()
     gloo.close()
@@ -88,16 +99,32 @@ def launch(world: int, addrs: list[str], netns: list[str | None], ifaces: list[s
     port = free_port_base(2 * world + 4, addrs[0]) if not any(netns) else 47000
     secret = secrets.token_hex(16).encode()
     procs = []
-    logs = [tempfile.TemporaryFile() for _ in range(world)]  # a full stderr pipe would stall a rank
+    logs = [tempfile.TemporaryFile() for _ in range(world)]  # noqa: SIM115 (children write them); a full stderr pipe would stall a rank
     for r in range(world):
-        argv = [sys.executable, os.path.abspath(__file__), "--rank", str(r), "--world", str(world),
-                "--coord", addrs[0], "--port", str(port), "--addrs", ",".join(addrs),
-                "--sizes", a.sizes, "--rounds", str(a.rounds), "--budget", str(a.budget)]
+        argv = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--rank",
+            str(r),
+            "--world",
+            str(world),
+            "--coord",
+            addrs[0],
+            "--port",
+            str(port),
+            "--addrs",
+            ",".join(addrs),
+            "--sizes",
+            a.sizes,
+            "--rounds",
+            str(a.rounds),
+            "--budget",
+            str(a.budget),
+        ]
         if netns[r]:
             argv = ["ip", "netns", "exec", netns[r]] + argv
         env = dict(os.environ, PYTHONWARNINGS="ignore", GLOO_SOCKET_IFNAME=ifaces[r], OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=logs[r], env=env))
+        procs.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logs[r], env=env))
     for p in procs[1:]:
         p.stdin.write(secret + b"\n")
         p.stdin.close()
@@ -125,8 +152,12 @@ def summarize(rows: list[dict]) -> list[dict]:
         for name, ts in row["seconds"].items():
             p50 = statistics.median(ts)
             alg = b / p50 / 1e9
-            entry[name] = {"seconds_p50": p50, "algbw_gbps": alg, "busbw_gbps": alg * 2 * (n - 1) / n,
-                           "cpu_seconds_p50": statistics.median(row["cpu_seconds"][name])}
+            entry[name] = {
+                "seconds_p50": p50,
+                "algbw_gbps": alg,
+                "busbw_gbps": alg * 2 * (n - 1) / n,
+                "cpu_seconds_p50": statistics.median(row["cpu_seconds"][name]),
+            }
         entry["busbw_ratio"] = entry["socket"]["busbw_gbps"] / entry["torch"]["busbw_gbps"]
         entry["cpu_ratio"] = entry["torch"]["cpu_seconds_p50"] / entry["socket"]["cpu_seconds_p50"]
         out.append(entry)
@@ -136,13 +167,23 @@ def summarize(rows: list[dict]) -> list[dict]:
 def sim_hosts():
     from smolnet.sim import cluster as sim
 
-    st = sim.up(name="x1", scenario="uniform", hosts=2, subnet="10.213.31.0/24", rate_mbit=1000,
-                inventory="/tmp/smol-bench-x1.yml")
+    st = sim.up(
+        name="x1",
+        scenario="uniform",
+        hosts=2,
+        subnet="10.213.31.0/24",
+        rate_mbit=1000,
+        inventory="/tmp/smol-bench-x1.yml",
+    )
     hosts = st["hosts"]
     ifaces = []
     for h in hosts:
-        p = subprocess.run(["ip", "netns", "exec", h["netns"], "ip", "-o", "-4", "addr", "show"],
-                           capture_output=True, text=True, timeout=10)
+        p = subprocess.run(
+            ["ip", "netns", "exec", h["netns"], "ip", "-o", "-4", "addr", "show"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         iface = next(ln.split()[1] for ln in p.stdout.splitlines() if f" {h['address']}/" in ln)
         ifaces.append(iface)
     return [h["address"] for h in hosts], [h["netns"] for h in hosts], ifaces
@@ -150,12 +191,19 @@ def sim_hosts():
 
 def iperf_goodput(addrs, netns) -> float:
     """Measured TCP goodput of the sim link, Mbit/s (iperf3, 3 s, host 1 -> host 0)."""
-    srv = subprocess.Popen(["ip", "netns", "exec", netns[0], "iperf3", "-s", "-1", "-B", addrs[0], "-p", "5299"],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    srv = subprocess.Popen(
+        ["ip", "netns", "exec", netns[0], "iperf3", "-s", "-1", "-B", addrs[0], "-p", "5299"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         time.sleep(0.5)
-        p = subprocess.run(["ip", "netns", "exec", netns[1], "iperf3", "-c", addrs[0], "-p", "5299", "-t", "3",
-                            "-J"], capture_output=True, text=True, timeout=30)
+        p = subprocess.run(
+            ["ip", "netns", "exec", netns[1], "iperf3", "-c", addrs[0], "-p", "5299", "-t", "3", "-J"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         return json.loads(p.stdout)["end"]["sum_received"]["bits_per_second"] / 1e6
     finally:
         srv.kill()
@@ -185,6 +233,7 @@ def main() -> int:
     try:
         if a.sim:
             from smolnet.sim.scenarios import tcp_goodput_mbit
+
             addrs, netns, ifaces = sim_hosts()
             goodput = {"tbf_model_mbit": tcp_goodput_mbit(1000, 1500), "iperf3_mbit": iperf_goodput(addrs, netns)}
             doc["link"] = goodput
@@ -201,17 +250,22 @@ def main() -> int:
     finally:
         if a.sim:
             from smolnet.sim import cluster as sim
+
             sim.down(name="x1")
-    print(f"{'N':>2} {'bytes':>10} {'socket us':>10} {'gloo us':>10} {'socket GB/s':>11} {'gloo GB/s':>10} {'ratio':>6}"
-          f" {'cpu ratio':>9}")
+    print(
+        f"{'N':>2} {'bytes':>10} {'socket us':>10} {'gloo us':>10} {'socket GB/s':>11} {'gloo GB/s':>10} {'ratio':>6}"
+        f" {'cpu ratio':>9}"
+    )
     for e in doc["runs"]:
         s, g = e["socket"], e["torch"]
         extra = ""
         if goodput:
             link = goodput["iperf3_mbit"] / 8e3
             extra = f"  socket/link {s['busbw_gbps'] / link:.2f}  gloo/link {g['busbw_gbps'] / link:.2f}"
-        print(f"{e['world_size']:>2} {e['bytes']:>10} {s['seconds_p50'] * 1e6:>10.0f} {g['seconds_p50'] * 1e6:>10.0f} "
-              f"{s['busbw_gbps']:>11.3f} {g['busbw_gbps']:>10.3f} {e['busbw_ratio']:>6.2f} {e['cpu_ratio']:>9.2f}{extra}")
+        print(
+            f"{e['world_size']:>2} {e['bytes']:>10} {s['seconds_p50'] * 1e6:>10.0f} {g['seconds_p50'] * 1e6:>10.0f} "
+            f"{s['busbw_gbps']:>11.3f} {g['busbw_gbps']:>10.3f} {e['busbw_ratio']:>6.2f} {e['cpu_ratio']:>9.2f}{extra}"
+        )
     if goodput:
         print(f"link goodput: iperf3 {goodput['iperf3_mbit']:.0f} Mbit/s, tbf model {goodput['tbf_model_mbit']:.0f}")
     if a.json:

@@ -12,6 +12,7 @@ an uncapped host's (target within 15%), from a second calibration with `--cpu-li
 Writes bench/RESULTS-compute.md. Run under the shared benchmark lock:
     flock /tmp/smol-bench.lock .venv/bin/python bench/bench_compute.py [--steps 8] [--model tiny8]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -87,43 +88,104 @@ def main() -> int:
         sh([PY, "-m", "smoltrain", "calibrate", "-i", inv, "--model", a.model, "--out", d / "compute.json"])
         for s in a.strategies.split(","):
             run = d / f"run-{s}.json"
-            r = sh([PY, "-m", "smoltrain", "run", "--strategy", s, "-i", inv, "--model", a.model, "--steps", a.steps,
-                    "--links", d / "links.json", "--compute", d / "compute.json", "--json", run, "--out", d],
-                   ok=(0, 1, 2, 4))
+            r = sh(
+                [
+                    PY,
+                    "-m",
+                    "smoltrain",
+                    "run",
+                    "--strategy",
+                    s,
+                    "-i",
+                    inv,
+                    "--model",
+                    a.model,
+                    "--steps",
+                    a.steps,
+                    "--links",
+                    d / "links.json",
+                    "--compute",
+                    d / "compute.json",
+                    "--json",
+                    run,
+                    "--out",
+                    d,
+                ],
+                ok=(0, 1, 2, 4),
+            )
             if not run.exists():
                 rows.append({"strategy": s, "error": (r.stdout + r.stderr).strip().splitlines()[-1][:120]})
                 continue
             cmp = d / f"cmp-{s}.json"
-            sh([PY, "-m", "smoltrain", "plan", "--compare", run, "--links", d / "links.json", "--compute",
-                d / "compute.json", "-i", inv, "--no-what-if", "--json", cmp])
+            sh(
+                [
+                    PY,
+                    "-m",
+                    "smoltrain",
+                    "plan",
+                    "--compare",
+                    run,
+                    "--links",
+                    d / "links.json",
+                    "--compute",
+                    d / "compute.json",
+                    "-i",
+                    inv,
+                    "--no-what-if",
+                    "--json",
+                    cmp,
+                ]
+            )
             c = json.loads(cmp.read_text())
-            rows.append({"strategy": s, "pred": c["step_s"]["predicted"], "meas": c["step_s"]["measured"],
-                         "nominal": _nominal_step(s, c["plan"], inv, d / "links.json"),
-                         "bytes_ok": c["bytes_within_2pct"], "missed": c.get("missed") or []})
+            rows.append(
+                {
+                    "strategy": s,
+                    "pred": c["step_s"]["predicted"],
+                    "meas": c["step_s"]["measured"],
+                    "nominal": _nominal_step(s, c["plan"], inv, d / "links.json"),
+                    "bytes_ok": c["bytes_within_2pct"],
+                    "missed": c.get("missed") or [],
+                }
+            )
     finally:
         down()
     cal = calibration_check(d, a.model)
     import os
+
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    lines = [f"# Compute prediction on the CPU-capped home sim ({a.model}, {a.steps} steps, 1 Gbit links)", "",
-             f"Machine: {os.cpu_count()} cores, load average at the end {load} (other jobs share it; a capped "
-             "host gets at most its fair share of a busy machine, so measured steps swing from run to run).", "",
-             "| strategy | predicted ms | measured ms | measured/predicted | within 25% | nominal ms "
-             "| measured/nominal | bytes within 2% | missed |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Compute prediction on the CPU-capped home sim ({a.model}, {a.steps} steps, 1 Gbit links)",
+        "",
+        f"Machine: {os.cpu_count()} cores, load average at the end {load} (other jobs share it; a capped "
+        "host gets at most its fair share of a busy machine, so measured steps swing from run to run).",
+        "",
+        "| strategy | predicted ms | measured ms | measured/predicted | within 25% | nominal ms "
+        "| measured/nominal | bytes within 2% | missed |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['strategy']} | - | - | - | - | - | - | - | {r['error']} |")
             continue
         q = r["meas"] / r["pred"]
         qn = r["meas"] / r["nominal"] if r["nominal"] else float("nan")
-        lines.append(f"| {r['strategy']} | {r['pred'] * 1e3:.1f} | {r['meas'] * 1e3:.1f} | {q:.2f} | "
-                     f"{'yes' if 0.75 <= q <= 1.25 else 'no'} | {(r['nominal'] or 0) * 1e3:.1f} | {qn:.2f} | "
-                     f"{'yes' if r['bytes_ok'] else 'no'} | {'; '.join(r['missed']) or '-'} |")
-    lines += ["", "Calibrated fp32 FLOP/s of each capped host / the same host uncapped, against its cap:", "",
-              "| host | cap (cores) | measured share | share/cap | within 15% |", "|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['strategy']} | {r['pred'] * 1e3:.1f} | {r['meas'] * 1e3:.1f} | {q:.2f} | "
+            f"{'yes' if 0.75 <= q <= 1.25 else 'no'} | {(r['nominal'] or 0) * 1e3:.1f} | {qn:.2f} | "
+            f"{'yes' if r['bytes_ok'] else 'no'} | {'; '.join(r['missed']) or '-'} |"
+        )
+    lines += [
+        "",
+        "Calibrated fp32 FLOP/s of each capped host / the same host uncapped, against its cap:",
+        "",
+        "| host | cap (cores) | measured share | share/cap | within 15% |",
+        "|---|---|---|---|---|",
+    ]
     for c in cal:
-        lines.append(f"| {c['host']} | {c['cap']:g} | {c['share']:.3f} | {c['ratio']:.2f} | "
-                     f"{'yes' if abs(c['ratio'] - 1) <= 0.15 else 'no'} |")
+        lines.append(
+            f"| {c['host']} | {c['cap']:g} | {c['share']:.3f} | {c['ratio']:.2f} | "
+            f"{'yes' if abs(c['ratio'] - 1) <= 0.15 else 'no'} |"
+        )
     text = "\n".join(lines) + "\n"
     Path(a.out).write_text(text)
     print(text)

@@ -17,6 +17,7 @@ during a flood whether a legitimate client (one that knows the secret) still got
 
 A host link cut needs the sim (network namespaces); it is not part of this loopback matrix.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -129,10 +131,40 @@ def _legit_client(port: int, secret: bytes) -> bool:
 def cell(strategy: str, fault: str, secret_file: str, secret: bytes, tmp: str) -> dict:
     world = 3 if strategy in ELASTIC else 2
     report, ck = os.path.join(tmp, "run.json"), os.path.join(tmp, "ck")
-    argv = [sys.executable, "-m", "smoltrain", "run", "--strategy", strategy, "--local", str(world),
-            "--batch", "4", "--seq", "32", "--steps", "40", "--pace", "0.15", "--heartbeat", str(HEARTBEAT),
-            "--barrier-timeout", "3", "--timeout", "60", "--secret-file", secret_file, "--json", report,
-            "--checkpoint-dir", ck, "--checkpoint-every", "2", "--out", tmp]
+    argv = [
+        sys.executable,
+        "-m",
+        "smoltrain",
+        "run",
+        "--strategy",
+        strategy,
+        "--local",
+        str(world),
+        "--batch",
+        "4",
+        "--seq",
+        "32",
+        "--steps",
+        "40",
+        "--pace",
+        "0.15",
+        "--heartbeat",
+        str(HEARTBEAT),
+        "--barrier-timeout",
+        "3",
+        "--timeout",
+        "60",
+        "--secret-file",
+        secret_file,
+        "--json",
+        report,
+        "--checkpoint-dir",
+        ck,
+        "--checkpoint-every",
+        "2",
+        "--out",
+        tmp,
+    ]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
     killer = threading.Timer(180, proc.kill)
@@ -208,7 +240,7 @@ def cell(strategy: str, fault: str, secret_file: str, secret: bytes, tmp: str) -
     left = re.search(r"event: leave (\w+)", out)
     row["blamed"] = m.group(1) if m else (left.group(1) if left else None)
     try:
-        doc = json.loads(open(report).read())
+        doc = json.loads(Path(report).read_text())
         row["report"] = doc.get("status")
     except (OSError, ValueError):
         row["report"] = None
@@ -232,7 +264,7 @@ def integrity_cost(rounds: int) -> list[dict]:
         for integrity in ("header", "full"):
             port, got = free_port_base(2), {}
 
-            def go(r):
+            def go(r, port=port, integrity=integrity, nbytes=nbytes, got=got):
                 c = make_comm("socket", r, 2, "127.0.0.1", port, secret, timeout=60, integrity=integrity)
                 x = torch.ones(nbytes // 4)
                 c.all_reduce(x)
@@ -241,16 +273,26 @@ def integrity_cost(rounds: int) -> list[dict]:
                     c.all_reduce(x)
                 got[r] = (time.perf_counter() - t) / rounds
                 c.close()
+
             ts = [threading.Thread(target=go, args=(r,)) for r in range(2)]
             for t in ts:
                 t.start()
             for t in ts:
                 t.join()
             res[integrity] = max(got.values())
-        out.append({"bytes": nbytes, "header_s": res["header"], "full_s": res["full"],
-                    "full_over_header": res["full"] / res["header"]})
-        print(f"{nbytes >> 10} KiB: header {res['header'] * 1e3:.2f} ms, full {res['full'] * 1e3:.2f} ms, "
-              f"ratio {res['full'] / res['header']:.2f}", flush=True)
+        out.append(
+            {
+                "bytes": nbytes,
+                "header_s": res["header"],
+                "full_s": res["full"],
+                "full_over_header": res["full"] / res["header"],
+            }
+        )
+        print(
+            f"{nbytes >> 10} KiB: header {res['header'] * 1e3:.2f} ms, full {res['full'] * 1e3:.2f} ms, "
+            f"ratio {res['full'] / res['header']:.2f}",
+            flush=True,
+        )
     return out
 
 
@@ -280,6 +322,7 @@ def main() -> int:
                     print(json.dumps(row), flush=True)
     if a.json:
         from smolnet.files import write_json_atomic
+
         write_json_atomic(a.json, {"schema": "smolcluster.bench.faults/1", "rows": rows}, indent=1)
     return 0
 

@@ -6,6 +6,7 @@ of the run. dp keeps everything on every rank; fsdp (ZeRO-3) keeps 1/N of it.
 
     flock /tmp/smol-bench.lock .venv/bin/python bench/bench_fsdp_memory.py [--model tiny|FILE.json] [--out bench/fsdp-memory.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,9 +20,35 @@ import tempfile
 
 def run(strategy: str, world: int, model: str, secret: str, work: str) -> dict:
     out = os.path.join(work, f"{strategy}{world}.json")
-    p = subprocess.run([sys.executable, "-m", "smoltrain", "run", "--strategy", strategy, "--local", str(world),
-                        "--model", model, "--steps", "2", "--batch", "6", "--seq", "32", "--secret-file", secret,
-                        "--json", out, "--out", work], capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "smoltrain",
+            "run",
+            "--strategy",
+            strategy,
+            "--local",
+            str(world),
+            "--model",
+            model,
+            "--steps",
+            "2",
+            "--batch",
+            "6",
+            "--seq",
+            "32",
+            "--secret-file",
+            secret,
+            "--json",
+            out,
+            "--out",
+            work,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if p.returncode:
         raise SystemExit(f"{strategy} x{world} failed: {p.stderr.strip() or p.stdout[-400:]}")
     return json.load(open(out))
@@ -45,14 +72,23 @@ def main() -> int:
             doc = run(strategy, world, args.model, secret, work)
             sb = doc["state_bytes"]
             per[strategy] = max(v["params"] + v["optimizer"] for v in sb.values())
-        rows.append({"world": world, "dp_bytes": per["dp"], "fsdp_bytes": per["fsdp"],
-                     "ratio": per["fsdp"] / per["dp"], "ideal": 1 / world})
+        rows.append(
+            {
+                "world": world,
+                "dp_bytes": per["dp"],
+                "fsdp_bytes": per["fsdp"],
+                "ratio": per["fsdp"] / per["dp"],
+                "ideal": 1 / world,
+            }
+        )
     print(f"model {args.model}: per-rank parameter + AdamW state, the largest rank")
     print("| ranks | dp (MB) | fsdp (MB) | fsdp / dp | 1/N |")
     print("|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['world']} | {r['dp_bytes'] / 1e6:.3f} | {r['fsdp_bytes'] / 1e6:.3f} | {r['ratio']:.3f} | "
-              f"{r['ideal']:.3f} |")
+        print(
+            f"| {r['world']} | {r['dp_bytes'] / 1e6:.3f} | {r['fsdp_bytes'] / 1e6:.3f} | {r['ratio']:.3f} | "
+            f"{r['ideal']:.3f} |"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"model": args.model, "rows": rows}, f, indent=1)

@@ -11,6 +11,7 @@ all alike; each figure is the median over rounds.
     flock /tmp/smol-bench.lock .venv/bin/python bench/bench_infer.py --rounds 3 --json bench/out/infer.json
     flock /tmp/smol-bench.lock .venv/bin/python bench/bench_infer.py --rounds 1 --sim   # + shaped sim links (root)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,11 +28,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def make_model(path: str, hidden: int, layers: int) -> None:
     import torch
     import transformers
+
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=int(hidden * 2.75),
-                                   num_hidden_layers=layers, num_attention_heads=hidden // 64,
-                                   num_key_value_heads=max(1, hidden // 256), max_position_embeddings=512,
-                                   tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=1024,
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 2.75),
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=max(1, hidden // 256),
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
     with torch.device("cpu"):
         model = transformers.LlamaForCausalLM(cfg)
     model.eval().save_pretrained(path, safe_serialization=True)
@@ -40,10 +48,31 @@ def make_model(path: str, hidden: int, layers: int) -> None:
 def generate(model: str, strategy: str, world: int, new: int, out: str, inventory: str | None = None) -> dict:
     env = dict(os.environ, SMOL_INFER_THREADS="1")
     where = ["-i", inventory] if inventory else ["--local", str(world)]
-    r = subprocess.run([sys.executable, "-m", "smoltrain", "generate", "--strategy", strategy, *where,
-                        "--model", model, "--prompt-ids", ",".join(str(i) for i in range(1, 33)),
-                        "--max-new-tokens", str(new), "--ignore-eos", "--json", out],
-                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "smoltrain",
+            "generate",
+            "--strategy",
+            strategy,
+            *where,
+            "--model",
+            model,
+            "--prompt-ids",
+            ",".join(str(i) for i in range(1, 33)),
+            "--max-new-tokens",
+            str(new),
+            "--ignore-eos",
+            "--json",
+            out,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=900,
+    )
     if r.returncode:
         raise SystemExit(f"{strategy} {world}: {r.stderr.strip()}")
     return json.load(open(out))
@@ -68,8 +97,11 @@ def main() -> int:
         for s, w in order:
             doc = generate(model, s, w, a.new, os.path.join(tmp, f"{s}{w}.json"))
             runs[f"{s}{w}"].append(doc)
-            print(f"round {rnd} {s}{w}: decode {doc['decode']['tokens_per_s']:.2f} tok/s, "
-                  f"{doc['decode']['bytes_per_token']:.0f} B/token", flush=True)
+            print(
+                f"round {rnd} {s}{w}: decode {doc['decode']['tokens_per_s']:.2f} tok/s, "
+                f"{doc['decode']['bytes_per_token']:.0f} B/token",
+                flush=True,
+            )
     ref = statistics.median(d["decode"]["tokens_per_s"] for d in runs["local1"])
     ref_best = max(d["decode"]["tokens_per_s"] for d in runs["local1"])
     rows = []
@@ -79,29 +111,47 @@ def main() -> int:
         bpt, plan_bpt = d["decode"]["bytes_per_token"], (d["plan"] or {}).get("bytes_per_token")
         best = max(x["decode"]["tokens_per_s"] for x in docs)
         cpu = statistics.median(x["decode"]["cpu_s"] / x["decode"]["tokens"] for x in docs)
-        rows.append({"setup": key, "decode_tokens_per_s": tps, "vs_local1": tps / ref,
-                     "best_tokens_per_s": best, "best_vs_local1": best / ref_best, "cpu_s_per_token": cpu,
-                     "ttft_s": statistics.median(x["ttft_s"] for x in docs),
-                     "bytes_per_token": bpt, "plan_bytes_per_token": plan_bpt,
-                     "bytes_vs_plan": (bpt / plan_bpt) if plan_bpt else None,
-                     "plan_tokens_per_s": (d["plan"] or {}).get("tokens_per_s"),
-                     "same_tokens_as_local1": d["output_ids"] == runs["local1"][-1]["output_ids"]})
-    print(f"\nmodel: Llama hidden {a.hidden}, {a.layers} layers, {a.new} new tokens, median and best of {a.rounds} rounds")
+        rows.append(
+            {
+                "setup": key,
+                "decode_tokens_per_s": tps,
+                "vs_local1": tps / ref,
+                "best_tokens_per_s": best,
+                "best_vs_local1": best / ref_best,
+                "cpu_s_per_token": cpu,
+                "ttft_s": statistics.median(x["ttft_s"] for x in docs),
+                "bytes_per_token": bpt,
+                "plan_bytes_per_token": plan_bpt,
+                "bytes_vs_plan": (bpt / plan_bpt) if plan_bpt else None,
+                "plan_tokens_per_s": (d["plan"] or {}).get("tokens_per_s"),
+                "same_tokens_as_local1": d["output_ids"] == runs["local1"][-1]["output_ids"],
+            }
+        )
+    print(
+        f"\nmodel: Llama hidden {a.hidden}, {a.layers} layers, {a.new} new tokens, median and best of {a.rounds} rounds"
+    )
     cpu_ref = next(r["cpu_s_per_token"] for r in rows if r["setup"] == "local1")
-    print("| setup | decode tok/s (median) | vs local 1 | best tok/s | best vs best local 1 | CPU s/token (all ranks) "
-          "| local 1 CPU / this CPU | ttft s | B/token | plan B/token | measured/plan | same tokens |")
+    print(
+        "| setup | decode tok/s (median) | vs local 1 | best tok/s | best vs best local 1 | CPU s/token (all ranks) "
+        "| local 1 CPU / this CPU | ttft s | B/token | plan B/token | measured/plan | same tokens |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['setup']} | {r['decode_tokens_per_s']:.2f} | {r['vs_local1']:.2f}x | {r['best_tokens_per_s']:.2f} | "
-              f"{r['best_vs_local1']:.2f}x | {r['cpu_s_per_token']:.4f} | {cpu_ref / r['cpu_s_per_token']:.2f}x | "
-              f"{r['ttft_s']:.3f} | "
-              f"{r['bytes_per_token']:.0f} | {r['plan_bytes_per_token'] or 0:.0f} | "
-              f"{(r['bytes_vs_plan'] or 0):.3f} | {r['same_tokens_as_local1']} |")
+        print(
+            f"| {r['setup']} | {r['decode_tokens_per_s']:.2f} | {r['vs_local1']:.2f}x | {r['best_tokens_per_s']:.2f} | "
+            f"{r['best_vs_local1']:.2f}x | {r['cpu_s_per_token']:.4f} | {cpu_ref / r['cpu_s_per_token']:.2f}x | "
+            f"{r['ttft_s']:.3f} | "
+            f"{r['bytes_per_token']:.0f} | {r['plan_bytes_per_token'] or 0:.0f} | "
+            f"{(r['bytes_vs_plan'] or 0):.3f} | {r['same_tokens_as_local1']} |"
+        )
     sim_rows = run_sim(model, a.new, tmp) if a.sim else []
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-        json.dump({"model": {"hidden": a.hidden, "layers": a.layers}, "new": a.new, "rows": rows, "sim": sim_rows},
-                  open(a.json, "w"), indent=1)
+        json.dump(
+            {"model": {"hidden": a.hidden, "layers": a.layers}, "new": a.new, "rows": rows, "sim": sim_rows},
+            open(a.json, "w"),  # noqa: SIM115 (closed when the program exits)
+            indent=1,
+        )
     return 0
 
 
@@ -109,6 +159,7 @@ def run_sim(model: str, new: int, tmp: str) -> list[dict]:
     """pp and tp across two namespaced hosts on tc-shaped links: decode tokens/s and bytes vs the plan."""
     sys.path.insert(0, ROOT)
     from smolnet.sim import cluster as sim
+
     inv = os.path.join(tmp, "i2.yml")
     sim.up(name="i2", scenario="uniform", hosts=2, subnet="10.44.1.0/24", inventory=inv)
     rows = []
@@ -116,17 +167,26 @@ def run_sim(model: str, new: int, tmp: str) -> list[dict]:
         for s in ("pp", "tp"):
             d = generate(model, s, 2, new, os.path.join(tmp, f"sim-{s}.json"), inventory=inv)
             p = d["plan"] or {}
-            rows.append({"setup": f"{s}2-sim", "decode_tokens_per_s": d["decode"]["tokens_per_s"],
-                         "plan_tokens_per_s": p.get("tokens_per_s"), "bytes_per_token": d["decode"]["bytes_per_token"],
-                         "plan_bytes_per_token": p.get("bytes_per_token"), "plan_bottleneck": p.get("bottleneck")})
+            rows.append(
+                {
+                    "setup": f"{s}2-sim",
+                    "decode_tokens_per_s": d["decode"]["tokens_per_s"],
+                    "plan_tokens_per_s": p.get("tokens_per_s"),
+                    "bytes_per_token": d["decode"]["bytes_per_token"],
+                    "plan_bytes_per_token": p.get("bytes_per_token"),
+                    "plan_bottleneck": p.get("bottleneck"),
+                }
+            )
     finally:
         sim.down(name="i2")
     print("\n| sim setup | decode tok/s | plan tok/s | measured/plan | B/token | plan B/token | plan bottleneck |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['setup']} | {r['decode_tokens_per_s']:.2f} | {r['plan_tokens_per_s'] or 0:.2f} | "
-              f"{r['decode_tokens_per_s'] / (r['plan_tokens_per_s'] or 1):.2f} | {r['bytes_per_token']:.0f} | "
-              f"{r['plan_bytes_per_token'] or 0:.0f} | {r['plan_bottleneck']} |")
+        print(
+            f"| {r['setup']} | {r['decode_tokens_per_s']:.2f} | {r['plan_tokens_per_s'] or 0:.2f} | "
+            f"{r['decode_tokens_per_s'] / (r['plan_tokens_per_s'] or 1):.2f} | {r['bytes_per_token']:.0f} | "
+            f"{r['plan_bytes_per_token'] or 0:.0f} | {r['plan_bottleneck']} |"
+        )
     return rows
 
 

@@ -6,6 +6,7 @@ Needs root (the sim). Uses sim name "m1" (10.213.11.0/24), scenario uniform (4 h
 1000 Mbit/s each way), and tears it down. Each mode runs the real CLI end to end
 (agents started over SSH, probes, report), twice, alternating.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from smolnet.files import write_text_atomic
 from smolnet.sim import cluster as sim
@@ -25,13 +27,21 @@ NAME, SUBNET, INV = "m1", "10.213.11.0/24", "/tmp/bench-m1.yml"
 def run_matrix(extra: list[str], duration: float) -> dict:
     with tempfile.TemporaryDirectory() as d:
         t0 = time.monotonic()
-        p = subprocess.run([sys.executable, "-m", "smolnet", "matrix", "-i", INV, "--duration", str(duration),
-                            "--out", d, *extra], capture_output=True, text=True, timeout=600)
+        p = subprocess.run(
+            [sys.executable, "-m", "smolnet", "matrix", "-i", INV, "--duration", str(duration), "--out", d, *extra],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         wall = time.monotonic() - t0
-        doc = json.load(open(f"{d}/links.json"))
+        doc = json.loads(Path(f"{d}/links.json").read_text())
     goodput = [l["throughput_mbit"] for l in doc["links"] if l["throughput_mbit"] is not None]
-    return {"rc": p.returncode, "wall_s": round(wall, 1),
-            "min_goodput_mbit": min(goodput), "median_goodput_mbit": statistics.median(goodput)}
+    return {
+        "rc": p.returncode,
+        "wall_s": round(wall, 1),
+        "min_goodput_mbit": min(goodput),
+        "median_goodput_mbit": statistics.median(goodput),
+    }
 
 
 def main() -> int:
@@ -51,8 +61,12 @@ def main() -> int:
         sim.down(name=NAME)
     r = statistics.median(x["wall_s"] for x in res["rounds"])
     s = statistics.median(x["wall_s"] for x in res["sequential"])
-    out = {"duration_s": args.duration, "hosts": 4, **res,
-           "summary": {"rounds_wall_s": r, "sequential_wall_s": s, "ratio": round(r / s, 3)}}
+    out = {
+        "duration_s": args.duration,
+        "hosts": 4,
+        **res,
+        "summary": {"rounds_wall_s": r, "sequential_wall_s": s, "ratio": round(r / s, 3)},
+    }
     text = json.dumps(out, indent=2)
     print(text)
     if args.json:

@@ -14,6 +14,7 @@ within 25% of the measured ones. Results: bench/RESULTS-place.md.
 
     sudo .venv/bin/python bench/bench_placement.py [--steps 12] [--fast 0.2] [--slow 0.03]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,35 +64,87 @@ def in_group(g: Path, argv: list[str]) -> list[str]:
 
 def measure(groups, model: str, seq: int) -> dict:
     """All ranks at once, as they will run: on a shared machine the others' load is part of the speed."""
-    procs = [subprocess.Popen(in_group(g, [sys.executable, "-c", MEASURE, model, str(seq)]), stdout=subprocess.PIPE,
-                              text=True) for g in groups]
+    procs = [
+        subprocess.Popen(
+            in_group(g, [sys.executable, "-c", MEASURE, model, str(seq)]), stdout=subprocess.PIPE, text=True
+        )
+        for g in groups
+    ]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     if any(p.returncode for p in procs):
         raise SystemExit("measuring a rank's speed failed")
     hosts = []
     for r, (g, out) in enumerate(zip(groups, outs)):
-        hosts.append({"name": f"rank{r}", "machine_id": "bench", "cores": os.cpu_count(),
-                      "cpu_limit_cores": float((g / "cpu.cfs_quota_us").read_text()) / PERIOD_US,
-                      "flops": {}, "mem_bw_bytes_s": None, "train_step": json.loads(out),
-                      "usable_memory_bytes": 4e9})
-    return {"schema": "smoltrain.compute/1", "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "hosts": hosts}
+        hosts.append(
+            {
+                "name": f"rank{r}",
+                "machine_id": "bench",
+                "cores": os.cpu_count(),
+                "cpu_limit_cores": float((g / "cpu.cfs_quota_us").read_text()) / PERIOD_US,
+                "flops": {},
+                "mem_bw_bytes_s": None,
+                "train_step": json.loads(out),
+                "usable_memory_bytes": 4e9,
+            }
+        )
+    return {
+        "schema": "smoltrain.compute/1",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "hosts": hosts,
+    }
 
 
 def one_run(strategy, placement, groups, compute, secret, args, d) -> dict:
     port = 7800 + secrets.randbelow(1000)
     out = d / f"{strategy}-{placement}.json"
-    ctl = subprocess.Popen([sys.executable, "-m", "smoltrain", "run", "--strategy", strategy, "--local",
-                            str(len(groups)), "--external", "--control-port", str(port), "--secret-file", str(secret),
-                            "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
-                            "--microbatches", str(args.microbatches), "--placement", placement, "--compute",
-                            str(compute), "--json", str(out), "--out", str(d)],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ctl = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "smoltrain",
+            "run",
+            "--strategy",
+            strategy,
+            "--local",
+            str(len(groups)),
+            "--external",
+            "--control-port",
+            str(port),
+            "--secret-file",
+            str(secret),
+            "--steps",
+            str(args.steps),
+            "--batch",
+            str(args.batch),
+            "--seq",
+            str(args.seq),
+            "--microbatches",
+            str(args.microbatches),
+            "--placement",
+            placement,
+            "--compute",
+            str(compute),
+            "--json",
+            str(out),
+            "--out",
+            str(d),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     time.sleep(3)  # the control channel opens after the plan; workers retry their connection anyway
-    workers = [subprocess.Popen(in_group(g, [sys.executable, "-m", "smoltrain", "worker", "--control",
-                                             f"127.0.0.1:{port}", "--rank", str(r)]),
-                                stdin=open(secret), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-               for r, g in enumerate(groups)]
+    workers = [
+        subprocess.Popen(
+            in_group(
+                g, [sys.executable, "-m", "smoltrain", "worker", "--control", f"127.0.0.1:{port}", "--rank", str(r)]
+            ),
+            stdin=open(secret),  # noqa: SIM115 (the child reads it)
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for r, g in enumerate(groups)
+    ]
     log, _ = ctl.communicate(timeout=1800)
     for w in workers:
         w.wait(timeout=60)
@@ -105,10 +158,34 @@ def one_run(strategy, placement, groups, compute, secret, args, d) -> dict:
 
 def predicted(strategy, compute, args, d) -> dict:
     out = d / f"plan-{strategy}.json"
-    subprocess.run([sys.executable, "-m", "smoltrain", "plan", "--strategy", strategy, "--world", "3", "--batch",
-                    str(args.batch), "--seq", str(args.seq), "--microbatches",
-                    str(args.microbatches if strategy == "pp" else 1), "--compute", str(compute), "--placement",
-                    "auto", "--no-what-if", "--json", str(out)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "smoltrain",
+            "plan",
+            "--strategy",
+            strategy,
+            "--world",
+            "3",
+            "--batch",
+            str(args.batch),
+            "--seq",
+            str(args.seq),
+            "--microbatches",
+            str(args.microbatches if strategy == "pp" else 1),
+            "--compute",
+            str(compute),
+            "--placement",
+            "auto",
+            "--no-what-if",
+            "--json",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return json.loads(out.read_text())["placement"]
 
 
@@ -138,19 +215,35 @@ def main() -> int:
             auto = one_run(strategy, "auto", groups, compute, secret, args, d)
             plan = predicted(strategy, compute, args, d)
             gain = auto["tokens_per_s"] / even["tokens_per_s"]
-            row = {"strategy": strategy, "even_tokens_per_s": even["tokens_per_s"],
-                   "auto_tokens_per_s": auto["tokens_per_s"], "measured_gain": gain,
-                   "predicted_even_tokens_per_s": plan["predicted"]["even"]["tokens_per_s"],
-                   "predicted_auto_tokens_per_s": plan["predicted"]["auto"]["tokens_per_s"],
-                   "predicted_gain": plan["speedup"], "target": target, "auto_placement": auto["placement"]}
+            row = {
+                "strategy": strategy,
+                "even_tokens_per_s": even["tokens_per_s"],
+                "auto_tokens_per_s": auto["tokens_per_s"],
+                "measured_gain": gain,
+                "predicted_even_tokens_per_s": plan["predicted"]["even"]["tokens_per_s"],
+                "predicted_auto_tokens_per_s": plan["predicted"]["auto"]["tokens_per_s"],
+                "predicted_gain": plan["speedup"],
+                "target": target,
+                "auto_placement": auto["placement"],
+            }
             row["prediction_error"] = abs(row["predicted_gain"] - gain) / gain
             rows.append(row)
-            print(f"{strategy}: even {even['tokens_per_s']:,.0f} tok/s, auto {auto['tokens_per_s']:,.0f} tok/s, "
-                  f"gain {gain:.2f}x (target >= {target}x: {'ok' if gain >= target else 'MISSED'}); plan predicted "
-                  f"{plan['speedup']:.2f}x ({row['prediction_error']:.0%} off; target within 25%)", flush=True)
-        doc = {"fast_cores": args.fast, "slow_cores": args.slow, "steps": args.steps, "batch": args.batch,
-               "seq": args.seq, "microbatches": args.microbatches, "compute": json.loads(compute.read_text()),
-               "rows": rows}
+            print(
+                f"{strategy}: even {even['tokens_per_s']:,.0f} tok/s, auto {auto['tokens_per_s']:,.0f} tok/s, "
+                f"gain {gain:.2f}x (target >= {target}x: {'ok' if gain >= target else 'MISSED'}); plan predicted "
+                f"{plan['speedup']:.2f}x ({row['prediction_error']:.0%} off; target within 25%)",
+                flush=True,
+            )
+        doc = {
+            "fast_cores": args.fast,
+            "slow_cores": args.slow,
+            "steps": args.steps,
+            "batch": args.batch,
+            "seq": args.seq,
+            "microbatches": args.microbatches,
+            "compute": json.loads(compute.read_text()),
+            "rows": rows,
+        }
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=1))
         print(f"wrote {args.json}")

@@ -9,6 +9,7 @@ the calibrated FLOP/s (as the plan does for --local).
 Run under the shared benchmark lock:
     flock /tmp/smol-bench.lock .venv/bin/python bench/bench_plan.py --rate-mbit 100
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from smolnet.sim import cluster as sim
 from smolnet.inventory import load_inventory  # noqa: E402
+from smolnet.sim import cluster as sim  # noqa: E402
 from smoltrain.commands.calibrate import calibrate  # noqa: E402
 from smoltrain.models.spec import get_model  # noqa: E402
 from smoltrain.planner.compare import compare  # noqa: E402
@@ -51,8 +52,14 @@ def main() -> int:
     inv_path = work / "p1.yml"
     results = {"rate_mbit": a.rate_mbit, "hosts": a.hosts, "steps": a.steps, "runs": []}
     try:
-        sim.up(name="p1", scenario="uniform", hosts=a.hosts, subnet="10.213.61.0/24", inventory=str(inv_path),
-               rate_mbit=a.rate_mbit)
+        sim.up(
+            name="p1",
+            scenario="uniform",
+            hosts=a.hosts,
+            subnet="10.213.61.0/24",
+            inventory=str(inv_path),
+            rate_mbit=a.rate_mbit,
+        )
         sh(SMOL + ["smolnet", "matrix", "-i", str(inv_path), "--duration", "3", "--out", str(work / "links")])
         links = json.loads((work / "links" / "links.json").read_text())
         inv = load_inventory(inv_path)
@@ -63,23 +70,51 @@ def main() -> int:
             # other work and its speed drifts; the plan takes the mean of the two
             before = calibrate(seconds=1.0, model="tiny", batch=8, seq=64)
             rep = work / f"run-{s}.json"
-            sh(SMOL + ["smoltrain", "run", "--strategy", s, "-i", str(inv_path), "--steps", str(a.steps),
-                       "--microbatches", "2", "--json", str(rep), "--out", str(work)])
+            sh(
+                SMOL
+                + [
+                    "smoltrain",
+                    "run",
+                    "--strategy",
+                    s,
+                    "-i",
+                    str(inv_path),
+                    "--steps",
+                    str(a.steps),
+                    "--microbatches",
+                    "2",
+                    "--json",
+                    str(rep),
+                    "--out",
+                    str(work),
+                ]
+            )
             after = calibrate(seconds=1.0, model="tiny", batch=8, seq=64)
             cal = dict(before, train_efficiency=(before["train_efficiency"] + after["train_efficiency"]) / 2)
-            results["calibration"].append({"strategy": s, "flops_fp32": cal["flops_fp32"],
-                                           "train_step_s": [before["train"]["step_s"], after["train"]["step_s"]]})
+            results["calibration"].append(
+                {
+                    "strategy": s,
+                    "flops_fp32": cal["flops_fp32"],
+                    "train_step_s": [before["train"]["step_s"], after["train"]["step_s"]],
+                }
+            )
             prof = profile_from_calibration(cal)
-            ranks = share_machine([Rank(h.name, prof, prof.memory_bytes) for h in hosts],
-                                  busy=busy_ranks(s, len(hosts), 2))
+            ranks = share_machine(
+                [Rank(h.name, prof, prof.memory_bytes) for h in hosts], busy=busy_ranks(s, len(hosts), 2)
+            )
             lm = link_model([r.name for r in ranks], hosts, links, None)
             run = json.loads(rep.read_text())
             plan = make_plan(s, get_model("tiny"), len(hosts), batch=8, seq=64, microbatches=2, ranks=ranks, lm=lm)
             c = compare(plan, run)
-            row = {"strategy": s, "step_predicted": c["step_s"]["predicted"], "step_measured": c["step_s"]["measured"],
-                   "comm_predicted": c["comm_s"]["predicted"], "comm_measured": c["comm_s"]["measured"],
-                   "bytes_ratio_max_dev": max(abs((r["ratio"] or 0) - 1) for r in c["links"]),
-                   "bottleneck": plan["bottleneck"]}
+            row = {
+                "strategy": s,
+                "step_predicted": c["step_s"]["predicted"],
+                "step_measured": c["step_s"]["measured"],
+                "comm_predicted": c["comm_s"]["predicted"],
+                "comm_measured": c["comm_s"]["measured"],
+                "bytes_ratio_max_dev": max(abs((r["ratio"] or 0) - 1) for r in c["links"]),
+                "bottleneck": plan["bottleneck"],
+            }
             row["step_ratio"] = row["step_measured"] / row["step_predicted"]
             results["runs"].append(row)
             print(json.dumps(row), flush=True)
@@ -94,14 +129,18 @@ def main() -> int:
 
 def markdown(results: dict) -> str:
     """The table BENCHMARKS.md shows: measured / predicted, 1.00 = the plan was exact."""
-    lines = [f"{results['hosts']} hosts, {results['rate_mbit']:g} Mbit/s, {results['steps']} steps "
-             f"(median after the first)", "",
-             "| strategy | bottleneck (plan) | step predicted | step measured | measured/predicted | "
-             "bytes max deviation |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"{results['hosts']} hosts, {results['rate_mbit']:g} Mbit/s, {results['steps']} steps (median after the first)",
+        "",
+        "| strategy | bottleneck (plan) | step predicted | step measured | measured/predicted | bytes max deviation |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in results["runs"]:
-        lines.append(f"| {r['strategy']} | {r['bottleneck']} | {r['step_predicted'] * 1e3:.0f} ms | "
-                     f"{r['step_measured'] * 1e3:.0f} ms | {r['step_ratio']:.2f} | "
-                     f"{r['bytes_ratio_max_dev']:.2%} |")
+        lines.append(
+            f"| {r['strategy']} | {r['bottleneck']} | {r['step_predicted'] * 1e3:.0f} ms | "
+            f"{r['step_measured'] * 1e3:.0f} ms | {r['step_ratio']:.2f} | "
+            f"{r['bytes_ratio_max_dev']:.2%} |"
+        )
     return "\n".join(lines)
 
 

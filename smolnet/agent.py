@@ -13,6 +13,7 @@ UDP datagrams on the same port are MTU probes; only authenticated ones get an ac
 The controller only ever sends control messages; test traffic flows agent to agent,
 over the hosts' own link. A peer that misbehaves loses its connection, never the agent.
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,13 +21,10 @@ import socket
 import threading
 import time
 
-from smolnet import facts, wire
-from smolnet.server import PREAUTH_TIMEOUT, AuthListener
 from smolnet import agent_client as control
-from smolnet.probes import iperf
-from smolnet.probes import pmtu
-from smolnet.probes import rtt
-from smolnet.probes import throughput
+from smolnet import facts, wire
+from smolnet.probes import iperf, pmtu, rtt, throughput
+from smolnet.server import PREAUTH_TIMEOUT, AuthListener
 
 log = logging.getLogger("smolnet.agent")
 
@@ -40,9 +38,16 @@ RENEWS = ("ping", "facts", "iperf3_server", "throughput", "rtt", "pmtu", "lease"
 
 
 class Agent:
-    def __init__(self, bind: str, port: int, secret: bytes, iface: str | None = None,
-                 handshake_timeout: float = HANDSHAKE_TIMEOUT, request_timeout: float = REQUEST_TIMEOUT,
-                 lease: float | None = None):
+    def __init__(
+        self,
+        bind: str,
+        port: int,
+        secret: bytes,
+        iface: str | None = None,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        request_timeout: float = REQUEST_TIMEOUT,
+        lease: float | None = None,
+    ):
         # lease: stop when no controller request came for this long (an agent started for one
         # matrix must not outlive a controller or a host link that dropped mid-run)
         self.lease = lease
@@ -78,8 +83,14 @@ class Agent:
         """Handshakes run concurrently in AuthListener (strangers capped and evicted); at most
         MAX_CONNECTIONS authenticated requests at once, the rest are told the agent is busy."""
         threading.Thread(target=self._udp_loop, name="udp", daemon=True).start()
-        self.listener = AuthListener(self.tcp, self.secret, self._authenticated, name="agent",
-                                     preauth_timeout=min(self.handshake_timeout, PREAUTH_TIMEOUT), stats=self.stats)
+        self.listener = AuthListener(
+            self.tcp,
+            self.secret,
+            self._authenticated,
+            name="agent",
+            preauth_timeout=min(self.handshake_timeout, PREAUTH_TIMEOUT),
+            stats=self.stats,
+        )
         self.listener.start()
         while not self.stopping.wait(0.2 if self.lease else None):
             if self.lease and time.monotonic() - self.renewed > self.lease:
@@ -118,7 +129,7 @@ class Agent:
         while not self.stopping.is_set():
             try:
                 n, peer = self.udp.recvfrom_into(view)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 if self.stopping.is_set():
@@ -178,9 +189,18 @@ class Agent:
         if op in RENEWS:
             self.renewed = time.monotonic()
         if op == "ping":
-            self._reply(conn, {"ok": True, "version": VERSION, "hostname": socket.gethostname(),
-                               "bind": self.bind, "port": self.port, "iperf3": iperf.available(),
-                               "uptime_s": round(time.time() - self.started, 1)})
+            self._reply(
+                conn,
+                {
+                    "ok": True,
+                    "version": VERSION,
+                    "hostname": socket.gethostname(),
+                    "bind": self.bind,
+                    "port": self.port,
+                    "iperf3": iperf.available(),
+                    "uptime_s": round(time.time() - self.started, 1),
+                },
+            )
         elif op == "facts":
             iface = req.get("iface") if isinstance(req.get("iface"), str) else None
             self._reply(conn, facts.collect_facts(self.bind, iface or self.iface))
@@ -222,8 +242,7 @@ class Agent:
             raise ValueError(f"port {port} outside 1..65535")
         try:
             if op == "rtt":
-                return rtt.measure_rtt(dst, port, self.secret, count=int(req.get("count", 300)),
-                                       source=self.bind)
+                return rtt.measure_rtt(dst, port, self.secret, count=int(req.get("count", 300)), source=self.bind)
             if op == "pmtu":
                 return pmtu.measure_pmtu(dst, port, self.secret, source=self.bind)
             duration = float(req.get("duration", 3.0))

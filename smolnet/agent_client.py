@@ -3,6 +3,7 @@
 The controller and the agents themselves (an agent sending to another agent) use the
 same few calls. One request per connection keeps the agent's state trivial.
 """
+
 from __future__ import annotations
 
 import socket
@@ -21,12 +22,10 @@ class AgentError(SmolError):
     """The agent could not be reached, refused us, or reported a failure."""
 
 
-def open_agent(addr: str, port: int, secret: bytes, timeout: float = 5.0,
-               source: str | None = None) -> socket.socket:
+def open_agent(addr: str, port: int, secret: bytes, timeout: float = 5.0, source: str | None = None) -> socket.socket:
     """A TCP connection to an agent that has passed the mutual secret check."""
     try:
-        sock = socket.create_connection((addr, port), timeout=timeout,
-                                        source_address=(source, 0) if source else None)
+        sock = socket.create_connection((addr, port), timeout=timeout, source_address=(source, 0) if source else None)
     except OSError as e:
         raise AgentError(f"cannot connect to agent at {addr}:{port}: {e.strerror or e}") from None
     try:
@@ -34,16 +33,16 @@ def open_agent(addr: str, port: int, secret: bytes, timeout: float = 5.0,
         wire.client_handshake(sock, secret, timeout=timeout)
     except wire.BusyError:
         sock.close()
-        raise AgentError(f"agent at {addr}:{port} is busy (too many unauthenticated connections); "
-                         "try again") from None
+        raise AgentError(f"agent at {addr}:{port} is busy (too many unauthenticated connections); try again") from None
     except wire.AuthError as e:
         sock.close()
         raise AgentError(f"agent at {addr}:{port}: {e}") from None
     except wire.PeerClosed:
         # the server hangs up right after a failed challenge; it never tells us why
         sock.close()
-        raise AgentError(f"agent at {addr}:{port} closed the connection during the handshake: "
-                         "it rejects our cluster secret") from None
+        raise AgentError(
+            f"agent at {addr}:{port} closed the connection during the handshake: it rejects our cluster secret"
+        ) from None
     except (wire.WireError, TimeoutError, OSError) as e:
         sock.close()
         raise AgentError(f"agent at {addr}:{port}: handshake failed: {e}") from None
@@ -68,8 +67,9 @@ def read_reply(sock: socket.socket, timeout: float, where: str = "agent") -> dic
     return meta
 
 
-def call(addr: str, port: int, secret: bytes, op: str, /, timeout: float = 10.0,
-         connect_timeout: float = 5.0, **params) -> dict:
+def call(
+    addr: str, port: int, secret: bytes, op: str, /, timeout: float = 10.0, connect_timeout: float = 5.0, **params
+) -> dict:
     """One request, one reply, connection closed."""
     sock = open_agent(addr, port, secret, timeout=connect_timeout)
     try:

@@ -1,4 +1,5 @@
 """`smolnet`: the network layer's command line."""
+
 from __future__ import annotations
 
 from smolnet.cli_dispatch import dispatch

@@ -4,6 +4,7 @@ Each subcommand lives in its own module exposing `add_arguments(parser)` and
 `run(args) -> int`; only the chosen one is imported, so `--help` and light commands
 never pay for heavy imports such as torch.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -3,12 +3,14 @@
 The link report needs each end's real interface MTU and rated speed: the inventory
 says what a link *should* be, the facts say what the host is actually set to.
 """
+
 from __future__ import annotations
 
 import ipaddress
 import os
 import shutil
 import socket
+from pathlib import Path
 
 
 def machine_id() -> str:
@@ -16,12 +18,13 @@ def machine_id() -> str:
     a namespace or container does not), the machine id where there is no boot id."""
     for p in ("/proc/sys/kernel/random/boot_id", "/etc/machine-id"):
         try:
-            v = open(p).read().strip()
+            v = Path(p).read_text().strip()
             if v:
                 return v
         except OSError:
             continue
     import socket
+
     return socket.gethostname()
 
 
@@ -53,13 +56,15 @@ def collect_facts(cluster_ip: str | None = None, cluster_iface: str | None = Non
     interfaces = []
     for name in sorted(addrs):
         st = stats.get(name)
-        interfaces.append({
-            "name": name,
-            "addresses": [a.address for a in addrs[name] if a.family in (socket.AF_INET, socket.AF_INET6)],
-            "mtu": st.mtu if st else None,
-            "speed_mbit": (st.speed or None) if st else None,
-            "up": bool(st.isup) if st else False,
-        })
+        interfaces.append(
+            {
+                "name": name,
+                "addresses": [a.address for a in addrs[name] if a.family in (socket.AF_INET, socket.AF_INET6)],
+                "mtu": st.mtu if st else None,
+                "speed_mbit": (st.speed or None) if st else None,
+                "up": bool(st.isup) if st else False,
+            }
+        )
     iface = cluster_iface if cluster_iface in addrs else _iface_for(cluster_ip, addrs)
     chosen = next((i for i in interfaces if i["name"] == iface), None)
     mem = psutil.virtual_memory()

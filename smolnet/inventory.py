@@ -4,6 +4,7 @@ It is the single source of truth for provisioning, measurement and training. Thi
 module resolves every contract variable to a value (or an explicit "unknown") so the
 rest of smolcluster never has to know Ansible's precedence rules.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -31,12 +32,12 @@ class InventoryError(SmolError):
 @dataclass
 class Host:
     name: str
-    address: str                     # where SSH reaches it (ansible_host)
-    cluster_ip: str                  # where measurement and training traffic goes
+    address: str  # where SSH reaches it (ansible_host)
+    cluster_ip: str  # where measurement and training traffic goes
     port: int = 22
     user: str | None = None
     key_file: str | None = None
-    local: bool = False              # ansible_connection: local
+    local: bool = False  # ansible_connection: local
     cluster_iface: str | None = None
     mtu: int = 1500
     link_rate_mbit: float | None = None
@@ -60,7 +61,7 @@ class Host:
 @dataclass
 class Inventory:
     path: str
-    hosts: list[Host]                # the `cluster` group, in inventory order
+    hosts: list[Host]  # the `cluster` group, in inventory order
     coordinator: Host
     nfs_server: Host | None
     nfs_export_dir: str = "/srv/models"
@@ -118,10 +119,17 @@ def _load_ansible(path: Path):
     saved = [(importlib.import_module(m), a, getattr(importlib.import_module(m), a, None)) for m, a in _PATCHED]
     try:
         try:
-            from ansible.module_utils._internal._patches import (_dataclass_annotation_patch,
-                                                                 _socket_patch, _sys_intern_patch)
-            for patch in (_sys_intern_patch.SysInternPatch, _socket_patch.GetAddrInfoPatch,
-                          _dataclass_annotation_patch.DataclassesIsTypePatch):
+            from ansible.module_utils._internal._patches import (
+                _dataclass_annotation_patch,
+                _socket_patch,
+                _sys_intern_patch,
+            )
+
+            for patch in (
+                _sys_intern_patch.SysInternPatch,
+                _socket_patch.GetAddrInfoPatch,
+                _dataclass_annotation_patch.DataclassesIsTypePatch,
+            ):
                 patch.patch()
         except (ImportError, AttributeError):
             pass  # another ansible-core layout: its patches, if any, apply at import
@@ -164,7 +172,7 @@ def _host(name: str, v: dict) -> Host:
     local = str(v.get("ansible_connection", "")).strip() == "local"
     address = v.get("ansible_host") or v.get("cluster_ip")
     if not address and _is_ip(name):
-        address = name                       # Ansible connects to the inventory name itself
+        address = name  # Ansible connects to the inventory name itself
     if not address and local:
         address = "127.0.0.1"
     if not address:
@@ -176,8 +184,10 @@ def _host(name: str, v: dict) -> Host:
     except ValueError:
         if v.get("cluster_ip"):
             raise InventoryError(f"host {name}: cluster_ip {cluster_ip!r} is not an IP address") from None
-        raise InventoryError(f"host {name}: ansible_host {cluster_ip!r} is not an IP address; set cluster_ip "
-                             "to the address measurement and training traffic should use") from None
+        raise InventoryError(
+            f"host {name}: ansible_host {cluster_ip!r} is not an IP address; set cluster_ip "
+            "to the address measurement and training traffic should use"
+        ) from None
     mtu = _int(v.get("mtu", 1500), "mtu", name, MIN_MTU, MAX_MTU)
     rate = v.get("link_rate_mbit")
     if rate is not None and str(rate).strip() != "":
@@ -191,12 +201,12 @@ def _host(name: str, v: dict) -> Host:
         rate = None
     device = str(v.get("device", "generic")).strip()
     if device not in DEVICE_PROFILES:
-        raise InventoryError(f"host {name}: unknown device profile {device!r} "
-                             f"(one of {', '.join(DEVICE_PROFILES)})")
+        raise InventoryError(f"host {name}: unknown device profile {device!r} (one of {', '.join(DEVICE_PROFILES)})")
     torch_device = str(v.get("smol_device", "auto")).strip()
     if torch_device not in TORCH_DEVICES:
-        raise InventoryError(f"host {name}: smol_device must be one of {', '.join(TORCH_DEVICES)}, "
-                             f"got {torch_device!r}")
+        raise InventoryError(
+            f"host {name}: smol_device must be one of {', '.join(TORCH_DEVICES)}, got {torch_device!r}"
+        )
     hkc = v.get("smol_host_key_checking", v.get("ansible_host_key_checking", True))
     ssh_args = str(v.get("ansible_ssh_common_args", "")) + " " + str(v.get("ansible_ssh_extra_args", ""))
     if re.search(r"StrictHostKeyChecking[=\s]+[\"']?(no|off)\b", ssh_args, re.IGNORECASE):
@@ -213,7 +223,8 @@ def _host(name: str, v: dict) -> Host:
         port=_int(v.get("ansible_port", 22), "ansible_port", name, 1, 65535),
         user=str(v["ansible_user"]) if v.get("ansible_user") else None,
         key_file=os.path.expanduser(str(v["ansible_ssh_private_key_file"]))
-        if v.get("ansible_ssh_private_key_file") else None,
+        if v.get("ansible_ssh_private_key_file")
+        else None,
         local=local,
         cluster_iface=str(iface) if iface else None,
         mtu=mtu,

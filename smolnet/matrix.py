@@ -6,6 +6,7 @@ splits N hosts into N-1 rounds of N/2 pairs, each run once per direction, so the
 takes about 2(N-1) test slots instead of N(N-1). Round trips and MTU probes run before
 any throughput test, on idle links.
 """
+
 from __future__ import annotations
 
 import os
@@ -67,6 +68,7 @@ class Started:
 @dataclass
 class AgentPool:
     """Agents for a run: reuse one that answers with our secret, else start one and stop it later."""
+
     secret: bytes
     started: dict[str, Started] = field(default_factory=dict)
     endpoints: dict[str, Endpoint] = field(default_factory=dict)
@@ -76,13 +78,25 @@ class AgentPool:
     stopped: threading.Event = field(default_factory=threading.Event)
 
     def _ping(self, host: Host, connect_timeout: float = 3.0) -> dict:
-        return control.call(host.cluster_ip, host.agent_port, self.secret, "ping",
-                            timeout=5.0, connect_timeout=connect_timeout)
+        return control.call(
+            host.cluster_ip, host.agent_port, self.secret, "ping", timeout=5.0, connect_timeout=connect_timeout
+        )
 
     def _argv(self, host: Host) -> list[str]:
         python = sys.executable if host.local and host.python == "python3" else host.python
-        argv = [python, "-m", "smolnet", "agent", "--bind", host.cluster_ip, "--port", str(host.agent_port),
-                "--secret-stdin", "--lease", str(AGENT_LEASE_S)]
+        argv = [
+            python,
+            "-m",
+            "smolnet",
+            "agent",
+            "--bind",
+            host.cluster_ip,
+            "--port",
+            str(host.agent_port),
+            "--secret-stdin",
+            "--lease",
+            str(AGENT_LEASE_S),
+        ]
         if host.cluster_iface:
             argv += ["--iface", host.cluster_iface]
         return argv
@@ -101,14 +115,16 @@ class AgentPool:
                 self._fail(host, str(e2).removeprefix(f"{host.name}: "))
                 return
         try:
-            facts = control.call(host.cluster_ip, host.agent_port, self.secret, "facts", timeout=10.0,
-                                 iface=host.cluster_iface)
+            facts = control.call(
+                host.cluster_ip, host.agent_port, self.secret, "facts", timeout=10.0, iface=host.cluster_iface
+            )
         except control.AgentError as e:
             self._fail(host, f"facts: {e}")
             return
         with self.lock:
-            self.endpoints[host.name] = Endpoint(host, host.cluster_ip, host.agent_port,
-                                                 bool(info.get("iperf3")), facts)
+            self.endpoints[host.name] = Endpoint(
+                host, host.cluster_ip, host.agent_port, bool(info.get("iperf3")), facts
+            )
 
     def _fail(self, host: Host, why: str) -> None:
         with self.lock:
@@ -119,7 +135,7 @@ class AgentPool:
         # named per host: sim hosts (and loopback ones) share one /tmp
         log = f"/tmp/smolnet-agent-{host.name}-{host.agent_port}.log"
         try:
-            remote.run(["rm", "-f", log], timeout=10.0)     # so old errors are not read as new ones
+            remote.run(["rm", "-f", log], timeout=10.0)  # so old errors are not read as new ones
             proc = remote.start(self._argv(host), stdin=self.secret + b"\n", log=log)
         except RemoteError:
             remote.close()
@@ -137,7 +153,7 @@ class AgentPool:
                 return self._ping(host, connect_timeout=1.0)
             except control.AgentError as e:
                 last = e
-            if time.monotonic() - checked >= 1.0:   # did it die? (a zombie still passes kill -0)
+            if time.monotonic() - checked >= 1.0:  # did it die? (a zombie still passes kill -0)
                 checked = time.monotonic()
                 failed = self._start_failure(remote, proc, log)
                 if failed:
@@ -191,6 +207,7 @@ class AgentPool:
     def stop_all(self) -> None:
         """Stop every agent this run started (never one it merely reused)."""
         self.stopped.set()
+
         def stop(name: str, s: Started) -> None:
             try:
                 s.remote.stop(s.proc)
@@ -214,13 +231,21 @@ def host_entries(hosts: list[Host], pool: AgentPool) -> list[dict]:
         ep = pool.endpoints.get(h.name)
         f = ep.facts if ep else {}
         rate = h.link_rate_mbit if h.link_rate_mbit is not None else f.get("iface_speed_mbit")
-        out.append({
-            "name": h.name, "address": h.cluster_ip, "iface": f.get("iface") or h.cluster_iface,
-            "mtu_configured": min(f.get("iface_mtu") or h.mtu, 65535), "link_rate_mbit": rate, "device": h.device,
-            "status": "ok" if ep else "down", "error": pool.errors.get(h.name),
-            "cpus": f.get("cpus_logical"), "memory_bytes": f.get("memory_bytes"),
-            "iperf3": ep.iperf3 if ep else None,
-        })
+        out.append(
+            {
+                "name": h.name,
+                "address": h.cluster_ip,
+                "iface": f.get("iface") or h.cluster_iface,
+                "mtu_configured": min(f.get("iface_mtu") or h.mtu, 65535),
+                "link_rate_mbit": rate,
+                "device": h.device,
+                "status": "ok" if ep else "down",
+                "error": pool.errors.get(h.name),
+                "cpus": f.get("cpus_logical"),
+                "memory_bytes": f.get("memory_bytes"),
+                "iperf3": ep.iperf3 if ep else None,
+            }
+        )
     return out
 
 
@@ -247,8 +272,16 @@ class Measurement:
                     self.dead[n] = "stopped answering during the run"
 
 
-def measure(m: Measurement, hosts: list[Host], duration: float, backend: str, sequential: bool = False,
-            progress=None, streams: int = 4, pairs: list[tuple[str, str]] | None = None) -> Measurement:
+def measure(
+    m: Measurement,
+    hosts: list[Host],
+    duration: float,
+    backend: str,
+    sequential: bool = False,
+    progress=None,
+    streams: int = 4,
+    pairs: list[tuple[str, str]] | None = None,
+) -> Measurement:
     """Idle probes (RTT, MTU) then throughput, round by round. progress(desc) is called per step."""
     pool = m.pool
     secret = pool.secret
@@ -256,7 +289,7 @@ def measure(m: Measurement, hosts: list[Host], duration: float, backend: str, se
     if pairs:
         rounds = [[p] for p in pairs if p[0] in live and p[1] in live]
     else:
-        rounds = directed_rounds(live, sequential)      # hosts already down take no slot
+        rounds = directed_rounds(live, sequential)  # hosts already down take no slot
     scheduled = set(chain.from_iterable(rounds))
 
     def step(desc: str) -> None:
@@ -289,8 +322,9 @@ def measure(m: Measurement, hosts: list[Host], duration: float, backend: str, se
             r.setdefault("error", why)
             return step(f"{a} → {b} skipped")
         try:
-            r["tput"] = probe_throughput(pool.endpoints[a], pool.endpoints[b], secret, duration, backend,
-                                         streams=streams)
+            r["tput"] = probe_throughput(
+                pool.endpoints[a], pool.endpoints[b], secret, duration, backend, streams=streams
+            )
         except control.AgentError as e:
             r["tput_error"] = str(e)
             m.mark_dead_if_gone(a, b)
@@ -329,14 +363,22 @@ def run_cli(hosts: list[Host], args, pairs: list[tuple[str, str]] | None = None)
     incomplete = False
     t0 = time.monotonic()
     try:
-        with Progress(TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=err) as prog:
+        with Progress(
+            TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err
+        ) as prog:
             task = prog.add_task(f"starting agents on {len(hosts)} hosts", total=total)
             pool.ensure_all(hosts)
             m = Measurement(names, pool, pairs)
-            measure(m, hosts, args.duration, args.backend, getattr(args, "sequential", False),
-                    progress=lambda d: prog.update(task, advance=1, description=d),
-                    streams=args.streams, pairs=pairs)
+            measure(
+                m,
+                hosts,
+                args.duration,
+                args.backend,
+                getattr(args, "sequential", False),
+                progress=lambda d: prog.update(task, advance=1, description=d),
+                streams=args.streams,
+                pairs=pairs,
+            )
     except KeyboardInterrupt:
         incomplete = True
         err.print("[yellow]interrupted: stopping agents and writing a partial report[/]")
@@ -350,9 +392,13 @@ def run_cli(hosts: list[Host], args, pairs: list[tuple[str, str]] | None = None)
             r["error"] = "not measured: the run was interrupted"
     hosts_doc = host_entries(hosts, pool)
     links = report.assess_links(hosts_doc, list(m.raw.values()))
-    settings = {"duration_s": args.duration, "backend": args.backend, "streams": args.streams,
-                "sequential": bool(getattr(args, "sequential", False)),
-                "scope": "probe" if pairs else "matrix"}
+    settings = {
+        "duration_s": args.duration,
+        "backend": args.backend,
+        "streams": args.streams,
+        "sequential": bool(getattr(args, "sequential", False)),
+        "scope": "probe" if pairs else "matrix",
+    }
     doc = report.build_report(hosts_doc, links, settings, incomplete, {"wall_s": round(wall, 2)})
     written = report.write_report(doc, getattr(args, "out", None), args.json)
     out.print(report.rich_table(doc))

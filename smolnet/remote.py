@@ -4,6 +4,7 @@ SSH (paramiko) for remote hosts, a local subprocess for `ansible_connection: loc
 Every call has a timeout and every failure names the host and the cause, because
 "it hung" and "it failed" are the two least useful things a cluster tool can say.
 """
+
 from __future__ import annotations
 
 import errno
@@ -14,8 +15,8 @@ import socket
 import subprocess
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from smolnet.errors import SmolError
 from smolnet.inventory import Host
@@ -40,6 +41,7 @@ class Result:
 @dataclass
 class Proc:
     """A background process started on a host."""
+
     host: str
     pid: int
     log: str | None = None
@@ -91,12 +93,14 @@ class Remote(ABC):
         """Write atomically (temp file + rename) so a reader never sees half a file."""
         d = os.path.dirname(path) or "."
         tmp = f"{path}.smoltmp"
-        script = (f"umask 077 && mkdir -p {shlex.quote(d)} && cat > {shlex.quote(tmp)} && "
-                  f"chmod {mode:o} {shlex.quote(tmp)} && mv -f {shlex.quote(tmp)} {shlex.quote(path)}")
+        script = (
+            f"umask 077 && mkdir -p {shlex.quote(d)} && cat > {shlex.quote(tmp)} && "
+            f"chmod {mode:o} {shlex.quote(tmp)} && mv -f {shlex.quote(tmp)} {shlex.quote(path)}"
+        )
         self.run(["sh", "-c", script], timeout=timeout, stdin=data, check=True)
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None:  # noqa: B027 (a local runner holds nothing to close)
+        """Release the connection; a no-op where there is none."""
 
     def __enter__(self):
         return self
@@ -109,8 +113,9 @@ class LocalRemote(Remote):
     def run(self, argv, timeout: float = 30.0, stdin: bytes | None = None, check: bool = False) -> Result:
         shell = isinstance(argv, str)
         try:
-            p = subprocess.run(["sh", "-c", argv] if shell else list(argv), input=stdin or b"",
-                               capture_output=True, timeout=timeout)
+            p = subprocess.run(
+                ["sh", "-c", argv] if shell else list(argv), input=stdin or b"", capture_output=True, timeout=timeout
+            )
         except subprocess.TimeoutExpired:
             raise RemoteError(self.host.name, f"timed out after {timeout:g}s running {_cmdline(argv)[:80]}") from None
         except FileNotFoundError as e:
@@ -121,8 +126,9 @@ class LocalRemote(Remote):
         return res
 
     def _spawn(self, argv, stdin: bytes, timeout: float) -> str:
-        p = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
+        p = subprocess.Popen(
+            list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         try:
             p.stdin.write(stdin)
             p.stdin.close()
@@ -141,8 +147,9 @@ def _classify(host: Host, exc: BaseException) -> RemoteError:
 
     where = f"{host.address}:{host.port}"
     if isinstance(exc, paramiko.BadHostKeyException):
-        return RemoteError(host.name, f"host key changed for {where} (possible reinstall or "
-                                      "man-in-the-middle; fix known_hosts)")
+        return RemoteError(
+            host.name, f"host key changed for {where} (possible reinstall or man-in-the-middle; fix known_hosts)"
+        )
     if isinstance(exc, paramiko.AuthenticationException):
         return RemoteError(host.name, f"auth failed for {host.user or 'default user'}@{where}")
     if isinstance(exc, paramiko.SSHException) and "not found in known_hosts" in str(exc):
@@ -180,10 +187,17 @@ class SSHRemote(Remote):
         else:
             client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
         try:
-            client.connect(host.address, port=host.port, username=host.user or "root",
-                           key_filename=host.key_file, timeout=connect_timeout,
-                           banner_timeout=connect_timeout, auth_timeout=connect_timeout,
-                           allow_agent=host.key_file is None, look_for_keys=host.key_file is None)
+            client.connect(
+                host.address,
+                port=host.port,
+                username=host.user or "root",
+                key_filename=host.key_file,
+                timeout=connect_timeout,
+                banner_timeout=connect_timeout,
+                auth_timeout=connect_timeout,
+                allow_agent=host.key_file is None,
+                look_for_keys=host.key_file is None,
+            )
         except Exception as e:  # every paramiko failure becomes one named line
             client.close()
             raise _classify(host, e) from None
@@ -235,7 +249,7 @@ class SSHRemote(Remote):
                 if not data:
                     break
                 buf += data
-        except socket.timeout:
+        except TimeoutError:
             raise RemoteError(self.host.name, f"timed out starting {_cmdline(argv)[:80]}") from None
         finally:
             chan.close()

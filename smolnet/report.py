@@ -3,6 +3,7 @@
 `assess_links` is the one place that turns figures into warnings and a status, so the
 JSON, the Markdown findings, the heatmap and the terminal table always agree.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,11 +17,11 @@ from smolnet.files import write_text_atomic as write_atomic
 SCHEMA = "smolnet.links/1"
 STATUSES = ("ok", "degraded", "down")
 WARNINGS = ("mtu-mismatch", "mtu-blackhole", "asymmetric", "below-ceiling", "probe-limited", "probe-failed")
-MTU_TOLERANCE = 8            # probes are exact to this; veth also accepts MTU+4
+MTU_TOLERANCE = 8  # probes are exact to this; veth also accepts MTU+4
 ASYMMETRIC = 0.7
 BELOW_CEILING = 0.8
-BLACKHOLE_FRACTION = 0.01    # "about nothing": under 1 % of the ceiling ...
-BLACKHOLE_MBIT = 1.0         # ... or under 1 Mbit/s when the ceiling is unknown
+BLACKHOLE_FRACTION = 0.01  # "about nothing": under 1 % of the ceiling ...
+BLACKHOLE_MBIT = 1.0  # ... or under 1 Mbit/s when the ceiling is unknown
 RTT_KEYS = ("min", "p50", "p90", "p99", "max")
 
 
@@ -57,14 +58,18 @@ def assess_links(hosts: list[dict], raws: list[dict]) -> list[dict]:
         tp = raw.get("tput") or {}
         rtt = raw.get("rtt")
         link = {
-            "src": raw["src"], "dst": raw["dst"], "status": "ok",
+            "src": raw["src"],
+            "dst": raw["dst"],
+            "status": "ok",
             "throughput_mbit": _r(tp.get("throughput_mbit")) if tp else None,
             "retransmits": tp.get("retransmits") if tp else None,
             "rtt_us": {k: rtt.get(k) for k in RTT_KEYS} if rtt else None,
-            "mtu_effective": eff, "mtu_configured": cfg,
+            "mtu_effective": eff,
+            "mtu_configured": cfg,
             "ceiling_mbit": ceiling_mbit(rate, path_mtu),
             "method": tp.get("method") if tp else None,
-            "warnings": [], "error": None,
+            "warnings": [],
+            "error": None,
         }
         errors = []
         if raw.get("error"):
@@ -113,8 +118,9 @@ def assess_links(hosts: list[dict], raws: list[dict]) -> list[dict]:
     return links
 
 
-def build_report(hosts: list[dict], links: list[dict], settings: dict, incomplete: bool = False,
-                 extra: dict | None = None) -> dict:
+def build_report(
+    hosts: list[dict], links: list[dict], settings: dict, incomplete: bool = False, extra: dict | None = None
+) -> dict:
     doc = {
         "schema": SCHEMA,
         "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -157,6 +163,7 @@ def validate_report(doc: dict) -> list[str]:
 
 # -- words --------------------------------------------------------------------------------
 
+
 def _fmt(x, unit="") -> str:
     if x is None:
         return "n/a"
@@ -183,28 +190,40 @@ def findings(doc: dict) -> list[str]:
                 eff = min(eff, rev["mtu_effective"])
             carried = eff - eff % 100 if eff % 100 <= MTU_TOLERANCE else eff
             both = f"both ends are set to {ms}" if ms == md else f"{s} is set to {ms} and {d} to {md}"
-            out.append(f"{s} <-> {d}: {both} but the path carries {carried}; large frames are dropped silently. "
-                       f"Set the switch port to {min(ms or eff, md or eff)} or both hosts to {carried}.")
+            out.append(
+                f"{s} <-> {d}: {both} but the path carries {carried}; large frames are dropped silently. "
+                f"Set the switch port to {min(ms or eff, md or eff)} or both hosts to {carried}."
+            )
     for (s, d), l in links.items():
         x = l["throughput_mbit"]
         w = l["warnings"]
         if l["status"] == "down" and "mtu-blackhole" in w:
-            out.append(f"{s} -> {d}: TCP connects but about nothing arrives ({_fmt(x)} Mbit/s): an MTU black hole, "
-                       "not a slow link. Make every MTU on the path agree.")
-        elif l["status"] == "down" and not hosts.get(s, {}).get("status") == "down" \
-                and not hosts.get(d, {}).get("status") == "down":
+            out.append(
+                f"{s} -> {d}: TCP connects but about nothing arrives ({_fmt(x)} Mbit/s): an MTU black hole, "
+                "not a slow link. Make every MTU on the path agree."
+            )
+        elif (
+            l["status"] == "down"
+            and hosts.get(s, {}).get("status") != "down"
+            and hosts.get(d, {}).get("status") != "down"
+        ):
             out.append(f"{s} -> {d}: down: {l['error']}.")
         if "asymmetric" in w:
             y = links[(d, s)]["throughput_mbit"]
-            out.append(f"{s} -> {d} is the slow direction: {_fmt(x)} Mbit/s against {_fmt(y)} Mbit/s from {d} to {s}. "
-                       f"Check {s}'s uplink (cable, duplex, shaping, Wi-Fi).")
+            out.append(
+                f"{s} -> {d} is the slow direction: {_fmt(x)} Mbit/s against {_fmt(y)} Mbit/s from {d} to {s}. "
+                f"Check {s}'s uplink (cable, duplex, shaping, Wi-Fi)."
+            )
         if "below-ceiling" in w:
             pct = 100 * x / l["ceiling_mbit"]
-            out.append(f"{s} -> {d} reaches {_fmt(x)} Mbit/s, {pct:.0f}% of the {_fmt(l['ceiling_mbit'])} Mbit/s "
-                       "the rated speeds allow.")
+            out.append(
+                f"{s} -> {d} reaches {_fmt(x)} Mbit/s, {pct:.0f}% of the {_fmt(l['ceiling_mbit'])} Mbit/s "
+                "the rated speeds allow."
+            )
         if "probe-limited" in w:
-            out.append(f"{s} -> {d}: the sender ran out of CPU, so {_fmt(x)} Mbit/s is a lower bound "
-                       "(try --backend iperf3).")
+            out.append(
+                f"{s} -> {d}: the sender ran out of CPU, so {_fmt(x)} Mbit/s is a lower bound (try --backend iperf3)."
+            )
         if "probe-failed" in w:
             out.append(f"{s} -> {d}: a probe failed: {l['error']}.")
     if not out:
@@ -225,8 +244,7 @@ def _cell(l: dict | None, value: str) -> str:
 def _table(doc: dict, title: str, value) -> list[str]:
     names = [h["name"] for h in doc["hosts"]]
     links = {(l["src"], l["dst"]): l for l in doc["links"]}
-    lines = [f"### {title}", "", "| src \\ dst | " + " | ".join(names) + " |",
-             "|---|" + "---:|" * len(names)]
+    lines = [f"### {title}", "", "| src \\ dst | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
     for s in names:
         row = []
         for d in names:
@@ -237,22 +255,36 @@ def _table(doc: dict, title: str, value) -> list[str]:
 
 def render_md(doc: dict) -> str:
     st = doc["settings"]
-    lines = ["# Link report", "",
-             f"Measured {doc['created']} with `{st.get('backend')}` throughput probes of {st.get('duration_s')} s"
-             f"{' (incomplete run)' if doc.get('incomplete') else ''}. Rows are the source, columns the "
-             "destination; ⚠ marks a degraded link, ✗ a link that is down.", ""]
+    lines = [
+        "# Link report",
+        "",
+        f"Measured {doc['created']} with `{st.get('backend')}` throughput probes of {st.get('duration_s')} s"
+        f"{' (incomplete run)' if doc.get('incomplete') else ''}. Rows are the source, columns the "
+        "destination; ⚠ marks a degraded link, ✗ a link that is down.",
+        "",
+    ]
     lines += _table(doc, "Goodput (Mbit/s, receiver side)", lambda l: _fmt(l.get("throughput_mbit")))
     lines += _table(doc, "Round trip p50 (µs)", lambda l: _fmt((l.get("rtt_us") or {}).get("p50")))
-    lines += _table(doc, "Effective MTU (bytes)",
-                    lambda l: f"{l.get('mtu_effective') or 'n/a'} / {l.get('mtu_configured') or 'n/a'}")
+    lines += _table(
+        doc,
+        "Effective MTU (bytes)",
+        lambda l: f"{l.get('mtu_effective') or 'n/a'} / {l.get('mtu_configured') or 'n/a'}",
+    )
     lines += ["(effective / configured)", "", "## Findings", ""]
     lines += [f"- {f}" for f in findings(doc)]
-    lines += ["", "## Hosts", "", "| host | address | iface | MTU | rated Mbit/s | device | status |",
-              "|---|---|---|---:|---:|---|---|"]
+    lines += [
+        "",
+        "## Hosts",
+        "",
+        "| host | address | iface | MTU | rated Mbit/s | device | status |",
+        "|---|---|---|---:|---:|---|---|",
+    ]
     for h in doc["hosts"]:
-        lines.append(f"| {h['name']} | {h['address']} | {h['iface'] or 'n/a'} | {h['mtu_configured'] or 'n/a'} | "
-                     f"{_fmt(h['link_rate_mbit'])} | {h['device']} | {h['status']}"
-                     f"{': ' + h['error'] if h['error'] else ''} |")
+        lines.append(
+            f"| {h['name']} | {h['address']} | {h['iface'] or 'n/a'} | {h['mtu_configured'] or 'n/a'} | "
+            f"{_fmt(h['link_rate_mbit'])} | {h['device']} | {h['status']}"
+            f"{': ' + h['error'] if h['error'] else ''} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -260,6 +292,7 @@ def render_png(doc: dict, path: str | os.PathLike) -> None:
     """Heatmaps (goodput, RTT p50, effective MTU) with values in the cells; cividis is
     readable with every common colour-vision deficiency; degraded cells are hatched."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
@@ -268,9 +301,11 @@ def render_png(doc: dict, path: str | os.PathLike) -> None:
     n = len(names)
     links = {(l["src"], l["dst"]): l for l in doc["links"]}
     # (title, value, format, shown on a down link: the MTU is what explains a black hole)
-    panels = [("Goodput, Mbit/s", lambda l: l["throughput_mbit"], "{:.0f}", False),
-              ("RTT p50, µs", lambda l: (l["rtt_us"] or {}).get("p50"), "{:.0f}", False),
-              ("Effective MTU, bytes", lambda l: l["mtu_effective"], "{:d}", True)]
+    panels = [
+        ("Goodput, Mbit/s", lambda l: l["throughput_mbit"], "{:.0f}", False),
+        ("RTT p50, µs", lambda l: (l["rtt_us"] or {}).get("p50"), "{:.0f}", False),
+        ("Effective MTU, bytes", lambda l: l["mtu_effective"], "{:d}", True),
+    ]
     fig, axes = plt.subplots(1, 3, figsize=(4.2 * 3 + 1, 0.6 * n + 2.6))
     cmap = matplotlib.colormaps["cividis"].with_extremes(bad="#bbbbbb")
     for ax, (title, get, fmt, when_down) in zip(axes, panels):
@@ -302,12 +337,18 @@ def render_png(doc: dict, path: str | os.PathLike) -> None:
                 if s == d:
                     ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, color="white"))
                 elif l is not None and l["status"] == "degraded":
-                    ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="//",
-                                               edgecolor="#E69F00", linewidth=2))
+                    ax.add_patch(
+                        plt.Rectangle(
+                            (j - 0.5, i - 0.5), 1, 1, fill=False, hatch="//", edgecolor="#E69F00", linewidth=2
+                        )
+                    )
                     text += " !"
                 elif l is not None and l["status"] == "down":
-                    ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="xx",
-                                               edgecolor="#CC79A7", linewidth=2))
+                    ax.add_patch(
+                        plt.Rectangle(
+                            (j - 0.5, i - 0.5), 1, 1, fill=False, hatch="xx", edgecolor="#CC79A7", linewidth=2
+                        )
+                    )
                     if text != "down":
                         text += "\ndown"
                 ax.text(j, i, text, ha="center", va="center", color=colour, fontsize=9, fontweight="bold")
@@ -316,8 +357,11 @@ def render_png(doc: dict, path: str | os.PathLike) -> None:
         ax.set_xlabel("destination")
         ax.set_ylabel("source")
         ax.set_title(title)
-    fig.suptitle("smolnet link report" + (" (incomplete)" if doc.get("incomplete") else "")
-                 + "  ·  orange // and ! = degraded, pink xx = down, grey = no value")
+    fig.suptitle(
+        "smolnet link report"
+        + (" (incomplete)" if doc.get("incomplete") else "")
+        + "  ·  orange // and ! = degraded, pink xx = down, grey = no value"
+    )
     fig.tight_layout()
     save_figure_atomic(fig, path)
 
@@ -342,15 +386,27 @@ def rich_table(doc: dict):
     from rich.table import Table
 
     t = Table(title="smolnet links" + (" (incomplete)" if doc.get("incomplete") else ""))
-    for col, kw in (("link", {}), ("status", {}), ("goodput Mbit/s", {"justify": "right"}),
-                    ("ceiling", {"justify": "right"}), ("RTT p50 µs", {"justify": "right"}),
-                    ("MTU eff/cfg", {"justify": "right"}), ("method", {}), ("warnings / error", {})):
+    for col, kw in (
+        ("link", {}),
+        ("status", {}),
+        ("goodput Mbit/s", {"justify": "right"}),
+        ("ceiling", {"justify": "right"}),
+        ("RTT p50 µs", {"justify": "right"}),
+        ("MTU eff/cfg", {"justify": "right"}),
+        ("method", {}),
+        ("warnings / error", {}),
+    ):
         t.add_column(col, **kw)
     colour = {"ok": "green", "degraded": "yellow", "down": "red"}
     for l in doc["links"]:
-        t.add_row(f"{l['src']} → {l['dst']}", f"[{colour[l['status']]}]{l['status']}[/]",
-                  _fmt(l["throughput_mbit"]), _fmt(l["ceiling_mbit"]),
-                  _fmt((l["rtt_us"] or {}).get("p50")),
-                  f"{l['mtu_effective'] or 'n/a'}/{l['mtu_configured'] or 'n/a'}", l["method"] or "-",
-                  ", ".join(l["warnings"]) or (l["error"] or ""))
+        t.add_row(
+            f"{l['src']} → {l['dst']}",
+            f"[{colour[l['status']]}]{l['status']}[/]",
+            _fmt(l["throughput_mbit"]),
+            _fmt(l["ceiling_mbit"]),
+            _fmt((l["rtt_us"] or {}).get("p50")),
+            f"{l['mtu_effective'] or 'n/a'}/{l['mtu_configured'] or 'n/a'}",
+            l["method"] or "-",
+            ", ".join(l["warnings"]) or (l["error"] or ""),
+        )
     return t

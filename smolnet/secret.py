@@ -3,6 +3,7 @@
 Kept in a 0600 file; a controller without one creates it on first use, and hands it
 to processes it starts over SSH on their standard input, never on a command line.
 """
+
 from __future__ import annotations
 
 import os
@@ -45,8 +46,7 @@ def check_mode(p: Path) -> None:
     except OSError:
         return  # reading it reports the problem
     if mode & 0o077:
-        raise SecretError(f"{p}: mode {mode:04o} lets other users read the cluster secret; "
-                          f"run 'chmod 600 {p}'")
+        raise SecretError(f"{p}: mode {mode:04o} lets other users read the cluster secret; run 'chmod 600 {p}'")
 
 
 def load_secret(path: str | os.PathLike | None = None) -> bytes:

@@ -9,6 +9,7 @@ milliseconds, an idle one is the likely attacker); only when every pending conne
 younger than `min_age` does the listener shed the new one with an explicit "busy" (never a
 misleading "secret rejected"). Only connections that passed the secret reach the handler.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,10 +37,19 @@ class _Pending:
 class AuthListener:
     """Accepts on `listener`, runs the server handshake concurrently, calls handler(sock, peer)."""
 
-    def __init__(self, listener: socket.socket, secret: bytes, handler, name: str = "listener",
-                 preauth_timeout: float = PREAUTH_TIMEOUT, max_pending: int = MAX_PENDING,
-                 max_per_source: int = MAX_PER_SOURCE, min_age: float = MIN_AGE, stats: dict | None = None,
-                 with_key: bool = False):
+    def __init__(
+        self,
+        listener: socket.socket,
+        secret: bytes,
+        handler,
+        name: str = "listener",
+        preauth_timeout: float = PREAUTH_TIMEOUT,
+        max_pending: int = MAX_PENDING,
+        max_per_source: int = MAX_PER_SOURCE,
+        min_age: float = MIN_AGE,
+        stats: dict | None = None,
+        with_key: bool = False,
+    ):
         self.listener, self.secret, self.handler, self.name = listener, secret, handler, name
         self.preauth_timeout, self.max_pending = preauth_timeout, max_pending
         self.max_per_source, self.min_age = max_per_source, min_age
@@ -81,8 +91,11 @@ class AuthListener:
         now = time.monotonic()
         with self.lock:
             same = [p for p in self.pending if p.source == source]
-            pool = same if len(same) >= self.max_per_source else (
-                self.pending if len(self.pending) >= self.max_pending else None)
+            pool = (
+                same
+                if len(same) >= self.max_per_source
+                else (self.pending if len(self.pending) >= self.max_pending else None)
+            )
             if pool is not None:
                 oldest = min(pool, key=lambda p: p.since)
                 if now - oldest.since < self.min_age:
@@ -107,7 +120,7 @@ class AuthListener:
         while not self.stopping.is_set():
             try:
                 sock, peer = self.listener.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError as e:
                 if self.stopping.is_set():
@@ -121,8 +134,7 @@ class AuthListener:
                 _say_busy(sock)
                 continue
             try:
-                threading.Thread(target=self._greet, args=(entry, peer), name=f"{self.name}-auth",
-                                 daemon=True).start()
+                threading.Thread(target=self._greet, args=(entry, peer), name=f"{self.name}-auth", daemon=True).start()
             except RuntimeError:  # out of threads: shed this one, keep serving
                 self._forget(entry)
                 self.stats["busy"] += 1

@@ -9,6 +9,7 @@ Handshake (mutual, fixed sizes, so nothing unbounded is read before it succeeds)
   client -> server: nonce_c (32) + HMAC(secret, b"client" + nonce_s + nonce_c)
   server -> client: HMAC(secret, b"server" + nonce_c + nonce_s)
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -70,7 +71,7 @@ def recv_exact_into(sock: socket.socket, view: memoryview, deadline: float | Non
         sock.settimeout(_remaining(deadline))
         try:
             k = sock.recv_into(view[got:], n - got)
-        except socket.timeout:
+        except TimeoutError:
             raise TimeoutError("timed out waiting for peer") from None
         if k == 0:
             raise PeerClosed(f"peer closed the connection after {got} of {n} bytes")
@@ -89,7 +90,7 @@ def send_all(sock: socket.socket, data, deadline: float | None = None) -> None:
         sock.settimeout(_remaining(deadline))
         try:
             k = sock.send(view)
-        except socket.timeout:
+        except TimeoutError:
             raise TimeoutError("timed out sending to peer") from None
         view = view[k:]
 
@@ -209,8 +210,14 @@ def parse_meta(raw: bytes) -> dict:
     return meta
 
 
-def send_frame(sock: socket.socket, kind: int, meta: dict | None = None, payload=b"",
-               timeout: float | None = 30.0, session: Session | None = None) -> int:
+def send_frame(
+    sock: socket.socket,
+    kind: int,
+    meta: dict | None = None,
+    payload=b"",
+    timeout: float | None = 30.0,
+    session: Session | None = None,
+) -> int:
     """Send one frame; the payload (any buffer) is sent without copying. Returns header bytes.
     With a session the headers carry their MAC (the payload is covered by the JSON only)."""
     view = memoryview(payload).cast("B")
@@ -227,8 +234,12 @@ def send_frame(sock: socket.socket, kind: int, meta: dict | None = None, payload
     return len(head)
 
 
-def recv_frame_header(sock: socket.socket, timeout: float | None = 30.0,
-                      max_payload: int = DEFAULT_MAX_PAYLOAD, session: Session | None = None) -> tuple[int, dict, int]:
+def recv_frame_header(
+    sock: socket.socket,
+    timeout: float | None = 30.0,
+    max_payload: int = DEFAULT_MAX_PAYLOAD,
+    session: Session | None = None,
+) -> tuple[int, dict, int]:
     """Read the fixed and JSON headers; the caller then reads payload_len bytes itself."""
     deadline = _deadline(timeout)
     fixed = recv_exact(sock, FRAME_HEADER.size, deadline)
@@ -239,16 +250,27 @@ def recv_frame_header(sock: socket.socket, timeout: float | None = 30.0,
     return kind, parse_meta(raw), payload_len
 
 
-def recv_frame(sock: socket.socket, timeout: float | None = 30.0,
-               max_payload: int = DEFAULT_MAX_PAYLOAD, session: Session | None = None) -> tuple[int, dict, bytes]:
+def recv_frame(
+    sock: socket.socket,
+    timeout: float | None = 30.0,
+    max_payload: int = DEFAULT_MAX_PAYLOAD,
+    session: Session | None = None,
+) -> tuple[int, dict, bytes]:
     deadline = _deadline(timeout)
     kind, meta, n = recv_frame_header(sock, _remaining(deadline), max_payload, session)
     payload = recv_exact(sock, n, deadline) if n else b""
     return kind, meta, payload
 
 
-def connect(addr: str, port: int, secret: bytes, timeout: float = 60.0, what: str = "peer",
-            retry_every: float = 0.2, keyed: bool = False):
+def connect(
+    addr: str,
+    port: int,
+    secret: bytes,
+    timeout: float = 60.0,
+    what: str = "peer",
+    retry_every: float = 0.2,
+    keyed: bool = False,
+):
     """Connect and prove the secret both ways, retrying with backoff while the peer starts up
     or is busy, until `timeout`. keyed: returns (socket, session key)."""
     deadline = time.monotonic() + timeout

@@ -1,4 +1,5 @@
 """`smoltrain`: planning and training on top of smolnet."""
+
 from __future__ import annotations
 
 from smolnet.cli_dispatch import dispatch

@@ -4,6 +4,7 @@ Every other part (the run command, the controller, the worker, the planner,
 the demo) asks this registry instead of keeping its own tuple of names. It is
 torch-free, so the planner can read it without pulling in the strategies.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,15 +16,15 @@ from smolnet.errors import UsageError
 class StrategyInfo:
     name: str
     summary: str
-    trains: bool = True             # `smoltrain run` can train it (ep and sp are plan-only)
-    synchronous: bool = True        # reproduces the `--local 1` loss curve
+    trains: bool = True  # `smoltrain run` can train it (ep and sp are plan-only)
+    synchronous: bool = True  # reproduces the `--local 1` loss curve
     parameter_server: bool = False  # rank 0 serves parameters; other workers may leave (elastic)
-    joiners: bool = False           # admits newcomers mid-run
-    loss_from: str = "one"          # "all": every rank reports a share of the loss; "one": one rank (or the server)
-    splits: str = "batch"           # what the world divides: batch, layers, heads, experts, sequence
+    joiners: bool = False  # admits newcomers mid-run
+    loss_from: str = "one"  # "all": every rank reports a share of the loss; "one": one rank (or the server)
+    splits: str = "batch"  # what the world divides: batch, layers, heads, experts, sequence
     replicated_infer: bool = False  # batch-1 decode runs on one replica, nothing crosses the links
-    module: str = ""                # smoltrain.strategies.<module> holds the algorithm
-    topology: str = "ring"          # how its transfers run over rank numbers: ring, chain, star (placement order)
+    module: str = ""  # smoltrain.strategies.<module> holds the algorithm
+    topology: str = "ring"  # how its transfers run over rank numbers: ring, chain, star (placement order)
 
     @property
     def elastic(self) -> bool:
@@ -39,25 +40,63 @@ class StrategyInfo:
 
 
 _ALL = (
-    StrategyInfo("dp", "data parallel: replicas, ring all-reduce of gradients", loss_from="all",
-                 replicated_infer=True, module="dp"),
-    StrategyInfo("fsdp", "fully sharded data parallel (ZeRO-3): gather parameters per unit, reduce-scatter "
-                 "gradients", loss_from="all", module="fsdp"),
-    StrategyInfo("syncps", "synchronous parameter server: workers send gradients, rank 0 updates",
-                 parameter_server=True, replicated_infer=True, module="syncps", topology="star"),
-    StrategyInfo("edp", "elastic data parallel: a parameter server that survives leaves and admits joiners",
-                 synchronous=False, parameter_server=True, joiners=True, replicated_infer=True, module="edp",
-                 topology="star"),
-    StrategyInfo("mp", "model parallel: consecutive layer blocks, one microbatch at a time", splits="layers",
-                 module="mp", topology="chain"),
-    StrategyInfo("pp", "pipeline parallel: layer stages with microbatches (GPipe or 1F1B)", splits="layers",
-                 module="pp", topology="chain"),
-    StrategyInfo("tp", "tensor parallel (Megatron): heads and MLP columns split, 2 all-reduces per layer",
-                 splits="heads", module="tp"),
-    StrategyInfo("ep", "expert parallel: MoE experts spread over ranks, all-to-all per MoE layer",
-                 trains=False, splits="experts"),
-    StrategyInfo("sp", "sequence (ring) parallel: the sequence split, K/V passed around a ring",
-                 trains=False, splits="sequence"),
+    StrategyInfo(
+        "dp",
+        "data parallel: replicas, ring all-reduce of gradients",
+        loss_from="all",
+        replicated_infer=True,
+        module="dp",
+    ),
+    StrategyInfo(
+        "fsdp",
+        "fully sharded data parallel (ZeRO-3): gather parameters per unit, reduce-scatter gradients",
+        loss_from="all",
+        module="fsdp",
+    ),
+    StrategyInfo(
+        "syncps",
+        "synchronous parameter server: workers send gradients, rank 0 updates",
+        parameter_server=True,
+        replicated_infer=True,
+        module="syncps",
+        topology="star",
+    ),
+    StrategyInfo(
+        "edp",
+        "elastic data parallel: a parameter server that survives leaves and admits joiners",
+        synchronous=False,
+        parameter_server=True,
+        joiners=True,
+        replicated_infer=True,
+        module="edp",
+        topology="star",
+    ),
+    StrategyInfo(
+        "mp",
+        "model parallel: consecutive layer blocks, one microbatch at a time",
+        splits="layers",
+        module="mp",
+        topology="chain",
+    ),
+    StrategyInfo(
+        "pp",
+        "pipeline parallel: layer stages with microbatches (GPipe or 1F1B)",
+        splits="layers",
+        module="pp",
+        topology="chain",
+    ),
+    StrategyInfo(
+        "tp",
+        "tensor parallel (Megatron): heads and MLP columns split, 2 all-reduces per layer",
+        splits="heads",
+        module="tp",
+    ),
+    StrategyInfo(
+        "ep", "expert parallel: MoE experts spread over ranks, all-to-all per MoE layer", trains=False, splits="experts"
+    ),
+    StrategyInfo(
+        "sp", "sequence (ring) parallel: the sequence split, K/V passed around a ring", trains=False, splits="sequence"
+    ),
 )
 REGISTRY: dict[str, StrategyInfo] = {s.name: s for s in _ALL}
 

@@ -3,6 +3,7 @@
 Inputs are small integers, so sums are exact in every dtype (bfloat16 included) whatever
 the reduction order, and every rank can compute the reference result by itself.
 """
+
 from __future__ import annotations
 
 import os
@@ -71,9 +72,14 @@ def collectives(comm, params) -> dict:
             keep = inp.clone()
             out = torch.empty(m, dtype=dt)
             comm.reduce_scatter(out, inp)
-            ref = sum(value(q + 10, n * m, torch.int64) for q in range(n))[r * m:(r + 1) * m].to(dt)
-            record("reduce_scatter", torch.equal(out, ref) and torch.equal(inp, keep), dtype=dname, numel=m,
-                   es=out.element_size())
+            ref = sum(value(q + 10, n * m, torch.int64) for q in range(n))[r * m : (r + 1) * m].to(dt)
+            record(
+                "reduce_scatter",
+                torch.equal(out, ref) and torch.equal(inp, keep),
+                dtype=dname,
+                numel=m,
+                es=out.element_size(),
+            )
             inp = value(r + 20, m, dt)
             out = torch.empty(n * m, dtype=dt)
             comm.all_gather(out, inp)
@@ -85,6 +91,7 @@ def collectives(comm, params) -> dict:
             t = value(r + 30, numel, torch.float32)
             comm.broadcast(t, src)
             record("broadcast", torch.equal(t, value(src + 30, numel, torch.float32)), src=src, numel=numel, es=4)
+
     # all_to_all with uneven sizes, zeros included: m(i -> j) elements
     def m(i, j):
         return (i + 2 * j) % 3 * 5

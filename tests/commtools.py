@@ -4,6 +4,7 @@ Processes come from a forkserver that has imported torch once, so a 5-rank group
 a fork each rather than a fresh interpreter. Every group has a deadline; stragglers are
 killed, so a hung transport fails the test instead of hanging the suite.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,15 +24,23 @@ def context():
     global _ctx
     if _ctx is None:
         _ctx = mp.get_context("forkserver")
-        _ctx.set_forkserver_preload(["torch", "smoltrain.comm", "smoltrain.comm.socket_comm",
-                                     "smoltrain.comm.torch_comm", "commtools", "comm_cases"])
+        _ctx.set_forkserver_preload(
+            [
+                "torch",
+                "smoltrain.comm",
+                "smoltrain.comm.socket_comm",
+                "smoltrain.comm.torch_comm",
+                "commtools",
+                "comm_cases",
+            ]
+        )
     return _ctx
 
 
 def _child(case: str, rank: int, n: int, backend: str, port: int, params: dict, out: str) -> None:
+    import comm_cases
     import torch
 
-    import comm_cases
     from smoltrain.comm import CommError, make_comm
 
     torch.set_num_threads(1)
@@ -45,8 +54,13 @@ def _child(case: str, rank: int, n: int, backend: str, port: int, params: dict, 
     except CommError as e:
         res = {"ok": False, "error": str(e), "peer": e.peer, "type": "CommError", "t": time.time()}
     except Exception as e:
-        res = {"ok": False, "error": repr(e), "type": type(e).__name__, "t": time.time(),
-               "trace": traceback.format_exc()[-2000:]}
+        res = {
+            "ok": False,
+            "error": repr(e),
+            "type": type(e).__name__,
+            "t": time.time(),
+            "trace": traceback.format_exc()[-2000:],
+        }
     finally:
         if comm is not None:
             comm.close()
@@ -66,11 +80,24 @@ class Group:
         self.dir = tempfile.mkdtemp(prefix="smolcomm-")
         self.port = free_port_base(n)
         ctx = context()
-        self.procs = [ctx.Process(target=_child, args=(case, r, n, backend, self.port, dict(params or {}, dir=self.dir),
-                                                        os.path.join(self.dir, f"r{r}.json")), daemon=True)
-                      for r in range(n)]
+        self.procs = [
+            ctx.Process(
+                target=_child,
+                args=(
+                    case,
+                    r,
+                    n,
+                    backend,
+                    self.port,
+                    dict(params or {}, dir=self.dir),
+                    os.path.join(self.dir, f"r{r}.json"),
+                ),
+                daemon=True,
+            )
+            for r in range(n)
+        ]
 
-    def start(self) -> "Group":
+    def start(self) -> Group:
         for p in self.procs:
             p.start()
         return self

@@ -58,7 +58,18 @@ TIERS = {
         "test_infer_serve.py",
         "test_placement_run.py",
     ],
-    "sim": ["test_demo.py", "test_faults_sim.py", "test_calibrate_sim.py", "test_infer_sim.py", "test_placement_sim.py", "test_sim_cpu.py", "test_matrix_sim.py", "test_remote.py", "test_run_sim.py", "test_sim.py"],
+    "sim": [
+        "test_demo.py",
+        "test_faults_sim.py",
+        "test_calibrate_sim.py",
+        "test_infer_sim.py",
+        "test_placement_sim.py",
+        "test_sim_cpu.py",
+        "test_matrix_sim.py",
+        "test_remote.py",
+        "test_run_sim.py",
+        "test_sim.py",
+    ],
     "provision": ["test_provision.py", "test_provision_render.py"],
 }
 FILE_TIER = {f: tier for tier, files in TIERS.items() for f in files}

@@ -1,4 +1,5 @@
 """Helpers for the provisioning tests: run ansible-playbook with the repo's config and read its recap."""
+
 from __future__ import annotations
 
 import os
@@ -14,29 +15,37 @@ RECAP_RE = re.compile(r"^(\S+)\s+:\s+ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+
 
 def ansible_env() -> dict:
     env = dict(os.environ)
-    env.update({
-        "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
-        "ANSIBLE_NOCOLOR": "1",
-        "ANSIBLE_FORCE_COLOR": "0",
-        "ANSIBLE_LOCALHOST_WARNING": "False",
-        "ANSIBLE_INVENTORY_UNPARSED_WARNING": "False",
-        "PATH": f"{BIN}:{env.get('PATH', '')}",
-    })
+    env.update(
+        {
+            "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+            "ANSIBLE_NOCOLOR": "1",
+            "ANSIBLE_FORCE_COLOR": "0",
+            "ANSIBLE_LOCALHOST_WARNING": "False",
+            "ANSIBLE_INVENTORY_UNPARSED_WARNING": "False",
+            "PATH": f"{BIN}:{env.get('PATH', '')}",
+        }
+    )
     return env
 
 
 def playbook(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
     """Run ansible-playbook from the repo root; output is stdout and stderr together."""
-    return subprocess.run([str(BIN / "ansible-playbook"), *args], cwd=REPO, env=ansible_env(),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    return subprocess.run(
+        [str(BIN / "ansible-playbook"), *args],
+        cwd=REPO,
+        env=ansible_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def recap(output: str) -> dict[str, dict[str, int]]:
     """PLAY RECAP per host: {'pi5': {'ok': 40, 'changed': 0, 'unreachable': 0, 'failed': 0}}."""
     out = {}
     for host, ok, changed, unreachable, failed in RECAP_RE.findall(output):
-        out[host] = {"ok": int(ok), "changed": int(changed), "unreachable": int(unreachable),
-                     "failed": int(failed)}
+        out[host] = {"ok": int(ok), "changed": int(changed), "unreachable": int(unreachable), "failed": int(failed)}
     return out
 
 

@@ -1,4 +1,5 @@
 """The measurement agent against bad peers, and its probes between two real agents on loopback."""
+
 from __future__ import annotations
 
 import os
@@ -9,14 +10,13 @@ import sys
 import time
 
 import pytest
-
-from smolnet import wire
-from smolnet import agent_client as control
-from smolnet.probes import iperf
-from smolnet.probes import pmtu
-from smolnet.agent import Agent
 from need import need_tool
 from ports import free_port
+
+from smolnet import agent_client as control
+from smolnet import wire
+from smolnet.agent import Agent
+from smolnet.probes import iperf, pmtu
 
 SECRET = b"test-secret-0123456789abcdef"
 
@@ -60,7 +60,7 @@ def closed_by_peer(s: socket.socket, wait: float = 5.0) -> bool:
                 return True
     except ConnectionResetError:
         return True
-    except socket.timeout:
+    except TimeoutError:
         return False
 
 
@@ -86,7 +86,7 @@ def test_no_secret_silent_peer_dropped(agents):
     s = raw(a)
     hello = s.recv(64)
     assert hello.startswith(wire.MAGIC_AUTH)
-    assert closed_by_peer(s)          # we never answered the challenge: dropped on timeout
+    assert closed_by_peer(s)  # we never answered the challenge: dropped on timeout
     s.close()
     assert ping(a)["ok"]
 
@@ -95,7 +95,7 @@ def test_garbage_instead_of_handshake(agents):
     a, _ = agents
     s = raw(a)
     s.recv(64)
-    s.sendall(os.urandom(64))         # exactly the handshake size, but no valid MAC
+    s.sendall(os.urandom(64))  # exactly the handshake size, but no valid MAC
     assert closed_by_peer(s)
     s.close()
     s = raw(a)
@@ -109,8 +109,9 @@ def test_oversized_lengths_rejected_before_allocation(agents):
     a, _ = agents
     for json_len, payload_len in ((wire.MAX_JSON_BYTES + 1, 0), (2, 1 << 40), (0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF)):
         s = authed(a)
-        s.sendall(wire.FRAME_HEADER.pack(wire.FRAME_MAGIC, wire.FRAME_VERSION, control.KIND_REQUEST, 0,
-                                         json_len, payload_len))
+        s.sendall(
+            wire.FRAME_HEADER.pack(wire.FRAME_MAGIC, wire.FRAME_VERSION, control.KIND_REQUEST, 0, json_len, payload_len)
+        )
         assert closed_by_peer(s)
         s.close()
     assert a.stats["errors"] >= 3
@@ -121,11 +122,11 @@ def test_half_frames_and_bad_json(agents):
     a, _ = agents
     head = wire.pack_header(control.KIND_REQUEST, {"op": "ping"}, 0)
     s = authed(a)
-    s.sendall(head[:7])               # half a fixed header, then silence
+    s.sendall(head[:7])  # half a fixed header, then silence
     assert closed_by_peer(s)
     s.close()
     s = authed(a)
-    s.sendall(head[:-3])              # header complete, JSON cut short, then close
+    s.sendall(head[:-3])  # header complete, JSON cut short, then close
     s.shutdown(socket.SHUT_WR)
     assert closed_by_peer(s)
     s.close()
@@ -135,9 +136,13 @@ def test_half_frames_and_bad_json(agents):
     kind, meta, _ = wire.recv_frame(s, timeout=5)
     assert kind == control.KIND_ERROR and "JSON" in meta["error"]
     s.close()
-    for op, bad in (("nope", {}), ("rtt", {"dst": "not-an-ip", "port": 1}),
-                    ("sink_data", {"session": "missing"}), ("echo", {"size": 10**9}),
-                    ("throughput", {"dst": "127.0.0.22", "port": 1, "streams": 10**6})):
+    for op, bad in (
+        ("nope", {}),
+        ("rtt", {"dst": "not-an-ip", "port": 1}),
+        ("sink_data", {"session": "missing"}),
+        ("echo", {"size": 10**9}),
+        ("throughput", {"dst": "127.0.0.22", "port": 1, "streams": 10**6}),
+    ):
         s = authed(a)
         control.send_request(s, op, **bad)
         with pytest.raises(control.AgentError):
@@ -164,7 +169,7 @@ def test_udp_probe_acks_only_authenticated(agents):
         assert pmtu._check_ack(SECRET, ack, nonce, 1000)
         assert not pmtu._check_ack(b"wrong-secret-wrong-secret", ack, nonce, 1000)
         # a probe whose claimed size disagrees with its length is not answered
-        head = pkt[:pmtu.HEAD.size]
+        head = pkt[: pmtu.HEAD.size]
         s.send(head + b"\x00" * 10)
         with pytest.raises(socket.timeout):
             s.recv(256)
@@ -180,8 +185,19 @@ def test_rtt_pmtu_builtin_throughput_between_agents(agents):
     assert 0 < r["min"] <= r["p50"] <= r["p90"] <= r["p99"] <= r["max"]
     m = control.call(a.bind, a.port, SECRET, "pmtu", timeout=30, dst=b.bind, port=b.port)
     assert m["error"] is None and m["mtu_effective"] == min(m["local_mtu"], pmtu.MAX_PROBE)
-    t = control.call(a.bind, a.port, SECRET, "throughput", timeout=30, dst=b.bind, port=b.port,
-                     duration=0.5, omit=0.2, streams=2, backend="builtin")
+    t = control.call(
+        a.bind,
+        a.port,
+        SECRET,
+        "throughput",
+        timeout=30,
+        dst=b.bind,
+        port=b.port,
+        duration=0.5,
+        omit=0.2,
+        streams=2,
+        backend="builtin",
+    )
     assert t["method"] == "builtin" and t["throughput_mbit"] > 10
     assert t["bytes_received"] <= t["bytes_sent"]
     assert 0.45 <= t["seconds"] <= 2.0
@@ -191,10 +207,9 @@ def test_rtt_pmtu_builtin_throughput_between_agents(agents):
 def test_probe_towards_silent_port_reports_no_ack(agents):
     a, _ = agents
     quiet = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    quiet.bind(("127.0.0.23", 0))     # receives, never acks: a path that eats everything
+    quiet.bind(("127.0.0.23", 0))  # receives, never acks: a path that eats everything
     try:
-        m = pmtu.measure_pmtu("127.0.0.23", quiet.getsockname()[1], SECRET, source="127.0.0.21",
-                              tries=1, wait=0.05)
+        m = pmtu.measure_pmtu("127.0.0.23", quiet.getsockname()[1], SECRET, source="127.0.0.21", tries=1, wait=0.05)
     finally:
         quiet.close()
     assert m["mtu_effective"] is None and "no acknowledgement" in m["error"]
@@ -204,17 +219,30 @@ def test_iperf3_backend_between_agents(agents):
     need_tool("iperf3")
     a, b = agents
     srv = control.call(b.bind, b.port, SECRET, "iperf3_server", timeout=15, lifetime=20)
-    t = control.call(a.bind, a.port, SECRET, "throughput", timeout=30, dst=b.bind, port=srv["port"],
-                     duration=1, omit=0.5, streams=2, backend="iperf3")
+    t = control.call(
+        a.bind,
+        a.port,
+        SECRET,
+        "throughput",
+        timeout=30,
+        dst=b.bind,
+        port=srv["port"],
+        duration=1,
+        omit=0.5,
+        streams=2,
+        backend="iperf3",
+    )
     assert t["method"] == "iperf3" and t["connected"] and t["throughput_mbit"] > 10
     assert t["bytes_received"] > 0
 
 
 def test_iperf3_json_traps():
-    doc = iperf.parse_json('warning: something odd\n{"start": {"connected": [{}]}, "end": {'
-                           '"sum_sent": {"bytes": 5000000, "retransmits": 40, "bits_per_second": 4e7},'
-                           '"sum_received": {"bytes": 0, "seconds": 3.0, "bits_per_second": 0},'
-                           '"cpu_utilization_percent": {"host_total": 12.0}}}')
+    doc = iperf.parse_json(
+        'warning: something odd\n{"start": {"connected": [{}]}, "end": {'
+        '"sum_sent": {"bytes": 5000000, "retransmits": 40, "bits_per_second": 4e7},'
+        '"sum_received": {"bytes": 0, "seconds": 3.0, "bits_per_second": 0},'
+        '"cpu_utilization_percent": {"host_total": 12.0}}}'
+    )
     s = iperf.summarize(doc)
     # the sender believed 40 Mbit/s; the receiver got nothing: that is what we report
     assert s["throughput_mbit"] == 0 and s["connected"] and not s["cpu_limited"]
@@ -226,9 +254,12 @@ def test_iperf3_json_traps():
 
 def test_agent_command_reads_secret_from_stdin_and_stops_on_term():
     port = free_port("127.0.0.24")
-    p = subprocess.Popen([sys.executable, "-m", "smolnet", "agent", "--bind", "127.0.0.24", "--port", str(port),
-                          "--secret-stdin"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "smolnet", "agent", "--bind", "127.0.0.24", "--port", str(port), "--secret-stdin"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         p.stdin.write(SECRET + b"\n")
         p.stdin.close()
@@ -255,6 +286,10 @@ def test_agent_command_reads_secret_from_stdin_and_stops_on_term():
 
 
 def test_agent_command_refuses_short_secret_on_stdin():
-    p = subprocess.run([sys.executable, "-m", "smolnet", "agent", "--bind", "127.0.0.24", "--port", "0",
-                        "--secret-stdin"], input=b"short\n", capture_output=True, timeout=30)
+    p = subprocess.run(
+        [sys.executable, "-m", "smolnet", "agent", "--bind", "127.0.0.24", "--port", "0", "--secret-stdin"],
+        input=b"short\n",
+        capture_output=True,
+        timeout=30,
+    )
     assert p.returncode == 2 and b"shorter than" in p.stderr

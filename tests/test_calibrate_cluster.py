@@ -1,10 +1,9 @@
 """`smoltrain calibrate -i`: every host measured on itself, failures reported, caps ranked."""
+
 from __future__ import annotations
 
 import json
 import sys
-
-import pytest
 
 from smolnet.inventory import Host
 from smoltrain.calibration.cluster import COMPUTE_SCHEMA, calibrate_hosts
@@ -18,8 +17,7 @@ def _local(name: str) -> Host:
 def test_unreachable_host_is_reported_and_the_rest_measured():
     dead = Host(name="gone", address="127.0.0.1", cluster_ip="127.0.0.1", port=1, user="root")
     seen = []
-    doc = calibrate_hosts([_local("a"), dead, _local("b")], "tiny", 0.05,
-                          progress=lambda n, w: seen.append((n, w)))
+    doc = calibrate_hosts([_local("a"), dead, _local("b")], "tiny", 0.05, progress=lambda n, w: seen.append((n, w)))
     assert doc["schema"] == COMPUTE_SCHEMA
     a, gone, b = doc["hosts"]
     assert gone["status"] == "failed" and gone["error"] and gone["name"] == "gone"
@@ -28,7 +26,7 @@ def test_unreachable_host_is_reported_and_the_rest_measured():
         assert [s["batch"] for s in h["train_step"]] == [2, 8]
         assert all(s["seconds"] > 0 and s["model"] == "tiny" for s in h["train_step"])
         assert h["cores"] >= 1 and h["usable_memory_bytes"] > 0 and "cpu_limit_cores" in h
-    assert a["machine_id"] == b["machine_id"]            # one machine: measured one after another
+    assert a["machine_id"] == b["machine_id"]  # one machine: measured one after another
     order = [n for n, w in seen if w == "measuring"]
     assert order == ["a", "b"]
     assert any(n == "gone" and w.startswith("failed") for n, w in seen)

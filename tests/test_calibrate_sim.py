@@ -1,9 +1,9 @@
 """Calibration on CPU-capped sim hosts ranks them in the order of their caps."""
+
 from __future__ import annotations
 
 import pytest
 
-from smolnet.sim import cgroup
 from smolnet.sim import cluster as sim
 
 NAME, SUBNET = "ccal", "10.42.1.0/24"
@@ -19,13 +19,14 @@ def test_calibration_ranks_capped_hosts_by_cap(tmp_path):
     from smoltrain.calibration.cluster import calibrate_hosts
 
     sim.down(NAME)
-    st = sim.up(name=NAME, scenario="uniform", hosts=2, subnet=SUBNET, inventory=str(tmp_path / "sim.yml"),
-                cpu_limit="0.1,0.9")
+    st = sim.up(
+        name=NAME, scenario="uniform", hosts=2, subnet=SUBNET, inventory=str(tmp_path / "sim.yml"), cpu_limit="0.1,0.9"
+    )
     try:
         doc = calibrate_hosts(load_inventory(st["inventory"]).hosts, "tiny", 0.5)
     finally:
         sim.down(NAME)
-    slow, fast = doc["hosts"]   # rank order only: on a busy machine an uncapped share shrinks
+    slow, fast = doc["hosts"]  # rank order only: on a busy machine an uncapped share shrinks
     assert slow["status"] == fast["status"] == "ok", doc
     assert slow["cpu_limit_cores"] == pytest.approx(0.1) and fast["cpu_limit_cores"] == pytest.approx(0.9)
     assert slow["machine_id"] == fast["machine_id"]

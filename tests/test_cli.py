@@ -1,4 +1,5 @@
 """The command-line surface: entry points, one-line errors, the secret file."""
+
 import os
 import stat
 import subprocess

@@ -4,10 +4,10 @@ Each (backend, world size) group runs all of comm_cases.collectives once (module
 fixture); the tests below check its correctness flags and its byte counters against
 the textbook volumes written out here independently of the implementation.
 """
+
 from __future__ import annotations
 
 import pytest
-
 from commtools import run_group
 
 WORLDS = [1, 2, 3, 4, 5]

@@ -1,11 +1,11 @@
 """A peer killed in the middle of a collective: every survivor raises a CommError naming it, fast."""
+
 from __future__ import annotations
 
 import os
 import time
 
 import pytest
-
 from commtools import Group
 
 TIMEOUT = 6.0

@@ -1,4 +1,5 @@
 """The transport's front door: frame parsing under garbage, and the secret check before anything else."""
+
 from __future__ import annotations
 
 import socket
@@ -110,15 +111,18 @@ def test_socketcomm_accepts_exactly_the_expected_frame():
     assert bytes(t.numpy()) == b"abcd"
 
 
-@pytest.mark.parametrize("frame,why", [
-    (wire.pack_header(K_DATA, _p2p_meta(4), 8) + b"x" * 8, "8 exceeds 4"),        # never lands in a smaller buffer
-    (wire.pack_header(K_DATA, _p2p_meta(4), 2) + b"xy", "expected 4"),
-    (wire.pack_header(K_DATA, _p2p_meta(4, torch.float16), 4) + b"abcd", "mismatch"),  # other dtype
-    (wire.pack_header(K_DATA, dict(_p2p_meta(4), o="all_gather"), 4) + b"abcd", "mismatch"),
-    (wire.pack_header(K_DATA, None, 4) + b"abcd", "mismatch"),
-    (wire.pack_header(99, _p2p_meta(4), 4) + b"abcd", "kind 99"),
-    (wire.pack_header(K_DATA, _p2p_meta(4), 4) + b"ab", "closed the connection mid-message"),
-])
+@pytest.mark.parametrize(
+    "frame,why",
+    [
+        (wire.pack_header(K_DATA, _p2p_meta(4), 8) + b"x" * 8, "8 exceeds 4"),  # never lands in a smaller buffer
+        (wire.pack_header(K_DATA, _p2p_meta(4), 2) + b"xy", "expected 4"),
+        (wire.pack_header(K_DATA, _p2p_meta(4, torch.float16), 4) + b"abcd", "mismatch"),  # other dtype
+        (wire.pack_header(K_DATA, dict(_p2p_meta(4), o="all_gather"), 4) + b"abcd", "mismatch"),
+        (wire.pack_header(K_DATA, None, 4) + b"abcd", "mismatch"),
+        (wire.pack_header(99, _p2p_meta(4), 4) + b"abcd", "kind 99"),
+        (wire.pack_header(K_DATA, _p2p_meta(4), 4) + b"ab", "closed the connection mid-message"),
+    ],
+)
 def test_socketcomm_rejects_bad_frames_naming_the_peer(frame, why):
     comm = _reader(frame)
     with pytest.raises(CommError, match=why) as e:
@@ -145,6 +149,7 @@ def _rank_in_thread(rank, n, port, secret, out, timeout=15.0):
             out[rank] = make_comm("socket", rank, n, "127.0.0.1", port, secret, timeout=timeout)
         except Exception as e:  # reported through `out`
             out[rank] = e
+
     t = threading.Thread(target=go, daemon=True)
     t.start()
     return t

@@ -1,4 +1,5 @@
 """The plan on measured compute: the report's hosts, shared machines, the single-host verdict."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,8 @@ import pytest
 from smolnet.errors import UsageError
 from smoltrain.models.spec import get_model
 from smoltrain.planner import compute as measured
-from smoltrain.planner.plan import make_plan, resolve_ranks
 from smoltrain.planner.links import from_class
+from smoltrain.planner.plan import make_plan, resolve_ranks
 
 
 class H:
@@ -18,11 +19,18 @@ class H:
 
 
 def _host(name, fixed, per_token, machine="m1", cap=None, cores=2, flops=10e9):
-    return {"name": name, "status": "ok", "error": None, "machine_id": machine, "cores": cores,
-            "cpu_limit_cores": cap, "flops": {"fp32": flops, "bf16": 2 * flops}, "mem_bw_bytes_s": 5e9,
-            "usable_memory_bytes": 4e9,
-            "train_step": [{"model": "tiny", "batch": b, "seq": 64, "seconds": fixed + per_token * b * 64}
-                           for b in (2, 8)]}
+    return {
+        "name": name,
+        "status": "ok",
+        "error": None,
+        "machine_id": machine,
+        "cores": cores,
+        "cpu_limit_cores": cap,
+        "flops": {"fp32": flops, "bf16": 2 * flops},
+        "mem_bw_bytes_s": 5e9,
+        "usable_memory_bytes": 4e9,
+        "train_step": [{"model": "tiny", "batch": b, "seq": 64, "seconds": fixed + per_token * b * 64} for b in (2, 8)],
+    }
 
 
 def _report(tmp_path, hosts):
@@ -88,31 +96,41 @@ def test_hosts_on_one_machine_share_its_cores():
 def test_verdict_when_nothing_fits_alone():
     from smoltrain.planner.verdict import sentence
 
-    s = sentence({"strategy": "fsdp", "world_size": 4, "tokens_per_s": 10.0, "bottleneck": "link",
-                  "bottleneck_where": "link a -> b carries 1 GB",
-                  "single_host": {"name": "mac", "fits": False, "step_s": None, "tokens_per_s": 0.0}})
+    s = sentence(
+        {
+            "strategy": "fsdp",
+            "world_size": 4,
+            "tokens_per_s": 10.0,
+            "bottleneck": "link",
+            "bottleneck_where": "link a -> b carries 1 GB",
+            "single_host": {"name": "mac", "fits": False, "step_s": None, "tokens_per_s": 0.0},
+        }
+    )
     assert "does not fit on any single host" in s and "link bandwidth" in s
 
 
 def test_busy_host_cpu_slows_its_messages_and_bytes():
     from smoltrain.planner.compute import cpu_links
-    from smoltrain.planner.plan import Rank
     from smoltrain.planner.devices import get_device
+    from smoltrain.planner.plan import Rank
 
-    lm = from_class("1gbe")        # 941 Mbit/s, RTT 200 us: alpha 100 us
-    ranks = [Rank("a", get_device("generic"), 1e9, comm_cpu={"message_s": 2e-3, "bytes_s": 50e6}),
-             Rank("b", get_device("generic"), 1e9, comm_cpu={"message_s": 1e-4, "bytes_s": 500e6})]
+    lm = from_class("1gbe")  # 941 Mbit/s, RTT 200 us: alpha 100 us
+    ranks = [
+        Rank("a", get_device("generic"), 1e9, comm_cpu={"message_s": 2e-3, "bytes_s": 50e6}),
+        Rank("b", get_device("generic"), 1e9, comm_cpu={"message_s": 1e-4, "bytes_s": 500e6}),
+    ]
     ln = cpu_links(lm, ranks).get("b", "a")
-    assert ln.alpha_s == pytest.approx(100e-6 + 2e-3)       # the slower end's message cost
-    assert ln.bytes_per_s == pytest.approx(50e6)             # a's CPU moves 50 MB/s < the wire's 117.6
-    assert cpu_links(lm, [Rank("a", get_device("generic"), 1e9)]) is lm   # nothing measured: unchanged
+    assert ln.alpha_s == pytest.approx(100e-6 + 2e-3)  # the slower end's message cost
+    assert ln.bytes_per_s == pytest.approx(50e6)  # a's CPU moves 50 MB/s < the wire's 117.6
+    assert cpu_links(lm, [Rank("a", get_device("generic"), 1e9)]) is lm  # nothing measured: unchanged
 
 
 def test_default_report_of_other_hosts_falls_back_to_profiles(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "reports").mkdir()
-    (tmp_path / "reports" / "compute.json").write_text(json.dumps(
-        {"schema": "smoltrain.compute/1", "created": "x", "hosts": [_host("elsewhere", 0.01, 1e-4)]}))
+    (tmp_path / "reports" / "compute.json").write_text(
+        json.dumps({"schema": "smoltrain.compute/1", "created": "x", "hosts": [_host("elsewhere", 0.01, 1e-4)]})
+    )
     ranks = resolve_ranks(2, [H("a"), H("b")])
     assert measured.apply(ranks, [H("a"), H("b")], None, get_model("tiny"))[1] == "nominal"
     with pytest.raises(UsageError, match="no a, b"):

@@ -4,6 +4,7 @@ The demo runs the real flow on a real sim: measure, provision (which must catch 
 sim's jumbo-frame fault), measure again, plan, train and compare. The README test
 parses every smolnet/smoltrain command the tutorial shows, so the docs cannot rot.
 """
+
 import json
 import re
 import shlex
@@ -69,14 +70,35 @@ def test_readme_make_targets_exist():
 @pytest.mark.usefixtures("needs_sim")
 def test_demo_quick_writes_every_section(tmp_path):
     out = tmp_path / "demo"
-    r = subprocess.run([sys.executable, "-m", "smoltrain", "demo", "--quick", "--out", str(out),
-                        "--name", "tdemo", "--subnet", "10.213.71.0/24"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "smoltrain",
+            "demo",
+            "--quick",
+            "--out",
+            str(out),
+            "--name",
+            "tdemo",
+            "--subnet",
+            "10.213.71.0/24",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert "SKIPPED" not in r.stdout, r.stdout[-3000:]    # as root nothing may be left out
+    assert "SKIPPED" not in r.stdout, r.stdout[-3000:]  # as root nothing may be left out
     report = (out / "REPORT.md").read_text()
-    for section in ("## 1. Links as found", "## 1b. Links after provisioning", "## 2. Plan",
-                    "## 3. Training runs", "## 4. Predicted vs measured"):
+    for section in (
+        "## 1. Links as found",
+        "## 1b. Links after provisioning",
+        "## 2. Plan",
+        "## 3. Training runs",
+        "## 4. Predicted vs measured",
+    ):
         assert section in report, section
     before = report.split("## 1b.")[0]
     assert "both ends are set to 9000 but the path carries 1500" in before  # the sim's MTU fault

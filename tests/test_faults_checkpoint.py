@@ -1,5 +1,6 @@
 """Issue 15, defects 4 and 6 (units): blame from every rank's view; checkpoints that carry their
 run's identity, fall back past damage, are fsynced, leave no temp files and are pruned."""
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,19 @@ from smoltrain.run.config import RunConfig
 
 
 def _cfg(**kw) -> RunConfig:
-    base = dict(strategy="dp", backend="socket", model=get_model("tiny"), steps=10, batch=4, seq=32, lr=1e-3,
-                seed=0, names=("rank0", "rank1"), devices=("cpu", "cpu"), data_digest="abc")
+    base = dict(
+        strategy="dp",
+        backend="socket",
+        model=get_model("tiny"),
+        steps=10,
+        batch=4,
+        seq=32,
+        lr=1e-3,
+        seed=0,
+        names=("rank0", "rank1"),
+        devices=("cpu", "cpu"),
+        data_digest="abc",
+    )
     base.update(kw)
     return RunConfig(**base)
 
@@ -71,6 +83,7 @@ def test_parts_marker_and_folder_are_fsynced(tmp_path, monkeypatch):
     def spy(fd):
         synced.append(os.readlink(f"/proc/self/fd/{fd}"))
         return real(fd)
+
     monkeypatch.setattr(os, "fsync", spy)
     _save(tmp_path, 2, _cfg(), parts=("rank0",))
     d = str(checkpoint.step_dir(tmp_path, 2))
@@ -107,11 +120,17 @@ def test_controller_waits_for_every_view_before_blaming(tmp_path):
 
         def print(self, *a, **k):
             pass
+
         log = print
 
     names = ["rank0", "rank1", "rank2", "rank3"]
-    ctl = Controller(_cfg(names=tuple(names), devices=("cpu",) * 4), [Placement(n, "127.0.0.1") for n in names],
-                     b"s" * 32, Quiet(), str(tmp_path))
+    ctl = Controller(
+        _cfg(names=tuple(names), devices=("cpu",) * 4),
+        [Placement(n, "127.0.0.1") for n in names],
+        b"s" * 32,
+        Quiet(),
+        str(tmp_path),
+    )
     for n in names:
         ctl.handle(n, {"type": "connected", "hello": {}}, None)
     ctl.handle("rank2", {"type": "error", "message": "CommError: rank 1 timed out", "peer": "rank1"}, None)

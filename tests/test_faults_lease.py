@@ -1,4 +1,5 @@
 """Issue 15, defect 8: an agent started for a matrix holds a lease and exits when it lapses."""
+
 from __future__ import annotations
 
 import socket
@@ -9,8 +10,8 @@ import time
 
 from smolnet import agent_client as control
 from smolnet.agent import Agent
-from smolnet.matrix import AgentPool
 from smolnet.inventory import Host
+from smolnet.matrix import AgentPool
 
 SECRET = b"test-secret-0123456789abcdef"
 
@@ -31,6 +32,7 @@ def test_agent_stops_when_its_lease_is_not_renewed_and_strangers_cannot_renew_it
             except OSError:
                 pass
             time.sleep(0.1)
+
     threading.Thread(target=poke, daemon=True).start()
     try:
         t.join(20)
@@ -41,9 +43,24 @@ def test_agent_stops_when_its_lease_is_not_renewed_and_strangers_cannot_renew_it
 
 
 def test_agent_command_with_a_lease_exits_by_itself():
-    p = subprocess.Popen([sys.executable, "-m", "smolnet", "agent", "--bind", "127.0.0.26", "--port", "0",
-                          "--secret-stdin", "--lease", "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "smolnet",
+            "agent",
+            "--bind",
+            "127.0.0.26",
+            "--port",
+            "0",
+            "--secret-stdin",
+            "--lease",
+            "1",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     p.stdin.write(SECRET + b"\n")
     p.stdin.close()
     try:

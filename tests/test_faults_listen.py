@@ -5,6 +5,7 @@ rank port made the others time out), the agent counted unauthenticated connectio
 64 slots and then said the secret was rejected, and the control channel and the parameter
 server gave every idle connection a thread, without a cap.
 """
+
 from __future__ import annotations
 
 import socket
@@ -40,6 +41,7 @@ def _rank(rank, n, port, out, timeout):
             out[rank] = make_comm("socket", rank, n, "127.0.0.1", port, SECRET, timeout=timeout)
         except Exception as e:  # reported through `out`
             out[rank] = e
+
     t = threading.Thread(target=go, daemon=True)
     t.start()
     return t
@@ -73,8 +75,9 @@ def _echo_handler(sock, peer):
 
 
 def test_flood_of_idle_connections_is_capped_and_legit_client_is_served_or_told_busy():
-    srv = AuthListener.serve("127.0.0.1", 0, SECRET, _echo_handler, name="test", preauth_timeout=30.0,
-                             max_pending=32, max_per_source=1000)
+    srv = AuthListener.serve(
+        "127.0.0.1", 0, SECRET, _echo_handler, name="test", preauth_timeout=30.0, max_pending=32, max_per_source=1000
+    )
     before = threading.active_count()
     flood = []
     try:
@@ -99,8 +102,17 @@ def test_flood_of_idle_connections_is_capped_and_legit_client_is_served_or_told_
 
 
 def test_busy_is_said_as_busy_never_as_a_secret_problem():
-    srv = AuthListener.serve("127.0.0.1", 0, SECRET, _echo_handler, name="test", preauth_timeout=30.0,
-                             max_pending=4, max_per_source=4, min_age=60.0)  # nothing is ever old enough
+    srv = AuthListener.serve(
+        "127.0.0.1",
+        0,
+        SECRET,
+        _echo_handler,
+        name="test",
+        preauth_timeout=30.0,
+        max_pending=4,
+        max_per_source=4,
+        min_age=60.0,
+    )  # nothing is ever old enough
     flood = [socket.create_connection(("127.0.0.1", srv.port), timeout=5) for _ in range(4)]
     try:
         deadline = time.monotonic() + 20

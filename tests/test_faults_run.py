@@ -1,5 +1,6 @@
 """Issue 15, defects 2, 3, 4 and 7 end to end: stalls and partitions detected through
 authenticated heartbeats, the right rank blamed, and the report written however the run ends."""
+
 from __future__ import annotations
 
 import json
@@ -31,11 +32,33 @@ class Run:
 
     def __init__(self, tmp_path, secret_file, *extra, world=2, strategy="dp"):
         self.report = tmp_path / "run.json"
-        argv = [sys.executable, "-m", "smoltrain", "run", "--strategy", strategy, "--local", str(world), *SMALL,
-                "--steps", "400", "--pace", "0.1", "--heartbeat", "0.4", "--secret-file", secret_file,
-                "--json", str(self.report), "--out", str(tmp_path), *extra]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
+        argv = [
+            sys.executable,
+            "-m",
+            "smoltrain",
+            "run",
+            "--strategy",
+            strategy,
+            "--local",
+            str(world),
+            *SMALL,
+            "--steps",
+            "400",
+            "--pace",
+            "0.1",
+            "--heartbeat",
+            "0.4",
+            "--secret-file",
+            secret_file,
+            "--json",
+            str(self.report),
+            "--out",
+            str(tmp_path),
+            *extra,
+        ]
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
         self.lines: list[str] = []
         self.timer = threading.Timer(150, self.proc.kill)  # a hang fails the test, never the suite
         self.timer.start()
@@ -100,6 +123,7 @@ def test_pokes_on_the_control_port_never_hide_a_stalled_cluster(tmp_path, secret
             except OSError:
                 pass
             time.sleep(0.2)
+
     t = threading.Thread(target=poke, daemon=True)
     t.start()
     try:
@@ -144,19 +168,61 @@ def test_ctrl_c_writes_an_interrupted_report_and_exits_130(tmp_path, secret_file
 
 
 def test_a_diverging_loss_fails_the_run(tmp_path, secret_file):
-    p = subprocess.run([sys.executable, "-m", "smoltrain", "run", "--strategy", "dp", "--local", "1", *SMALL,
-                        "--steps", "8", "--lr", "1e30", "--secret-file", secret_file,
-                        "--json", str(tmp_path / "r.json"), "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "smoltrain",
+            "run",
+            "--strategy",
+            "dp",
+            "--local",
+            "1",
+            *SMALL,
+            "--steps",
+            "8",
+            "--lr",
+            "1e30",
+            "--secret-file",
+            secret_file,
+            "--json",
+            str(tmp_path / "r.json"),
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 1 and "loss is" in p.stderr, p.stderr + p.stdout[-1000:]
     assert json.loads((tmp_path / "r.json").read_text())["status"] == "failed"
 
 
 def test_successful_report_says_complete(tmp_path, secret_file):
-    p = subprocess.run([sys.executable, "-m", "smoltrain", "run", "--strategy", "dp", "--local", "1", *SMALL,
-                        "--steps", "2", "--secret-file", secret_file,
-                        "--json", str(tmp_path / "r.json"), "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "smoltrain",
+            "run",
+            "--strategy",
+            "dp",
+            "--local",
+            "1",
+            *SMALL,
+            "--steps",
+            "2",
+            "--secret-file",
+            secret_file,
+            "--json",
+            str(tmp_path / "r.json"),
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["status"] == "complete" and doc["error"] is None

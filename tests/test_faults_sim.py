@@ -4,6 +4,7 @@ is the one blamed, within a few heartbeats; the report survives.
 Needs root and network namespaces; skips cleanly without them. Sim "f1" on 10.41.0.0/24 is
 always torn down.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,18 +36,44 @@ def three(tmp_path_factory):
 
 def _cut(st: dict, host: dict) -> None:
     """Take the host's switch port down: its packets vanish, nobody sees a reset."""
-    subprocess.run(["ip", "netns", "exec", st["switch_netns"], "ip", "link", "set", host["port"], "down"],
-                   check=True, timeout=10)
+    subprocess.run(
+        ["ip", "netns", "exec", st["switch_netns"], "ip", "link", "set", host["port"], "down"], check=True, timeout=10
+    )
 
 
 def test_the_cut_host_is_blamed(three):
     st, inv, d = three
     out = d / "run.json"
     victim = st["hosts"][2]
-    p = subprocess.Popen([sys.executable, "-m", "smoltrain", "run", "--strategy", "dp", "-i", str(inv),
-                          "--steps", "400", "--pace", "0.2", "--batch", "6", "--seq", "32", "--heartbeat", "0.5",
-                          "--json", str(out), "--out", str(d)],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "smoltrain",
+            "run",
+            "--strategy",
+            "dp",
+            "-i",
+            str(inv),
+            "--steps",
+            "400",
+            "--pace",
+            "0.2",
+            "--batch",
+            "6",
+            "--seq",
+            "32",
+            "--heartbeat",
+            "0.5",
+            "--json",
+            str(out),
+            "--out",
+            str(d),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     timer = threading.Timer(200, p.kill)
     timer.start()
     lines = []

@@ -1,5 +1,6 @@
 """Issue 15, "frames after the handshake are authenticated": a session key from the handshake
 and a sequence number in a MAC over every frame header of the rank mesh; `full` adds payloads."""
+
 from __future__ import annotations
 
 import os
@@ -27,15 +28,15 @@ def test_session_rejects_injected_replayed_reordered_and_reflected_frames():
     h1, h2 = wire.pack_header(K_DATA, {"i": 1}, 0), wire.pack_header(K_DATA, {"i": 2}, 0)
     t1, t2 = a.seal(h1), a.seal(h2)
     with pytest.raises(wire.WireError, match="MAC"):
-        b.check(h2, t2)                   # reordered: frame 2 where frame 1 belongs
+        b.check(h2, t2)  # reordered: frame 2 where frame 1 belongs
     b.check(h1, t1)
     with pytest.raises(wire.WireError, match="MAC"):
-        b.check(h1, t1)                   # replayed
+        b.check(h1, t1)  # replayed
     with pytest.raises(wire.WireError, match="MAC"):
         b.check(wire.pack_header(K_DATA, {"i": 9}, 0), t2)  # injected / altered
     b.check(h2, t2)
     with pytest.raises(wire.WireError, match="MAC"):
-        a.check(h1, t1)                   # reflected back to its sender
+        a.check(h1, t1)  # reflected back to its sender
 
 
 def _reader(data: bytes, ses: wire.Session) -> SocketComm:
@@ -89,6 +90,7 @@ def test_real_group_with_authenticated_frames(integrity):
             c.close()
         except Exception as e:  # reported through out
             out[r] = e
+
     ts = [threading.Thread(target=go, args=(r,)) for r in range(n)]
     for t in ts:
         t.start()

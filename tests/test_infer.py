@@ -1,6 +1,7 @@
 """`smoltrain generate` end to end: token for token what transformers' greedy generation gives,
 for the one-process reference, pp over 2 and 3 ranks (3 layers: uneven stages) and tp over 2,
 Llama (grouped-query attention) and GPT-2; and a clear one-line error for each bad input."""
+
 from __future__ import annotations
 
 import json
@@ -8,10 +9,9 @@ import os
 import shutil
 
 import pytest
+from infer_models import make_checkpoint, reference
 
 from smoltrain.cli import main
-
-from infer_models import make_checkpoint, reference
 
 PROMPT = [3, 5, 7, 9, 11]
 NEW = 10
@@ -29,8 +29,21 @@ def models(tmp_path_factory):
 
 def generate(tmp_path, model: str, *extra) -> dict:
     out = tmp_path / "gen.json"
-    rc = main(["generate", "--model", model, "--prompt-ids", ",".join(map(str, PROMPT)),
-               "--max-new-tokens", str(NEW), "--ignore-eos", "--json", str(out), *extra])
+    rc = main(
+        [
+            "generate",
+            "--model",
+            model,
+            "--prompt-ids",
+            ",".join(map(str, PROMPT)),
+            "--max-new-tokens",
+            str(NEW),
+            "--ignore-eos",
+            "--json",
+            str(out),
+            *extra,
+        ]
+    )
     assert rc == 0
     return json.loads(out.read_text())
 
@@ -56,9 +69,9 @@ def test_split_matches_transformers(models, tmp_path, arch, strategy, world):
     assert doc["decode"]["tokens"] == steps
     if strategy == "pp":
         assert doc["placement"]["layers"] == ([[0, 2], [2, 3]] if world == 2 else [[0, 1], [1, 2], [2, 3]])
-        want_bpt = h * a                      # one hidden state per hop; the token id back is 8 bytes
+        want_bpt = h * a  # one hidden state per hop; the token id back is 8 bytes
     else:
-        want_bpt = 2 * 3 * h * a * 2 * (world - 1) / world   # 2 ring all-reduces per layer
+        want_bpt = 2 * 3 * h * a * 2 * (world - 1) / world  # 2 ring all-reduces per layer
     assert doc["decode"]["bytes_per_token"] == want_bpt
     assert doc["plan"]["bytes_per_token"] == pytest.approx(want_bpt, rel=0.02)
     sent = {(x["src"], x["dst"]): x["bytes"] for x in doc["links"]}
@@ -79,7 +92,9 @@ def test_torch_backend_and_sampling(models, tmp_path):
 
 
 def test_text_prompt_with_tokenizer(models, tmp_path, capsys):
-    from tokenizers import Tokenizer, models as tm, pre_tokenizers
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tm
+
     path = str(tmp_path / "withtok")
     shutil.copytree(models["gpt2"][0], path)
     vocab = {w: i for i, w in enumerate(["[UNK]"] + [f"w{i}" for i in range(1, 97)])}
@@ -87,8 +102,25 @@ def test_text_prompt_with_tokenizer(models, tmp_path, capsys):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(os.path.join(path, "tokenizer.json"))
     out = tmp_path / "t.json"
-    assert main(["generate", "--strategy", "local", "--model", path, "--prompt", "w3 w5 w7 w9 w11",
-                 "--max-new-tokens", str(NEW), "--ignore-eos", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--strategy",
+                "local",
+                "--model",
+                path,
+                "--prompt",
+                "w3 w5 w7 w9 w11",
+                "--max-new-tokens",
+                str(NEW),
+                "--ignore-eos",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out.read_text())
     assert doc["prompt_ids"] == PROMPT and doc["output_ids"] == models["gpt2"][1]
     assert doc["text"] == " ".join(f"w{i}" if i else "[UNK]" for i in doc["output_ids"])
@@ -119,14 +151,16 @@ def test_bad_inputs(models, tmp_path, capsys):
     assert "unknown architecture 'bert'" in one_line_error(capsys, base + [str(other), "--prompt-ids", "1"])
 
     from safetensors.torch import load_file, save_file
+
     broken = tmp_path / "broken"
     shutil.copytree(path, broken)
     (st,) = broken.glob("*.safetensors")
     tensors = load_file(str(st))
     del tensors["model.layers.2.mlp.up_proj.weight"]
     save_file(tensors, str(st), metadata={"format": "pt"})
-    err = one_line_error(capsys, ["generate", "--strategy", "pp", "--local", "2", "--model", str(broken),
-                                  "--prompt-ids", "1"])
+    err = one_line_error(
+        capsys, ["generate", "--strategy", "pp", "--local", "2", "--model", str(broken), "--prompt-ids", "1"]
+    )
     assert "missing tensor model.layers.2.mlp.up_proj.weight" in err
     tensors["model.layers.2.mlp.up_proj.weight"] = tensors["model.layers.2.mlp.gate_proj.weight"][:, :16].clone()
     save_file(tensors, str(st), metadata={"format": "pt"})
@@ -148,11 +182,31 @@ def test_end_of_sequence_stops_every_rank(models, tmp_path, strategy, world):
     cfg = json.loads((eos_dir / "config.json").read_text())
     (eos_dir / "config.json").write_text(json.dumps(dict(cfg, eos_token_id=eos)))
     out = tmp_path / "eos.json"
-    assert main(["generate", "--strategy", strategy, "--local", str(world), "--model", str(eos_dir),
-                 "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", str(NEW), "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--strategy",
+                strategy,
+                "--local",
+                str(world),
+                "--model",
+                str(eos_dir),
+                "--prompt-ids",
+                ",".join(map(str, PROMPT)),
+                "--max-new-tokens",
+                str(NEW),
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out.read_text())
-    assert doc["output_ids"] == want[:k + 1]
+    assert doc["output_ids"] == want[: k + 1]
     assert doc["decode"]["tokens"] == k
     # one token only: the stop marker goes out right after prefill
-    assert generate(tmp_path, path, "--strategy", strategy, "--local", str(world), "--max-new-tokens", "1") \
-        ["output_ids"] == want[:1]
+    assert (
+        generate(tmp_path, path, "--strategy", strategy, "--local", str(world), "--max-new-tokens", "1")["output_ids"]
+        == want[:1]
+    )

@@ -1,5 +1,6 @@
 """`smoltrain export`: a trained `smoltrain run` checkpoint becomes a GPT-2 folder that transformers
 loads with the same logits, and that `smoltrain generate` runs split over ranks."""
+
 from __future__ import annotations
 
 import json
@@ -15,9 +16,31 @@ from smoltrain.cli import main
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("run")
-    r = subprocess.run([sys.executable, "-m", "smoltrain", "run", "--strategy", "dp", "--local", "1", "--steps", "3",
-                        "--batch", "2", "--seq", "32", "--checkpoint-dir", str(root / "ck"), "--out", str(root)],
-                       capture_output=True, text=True, timeout=240)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "smoltrain",
+            "run",
+            "--strategy",
+            "dp",
+            "--local",
+            "1",
+            "--steps",
+            "3",
+            "--batch",
+            "2",
+            "--seq",
+            "32",
+            "--checkpoint-dir",
+            str(root / "ck"),
+            "--out",
+            str(root),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stderr
     return root / "ck"
 
@@ -34,22 +57,46 @@ def test_export_loads_in_transformers_with_same_logits(trained, tmp_path, capsys
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(out))
     hf.eval()
     ours = GPT(get_model("tiny"))
-    ours.load_state_dict({k[6:]: v for k, v in load_file(str(trained / "step-000003" / "rank0.safetensors")).items()
-                          if k.startswith("param.")})
+    ours.load_state_dict(
+        {
+            k[6:]: v
+            for k, v in load_file(str(trained / "step-000003" / "rank0.safetensors")).items()
+            if k.startswith("param.")
+        }
+    )
     ours.eval()
     ids = torch.tensor([list(b"def main():")])
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, ours(ids), atol=1e-4, rtol=1e-4)
 
     # and it runs split over ranks, text in (byte-level tokenizer.json), same tokens as transformers
-    want = hf.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)[0, ids.shape[1]:]
+    want = hf.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)[0, ids.shape[1] :]
     rep = tmp_path / "gen.json"
-    assert main(["generate", "--strategy", "pp", "--local", "2", "--model", str(out), "--prompt", "def main():",
-                 "--max-new-tokens", "6", "--json", str(rep)]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--strategy",
+                "pp",
+                "--local",
+                "2",
+                "--model",
+                str(out),
+                "--prompt",
+                "def main():",
+                "--max-new-tokens",
+                "6",
+                "--json",
+                str(rep),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(rep.read_text())
     assert doc["prompt_ids"] == list(b"def main():")
     assert doc["output_ids"] == want.tolist()
     from tokenizers import Tokenizer
+
     assert doc["text"] == Tokenizer.from_file(str(out / "tokenizer.json")).decode(want.tolist())
 
 

@@ -1,6 +1,7 @@
 """`smoltrain serve`: the OpenAI HTTP API over a pp cluster of two loopback ranks; concurrent requests
 are served one after another and each gets transformers' tokens; bad requests get 4xx JSON; a client
 gone mid-stream frees the slot; a dead rank gives 503, not a hang."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,7 +15,6 @@ import sys
 import threading
 
 import pytest
-
 from infer_models import make_checkpoint, reference
 
 PROMPTS = [[3, 5, 7, 9], [11, 13], [2, 4, 6, 8, 10, 12]]
@@ -25,10 +25,20 @@ NEW = 8
 def served(tmp_path_factory):
     from smoltrain.infer.launch import open_model
     from smoltrain.infer.server import Service, make_server
+
     path = make_checkpoint(str(tmp_path_factory.mktemp("hf") / "llama"), "llama", layers=3)
     want = [reference(path, p, NEW) for p in PROMPTS]
-    args = argparse.Namespace(strategy="pp", local=2, inventory=None, model=path, backend="socket", dtype=None,
-                              placement="even", timeout=60.0, secret_file=None)
+    args = argparse.Namespace(
+        strategy="pp",
+        local=2,
+        inventory=None,
+        model=path,
+        backend="socket",
+        dtype=None,
+        placement="even",
+        timeout=60.0,
+        secret_file=None,
+    )
     setup = open_model(args)
     logs: list[str] = []
     svc = Service(setup.runner, setup.tokenizer, setup.ckpt.config, "llama", log=logs.append)
@@ -73,8 +83,11 @@ def test_models_health_and_concurrent_requests(served):
         st, doc = results[i]
         assert st == 200, doc
         assert doc["choices"][0]["token_ids"] == want[i]
-        assert doc["usage"] == {"prompt_tokens": len(PROMPTS[i]), "completion_tokens": NEW,
-                                "total_tokens": len(PROMPTS[i]) + NEW}
+        assert doc["usage"] == {
+            "prompt_tokens": len(PROMPTS[i]),
+            "completion_tokens": NEW,
+            "total_tokens": len(PROMPTS[i]) + NEW,
+        }
 
 
 def test_bad_requests_get_4xx_json(served):
@@ -112,7 +125,7 @@ def test_stream_and_disconnect_mid_stream(served):
 
     long = completion(PROMPTS[1], stream=True, max_tokens=60)
     c, r = stream_events(port, long)
-    r.fp.readline()          # the first chunk's size line: generation has started
+    r.fp.readline()  # the first chunk's size line: generation has started
     c.sock.shutdown(socket.SHUT_RDWR)
     c.close()
     st, doc = call(port, "POST", "/v1/completions", completion(PROMPTS[2]))
@@ -137,13 +150,17 @@ def test_serve_command_starts_and_answers(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "smoltrain", "serve", "--strategy", "local", "--model", path,
-                             "--port", str(port)], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "smoltrain", "serve", "--strategy", "local", "--model", path, "--port", str(port)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stderr.readline()
         assert f"127.0.0.1:{port}/v1" in line, line
-        st, doc = call(port, "POST", "/v1/chat/completions",
-                       {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        st, doc = call(
+            port, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        )
         assert st == 400 and "tokenizer" in doc["error"]["message"]
         st, doc = call(port, "POST", "/v1/completions", completion([3, 5, 7], max_tokens=4))
         assert st == 200 and doc["choices"][0]["token_ids"] == reference(path, [3, 5, 7], 4)

@@ -5,6 +5,7 @@ link attributed to host names and equal to the plan's per token.
 Needs root and network namespaces; skips cleanly without them. Sim "i1" on 10.44.0.0/24 is
 always torn down.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-
 from infer_models import make_checkpoint, reference
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
@@ -40,9 +40,30 @@ def cluster(tmp_path_factory):
 def test_generate_across_sim_hosts(cluster, strategy):
     st, inv, d, path, want = cluster
     out = d / f"{strategy}.json"
-    p = subprocess.run([sys.executable, "-m", "smoltrain", "generate", "--strategy", strategy, "-i", str(inv),
-                        "--model", path, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", str(NEW),
-                        "--ignore-eos", "--json", str(out)], capture_output=True, text=True, timeout=240)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "smoltrain",
+            "generate",
+            "--strategy",
+            strategy,
+            "-i",
+            str(inv),
+            "--model",
+            path,
+            "--prompt-ids",
+            ",".join(map(str, PROMPT)),
+            "--max-new-tokens",
+            str(NEW),
+            "--ignore-eos",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert p.returncode == 0, p.stdout[-1500:] + p.stderr[-1500:]
     doc = json.loads(out.read_text())
     names = [h["name"] for h in st["hosts"]]

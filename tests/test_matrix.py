@@ -3,6 +3,7 @@
 Real agents, real probes, real reports; the sim tests (test_matrix_sim.py) add shaping
 and MTU faults.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,12 +16,12 @@ import time
 from itertools import chain
 
 import pytest
+from ports import free_port
 
 from smolnet import agent_client as control
 from smolnet.agent import Agent
 from smolnet.matrix import directed_rounds, pair_rounds
 from smoltrain.schema import check_any
-from ports import free_port
 
 SECRET = b"matrix-test-secret-0123456789"
 
@@ -47,16 +48,19 @@ def write_inventory(tmp_path, hosts: dict, port: int) -> str:
     lines = ["all:", "  children:", "    cluster:", "      hosts:"]
     for name, ip in hosts.items():
         lines.append(f"        {name}: {{cluster_ip: {ip}}}")
-    lines += ["      vars:", "        ansible_connection: local", f"        smol_agent_port: {port}",
-              f"        smol_secret_file: {secret}"]
+    lines += [
+        "      vars:",
+        "        ansible_connection: local",
+        f"        smol_agent_port: {port}",
+        f"        smol_secret_file: {secret}",
+    ]
     p = tmp_path / "hosts.yml"
     p.write_text("\n".join(lines) + "\n")
     return str(p)
 
 
 def smolnet(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "smolnet", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "smolnet", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def port_free(ip: str, port: int) -> bool:
@@ -71,14 +75,31 @@ def port_free(ip: str, port: int) -> bool:
 def test_matrix_loopback_with_unreachable_host(tmp_path):
     """ghost refuses SSH: its links are down with the reason, the rest still measured."""
     port = free_port("127.0.0.31", "127.0.0.32")
-    inv = write_inventory(tmp_path, {"a": "127.0.0.31", "b": "127.0.0.32",
-                                     "ghost": "127.0.0.42, ansible_connection: ssh, ansible_port: 1"}, port)
+    inv = write_inventory(
+        tmp_path,
+        {"a": "127.0.0.31", "b": "127.0.0.32", "ghost": "127.0.0.42, ansible_connection: ssh, ansible_port: 1"},
+        port,
+    )
     out = tmp_path / "rep"
-    p = smolnet("matrix", "-i", inv, "--duration", "0.5", "--backend", "builtin", "--streams", "2",
-                "--out", str(out), "--json", str(tmp_path / "copy.json"))
+    p = smolnet(
+        "matrix",
+        "-i",
+        inv,
+        "--duration",
+        "0.5",
+        "--backend",
+        "builtin",
+        "--streams",
+        "2",
+        "--out",
+        str(out),
+        "--json",
+        str(tmp_path / "copy.json"),
+    )
     assert p.returncode == 4, p.stderr + p.stdout
     doc = json.loads((out / "links.json").read_text())
     from smolnet.report import validate_report
+
     assert validate_report(doc) == []
     assert (out / "links.md").exists() and (out / "links.png").stat().st_size > 0
     assert json.loads((tmp_path / "copy.json").read_text())["links"] == doc["links"]
@@ -104,15 +125,26 @@ def test_running_agent_is_reused_and_left_running(tmp_path):
     mine = Agent("127.0.0.33", port, SECRET)
     mine.start_background()
     try:
-        p = smolnet("probe", "a", "b", "-i", inv, "--duration", "0.5", "--backend", "builtin",
-                    "--json", str(tmp_path / "p.json"))
+        p = smolnet(
+            "probe",
+            "a",
+            "b",
+            "-i",
+            inv,
+            "--duration",
+            "0.5",
+            "--backend",
+            "builtin",
+            "--json",
+            str(tmp_path / "p.json"),
+        )
         assert p.returncode in (0, 4), p.stderr
         doc = json.loads((tmp_path / "p.json").read_text())
         assert [(l["src"], l["dst"]) for l in doc["links"]] == [("a", "b")]
         assert doc["links"][0]["throughput_mbit"] > 10
-        assert mine.stats["accepted"] > 0                     # the run used our agent ...
-        assert control.call("127.0.0.33", port, SECRET, "ping")["ok"]   # ... and left it running
-        assert port_free("127.0.0.34", port)                 # but stopped the one it started
+        assert mine.stats["accepted"] > 0  # the run used our agent ...
+        assert control.call("127.0.0.33", port, SECRET, "ping")["ok"]  # ... and left it running
+        assert port_free("127.0.0.34", port)  # but stopped the one it started
     finally:
         mine.stop()
 
@@ -138,9 +170,25 @@ def test_ctrl_c_writes_partial_report_and_stops_agents(tmp_path):
     port = free_port("127.0.0.37", "127.0.0.38", "127.0.0.39")
     inv = write_inventory(tmp_path, {"a": "127.0.0.37", "b": "127.0.0.38", "c": "127.0.0.39"}, port)
     out = tmp_path / "rep"
-    p = subprocess.Popen([sys.executable, "-m", "smolnet", "matrix", "-i", inv, "--duration", "5",
-                          "--backend", "builtin", "--out", str(out)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "smolnet",
+            "matrix",
+            "-i",
+            inv,
+            "--duration",
+            "5",
+            "--backend",
+            "builtin",
+            "--out",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         # readiness: every agent of the run is listening, so the run is measuring (or about to)
@@ -189,8 +237,9 @@ def test_host_dying_mid_run_is_down_with_reason(tmp_path):
     t.start()
     try:
         out = tmp_path / "rep"
-        p = smolnet("matrix", "-i", inv, "--duration", "0.5", "--backend", "builtin", "--streams", "2",
-                    "--out", str(out))
+        p = smolnet(
+            "matrix", "-i", inv, "--duration", "0.5", "--backend", "builtin", "--streams", "2", "--out", str(out)
+        )
     finally:
         victim.stop()
     assert p.returncode == 4, p.stderr

@@ -4,6 +4,7 @@ that does not exist, and MTU exactness on the mtu-lab switch.
 Needs root and network namespaces; skips cleanly without them. Sims "m1" (home) and
 "m2" (mtu-lab) use their own subnets and are always torn down.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,11 +17,12 @@ import yaml
 
 pytestmark = pytest.mark.sim
 
-from smolnet.sim import cluster as sim  # noqa: E402
-from smolnet.sim.scenarios import HostSpec  # noqa: E402
 from need import sim_up  # noqa: E402
 
-LOW, HIGH = 0.85, 1.10      # shaped goodput, tests; bench/bench_probe.py measures the 5 % bar
+from smolnet.sim import cluster as sim  # noqa: E402
+from smolnet.sim.scenarios import HostSpec  # noqa: E402
+
+LOW, HIGH = 0.85, 1.10  # shaped goodput, tests; bench/bench_probe.py measures the 5 % bar
 MTU_TOLERANCE = 8
 
 
@@ -49,8 +51,12 @@ def home_report(home, tmp_path_factory):
     ghost_inv = inv.with_name("m1-ghost.yml")
     ghost_inv.write_text(yaml.safe_dump(doc, sort_keys=False))
     out = tmp_path_factory.mktemp("m1rep")
-    p = subprocess.run([sys.executable, "-m", "smolnet", "matrix", "-i", str(ghost_inv), "--duration", "1",
-                        "--out", str(out)], capture_output=True, text=True, timeout=240)
+    p = subprocess.run(
+        [sys.executable, "-m", "smolnet", "matrix", "-i", str(ghost_inv), "--duration", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     report = json.loads((out / "links.json").read_text())
     return st, p, report, out
 
@@ -158,9 +164,14 @@ def test_mtu_lab_effective_mtu_exact(tmp_path):
             pool.ensure_all(hosts)
             assert not pool.errors, pool.errors
             specs = {h["name"]: _spec(h) for h in st["hosts"]}
-            cases = [("j1", "j2"), ("j2", "j1"),        # matching jumbo
-                     ("j1", "jm"), ("jm", "j1"),        # jumbo host behind a 1500 switch port
-                     ("j1", "s1"), ("s1", "j1")]        # one end at 1500
+            cases = [
+                ("j1", "j2"),
+                ("j2", "j1"),  # matching jumbo
+                ("j1", "jm"),
+                ("jm", "j1"),  # jumbo host behind a 1500 switch port
+                ("j1", "s1"),
+                ("s1", "j1"),
+            ]  # one end at 1500
             for a, b in cases:
                 got = probe_pmtu(pool.endpoints[a], pool.endpoints[b], pool.secret)
                 want = sim.path_truth(specs[a], specs[b])["mtu_effective"]

@@ -1,4 +1,5 @@
 """The model, the data and the optimizer: in-process, no workers."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,10 +7,10 @@ import torch
 
 from smolnet.errors import UsageError
 from smoltrain.models.data import Batches, load_corpus
-from smoltrain.planner.placement import split_batch
 from smoltrain.models.gpt import build_model, loss_sum, split_units
-from smoltrain.models.spec import get_model, with_overrides
 from smoltrain.models.optim import AdamW
+from smoltrain.models.spec import get_model, with_overrides
+from smoltrain.planner.placement import split_batch
 
 
 def test_parameter_count_matches_the_planners_spec():
@@ -17,8 +18,9 @@ def test_parameter_count_matches_the_planners_spec():
         spec = get_model(name)
         model = build_model(spec, seed=0)
         assert sum(p.numel() for p in model.parameters()) == spec.params()
-    small_gpt2 = with_overrides(get_model("gpt2-124m"), layers=1, hidden=64, heads=4, kv_heads=4, ffn=256,
-                                vocab=300, ctx=32)
+    small_gpt2 = with_overrides(
+        get_model("gpt2-124m"), layers=1, hidden=64, heads=4, kv_heads=4, ffn=256, vocab=300, ctx=32
+    )
     model = build_model(small_gpt2, seed=0)  # tied: the head shares the embedding
     assert sum(p.numel() for p in model.parameters()) == small_gpt2.params()
 

@@ -1,4 +1,5 @@
 """Placement on hand-built speed profiles: shares, layer cuts, head splits, rank order, refusals."""
+
 from __future__ import annotations
 
 import json
@@ -6,10 +7,16 @@ import json
 import pytest
 
 from smoltrain.models.spec import get_model
-from smoltrain.planner.placement import (PlacementError, counts_from_shares, even_counts, named_batch_ranges,
-                                         place, validate)
-from smoltrain.planner.placement_split import predict
+from smoltrain.planner.placement import (
+    PlacementError,
+    counts_from_shares,
+    even_counts,
+    named_batch_ranges,
+    place,
+    validate,
+)
 from smoltrain.planner.placement_search import candidate_orders
+from smoltrain.planner.placement_split import predict
 from smoltrain.planner.speeds import HostSpeed, host_speeds
 
 TINY = get_model("tiny")
@@ -54,8 +61,10 @@ def test_twice_as_fast_gets_twice_the_work():
     pp = place("pp", "auto", TINY, list(sp), sp, 12, 32, 4)
     layers = {n: hi - lo for n, (lo, hi) in zip(pp.order, pp.layers)}
     assert layers["fast"] > layers["slow"]
-    assert predict(pp, TINY, sp, 12, 32, 4)["step_s"] < predict(place("pp", "even", TINY, list(sp), sp, 12, 32, 4),
-                                                                 TINY, sp, 12, 32, 4)["step_s"]
+    assert (
+        predict(pp, TINY, sp, 12, 32, 4)["step_s"]
+        < predict(place("pp", "even", TINY, list(sp), sp, 12, 32, 4), TINY, sp, 12, 32, 4)["step_s"]
+    )
 
 
 def test_a_host_without_memory_for_a_layer_gets_none_and_the_plan_says_why():
@@ -93,9 +102,11 @@ def test_rank_order_keeps_the_slow_uplink_off_the_busiest_transfer():
     even = place("pp", "even", TINY, ["a", "slow", "b", "d"], sp, 8, 32, 4, link_s)
     assert even.order == ["a", "slow", "b", "d"]
     assert predict(p, TINY, sp, 8, 32, 4, link_s)["step_s"] < predict(even, TINY, sp, 8, 32, 4, link_s)["step_s"]
+
     # star (syncps): the hub is the host whose links are fastest
     def star_s(src, dst, n):
         return n / (1e9 if "d" in (src, dst) else 1e7)
+
     assert place("syncps", "auto", TINY, ["a", "b", "slow", "d"], sp, 8, 32, 1, star_s).order[0] == "d"
 
 
@@ -106,10 +117,22 @@ def test_order_search_beyond_eight_hosts_uses_the_heuristic():
 
 
 def test_speeds_from_a_compute_report_and_nominal_fallback():
-    doc = {"schema": "smoltrain.compute/1", "hosts": [
-        {"name": "a", "machine_id": "m1", "usable_memory_bytes": 4e9, "flops": {"fp32": 1e10}, "mem_bw_bytes_s": 1e10,
-         "train_step": [{"model": "tiny", "batch": 2, "seq": 64, "seconds": 0.03},
-                        {"model": "tiny", "batch": 8, "seq": 64, "seconds": 0.09}]}]}
+    doc = {
+        "schema": "smoltrain.compute/1",
+        "hosts": [
+            {
+                "name": "a",
+                "machine_id": "m1",
+                "usable_memory_bytes": 4e9,
+                "flops": {"fp32": 1e10},
+                "mem_bw_bytes_s": 1e10,
+                "train_step": [
+                    {"model": "tiny", "batch": 2, "seq": 64, "seconds": 0.03},
+                    {"model": "tiny", "batch": 8, "seq": 64, "seconds": 0.09},
+                ],
+            }
+        ],
+    }
     sp = host_speeds(doc, ["a", "b"], TINY)
     assert sp["a"].source == "measured" and sp["b"].source == "nominal"
     assert sp["a"].s_per_token == pytest.approx(0.06 / (6 * 64)) and sp["a"].fixed_s == pytest.approx(0.01)
@@ -129,15 +152,33 @@ def test_validate_refuses_a_placement_the_run_cannot_execute():
         validate({"order": ["a", "b"], "layers": [[0, 2], [3, 6]]}, "pp", TINY, 8, 2)
     with pytest.raises(PlacementError, match="order"):
         validate({"order": ["a", "a"], "shares": [0.5, 0.5]}, "dp", TINY, 8, 2)
-    validate(json.loads(json.dumps(place("tp", "even", TINY, ["a", "b", "c", "d"],
-                                         speeds(a=1, b=1, c=1, d=1), 8, 32).to_dict())), "tp", TINY, 8, 4)
+    validate(
+        json.loads(
+            json.dumps(place("tp", "even", TINY, ["a", "b", "c", "d"], speeds(a=1, b=1, c=1, d=1), 8, 32).to_dict())
+        ),
+        "tp",
+        TINY,
+        8,
+        4,
+    )
 
 
 def _compute_file(tmp_path, fast="rank0", names=("rank0", "rank1", "rank2")):
-    hosts = [{"name": n, "machine_id": n, "cores": 1, "cpu_limit_cores": 1, "flops": {"fp32": 1e10},
-              "mem_bw_bytes_s": 1e10, "usable_memory_bytes": 4e9,
-              "train_step": [{"model": "tiny", "batch": b, "seq": 64, "seconds": b * (0.01 if n == fast else 0.03)}
-                             for b in (2, 8)]} for n in names]
+    hosts = [
+        {
+            "name": n,
+            "machine_id": n,
+            "cores": 1,
+            "cpu_limit_cores": 1,
+            "flops": {"fp32": 1e10},
+            "mem_bw_bytes_s": 1e10,
+            "usable_memory_bytes": 4e9,
+            "train_step": [
+                {"model": "tiny", "batch": b, "seq": 64, "seconds": b * (0.01 if n == fast else 0.03)} for b in (2, 8)
+            ],
+        }
+        for n in names
+    ]
     path = tmp_path / "compute.json"
     path.write_text(json.dumps({"schema": "smoltrain.compute/1", "created": "x", "hosts": hosts}))
     return path
@@ -147,15 +188,49 @@ def test_plan_shows_the_placement_next_to_even(tmp_path, capsys):
     from smoltrain.cli import main
 
     c = _compute_file(tmp_path)
-    assert main(["plan", "--strategy", "pp", "--world", "3", "--microbatches", "4", "--compute", str(c),
-                 "--no-what-if", "--json", str(tmp_path / "p.json")]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--strategy",
+                "pp",
+                "--world",
+                "3",
+                "--microbatches",
+                "4",
+                "--compute",
+                str(c),
+                "--no-what-if",
+                "--json",
+                str(tmp_path / "p.json"),
+            ]
+        )
+        == 0
+    )
     sec = json.loads((tmp_path / "p.json").read_text())["placement"]
-    assert sec["mode"] == "auto" and sec["speed_source"] == "measured"   # auto: a compute report was given
+    assert sec["mode"] == "auto" and sec["speed_source"] == "measured"  # auto: a compute report was given
     assert sec["layers"][0][1] - sec["layers"][0][0] > 2 and sec["speedup"] > 1.2
     out = capsys.readouterr().out
     assert "placement auto" in out and "auto vs even" in out
-    assert main(["plan", "--strategy", "all", "--world", "3", "--compute", str(c), "--placement", "even",
-                 "--no-what-if", "--json", str(tmp_path / "all.json")]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--strategy",
+                "all",
+                "--world",
+                "3",
+                "--compute",
+                str(c),
+                "--placement",
+                "even",
+                "--no-what-if",
+                "--json",
+                str(tmp_path / "all.json"),
+            ]
+        )
+        == 0
+    )
     doc = json.loads((tmp_path / "all.json").read_text())
     assert doc["ranking_placed"] and all(p["placement"]["mode"] == "even" for p in doc["plans"] if "placement" in p)
 
@@ -164,8 +239,19 @@ def test_run_config_carries_the_placement_over_the_wire():
     from smoltrain.run.config import ConfigError, RunConfig
 
     pl = place("tp", "even", TINY, ["a", "b", "c", "d"], speeds(a=1, b=1, c=1, d=1), 8, 32).to_dict()
-    cfg = RunConfig(strategy="tp", backend="socket", model=TINY, steps=1, batch=8, seq=32, lr=1e-3, seed=0,
-                    names=("a", "b", "c", "d"), devices=("cpu",) * 4, placement=pl)
+    cfg = RunConfig(
+        strategy="tp",
+        backend="socket",
+        model=TINY,
+        steps=1,
+        batch=8,
+        seq=32,
+        lr=1e-3,
+        seed=0,
+        names=("a", "b", "c", "d"),
+        devices=("cpu",) * 4,
+        placement=pl,
+    )
     back = RunConfig.from_wire(json.loads(json.dumps(cfg.to_wire())))
     assert back.placement == pl and cfg.report_view()["placement"] == pl
     bad = cfg.to_wire()
@@ -180,9 +266,14 @@ def test_demo_section_pictures_who_got_what(tmp_path):
     even = {"order": ["a", "b", "c"], "layers": [[0, 2], [2, 4], [4, 6]]}
     auto = {"order": ["c", "a", "b"], "layers": [[0, 4], [4, 5], [5, 6]], "why": ["c: layers 0..3"]}
     assert work_of(auto)[0] == ("c", 4 / 6, "layers 0..3")
-    rows = [{"strategy": "pp", "even": {"tokens_per_s": 800.0, "placement": even},
-             "auto": {"tokens_per_s": 1300.0, "placement": auto},
-             "plan": {"speedup": 1.5, "predicted": {"even": {"tokens_per_s": 900.0}, "auto": {"tokens_per_s": 1350.0}}}}]
+    rows = [
+        {
+            "strategy": "pp",
+            "even": {"tokens_per_s": 800.0, "placement": even},
+            "auto": {"tokens_per_s": 1300.0, "placement": auto},
+            "plan": {"speedup": 1.5, "predicted": {"even": {"tokens_per_s": 900.0}, "auto": {"tokens_per_s": 1350.0}}},
+        }
+    ]
     assert picture(rows, tmp_path / "p.png") and (tmp_path / "p.png").stat().st_size > 1000
     text = "\n".join(markdown(rows, "p.png"))
     assert "| pp | 900 | 800 | 1,350 | 1,300 | 1.50x | 1.62x |" in text and "](p.png)" in text

@@ -6,6 +6,7 @@ shares 4:1:1, layer cuts 1/3/2, heads 3/1/1/1); pp and tp also run 6 layers over
 hand-built compute report in which rank0 is three times as fast. Losses must match the
 single-process reference within 1e-5 relative, and the report must record the placement.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,10 +27,22 @@ RUNS = {
     "fsdp": ("fsdp", 3, SHARES, []),
     "syncps": ("syncps", 3, SHARES, []),
     "mp": ("mp", 3, {"order": ["rank0", "rank1", "rank2"], "layers": [[0, 1], [1, 4], [4, 6]]}, []),
-    "pp": ("pp", 3, {"order": ["rank0", "rank1", "rank2"], "layers": [[0, 3], [3, 4], [4, 6]]},
-           ["--microbatches", "3"]),
-    "tp": ("tp", 4, {"order": [f"rank{r}" for r in range(4)], "heads": [[0, 3], [3, 4], [4, 5], [5, 6]],
-                     "ffn": [[0, 192], [192, 256], [256, 320], [320, 384]]}, []),
+    "pp": (
+        "pp",
+        3,
+        {"order": ["rank0", "rank1", "rank2"], "layers": [[0, 3], [3, 4], [4, 6]]},
+        ["--microbatches", "3"],
+    ),
+    "tp": (
+        "tp",
+        4,
+        {
+            "order": [f"rank{r}" for r in range(4)],
+            "heads": [[0, 3], [3, 4], [4, 5], [5, 6]],
+            "ffn": [[0, 192], [192, 256], [256, 320], [320, 384]],
+        },
+        [],
+    ),
     "pp4-even": ("pp", 4, None, ["--microbatches", "2"]),
     "tp4-even": ("tp", 4, None, []),
     "dp-auto": ("dp", 3, "compute", []),
@@ -40,10 +53,20 @@ def compute_doc(names, fast="rank0"):
     hosts = []
     for n in names:
         per_seq = 0.01 if n == fast else 0.03
-        hosts.append({"name": n, "machine_id": "m", "cores": 1, "cpu_limit_cores": 1, "flops": {"fp32": 1e10},
-                      "mem_bw_bytes_s": 1e10, "usable_memory_bytes": 4e9,
-                      "train_step": [{"model": "tiny", "batch": b, "seq": SEQ, "seconds": 0.002 + b * per_seq}
-                                     for b in (2, 8)]})
+        hosts.append(
+            {
+                "name": n,
+                "machine_id": "m",
+                "cores": 1,
+                "cpu_limit_cores": 1,
+                "flops": {"fp32": 1e10},
+                "mem_bw_bytes_s": 1e10,
+                "usable_memory_bytes": 4e9,
+                "train_step": [
+                    {"model": "tiny", "batch": b, "seq": SEQ, "seconds": 0.002 + b * per_seq} for b in (2, 8)
+                ],
+            }
+        )
     return {"schema": "smoltrain.compute/1", "created": "2026-12-03T00:00:00Z", "hosts": hosts}
 
 
@@ -60,9 +83,28 @@ def reports(tmp_path_factory):
 
     def one(name):
         strategy, world, placement, extra = RUNS[name]
-        args = ["run", "--strategy", strategy, "--local", str(world), "--steps", str(STEPS), "--batch", str(BATCH),
-                "--seq", str(SEQ), "--seed", "3", "--secret-file", str(secret), "--out", str(d),
-                "--json", str(d / f"{name}.json"), *extra]
+        args = [
+            "run",
+            "--strategy",
+            strategy,
+            "--local",
+            str(world),
+            "--steps",
+            str(STEPS),
+            "--batch",
+            str(BATCH),
+            "--seq",
+            str(SEQ),
+            "--seed",
+            "3",
+            "--secret-file",
+            str(secret),
+            "--out",
+            str(d),
+            "--json",
+            str(d / f"{name}.json"),
+            *extra,
+        ]
         if placement == "compute":
             (d / "compute.json").write_text(json.dumps(compute_doc([f"rank{r}" for r in range(world)])))
             args += ["--placement", "auto", "--compute", str(d / "compute.json")]
@@ -109,11 +151,41 @@ def test_unfit_placement_is_refused_before_anything_starts(tmp_path):
     for h in doc["hosts"]:
         h["usable_memory_bytes"] = 1000
     (tmp_path / "c.json").write_text(json.dumps(doc))
-    p = run_cli(["run", "--strategy", "pp", "--local", "2", "--steps", "1", "--placement", "auto",
-                 "--compute", str(tmp_path / "c.json"), "--out", str(tmp_path)], timeout=60)
+    p = run_cli(
+        [
+            "run",
+            "--strategy",
+            "pp",
+            "--local",
+            "2",
+            "--steps",
+            "1",
+            "--placement",
+            "auto",
+            "--compute",
+            str(tmp_path / "c.json"),
+            "--out",
+            str(tmp_path),
+        ],
+        timeout=60,
+    )
     assert p.returncode == 2 and "no host has memory" in p.stderr and p.stderr.strip().count("\n") == 0
     bad = {"order": ["rank0", "rank1"], "layers": [[0, 2], [3, 6]]}
     (tmp_path / "p.json").write_text(json.dumps(bad))
-    p = run_cli(["run", "--strategy", "pp", "--local", "2", "--steps", "1", "--placement", str(tmp_path / "p.json"),
-                 "--out", str(tmp_path)], timeout=60)
+    p = run_cli(
+        [
+            "run",
+            "--strategy",
+            "pp",
+            "--local",
+            "2",
+            "--steps",
+            "1",
+            "--placement",
+            str(tmp_path / "p.json"),
+            "--out",
+            str(tmp_path),
+        ],
+        timeout=60,
+    )
     assert p.returncode == 2 and "layers" in p.stderr

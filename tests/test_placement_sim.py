@@ -5,6 +5,7 @@ cuts the layers unevenly, and the loss curve still matches `--local 1`.
 Needs root and network namespaces; skips cleanly without them. Sim "pl" on 10.43.0.0/24 is
 always torn down.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,20 +40,43 @@ def test_pp_auto_placement_on_the_sim_reorders_and_matches_local_1(three):
     st, inv, d = three
     names = [h["name"] for h in st["hosts"]]
     fast = names[-1]
-    hosts = [{"name": n, "machine_id": n, "cores": 1, "cpu_limit_cores": 1, "flops": {"fp32": 1e10},
-              "mem_bw_bytes_s": 1e10, "usable_memory_bytes": 4e9,
-              "train_step": [{"model": "tiny", "batch": b, "seq": 32, "seconds": b * (0.01 if n == fast else 0.03)}
-                             for b in (2, 8)]} for n in names]
+    hosts = [
+        {
+            "name": n,
+            "machine_id": n,
+            "cores": 1,
+            "cpu_limit_cores": 1,
+            "flops": {"fp32": 1e10},
+            "mem_bw_bytes_s": 1e10,
+            "usable_memory_bytes": 4e9,
+            "train_step": [
+                {"model": "tiny", "batch": b, "seq": 32, "seconds": b * (0.01 if n == fast else 0.03)} for b in (2, 8)
+            ],
+        }
+        for n in names
+    ]
     (d / "compute.json").write_text(json.dumps({"schema": "smoltrain.compute/1", "created": "x", "hosts": hosts}))
     common = ["--steps", "3", "--batch", "6", "--seq", "32", "--seed", "5", "--microbatches", "2", "--out", str(d)]
-    p = run_cli(["run", "--strategy", "pp", "-i", str(inv), "--compute", str(d / "compute.json"),
-                 "--json", str(d / "pp.json"), *common])
+    p = run_cli(
+        [
+            "run",
+            "--strategy",
+            "pp",
+            "-i",
+            str(inv),
+            "--compute",
+            str(d / "compute.json"),
+            "--json",
+            str(d / "pp.json"),
+            *common,
+        ]
+    )
     assert p.returncode == 0, p.stdout[-1500:] + p.stderr[-1500:]
     r = run_cli(["run", "--strategy", "dp", "--local", "1", "--json", str(d / "ref.json"), *common])
     assert r.returncode == 0, r.stdout[-1500:] + r.stderr[-1500:]
     doc, ref = json.loads((d / "pp.json").read_text()), json.loads((d / "ref.json").read_text())
     pl = doc["placement"]
     assert pl["mode"] == "auto" and pl["order"][0] == fast and doc["hosts"] == pl["order"]
-    assert pl["layers"][0][1] - pl["layers"][0][0] > 2   # the fast host takes more than an even share
+    assert pl["layers"][0][1] - pl["layers"][0][0] > 2  # the fast host takes more than an even share
     for a, b in zip((s["loss"] for s in doc["steps"]), (s["loss"] for s in ref["steps"])):
         assert abs(a - b) <= 1e-5 * abs(b)

@@ -1,5 +1,6 @@
 """Plan against measurement: predicted bytes per link equal what the transport counted in
 `smoltrain run --local 2` (tiny model, 2 steps), within 2%, for every strategy run has."""
+
 import json
 import subprocess
 import sys
@@ -23,9 +24,30 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("plan-local")
     procs = {}
     for s in RUN_STRATEGIES:
-        argv = [sys.executable, "-m", "smoltrain", "run", "--strategy", s, "--local", "2", "--steps", "2",
-                "--batch", "8", "--seq", "64", "--microbatches", "2", "--data-cap-mb", "0.1",
-                "--json", str(d / f"{s}.json"), "--out", str(d)]
+        argv = [
+            sys.executable,
+            "-m",
+            "smoltrain",
+            "run",
+            "--strategy",
+            s,
+            "--local",
+            "2",
+            "--steps",
+            "2",
+            "--batch",
+            "8",
+            "--seq",
+            "64",
+            "--microbatches",
+            "2",
+            "--data-cap-mb",
+            "0.1",
+            "--json",
+            str(d / f"{s}.json"),
+            "--out",
+            str(d),
+        ]
         procs[s] = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = {}
     for s, p in procs.items():
@@ -44,15 +66,22 @@ def test_predicted_bytes_match_measured_on_local_runs(runs, strategy):
     assert rc == 0, log[-2000:]
     run = json.loads(path.read_text())
     cfg = run["config"]
-    plan = plan_for_run(strategy, get_model(cfg["model"]), run["world_size"], batch=cfg["batch"], seq=cfg["seq"],
-                        microbatches=cfg["microbatches"], calibration=False)
+    plan = plan_for_run(
+        strategy,
+        get_model(cfg["model"]),
+        run["world_size"],
+        batch=cfg["batch"],
+        seq=cfg["seq"],
+        microbatches=cfg["microbatches"],
+        calibration=False,
+    )
     cmp = compare(plan, run)
     assert cmp["steps"] == 2
     assert {(r["src"], r["dst"]) for r in cmp["links"]} == {("rank0", "rank1"), ("rank1", "rank0")}
     for r in cmp["links"]:
         assert r["measured_bytes_per_step"] > 0
         assert r["ratio"] == pytest.approx(1.0, abs=0.02), r
-    if "plan" in run:   # the plan `smoltrain run` showed before launching says the same
+    if "plan" in run:  # the plan `smoltrain run` showed before launching says the same
         shown = {(ln["src"], ln["dst"]): ln["bytes_per_step"] for ln in run["plan"]["links"]}
         assert shown == {(ln["src"], ln["dst"]): ln["bytes_per_step"] for ln in plan["links"]}
 

@@ -5,6 +5,7 @@ head unit 525,344,768 (norm + LM head); gpt2-124m P = 124,356,864 (tied), embedd
 (50257 + 1024) x 768 = 39,383,808, 12 blocks of 7,080,960, final norm 1,536; mixtral-8x7b
 active parameters 12,880,191,488 of which 262,152,192 embedding/head.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -39,7 +40,7 @@ def test_fsdp_compute_counts_the_recompute():
 def test_fsdp_tied_embedding_sent_once():
     # gpt2-124m, 2 ranks, fp32: 3 collectives x (N-1)/N x padded units x 4 bytes
     units = [39_383_808] + [7_080_960] * 12 + [1_536]
-    assert sum(units) == 124_356_864          # the tied matrix counted once
+    assert sum(units) == 124_356_864  # the tied matrix counted once
     want = 3 * 0.5 * sum(padded(u, 2) for u in units) * 4
     assert _plan("fsdp", "gpt2-124m", 2)["bytes_per_step"] == int(round(want))
 
@@ -47,17 +48,17 @@ def test_fsdp_tied_embedding_sent_once():
 def test_moe_training_flops_use_active_parameters():
     d = _plan("dp", "mixtral-8x7b", 1, dtype="bf16", batch=1, seq=128)
     m = get_model("mixtral-8x7b")
-    mm = 12_880_191_488 - 262_152_192 + 32_000 * 4096     # active blocks + LM head
+    mm = 12_880_191_488 - 262_152_192 + 32_000 * 4096  # active blocks + LM head
     want = 128 * (6 * mm + 12 * 32 * 4096 * 128)
     assert d["ranks"][0]["flops_per_step"] == pytest.approx(want)
-    assert m.params() / m.active_params() > 3.5            # what counting every expert overstated
+    assert m.params() / m.active_params() > 3.5  # what counting every expert overstated
 
 
 def test_pipeline_logits_on_the_last_stage_only():
     d = _plan("pp", "llama-3.2-1b", 4, batch=1, seq=128)
     h, heads, a, toks = 2048, 32, 4, 128
     per_token = h * (34 + 5 * heads * 128 / h)
-    body = toks * 4 * per_token * a / 2                    # 4 layers per stage
+    body = toks * 4 * per_token * a / 2  # 4 layers per stage
     acts = [r["memory"]["activations"] for r in d["ranks"]]
     assert acts[0] == int(body) and acts[1] == int(body)
     assert acts[3] == int(body + toks * 128_256 * 4)
@@ -95,10 +96,16 @@ def test_compare_excludes_warm_up_steps():
     from smoltrain.planner.compare import compare
 
     plan = _plan("dp", "tiny", 2)
-    run = {"config": {}, "bytes": [], "tokens_per_s": 1.0,
-           "steps": [{"step": 0, "step_s": 5.0, "comm_s": 2.0, "tokens": 512},
-                     {"step": 1, "step_s": 0.1, "comm_s": 0.01, "tokens": 512},
-                     {"step": 2, "step_s": 0.1, "comm_s": 0.01, "tokens": 512}]}
+    run = {
+        "config": {},
+        "bytes": [],
+        "tokens_per_s": 1.0,
+        "steps": [
+            {"step": 0, "step_s": 5.0, "comm_s": 2.0, "tokens": 512},
+            {"step": 1, "step_s": 0.1, "comm_s": 0.01, "tokens": 512},
+            {"step": 2, "step_s": 0.1, "comm_s": 0.01, "tokens": 512},
+        ],
+    }
     c = compare(plan, run)
     assert c["step_s"]["measured"] == pytest.approx(0.1)
     assert c["comm_s"]["measured"] == pytest.approx(0.01)

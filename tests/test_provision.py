@@ -5,14 +5,14 @@ One sim (name a1, 10.213.21.0/24) for the whole module. Its inventory is copied 
 temporary directory with two overrides: the laptop's `mtu` is 1500 (its port carries no
 more) and the model share lives in the temporary directory, so nothing outside is touched.
 """
+
 from __future__ import annotations
 
 import subprocess
 
 import pytest
-
-from provisiontools import BIN, REPO, ansible_env, changed_tasks, ns_run, playbook, recap
 from need import sim_up
+from provisiontools import BIN, REPO, ansible_env, changed_tasks, ns_run, playbook, recap
 
 # Converging four hosts takes minutes on a busy 2-core machine; the fixture's time counts
 # against the first test that uses it.
@@ -25,31 +25,40 @@ TARGET_MTU = {"pi5": 1500, "jetson": 1500, "macmini": 9000, "laptop": 1500}
 
 def test_lint_production_profile_offline():
     """ansible-lint (profile production, offline, from .ansible-lint) and yamllint rules pass."""
-    p = subprocess.run([str(BIN / "ansible-lint"), "--nocolor", "playbooks/"], cwd=REPO, env=ansible_env(),
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    p = subprocess.run(
+        [str(BIN / "ansible-lint"), "--nocolor", "playbooks/"],
+        cwd=REPO,
+        env=ansible_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stdout[-6000:]
     assert "Passed" in p.stdout and "production" in p.stdout, p.stdout[-2000:]
 
 
 def test_syntax_check_on_the_example_inventory():
-    p = playbook("-i", "inventory/hosts.example.yml", "--syntax-check", "playbooks/site.yml", "playbooks/verify.yml",
-                 timeout=120)
+    p = playbook(
+        "-i", "inventory/hosts.example.yml", "--syntax-check", "playbooks/site.yml", "playbooks/verify.yml", timeout=120
+    )
     assert p.returncode == 0, p.stdout[-3000:]
 
 
 def test_example_inventory_is_the_reference_cluster():
     from smolnet.inventory import load_inventory
+
     inv = load_inventory(REPO / "inventory/hosts.example.yml")
     devices = {h.name: h.device for h in inv.hosts}
-    assert devices == {"pi5": "pi5", "jetson": "jetson-orin-nano", "laptop": "rtx4050-laptop",
-                       "macmini": "mac-mini-m4"}
+    assert devices == {"pi5": "pi5", "jetson": "jetson-orin-nano", "laptop": "rtx4050-laptop", "macmini": "mac-mini-m4"}
     assert inv.nfs_server is not None and inv.coordinator.name == "macmini"
-    assert all(h.address.startswith("192.0.2.") for h in inv.hosts)      # documentation addresses only
+    assert all(h.address.startswith("192.0.2.") for h in inv.hosts)  # documentation addresses only
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     from smolnet.sim import cluster as sim
+
     d = tmp_path_factory.mktemp("provision")
     inv = d / "hosts.yml"
     st = sim_up(sim, name=SIM, subnet=SUBNET, inventory=str(inv))
@@ -61,10 +70,16 @@ def cluster(tmp_path_factory):
         (d / "group_vars" / "cluster.yml").write_text(
             f"nfs_export_dir: {export}\nnfs_server_ganesha_state_dir: {d / 'ganesha'}\n"
             # The sim's hosts share this machine's files: the project is installed already.
-            "smolcluster_install: false\n")
-        yield {"dir": d, "inventory": str(inv), "export": export, "state": st,
-               "ns": {h["name"]: h["netns"] for h in st["hosts"]},
-               "addr": {h["name"]: h["address"] for h in st["hosts"]}}
+            "smolcluster_install: false\n"
+        )
+        yield {
+            "dir": d,
+            "inventory": str(inv),
+            "export": export,
+            "state": st,
+            "ns": {h["name"]: h["netns"] for h in st["hosts"]},
+            "addr": {h["name"]: h["address"] for h in st["hosts"]},
+        }
     finally:
         sim.down(name=SIM)
 
@@ -97,7 +112,7 @@ def test_verify_passes_from_the_hosts(converged):
     p = playbook("-i", converged["inventory"], "playbooks/verify.yml", "-v")
     r = recap(p.stdout)
     assert p.returncode == 0 and set(r) == set(HOSTS), p.stdout[-6000:]
-    assert "NFS4ERR_ROFS" in p.stdout            # the write was refused by the server, not skipped
+    assert "NFS4ERR_ROFS" in p.stdout  # the write was refused by the server, not skipped
     assert p.stdout.count("StrictHostKeyChecking=yes") >= len(HOSTS)
 
 
@@ -105,13 +120,15 @@ def test_hosts_state_seen_directly(converged):
     """Independent of the playbooks: look at each host over SSH and in its namespace."""
     from smolnet.inventory import load_inventory
     from smolnet.remote import connect
+
     inv = load_inventory(converged["inventory"])
     secrets = set()
     names = [h.name for h in inv.hosts]
     for h in inv.hosts:
         with connect(h) as rem:
-            facts = rem.run(["sh", "-c", 'uname -n; cat /etc/hostname; stat -c %a "$1"; sha256sum "$1"', "sh",
-                             h.secret_file]).stdout.split()
+            facts = rem.run(
+                ["sh", "-c", 'uname -n; cat /etc/hostname; stat -c %a "$1"; sha256sum "$1"', "sh", h.secret_file]
+            ).stdout.split()
             assert facts[:3] == [h.name, h.name, "600"], (h.name, facts)
             secrets.add(facts[3])
             resolved = {}
@@ -121,8 +138,20 @@ def test_hosts_state_seen_directly(converged):
             assert resolved == {p.name: p.cluster_ip for p in inv.hosts}, (h.name, resolved)
             for peer in inv.hosts:
                 if peer.name != h.name:
-                    res = rem.run(["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
-                                   "-o", "ConnectTimeout=10", peer.name, "uname -n"], timeout=30)
+                    res = rem.run(
+                        [
+                            "ssh",
+                            "-o",
+                            "BatchMode=yes",
+                            "-o",
+                            "StrictHostKeyChecking=yes",
+                            "-o",
+                            "ConnectTimeout=10",
+                            peer.name,
+                            "uname -n",
+                        ],
+                        timeout=30,
+                    )
                     assert res.rc == 0 and res.stdout.strip() == peer.name, (h.name, peer.name, res.stderr)
         mtu = ns_run(converged["ns"][h.name], ["cat", "/sys/class/net/eth0/mtu"]).stdout.strip()
         assert int(mtu) == TARGET_MTU[h.name], (h.name, mtu)
@@ -157,8 +186,14 @@ def test_jumbo_mtu_on_the_mismatched_host_is_refused(converged):
     # macmini was not changed in this run, so it keeps its jumbo MTU.
     assert int(ns_run(ns["macmini"], ["cat", "/sys/class/net/eth0/mtu"]).stdout) == 9000
     # The laptop still answers Ansible and carries full 1500-byte frames both ways.
-    ping = subprocess.run([str(BIN / "ansible"), "-i", converged["inventory"], "laptop", "-m", "ansible.builtin.ping"],
-                          cwd=REPO, env=ansible_env(), capture_output=True, text=True, timeout=120)
+    ping = subprocess.run(
+        [str(BIN / "ansible"), "-i", converged["inventory"], "laptop", "-m", "ansible.builtin.ping"],
+        cwd=REPO,
+        env=ansible_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ping.returncode == 0, ping.stdout + ping.stderr
     addr = converged["addr"]
     for src, dst in (("laptop", "macmini"), ("macmini", "laptop")):

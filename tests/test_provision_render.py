@@ -1,20 +1,20 @@
 """Provisioning paths this machine cannot run (netplan, NetworkManager, networkd, ifupdown,
 dhcpcd, launchd): the roles' own tasks render their files under a temporary root, and
 detection picks the right stack from each root's traces."""
+
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
 import pytest
-
 from provisiontools import changed_tasks, playbook, recap
 
 pytestmark = [pytest.mark.timeout(600)]
 
 LOCAL = ("-i", "localhost,", "tests/ansible/render.yml", "-e", f"ansible_python_interpreter={sys.executable}")
 IFACE, MAC = "enp3s0", "52:54:00:12:34:56"
-STACK_TRACES = {                      # what each stack leaves on a host, for detection
+STACK_TRACES = {  # what each stack leaves on a host, for detection
     "netplan": ["etc/netplan/50-cloud-init.yaml"],
     "networkmanager": ["run/NetworkManager/NetworkManager.pid", "etc/network/interfaces"],
     "networkd": ["run/systemd/netif/links/2", "etc/systemd/network/20-wired.network"],
@@ -53,9 +53,10 @@ def test_netplan_file(rendered):
     root, _ = rendered
     p = root / "netplan/etc/netplan/60-smolcluster-mtu.yaml"
     import yaml
+
     doc = yaml.safe_load(p.read_text())
     assert doc == {"network": {"version": 2, "ethernets": {IFACE: {"mtu": 9000}}}}
-    assert p.stat().st_mode & 0o777 == 0o600          # netplan warns about readable files
+    assert p.stat().st_mode & 0o777 == 0o600  # netplan warns about readable files
 
 
 def test_networkmanager_default(rendered):
@@ -76,7 +77,7 @@ def test_ifupdown_stanza(rendered):
     lines = text.splitlines()
     i = lines.index(f"iface {IFACE} inet dhcp")
     # The MTU line sits inside the stanza, right after its iface line, and the rest is kept.
-    assert f"post-up ip link set dev {IFACE} mtu 9000" in "\n".join(lines[i + 1:i + 4])
+    assert f"post-up ip link set dev {IFACE} mtu 9000" in "\n".join(lines[i + 1 : i + 4])
     assert "    hostname pi5" in lines and "iface lo inet loopback" in lines
 
 
@@ -85,7 +86,7 @@ def test_udev_link_file(rendered, stack):
     text = (rendered[0] / f"{stack}/etc/systemd/network/10-smolcluster-{IFACE}.link").read_text()
     lines = text.splitlines()
     assert f"MACAddress={MAC}" in lines and "MTUBytes=9000" in lines
-    assert any(line.startswith("NamePolicy=") for line in lines)   # keeps the interface's name
+    assert any(line.startswith("NamePolicy=") for line in lines)  # keeps the interface's name
 
 
 def test_detection_picks_each_stack(rendered):
@@ -99,7 +100,7 @@ def test_agent_service_files(rendered):
     unit = (root / "agent-Debian/etc/systemd/system/smolnet-agent.service").read_text()
     exec_line = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
     assert "-m smolnet agent --bind 192.0.2.11 --port 7650" in exec_line
-    assert "~" not in exec_line                        # systemd does not expand ~
+    assert "~" not in exec_line  # systemd does not expand ~
     assert "--iface eth0" in exec_line
     plist = (root / "agent-Darwin/Library/LaunchDaemons/dev.smolcluster.agent.plist").read_text()
     assert "<string>dev.smolcluster.agent</string>" in plist and "<string>192.0.2.11</string>" in plist
@@ -107,8 +108,7 @@ def test_agent_service_files(rendered):
 
 def test_second_render_in_check_mode_changes_nothing(rendered):
     root, _ = rendered
-    again = playbook(*LOCAL, "-e", f"render_dir={root}", "--check",
-                     timeout=240)
+    again = playbook(*LOCAL, "-e", f"render_dir={root}", "--check", timeout=240)
     r = recap(again.stdout).get("localhost")
     assert r and r["failed"] == 0, again.stdout[-4000:]
     # Only the detection record is rewritten per stack (its content differs per loop item).

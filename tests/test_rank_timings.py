@@ -1,4 +1,5 @@
 """Per-rank timings: they add up to the step time, and compare names what missed."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,26 @@ def test_run_records_per_rank_timings_that_add_up(tmp_path):
     from smoltrain.cli import main
 
     out = tmp_path / "run.json"
-    assert main(["run", "--strategy", "dp", "--local", "2", "--steps", "3", "--batch", "4", "--seq", "32",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--strategy",
+                "dp",
+                "--local",
+                "2",
+                "--steps",
+                "3",
+                "--batch",
+                "4",
+                "--seq",
+                "32",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out.read_text())
     for s in doc["steps"]:
         assert [r["rank"] for r in s["ranks"]] == [0, 1]
@@ -43,9 +62,15 @@ def test_compare_names_the_rank_and_part_that_missed():
 
     plan = make_plan("dp", get_model("tiny"), 2, ranks=resolve_ranks(2), lm=from_class("1gbe"), single=False)
     c0, c1, comm = plan["ranks"][0]["compute_s"], plan["ranks"][1]["compute_s"], plan["comm_s_per_step"]
-    step = {"step_s": 3 * c0 + comm, "comm_s": comm, "tokens": 512,
-            "ranks": [{"rank": 0, "compute_s": 3 * c0, "comm_s": comm, "wait_s": 0.0},
-                      {"rank": 1, "compute_s": c1, "comm_s": comm, "wait_s": 2 * c0}]}
+    step = {
+        "step_s": 3 * c0 + comm,
+        "comm_s": comm,
+        "tokens": 512,
+        "ranks": [
+            {"rank": 0, "compute_s": 3 * c0, "comm_s": comm, "wait_s": 0.0},
+            {"rank": 1, "compute_s": c1, "comm_s": comm, "wait_s": 2 * c0},
+        ],
+    }
     run = {"config": {}, "bytes": [], "steps": [dict(step, step=k) for k in range(3)]}
     cmp = compare(plan, run)
     assert [r["compute_s"]["ratio"] for r in cmp["ranks"]] == pytest.approx([3.0, 1.0])

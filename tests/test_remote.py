@@ -1,5 +1,6 @@
 """Remote execution: the SSH path against a real sim host, the local path, and every
 error naming the host and its cause (refused, auth failed, unreachable, timed out)."""
+
 from __future__ import annotations
 
 import socket
@@ -7,11 +8,11 @@ import time
 from pathlib import Path
 
 import pytest
+from need import need_sim
 
-from smolnet.sim import cluster as sim
 from smolnet.inventory import Host, load_inventory
 from smolnet.remote import LocalRemote, RemoteError, connect
-from need import need_sim
+from smolnet.sim import cluster as sim
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,7 @@ def _variant(h: Host, **kw) -> Host:
 
 # --- SSH against the sim ------------------------------------------------------------------
 
+
 def test_ssh_run_start_stop_put(simhost):
     with connect(simhost) as r:
         res = r.run(["sh", "-c", "cat; echo err >&2; exit 3"], stdin=b"hello", timeout=15)
@@ -47,7 +49,7 @@ def test_ssh_run_start_stop_put(simhost):
         assert not r.alive(p)
         r.put_file("/root/smol/put.txt", b"abc\n", mode=0o640)
         assert r.run("stat -c %a /root/smol/put.txt; cat /root/smol/put.txt", timeout=15).stdout == "640\nabc\n"
-    assert not Path("/root/smol/put.txt").exists()   # it went into the host's own /root
+    assert not Path("/root/smol/put.txt").exists()  # it went into the host's own /root
 
 
 def test_ssh_command_timeout(simhost):
@@ -63,8 +65,9 @@ def test_wrong_key_is_auth_failed(simhost, tmp_path):
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     key = tmp_path / "other_key"
-    key.write_bytes(Ed25519PrivateKey.generate().private_bytes(
-        ser.Encoding.PEM, ser.PrivateFormat.OpenSSH, ser.NoEncryption()))
+    key.write_bytes(
+        Ed25519PrivateKey.generate().private_bytes(ser.Encoding.PEM, ser.PrivateFormat.OpenSSH, ser.NoEncryption())
+    )
     key.chmod(0o600)
     with pytest.raises(RemoteError, match=r"^node1: auth failed for root@10\.213\.55\.1:22"):
         connect(_variant(simhost, key_file=str(key)))
@@ -116,6 +119,7 @@ def test_connect_timeout():
 
 
 # --- the local path -----------------------------------------------------------------------
+
 
 def _local() -> LocalRemote:
     r = connect(Host(name="here", address="127.0.0.1", cluster_ip="127.0.0.1", local=True))

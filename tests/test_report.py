@@ -3,6 +3,7 @@
 The raw inputs here have the shape the agents return; tests/test_matrix_sim.py runs the
 same path on real measurements.
 """
+
 from __future__ import annotations
 
 import copy
@@ -14,8 +15,16 @@ from smolnet import report
 
 
 def host(name, mtu=1500, rate=1000.0):
-    return {"name": name, "address": f"10.0.0.{len(name)}", "iface": "eth0", "mtu_configured": mtu,
-            "link_rate_mbit": rate, "device": "generic", "status": "ok", "error": None}
+    return {
+        "name": name,
+        "address": f"10.0.0.{len(name)}",
+        "iface": "eth0",
+        "mtu_configured": mtu,
+        "link_rate_mbit": rate,
+        "device": "generic",
+        "status": "ok",
+        "error": None,
+    }
 
 
 def tput(x, cpu=False, method="iperf3"):
@@ -26,8 +35,7 @@ RTT = {"min": 30.0, "p50": 40.0, "p90": 50.0, "p99": 90.0, "max": 300.0, "sample
 
 
 def raw(src, dst, x, eff=1500, **extra):
-    r = {"src": src, "dst": dst, "rtt": dict(RTT), "pmtu": {"mtu_effective": eff, "error": None},
-         "tput": tput(x)}
+    r = {"src": src, "dst": dst, "rtt": dict(RTT), "pmtu": {"mtu_effective": eff, "error": None}, "tput": tput(x)}
     r.update(extra)
     return r
 
@@ -80,22 +88,35 @@ def test_assess_home_faults(home):
 def test_probe_limited_down_and_probe_failed():
     hosts = [host("a"), host("b"), host("c")]
     raws = [
-        {"src": "a", "dst": "b", "rtt": dict(RTT), "pmtu": {"mtu_effective": 1500, "error": None},
-         "tput": tput(600.0, cpu=True, method="builtin")},
-        {"src": "b", "dst": "a", "rtt_error": "no reply", "pmtu": {"mtu_effective": 1500, "error": None},
-         "tput": tput(950.0)},
+        {
+            "src": "a",
+            "dst": "b",
+            "rtt": dict(RTT),
+            "pmtu": {"mtu_effective": 1500, "error": None},
+            "tput": tput(600.0, cpu=True, method="builtin"),
+        },
+        {
+            "src": "b",
+            "dst": "a",
+            "rtt_error": "no reply",
+            "pmtu": {"mtu_effective": 1500, "error": None},
+            "tput": tput(950.0),
+        },
         {"src": "a", "dst": "c", "error": "host c: unreachable: 10.0.0.9:22"},
-        {"src": "c", "dst": "a", "rtt": dict(RTT), "pmtu": {"mtu_effective": 1500, "error": None},
-         "tput_error": "cannot connect to agent at 10.0.0.1:7650: Connection refused"},
-        {"src": "b", "dst": "c", "rtt": dict(RTT), "pmtu": {"mtu_effective": 1500, "error": None},
-         "tput": tput(950.0)},
-        {"src": "c", "dst": "b", "rtt": dict(RTT), "pmtu": {"mtu_effective": 1500, "error": None},
-         "tput": tput(950.0)},
+        {
+            "src": "c",
+            "dst": "a",
+            "rtt": dict(RTT),
+            "pmtu": {"mtu_effective": 1500, "error": None},
+            "tput_error": "cannot connect to agent at 10.0.0.1:7650: Connection refused",
+        },
+        {"src": "b", "dst": "c", "rtt": dict(RTT), "pmtu": {"mtu_effective": 1500, "error": None}, "tput": tput(950.0)},
+        {"src": "c", "dst": "b", "rtt": dict(RTT), "pmtu": {"mtu_effective": 1500, "error": None}, "tput": tput(950.0)},
     ]
     links = by_pair(report.assess_links(hosts, raws))
     ab = links[("a", "b")]
     assert ab["status"] == "degraded" and "probe-limited" in ab["warnings"] and ab["method"] == "builtin"
-    assert "asymmetric" in ab["warnings"]          # 600 < 0.7 * 950
+    assert "asymmetric" in ab["warnings"]  # 600 < 0.7 * 950
     ba = links[("b", "a")]
     assert ba["status"] == "degraded" and ba["warnings"] == ["probe-failed"] and "no reply" in ba["error"]
     ac = links[("a", "c")]
@@ -116,26 +137,44 @@ def test_report_validates_and_renders(home, tmp_path):
     assert back == json.loads((tmp_path / "extra.json").read_text()) and back["schema"] == "smolnet.links/1"
     md = (tmp_path / "out" / "links.md").read_text()
     assert "| **jetson** |" in md and "### Goodput" in md and "### Effective MTU" in md
-    assert ("macmini <-> laptop: both ends are set to 9000 but the path carries 1500; large frames are "
-            "dropped silently. Set the switch port to 9000 or both hosts to 1500.") in md
+    assert (
+        "macmini <-> laptop: both ends are set to 9000 but the path carries 1500; large frames are "
+        "dropped silently. Set the switch port to 9000 or both hosts to 1500."
+    ) in md
     assert "jetson -> pi5 is the slow direction" in md
     png = (tmp_path / "out" / "links.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
-    assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]   # no temp files left
+    assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]  # no temp files left
 
 
 def test_validate_catches_contract_breaks(home):
     hosts, raws = home
     good = report.build_report(hosts, report.assess_links(hosts, raws), {"duration_s": 1, "backend": "builtin"})
     cases = []
-    d = copy.deepcopy(good); d["schema"] = "smolnet.links/0"; cases.append(d)
-    d = copy.deepcopy(good); d["links"].pop(); cases.append(d)
-    d = copy.deepcopy(good); d["links"][0]["status"] = "fine"; cases.append(d)
-    d = copy.deepcopy(good); d["links"][0]["rtt_us"] = {"min": 5, "p50": 4, "p90": 6, "p99": 7, "max": 8}; cases.append(d)
-    d = copy.deepcopy(good); d["links"][0]["warnings"] = ["made-up"]; cases.append(d)
-    d = copy.deepcopy(good); del d["links"][0]["ceiling_mbit"]; cases.append(d)
-    d = copy.deepcopy(good); d["links"][0]["mtu_effective"] = 70000; cases.append(d)
-    d = copy.deepcopy(good); d["hosts"][0].pop("iface"); cases.append(d)
+    d = copy.deepcopy(good)
+    d["schema"] = "smolnet.links/0"
+    cases.append(d)
+    d = copy.deepcopy(good)
+    d["links"].pop()
+    cases.append(d)
+    d = copy.deepcopy(good)
+    d["links"][0]["status"] = "fine"
+    cases.append(d)
+    d = copy.deepcopy(good)
+    d["links"][0]["rtt_us"] = {"min": 5, "p50": 4, "p90": 6, "p99": 7, "max": 8}
+    cases.append(d)
+    d = copy.deepcopy(good)
+    d["links"][0]["warnings"] = ["made-up"]
+    cases.append(d)
+    d = copy.deepcopy(good)
+    del d["links"][0]["ceiling_mbit"]
+    cases.append(d)
+    d = copy.deepcopy(good)
+    d["links"][0]["mtu_effective"] = 70000
+    cases.append(d)
+    d = copy.deepcopy(good)
+    d["hosts"][0].pop("iface")
+    cases.append(d)
     for bad in cases:
         assert report.validate_report(bad), bad
     partial = copy.deepcopy(good)
@@ -147,8 +186,9 @@ def test_validate_catches_contract_breaks(home):
 def test_incomplete_report_says_so(home, tmp_path):
     hosts, raws = home
     raws[0] = {"src": raws[0]["src"], "dst": raws[0]["dst"], "error": "not measured: the run was interrupted"}
-    doc = report.build_report(hosts, report.assess_links(hosts, raws), {"duration_s": 1, "backend": "auto"},
-                              incomplete=True)
+    doc = report.build_report(
+        hosts, report.assess_links(hosts, raws), {"duration_s": 1, "backend": "auto"}, incomplete=True
+    )
     report.write_report(doc, tmp_path)
     assert json.loads((tmp_path / "links.json").read_text())["incomplete"] is True
     assert "incomplete" in (tmp_path / "links.md").read_text()

@@ -1,4 +1,5 @@
 """`smoltrain run` end to end: bad input, resume, elastic leave/join, inventory launch."""
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,9 @@ def secret_file(tmp_path_factory):
 
 
 def smoltrain(*args, timeout=240, cwd=None):
-    return subprocess.run([sys.executable, "-m", "smoltrain", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "smoltrain", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
+    )
 
 
 def one_line_error(capsys, argv) -> tuple[int, str]:
@@ -49,14 +51,17 @@ def test_unknown_strategy(capsys, secret_file):
 
 @pytest.mark.parametrize("strategy,world,what", [("pp", 7, "layers"), ("tp", 7, "heads"), ("mp", 7, "layers")])
 def test_world_size_must_divide_the_model(capsys, secret_file, strategy, world, what):
-    rc, err = one_line_error(capsys, ["run", "--strategy", strategy, "--local", str(world), "--secret-file",
-                                      secret_file])
+    rc, err = one_line_error(
+        capsys, ["run", "--strategy", strategy, "--local", str(world), "--secret-file", secret_file]
+    )
     assert rc == 2 and what in err and ("divide" in err or "fewer than" in err)
 
 
 def test_missing_data(capsys, tmp_path, secret_file):
-    rc, err = one_line_error(capsys, ["run", "--strategy", "dp", "--local", "1", "--data", str(tmp_path / "none.txt"),
-                                      "--secret-file", secret_file])
+    rc, err = one_line_error(
+        capsys,
+        ["run", "--strategy", "dp", "--local", "1", "--data", str(tmp_path / "none.txt"), "--secret-file", secret_file],
+    )
     assert rc == 2 and "no such file" in err
 
 
@@ -66,17 +71,48 @@ def test_corrupt_checkpoint(capsys, tmp_path, secret_file):
     meta = {"strategy": "dp", "model": "tiny", "seed": 0, "batch": 6, "seq": 32, "world_size": 1, "step": 3}
     (d / "complete.json").write_text(json.dumps(meta))
     (d / "rank0.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
-    rc, err = one_line_error(capsys, ["run", "--strategy", "dp", "--local", "1", *SMALL, "--checkpoint-dir",
-                                      str(tmp_path / "ck"), "--resume", "--secret-file", secret_file])
+    rc, err = one_line_error(
+        capsys,
+        [
+            "run",
+            "--strategy",
+            "dp",
+            "--local",
+            "1",
+            *SMALL,
+            "--checkpoint-dir",
+            str(tmp_path / "ck"),
+            "--resume",
+            "--secret-file",
+            secret_file,
+        ],
+    )
     assert rc == 1 and "corrupt" in err and "rank0.safetensors" in err
 
 
 def test_unreachable_host(capsys, tmp_path, secret_file):
     inv = tmp_path / "hosts.yml"
-    inv.write_text("cluster:\n  hosts:\n    ghost:\n      ansible_host: 127.0.0.1\n      ansible_port: 9\n"
-                   "      ansible_user: nobody\n      cluster_ip: 127.0.0.9\n")
-    rc, err = one_line_error(capsys, ["run", "--strategy", "dp", "-i", str(inv), *SMALL, "--steps", "1",
-                                      "--secret-file", secret_file, "--out", str(tmp_path)])
+    inv.write_text(
+        "cluster:\n  hosts:\n    ghost:\n      ansible_host: 127.0.0.1\n      ansible_port: 9\n"
+        "      ansible_user: nobody\n      cluster_ip: 127.0.0.9\n"
+    )
+    rc, err = one_line_error(
+        capsys,
+        [
+            "run",
+            "--strategy",
+            "dp",
+            "-i",
+            str(inv),
+            *SMALL,
+            "--steps",
+            "1",
+            "--secret-file",
+            secret_file,
+            "--out",
+            str(tmp_path),
+        ],
+    )
     assert rc == 1 and "ghost" in err
 
 
@@ -84,13 +120,24 @@ def test_unreachable_host(capsys, tmp_path, secret_file):
 def test_resume_continues_exactly(tmp_path, secret_file):
     full, half = tmp_path / "full", tmp_path / "half"
     common = ["--strategy", "fsdp", "--local", "2", *SMALL, "--secret-file", secret_file, "--out", str(tmp_path)]
-    p = smoltrain("run", *common, "--steps", "10", "--checkpoint-dir", str(full), "--checkpoint-every", "5",
-                  "--json", str(tmp_path / "a.json"))
+    p = smoltrain(
+        "run",
+        *common,
+        "--steps",
+        "10",
+        "--checkpoint-dir",
+        str(full),
+        "--checkpoint-every",
+        "5",
+        "--json",
+        str(tmp_path / "a.json"),
+    )
     assert p.returncode == 0, p.stderr + p.stdout
     # the 5-step checkpoint of that run is exactly what a 5-step run leaves behind
     shutil.copytree(full / "step-000005", half / "step-000005")
-    p = smoltrain("run", *common, "--steps", "10", "--checkpoint-dir", str(half), "--resume",
-                  "--json", str(tmp_path / "b.json"))
+    p = smoltrain(
+        "run", *common, "--steps", "10", "--checkpoint-dir", str(half), "--resume", "--json", str(tmp_path / "b.json")
+    )
     assert p.returncode == 0, p.stderr + p.stdout
     a, b = json.loads((tmp_path / "a.json").read_text()), json.loads((tmp_path / "b.json").read_text())
     assert [s["step"] for s in b["steps"]] == list(range(5, 10))
@@ -104,10 +151,34 @@ def test_resume_continues_exactly(tmp_path, secret_file):
 # --- edp: a worker is SIGKILLed mid-run and a newcomer joins; the run finishes ---
 def test_edp_survives_sigkill_and_admits_a_newcomer(tmp_path, secret_file):
     report = tmp_path / "edp.json"
-    proc = subprocess.Popen([sys.executable, "-m", "smoltrain", "run", "--strategy", "edp", "--local", "3", *SMALL,
-                             "--steps", "20", "--pace", "0.3", "--barrier-timeout", "20", "--secret-file", secret_file,
-                             "--json", str(report), "--out", str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "smoltrain",
+            "run",
+            "--strategy",
+            "edp",
+            "--local",
+            "3",
+            *SMALL,
+            "--steps",
+            "20",
+            "--pace",
+            "0.3",
+            "--barrier-timeout",
+            "20",
+            "--secret-file",
+            secret_file,
+            "--json",
+            str(report),
+            "--out",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines, joiner, killed = [], None, False
     deadline = time.monotonic() + 200
     timer = threading.Timer(200, proc.kill)
@@ -117,9 +188,12 @@ def test_edp_survives_sigkill_and_admits_a_newcomer(tmp_path, secret_file):
             lines.append(line)
             m = re.search(r"control channel (\S+)", line)
             if m and joiner is None:  # a newcomer, started while the run is under way
-                joiner = subprocess.Popen([sys.executable, "-m", "smoltrain", "worker", "--control", m.group(1),
-                                           "--join"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.DEVNULL)
+                joiner = subprocess.Popen(
+                    [sys.executable, "-m", "smoltrain", "worker", "--control", m.group(1), "--join"],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
                 joiner.stdin.write(Path(secret_file).read_bytes() + b"\n")
                 joiner.stdin.close()
             if not killed and re.match(r"step 3/", line):
@@ -152,28 +226,68 @@ def test_edp_survives_sigkill_and_admits_a_newcomer(tmp_path, secret_file):
 # --- the inventory path, with local hosts on loopback addresses ---
 def test_inventory_launch_with_local_hosts(tmp_path, secret_file):
     inv = tmp_path / "hosts.yml"
-    inv.write_text("cluster:\n  hosts:\n"
-                   f"    alpha:\n      ansible_connection: local\n      cluster_ip: 127.0.0.2\n"
-                   f"      smol_python: {sys.executable}\n      smol_train_port: 0\n"
-                   f"    beta:\n      ansible_connection: local\n      cluster_ip: 127.0.0.3\n"
-                   f"      smol_python: {sys.executable}\n")
+    inv.write_text(
+        "cluster:\n  hosts:\n"
+        f"    alpha:\n      ansible_connection: local\n      cluster_ip: 127.0.0.2\n"
+        f"      smol_python: {sys.executable}\n      smol_train_port: 0\n"
+        f"    beta:\n      ansible_connection: local\n      cluster_ip: 127.0.0.3\n"
+        f"      smol_python: {sys.executable}\n"
+    )
     from smoltrain.comm.group import free_port_base
+
     text = inv.read_text().replace("smol_train_port: 0", f"smol_train_port: {free_port_base(2, '127.0.0.2')}")
     inv.write_text(text)
     # a measured links report of these hosts in reports/: run plans on it by itself
     (tmp_path / "reports").mkdir()
-    link = {"status": "ok", "throughput_mbit": 123.0, "retransmits": 0, "mtu_effective": 1500, "mtu_configured": 1500,
-            "ceiling_mbit": None, "method": "builtin", "warnings": [], "error": None,
-            "rtt_us": {"min": 50.0, "p50": 60.0, "p90": 70.0, "p99": 80.0, "max": 90.0}}
-    links = {"schema": "smolnet.links/1", "created": "2026-12-02T10:00:00Z",
-             "settings": {"duration_s": 1.0, "backend": "builtin"},
-             "hosts": [{"name": n, "address": a, "iface": "lo", "mtu_configured": 1500, "link_rate_mbit": None,
-                        "device": "generic", "status": "ok", "error": None}
-                       for n, a in (("alpha", "127.0.0.2"), ("beta", "127.0.0.3"))],
-             "links": [dict(link, src="alpha", dst="beta"), dict(link, src="beta", dst="alpha")]}
+    link = {
+        "status": "ok",
+        "throughput_mbit": 123.0,
+        "retransmits": 0,
+        "mtu_effective": 1500,
+        "mtu_configured": 1500,
+        "ceiling_mbit": None,
+        "method": "builtin",
+        "warnings": [],
+        "error": None,
+        "rtt_us": {"min": 50.0, "p50": 60.0, "p90": 70.0, "p99": 80.0, "max": 90.0},
+    }
+    links = {
+        "schema": "smolnet.links/1",
+        "created": "2026-12-02T10:00:00Z",
+        "settings": {"duration_s": 1.0, "backend": "builtin"},
+        "hosts": [
+            {
+                "name": n,
+                "address": a,
+                "iface": "lo",
+                "mtu_configured": 1500,
+                "link_rate_mbit": None,
+                "device": "generic",
+                "status": "ok",
+                "error": None,
+            }
+            for n, a in (("alpha", "127.0.0.2"), ("beta", "127.0.0.3"))
+        ],
+        "links": [dict(link, src="alpha", dst="beta"), dict(link, src="beta", dst="alpha")],
+    }
     (tmp_path / "reports" / "links.json").write_text(json.dumps(links))
-    p = smoltrain("run", "--strategy", "tp", "-i", str(inv), *SMALL, "--steps", "3", "--secret-file", secret_file,
-                  "--json", str(tmp_path / "r.json"), "--out", str(tmp_path), cwd=tmp_path)
+    p = smoltrain(
+        "run",
+        "--strategy",
+        "tp",
+        "-i",
+        str(inv),
+        *SMALL,
+        "--steps",
+        "3",
+        "--secret-file",
+        secret_file,
+        "--json",
+        str(tmp_path / "r.json"),
+        "--out",
+        str(tmp_path),
+        cwd=tmp_path,
+    )
     assert p.returncode == 0, p.stderr + p.stdout
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["hosts"] == ["alpha", "beta"] and doc["world_size"] == 2
@@ -184,10 +298,34 @@ def test_inventory_launch_with_local_hosts(tmp_path, secret_file):
 # --- syncps: a stalled worker (SIGSTOP) misses the barrier and is dropped, no hang ---
 def test_syncps_drops_a_stalled_worker(tmp_path, secret_file):
     report = tmp_path / "ps.json"
-    proc = subprocess.Popen([sys.executable, "-m", "smoltrain", "run", "--strategy", "syncps", "--local", "3", *SMALL,
-                             "--steps", "8", "--pace", "0.2", "--barrier-timeout", "2", "--secret-file", secret_file,
-                             "--json", str(report), "--out", str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "smoltrain",
+            "run",
+            "--strategy",
+            "syncps",
+            "--local",
+            "3",
+            *SMALL,
+            "--steps",
+            "8",
+            "--pace",
+            "0.2",
+            "--barrier-timeout",
+            "2",
+            "--secret-file",
+            secret_file,
+            "--json",
+            str(report),
+            "--out",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines, stopped = [], None
     timer = threading.Timer(180, proc.kill)
     timer.start()
@@ -216,8 +354,23 @@ def test_syncps_drops_a_stalled_worker(tmp_path, secret_file):
 
 
 def test_print_torchrun(capsys, secret_file):
-    assert main(["run", "--strategy", "tp", "--local", "2", "--backend", "torch", "--print-torchrun",
-                 "--secret-file", secret_file]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--strategy",
+                "tp",
+                "--local",
+                "2",
+                "--backend",
+                "torch",
+                "--print-torchrun",
+                "--secret-file",
+                secret_file,
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     lines = [ln for ln in out.splitlines() if ln.startswith("torchrun ")]
     assert len(lines) == 2 and all("-m smoltrain worker --control" in ln for ln in lines)

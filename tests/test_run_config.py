@@ -1,4 +1,5 @@
 """The typed run contract and the strategy registry: round trips, refusals, one source of traits."""
+
 import importlib
 import json
 
@@ -11,8 +12,20 @@ from smoltrain.run.config import ConfigError, RunConfig
 
 
 def _cfg(**kw) -> RunConfig:
-    base = dict(strategy="pp", backend="socket", model=get_model("tiny"), steps=5, batch=8, seq=32, lr=1e-3, seed=3,
-                names=("a", "b"), devices=("cpu", "cpu"), shares=(2.0, 1.0), addrs=("127.0.0.1", "127.0.0.1"))
+    base = dict(
+        strategy="pp",
+        backend="socket",
+        model=get_model("tiny"),
+        steps=5,
+        batch=8,
+        seq=32,
+        lr=1e-3,
+        seed=3,
+        names=("a", "b"),
+        devices=("cpu", "cpu"),
+        shares=(2.0, 1.0),
+        addrs=("127.0.0.1", "127.0.0.1"),
+    )
     base.update(kw)
     return RunConfig(**base)
 
@@ -24,15 +37,18 @@ def test_round_trip_over_json():
     assert back.world_size == 2 and back.model.layers == cfg.model.layers and back.shares == (2.0, 1.0)
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("steps", "5", "steps must be int"),
-    ("lr", "fast", "lr must be float"),
-    ("names", "ab", "names must be a list"),
-    ("names", [1, 2], "bad entry"),
-    ("model", 7, "model shape"),
-    ("strategy", None, "must not be null"),
-    ("version", 99, "version 99"),
-])
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("steps", "5", "steps must be int"),
+        ("lr", "fast", "lr must be float"),
+        ("names", "ab", "names must be a list"),
+        ("names", [1, 2], "bad entry"),
+        ("model", 7, "model shape"),
+        ("strategy", None, "must not be null"),
+        ("version", 99, "version 99"),
+    ],
+)
 def test_bad_field_is_named(field, value, message):
     doc = _cfg().to_wire()
     doc[field] = value

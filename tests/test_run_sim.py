@@ -4,6 +4,7 @@ namespaces, training traffic on the sim subnet, bytes attributed to host names.
 Needs root and network namespaces; skips cleanly without them. Sim "r1" on
 10.213.41.0/24 is always torn down.
 """
+
 from __future__ import annotations
 
 import json
@@ -11,12 +12,14 @@ import subprocess
 import sys
 
 import pytest
+
 from smoltrain.schema import check_any
 
 pytestmark = pytest.mark.sim
 
-from smolnet.sim import cluster as sim  # noqa: E402
 from need import sim_up  # noqa: E402
+
+from smolnet.sim import cluster as sim  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +36,31 @@ def uniform(tmp_path_factory):
 def test_dp_over_ssh_on_the_sim(uniform):
     st, inv, d = uniform
     out = d / "run.json"
-    p = subprocess.run([sys.executable, "-m", "smoltrain", "run", "--strategy", "dp", "-i", str(inv),
-                        "--steps", "3", "--batch", "6", "--seq", "32", "--json", str(out), "--out", str(d)],
-                       capture_output=True, text=True, timeout=240)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "smoltrain",
+            "run",
+            "--strategy",
+            "dp",
+            "-i",
+            str(inv),
+            "--steps",
+            "3",
+            "--batch",
+            "6",
+            "--seq",
+            "32",
+            "--json",
+            str(out),
+            "--out",
+            str(d),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert p.returncode == 0, p.stdout[-1500:] + p.stderr[-1500:]
     doc = check_any(json.loads(out.read_text()))
     names = [h["name"] for h in st["hosts"]]

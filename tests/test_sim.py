@@ -3,6 +3,7 @@
 One home sim (name t0, 10.213.50.0/24) is shared by most checks; lifecycle checks use
 their own short-lived sims in 10.213.51-52.x.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -15,20 +16,21 @@ import time
 from pathlib import Path
 
 import pytest
+from need import need_sim
 
-from smolnet.sim import cluster as sim
 from smolnet.cli import main as smolnet_main
 from smolnet.errors import UsageError
 from smolnet.inventory import load_inventory
 from smolnet.remote import connect
+from smolnet.sim import cluster as sim
 from smolnet.sim.check import df_ping_ok, iperf3, ns_run, spec_of
 from smolnet.sim.scenarios import path_truth, scenario, tcp_goodput_mbit
-from need import need_sim
 
 NEEDS_SIM = pytest.mark.usefixtures("needs_sim")  # skips only without root; as root a broken sim fails
 
 
 # --- scenario truth (no root needed) ----------------------------------------------------
+
 
 def test_home_scenario_truth():
     hosts = {h.name: h for h in scenario("home")}
@@ -55,9 +57,14 @@ def test_scenario_options():
     assert path_truth(lab["j1"], lab["jm"])["blackhole"]
     assert not path_truth(lab["j1"], lab["s1"])["blackhole"]
     assert not path_truth(lab["j1"], lab["j2"])["blackhole"]
-    for bad in (dict(name="nope"), dict(name="home", mtu=9000), dict(name="home", hosts=3),
-                dict(name="uniform", hosts=0), dict(name="uniform", mtu=100),
-                dict(name="uniform", rate_mbit=-1)):
+    for bad in (
+        dict(name="nope"),
+        dict(name="home", mtu=9000),
+        dict(name="home", hosts=3),
+        dict(name="uniform", hosts=0),
+        dict(name="uniform", mtu=100),
+        dict(name="uniform", rate_mbit=-1),
+    ):
         with pytest.raises(UsageError):
             scenario(**bad)
     assert tcp_goodput_mbit(1000, 9000) == pytest.approx(992.7, abs=0.1)
@@ -73,6 +80,7 @@ def test_bad_sim_name_and_subnet():
 
 
 # --- the shared home sim ---------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def home(tmp_path_factory):
@@ -129,8 +137,11 @@ def test_every_host_answers_ssh_with_its_own_identity(home):
     my_netns = os.readlink("/proc/self/ns/net")
     for h in inv.hosts:
         with connect(h) as r:
-            out = r.run("hostname; cat /etc/hostname; readlink /proc/self/ns/net; "
-                        "ip -4 -o addr show eth0", timeout=15, check=True).stdout.split("\n")
+            out = r.run(
+                "hostname; cat /etc/hostname; readlink /proc/self/ns/net; ip -4 -o addr show eth0",
+                timeout=15,
+                check=True,
+            ).stdout.split("\n")
         assert out[0] == h.name and out[1] == h.name
         assert out[2] != my_netns
         assert f"inet {h.address}/24" in out[3]
@@ -157,8 +168,11 @@ def test_hostname_and_etc_hosts_stay_per_host(home):
     mine = socket.gethostname()
     etc_hosts = hashlib.sha256(Path("/etc/hosts").read_bytes()).hexdigest()
     with connect(by["pi5"]) as r:
-        r.run("hostname renamed-pi5 && echo renamed-pi5 > /etc/hostname && "
-              "echo '10.213.50.77 smol-marker' >> /etc/hosts", timeout=15, check=True)
+        r.run(
+            "hostname renamed-pi5 && echo renamed-pi5 > /etc/hostname && echo '10.213.50.77 smol-marker' >> /etc/hosts",
+            timeout=15,
+            check=True,
+        )
         assert r.run("hostname; grep -c smol-marker /etc/hosts", timeout=15).stdout.split() == ["renamed-pi5", "1"]
         try:
             assert socket.gethostname() == mine
@@ -181,7 +195,7 @@ def test_root_home_is_per_host(home):
         # a private ~/.ssh: the sim's authorized key, nothing of the machine's own keys
         assert r.run("ls -A /root/.ssh", timeout=15).stdout.split() == ["authorized_keys"]
     upper = Path(home["state_dir"]) / "hosts" / "pi5" / "root" / ".ssh"
-    assert os.getxattr(upper, "trusted.overlay.opaque") == b"y"   # the machine's ~/.ssh stays hidden
+    assert os.getxattr(upper, "trusted.overlay.opaque") == b"y"  # the machine's ~/.ssh stays hidden
 
 
 @NEEDS_SIM
@@ -193,7 +207,7 @@ def test_shaped_goodput_matches_truth(home, src, dst):
     hs = _hosts(home)
     truth = path_truth(spec_of(hs[src]), spec_of(hs[dst]))["goodput_mbit"]
     runs = []
-    for _ in range(2):   # a second try only when the first was off: other load only slows a run
+    for _ in range(2):  # a second try only when the first was off: other load only slows a run
         got = iperf3(hs[src]["netns"], hs[dst]["netns"], hs[dst]["address"])
         assert got["error"] is None
         runs.append(got["mbit"])
@@ -207,7 +221,7 @@ def test_shaped_goodput_matches_truth(home, src, dst):
 def test_jumbo_mismatch_is_a_silent_black_hole(home):
     hs = _hosts(home)
     lap, mac = hs["laptop"], hs["macmini"]
-    assert df_ping_ok(lap["netns"], mac["address"], 1472)          # the link itself is up
+    assert df_ping_ok(lap["netns"], mac["address"], 1472)  # the link itself is up
     assert not df_ping_ok(lap["netns"], mac["address"], 8972)
     assert not df_ping_ok(mac["netns"], lap["address"], 8972)
     assert df_ping_ok(mac["netns"], hs["pi5"]["address"], 1472)
@@ -233,6 +247,7 @@ def test_cli_status_table(home, capsys):
 
 
 # --- lifecycle: up, down, nothing left, up again ---------------------------------------
+
 
 def _leftovers(name: str, subnet_prefix: str, pids: list[int]) -> list[str]:
     left = []
@@ -261,29 +276,32 @@ def test_down_leaves_nothing_and_up_down_up_works(tmp_path):
         assert not df_ping_ok(hs["j1"]["netns"], hs["s1"]["address"], 8972)
         assert df_ping_ok(hs["j1"]["netns"], hs["s1"]["address"], 1472)
         # a stray process in a host netns (like a forgotten agent) must die with the sim
-        stray = subprocess.Popen(["setsid", "ip", "netns", "exec", hs["j2"]["netns"], "sleep", "300"],
-                                 start_new_session=True)
+        stray = subprocess.Popen(
+            ["setsid", "ip", "netns", "exec", hs["j2"]["netns"], "sleep", "300"], start_new_session=True
+        )
         time.sleep(0.2)
         pids = [h["pid_sshd"] for h in st["hosts"]] + [stray.pid]
-        os.kill(hs["s1"]["pid_sshd"], 9)               # a dead host shows in status
+        os.kill(hs["s1"]["pid_sshd"], 9)  # a dead host shows in status
         time.sleep(0.3)
-        assert {h["name"]: h["ok"] for h in sim.status("t1")["hosts"]} == \
-            {"j1": True, "j2": True, "jm": True, "s1": False}
+        assert {h["name"]: h["ok"] for h in sim.status("t1")["hosts"]} == {
+            "j1": True,
+            "j2": True,
+            "jm": True,
+            "s1": False,
+        }
     finally:
         sim.down("t1")
     stray.wait(timeout=10)
     assert _leftovers("t1", "10.213.51.", pids) == []
     assert not inv.exists()
-    assert sim.down("t1") is None          # idempotent
+    assert sim.down("t1") is None  # idempotent
 
-    st = sim.up(name="t1", scenario="uniform", hosts=2, rate_mbit=0, subnet="10.213.51.0/24",
-                inventory=str(inv))
+    st = sim.up(name="t1", scenario="uniform", hosts=2, rate_mbit=0, subnet="10.213.51.0/24", inventory=str(inv))
     try:
         for h in load_inventory(inv).hosts:
             with connect(h) as r:
                 assert r.run("hostname", timeout=15).stdout.strip() == h.name
-        assert not any("tbf" in ns_run(h["netns"], ["tc", "qdisc", "show", "dev", "eth0"]).stdout
-                       for h in st["hosts"])
+        assert not any("tbf" in ns_run(h["netns"], ["tc", "qdisc", "show", "dev", "eth0"]).stdout for h in st["hosts"])
     finally:
         sim.down("t1")
     assert _leftovers("t1", "10.213.51.", [h["pid_sshd"] for h in st["hosts"]]) == []
@@ -293,12 +311,12 @@ def test_down_leaves_nothing_and_up_down_up_works(tmp_path):
 def test_failed_up_rolls_back(tmp_path):
     """A subnet clash is refused before anything is made, and nothing is left behind."""
     sim.down("t2")
-    st = sim.up(name="t2", scenario="uniform", hosts=1, rate_mbit=0, subnet="10.213.52.0/24",
-                inventory=str(tmp_path / "a.yml"))
+    st = sim.up(
+        name="t2", scenario="uniform", hosts=1, rate_mbit=0, subnet="10.213.52.0/24", inventory=str(tmp_path / "a.yml")
+    )
     try:
         with pytest.raises(sim.SimError, match="overlaps"):
-            sim.up(name="t3", scenario="uniform", hosts=1, subnet="10.213.52.0/25",
-                   inventory=str(tmp_path / "b.yml"))
+            sim.up(name="t3", scenario="uniform", hosts=1, subnet="10.213.52.0/25", inventory=str(tmp_path / "b.yml"))
         assert _leftovers("t3", "10.213.52.0/25", []) == []
         assert not (tmp_path / "b.yml").exists()
     finally:
@@ -310,19 +328,20 @@ def test_failed_up_rolls_back(tmp_path):
 def test_down_after_lost_state_finds_leftovers_by_name(tmp_path):
     """A crash that loses state.json must not strand namespaces: up refuses, down cleans."""
     sim.down("t4")
-    st = sim.up(name="t4", scenario="uniform", hosts=1, rate_mbit=0, subnet="10.213.56.0/24",
-                inventory=str(tmp_path / "a.yml"))
+    st = sim.up(
+        name="t4", scenario="uniform", hosts=1, rate_mbit=0, subnet="10.213.56.0/24", inventory=str(tmp_path / "a.yml")
+    )
     shutil.rmtree(sim.state_dir("t4"), ignore_errors=True)
     try:
         with pytest.raises(sim.SimError, match="already exists without sim state"):
-            sim.up(name="t4", scenario="uniform", hosts=1, subnet="10.213.56.0/24",
-                   inventory=str(tmp_path / "b.yml"))
+            sim.up(name="t4", scenario="uniform", hosts=1, subnet="10.213.56.0/24", inventory=str(tmp_path / "b.yml"))
     finally:
         assert sim.down("t4") is not None
     assert _leftovers("t4", "10.213.56.", [st["hosts"][0]["pid_sshd"]]) == []
 
 
 # --- loopback fallback -------------------------------------------------------------------
+
 
 def test_loopback_fallback(tmp_path, monkeypatch):
     monkeypatch.setattr(sim, "STATE_ROOT", tmp_path / "state")
@@ -353,8 +372,25 @@ def test_loopback_via_cli_and_env(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sim, "STATE_ROOT", tmp_path / "state")
     monkeypatch.setenv("SMOL_SIM_LOOPBACK", "1")
     inv = tmp_path / "cli.yml"
-    assert smolnet_main(["sim", "up", "--name", "tc", "--scenario", "uniform", "--hosts", "2",
-                         "--subnet", "10.213.54.0/24", "--inventory", str(inv)]) == 0
+    assert (
+        smolnet_main(
+            [
+                "sim",
+                "up",
+                "--name",
+                "tc",
+                "--scenario",
+                "uniform",
+                "--hosts",
+                "2",
+                "--subnet",
+                "10.213.54.0/24",
+                "--inventory",
+                str(inv),
+            ]
+        )
+        == 0
+    )
     try:
         out = capsys.readouterr().out
         assert "node2" in out and "loopback" in out
@@ -362,8 +398,9 @@ def test_loopback_via_cli_and_env(tmp_path, monkeypatch, capsys):
     finally:
         assert smolnet_main(["sim", "down", "--name", "tc"]) == 0
     assert not inv.exists()
-    assert smolnet_main(["sim", "up", "--name", "tc", "--scenario", "home", "--mtu", "9000",
-                         "--inventory", str(inv)]) == 2
+    assert (
+        smolnet_main(["sim", "up", "--name", "tc", "--scenario", "home", "--mtu", "9000", "--inventory", str(inv)]) == 2
+    )
     assert "applies to scenario 'uniform' only" in capsys.readouterr().err
     assert smolnet_main(["sim", "up", "--name", "Bad-Name", "--inventory", str(inv)]) == 2
     assert smolnet_main(["sim", "up", "--name", "tc", "--subnet", "10.213.54.0/30", "--inventory", str(inv)]) == 2
@@ -393,8 +430,10 @@ def test_without_root_cli_refuses_unless_loopback_is_asked_for(tmp_path, monkeyp
     err = capsys.readouterr().err
     assert "needs root" in err and "--loopback" in err and len(err.strip().splitlines()) == 1
     assert not inv.exists()
-    assert smolnet_main(["sim", "up", "--name", "tn", "--subnet", "10.213.54.0/24", "--inventory", str(inv),
-                         "--loopback"]) == 0
+    assert (
+        smolnet_main(["sim", "up", "--name", "tn", "--subnet", "10.213.54.0/24", "--inventory", str(inv), "--loopback"])
+        == 0
+    )
     try:
         assert "LOOPBACK sim as asked" in capsys.readouterr().err
         assert all(h.local for h in load_inventory(inv).hosts)

@@ -1,5 +1,6 @@
 """CPU-capped sim hosts: caps parse, a host reads its own cap, and capped hosts compute in
 the order of their caps (rank order only: the machine is shared, so no absolute timings)."""
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -52,16 +53,18 @@ def test_own_limit_reads_v1_and_v2(tmp_path):
     (v2 / "a" / "b" / "cpu.max").write_text("max 100000")
     pc.write_text("0::/a/b\n")
     assert cgroup.version(v2) == 2
-    assert cgroup.own_limit(v2, str(pc)) == pytest.approx(0.5)   # the parent's cap binds
+    assert cgroup.own_limit(v2, str(pc)) == pytest.approx(0.5)  # the parent's cap binds
 
 
 def _spin(host, seconds: float = 2.0) -> tuple[float | None, int]:
     from smolnet.remote import connect
 
-    code = ("import time\nfrom smolnet.sim.cgroup import own_limit\n"
-            f"n=0; end=time.perf_counter()+{seconds}\n"
-            "while time.perf_counter()<end:\n n+=1\n"
-            "print(own_limit(), n)")
+    code = (
+        "import time\nfrom smolnet.sim.cgroup import own_limit\n"
+        f"n=0; end=time.perf_counter()+{seconds}\n"
+        "while time.perf_counter()<end:\n n+=1\n"
+        "print(own_limit(), n)"
+    )
     with connect(host) as r:
         out = r.run([host.python, "-c", code], timeout=60, check=True).stdout.split()
     return (None if out[0] == "None" else float(out[0])), int(out[1])
@@ -78,8 +81,9 @@ def test_capped_hosts_compute_in_the_order_of_their_caps(tmp_path):
     sim.down(NAME)
     # Caps 20x apart: a busy shared machine gives an uncapped process only its fair share,
     # which narrows the ratio between a tight cap and a loose one but cannot invert it.
-    st = sim.up(name=NAME, scenario="home", subnet=SUBNET, inventory=str(tmp_path / "sim.yml"),
-                cpu_limit="0.05,0.2,0.3,1.0")
+    st = sim.up(
+        name=NAME, scenario="home", subnet=SUBNET, inventory=str(tmp_path / "sim.yml"), cpu_limit="0.05,0.2,0.3,1.0"
+    )
     try:
         made = [h["cgroup"] for h in st["hosts"]]
         assert all(made) and all(Path(p).is_dir() for p in made)
@@ -89,7 +93,9 @@ def test_capped_hosts_compute_in_the_order_of_their_caps(tmp_path):
         pick = [inv.host("pi5"), inv.host("laptop")]
         with cf.ThreadPoolExecutor(2) as ex:
             (cap_a, n_a), (cap_b, n_b) = ex.map(_spin, pick)
-        assert cap_a == pytest.approx(st["hosts"][0]["cpu_cores"]) and cap_b == pytest.approx(st["hosts"][3]["cpu_cores"])
+        assert cap_a == pytest.approx(st["hosts"][0]["cpu_cores"]) and cap_b == pytest.approx(
+            st["hosts"][3]["cpu_cores"]
+        )
         assert n_b > 2 * n_a, (n_a, n_b)
     finally:
         sim.down(NAME)

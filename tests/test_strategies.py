@@ -5,6 +5,7 @@ Runs are real: `smoltrain run` with worker processes on loopback. To fit the
 test budget they run a few at a time from one module fixture, share one
 reference run, and use a small batch (6 x 32 bytes of the tiny model).
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,7 @@ RUNS = {
 
 
 def run_cli(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "smoltrain", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "smoltrain", *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +57,32 @@ def reports(tmp_path_factory):
     def one(name):
         strategy, world, backend, steps, extra = RUNS[name]
         out = d / f"{name}.json"
-        p = run_cli(["run", "--strategy", strategy, "--local", str(world), "--backend", backend,
-                     "--steps", str(steps), "--batch", str(BATCH), "--seq", str(SEQ), "--seed", "7",
-                     "--secret-file", str(secret), "--out", str(d), "--json", str(out), *extra])
+        p = run_cli(
+            [
+                "run",
+                "--strategy",
+                strategy,
+                "--local",
+                str(world),
+                "--backend",
+                backend,
+                "--steps",
+                str(steps),
+                "--batch",
+                str(BATCH),
+                "--seq",
+                str(SEQ),
+                "--seed",
+                "7",
+                "--secret-file",
+                str(secret),
+                "--out",
+                str(d),
+                "--json",
+                str(out),
+                *extra,
+            ]
+        )
         if p.returncode != 0:
             return RuntimeError(f"{name}: exit {p.returncode}: {p.stdout[-600:]} {p.stderr[-600:]}")
         return json.loads(out.read_text())
@@ -84,6 +107,7 @@ def expected_total_bytes(strategy: str, world: int, steps: int, extra: list[str]
         return steps * 2 * (world - 1) * P * 4
     if strategy == "fsdp":
         from smoltrain.models.gpt import build_model
+
         units = build_model(spec, 0).units
         padded = sum(-(-sum(p.numel() for p in u.parameters()) // world) * world for u in units)
         return steps * 3 * (world - 1) * padded * 4
@@ -134,8 +158,17 @@ def test_planner_predicts_the_measured_bytes(reports, name):
 
 def test_report_schema_and_png(reports, tmp_path_factory):
     got = _get(reports, "dp2")
-    for key in ("strategy", "backend", "world_size", "config", "steps", "bytes", "events", "final_loss",
-                "tokens_per_s"):
+    for key in (
+        "strategy",
+        "backend",
+        "world_size",
+        "config",
+        "steps",
+        "bytes",
+        "events",
+        "final_loss",
+        "tokens_per_s",
+    ):
         assert key in got
     assert got["schema"] == "smoltrain.run/1"
     check_any(got)

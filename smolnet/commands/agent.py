@@ -1,4 +1,5 @@
 """`smolnet agent`: serve measurements on this host until stopped."""
+
 from __future__ import annotations
 
 import logging
@@ -13,11 +14,19 @@ def add_arguments(p) -> None:
     p.add_argument("--bind", required=True, help="address to listen on (the host's cluster_ip)")
     p.add_argument("--port", type=int, default=7650, help="TCP and UDP port (default 7650)")
     p.add_argument("--secret-file", default=None, help="default: ~/.config/smolcluster/secret")
-    p.add_argument("--secret-stdin", action="store_true",
-                   help="read the secret from the first line of standard input (how matrix starts agents)")
+    p.add_argument(
+        "--secret-stdin",
+        action="store_true",
+        help="read the secret from the first line of standard input (how matrix starts agents)",
+    )
     p.add_argument("--iface", default=None, help="cluster interface, when it is not the one holding --bind")
-    p.add_argument("--lease", type=float, default=None, metavar="SECONDS",
-                   help="exit when no controller request renews the lease for this long (how matrix starts agents)")
+    p.add_argument(
+        "--lease",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="exit when no controller request renews the lease for this long (how matrix starts agents)",
+    )
 
 
 def run(args) -> int:

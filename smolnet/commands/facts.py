@@ -1,4 +1,5 @@
 """`smolnet facts`: CPUs, memory and interfaces of every cluster host, read by its agent."""
+
 from __future__ import annotations
 
 import json
@@ -8,7 +9,9 @@ def add_arguments(p) -> None:
     p.add_argument("-i", "--inventory", required=True, help="Ansible inventory (group 'cluster')")
     p.add_argument("--hosts", default=None, help="comma-separated subset of cluster hosts")
     p.add_argument("--json", default=None, metavar="FILE", help="write the facts here as JSON")
-    p.add_argument("--secret-file", default=None, help="controller's secret (default: the inventory's smol_secret_file)")
+    p.add_argument(
+        "--secret-file", default=None, help="controller's secret (default: the inventory's smol_secret_file)"
+    )
 
 
 def run(args) -> int:
@@ -35,14 +38,32 @@ def run(args) -> int:
     if args.json:
         write_atomic(args.json, json.dumps(doc, indent=2) + "\n")
     t = Table(title="smolnet facts")
-    for c in ("host", "hostname", "CPUs", "memory GiB", "cluster iface", "address", "MTU", "Mbit/s", "iperf3", "status"):
+    for c in (
+        "host",
+        "hostname",
+        "CPUs",
+        "memory GiB",
+        "cluster iface",
+        "address",
+        "MTU",
+        "Mbit/s",
+        "iperf3",
+        "status",
+    ):
         t.add_column(c)
     for e in entries:
         f = e["facts"] or {}
-        t.add_row(e["name"], f.get("hostname", "-"), str(f.get("cpus_logical", "-")),
-                  f"{f['memory_bytes'] / 2**30:.1f}" if f.get("memory_bytes") else "-",
-                  e["iface"] or "-", e["address"], str(e["mtu_configured"] or "-"),
-                  str(e["link_rate_mbit"] or "unknown"), "yes" if e["iperf3"] else "no",
-                  e["status"] + (f": {e['error']}" if e["error"] else ""))
+        t.add_row(
+            e["name"],
+            f.get("hostname", "-"),
+            str(f.get("cpus_logical", "-")),
+            f"{f['memory_bytes'] / 2**30:.1f}" if f.get("memory_bytes") else "-",
+            e["iface"] or "-",
+            e["address"],
+            str(e["mtu_configured"] or "-"),
+            str(e["link_rate_mbit"] or "unknown"),
+            "yes" if e["iperf3"] else "no",
+            e["status"] + (f": {e['error']}" if e["error"] else ""),
+        )
     Console().print(t)
     return 0 if all(e["status"] == "ok" for e in entries) else 4

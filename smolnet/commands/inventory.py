@@ -1,4 +1,5 @@
 """`smolnet inventory -i FILE [--json]`: what every part of smolcluster will read."""
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,16 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     inv = load_inventory(args.inventory)
     if args.json:
-        print(json.dumps({"coordinator": inv.coordinator.name,
-                          "nfs_server": inv.nfs_server.name if inv.nfs_server else None,
-                          "hosts": [h.to_dict() for h in inv.hosts]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "coordinator": inv.coordinator.name,
+                    "nfs_server": inv.nfs_server.name if inv.nfs_server else None,
+                    "hosts": [h.to_dict() for h in inv.hosts],
+                },
+                indent=2,
+            )
+        )
         return 0
     from rich.console import Console
     from rich.table import Table
@@ -25,8 +33,15 @@ def run(args) -> int:
     for col in ("host", "ssh", "cluster_ip", "iface", "mtu", "rate Mbit/s", "device", "connection"):
         t.add_column(col)
     for h in inv.hosts:
-        t.add_row(h.name, f"{h.user or ''}@{h.address}:{h.port}", h.cluster_ip, h.cluster_iface or "auto",
-                  str(h.mtu), f"{h.link_rate_mbit:g}" if h.link_rate_mbit else "unknown", h.device,
-                  "local" if h.local else "ssh")
+        t.add_row(
+            h.name,
+            f"{h.user or ''}@{h.address}:{h.port}",
+            h.cluster_ip,
+            h.cluster_iface or "auto",
+            str(h.mtu),
+            f"{h.link_rate_mbit:g}" if h.link_rate_mbit else "unknown",
+            h.device,
+            "local" if h.local else "ssh",
+        )
     Console().print(t)
     return 0

@@ -1,4 +1,5 @@
 """`smolnet matrix`: every ordered pair of cluster hosts, one report."""
+
 from __future__ import annotations
 
 from smolnet.errors import UsageError
@@ -10,14 +11,20 @@ BACKENDS = ("auto", "iperf3", "builtin")
 def add_arguments(p) -> None:
     p.add_argument("-i", "--inventory", required=True, help="Ansible inventory (group 'cluster')")
     p.add_argument("--duration", type=float, default=3.0, help="seconds per throughput test after warm-up (default 3)")
-    p.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="throughput probe: iperf3 when both ends have it (auto), or force one")
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="auto",
+        help="throughput probe: iperf3 when both ends have it (auto), or force one",
+    )
     p.add_argument("--hosts", default=None, help="comma-separated subset of cluster hosts")
     p.add_argument("--out", default="reports", help="directory for links.json, links.md, links.png (default reports/)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the JSON report here")
     p.add_argument("--sequential", action="store_true", help="one test at a time (to compare with rounds)")
     p.add_argument("--streams", type=int, default=4, help="parallel TCP streams per test (default 4)")
-    p.add_argument("--secret-file", default=None, help="controller's secret (default: the inventory's smol_secret_file)")
+    p.add_argument(
+        "--secret-file", default=None, help="controller's secret (default: the inventory's smol_secret_file)"
+    )
 
 
 def check_args(args) -> None:

@@ -1,9 +1,10 @@
 """`smolnet probe SRC DST`: one direction, same report schema as the matrix."""
+
 from __future__ import annotations
 
+from smolnet.commands.matrix import BACKENDS, check_args
 from smolnet.errors import UsageError
 from smolnet.inventory import load_inventory
-from smolnet.commands.matrix import BACKENDS, check_args
 
 
 def add_arguments(p) -> None:
@@ -15,7 +16,9 @@ def add_arguments(p) -> None:
     p.add_argument("--json", default=None, metavar="FILE", help="write the JSON report here")
     p.add_argument("--out", default=None, help="also write links.json/md/png under this directory")
     p.add_argument("--streams", type=int, default=4, help="parallel TCP streams (default 4)")
-    p.add_argument("--secret-file", default=None, help="controller's secret (default: the inventory's smol_secret_file)")
+    p.add_argument(
+        "--secret-file", default=None, help="controller's secret (default: the inventory's smol_secret_file)"
+    )
 
 
 def run(args) -> int:

@@ -1,11 +1,14 @@
 """`smolnet secret init|path`."""
+
 from __future__ import annotations
 
 from smolnet.secret import ensure_secret, file_mode, secret_path
 
 
 def add_arguments(p) -> None:
-    p.add_argument("action", choices=["init", "path"], help="init: create the secret if missing; path: print where it is")
+    p.add_argument(
+        "action", choices=["init", "path"], help="init: create the secret if missing; path: print where it is"
+    )
     p.add_argument("--secret-file", default=None, help="default: ~/.config/smolcluster/secret")
 
 

@@ -1,4 +1,5 @@
 """`smolnet sim up|down|status`: the single-machine cluster of namespaced hosts."""
+
 from __future__ import annotations
 
 import sys
@@ -13,16 +14,27 @@ def add_arguments(p) -> None:
     u.add_argument("--scenario", default="home", choices=("home", "uniform", "mtu-lab"))
     u.add_argument("--hosts", type=int, default=None, help="number of hosts (scenario uniform; default 3)")
     u.add_argument("--subnet", default="10.213.0.0/24", help="IPv4 subnet of the sim switch")
-    u.add_argument("--rate-mbit", type=float, default=None,
-                   help="shape every host to this rate both ways (0 = unshaped; uniform default 1000)")
+    u.add_argument(
+        "--rate-mbit",
+        type=float,
+        default=None,
+        help="shape every host to this rate both ways (0 = unshaped; uniform default 1000)",
+    )
     u.add_argument("--mtu", type=int, default=None, help="interface and switch MTU (scenario uniform; default 1500)")
     u.add_argument("--inventory", default="inventory/sim.yml", help="where to write the inventory")
-    u.add_argument("--cpu-limit", default=None, metavar="CORES",
-                   help="cap each host's CPU (cgroup quota): one figure for all or one per host, "
-                        "comma-separated; 0 = uncapped (home default: 0.15,0.25,0.45,0.65)")
-    u.add_argument("--loopback", action="store_true",
-                   help="no namespaces, no shaping: local hosts on 127.x addresses (also SMOL_SIM_LOOPBACK=1); "
-                        "only when asked, never as a silent fallback")
+    u.add_argument(
+        "--cpu-limit",
+        default=None,
+        metavar="CORES",
+        help="cap each host's CPU (cgroup quota): one figure for all or one per host, "
+        "comma-separated; 0 = uncapped (home default: 0.15,0.25,0.45,0.65)",
+    )
+    u.add_argument(
+        "--loopback",
+        action="store_true",
+        help="no namespaces, no shaping: local hosts on 127.x addresses (also SMOL_SIM_LOOPBACK=1); "
+        "only when asked, never as a silent fallback",
+    )
     d = sub.add_parser("down", help="remove everything `sim up` made")
     d.add_argument("--name", default="smol")
     s = sub.add_parser("status", help="show the sim's hosts and whether they are alive")
@@ -33,6 +45,7 @@ def add_arguments(p) -> None:
 def _rate(h: dict) -> str:
     def fmt(r):
         return f"{r:g}" if r else "unshaped"
+
     return f"{fmt(h.get('down_mbit'))}/{fmt(h.get('up_mbit'))}"
 
 
@@ -41,8 +54,7 @@ def _table(st: dict):
 
     loop = st["mode"] == "loopback"
     where = "loopback (no namespaces, no shaping)" if loop else f"{st['subnet']}, controller {st['controller']}"
-    t = Table(title=f"sim {st['name']}: scenario {st['scenario']}, {where}",
-              caption=f"inventory {st['inventory']}")
+    t = Table(title=f"sim {st['name']}: scenario {st['scenario']}, {where}", caption=f"inventory {st['inventory']}")
     t.add_column("host", no_wrap=True)
     t.add_column("address", no_wrap=True)
     t.add_column("device")
@@ -54,12 +66,16 @@ def _table(st: dict):
     for h in st["hosts"]:
         ok = h.get("ok", True)
         sshd = "local" if loop else (str(h["pid_sshd"]) if h.get("sshd_alive") else "[red]dead[/]")
-        t.add_row(h["name"], h["address"], h["device"],
-                  str(h["mtu"]) if loop else f"{h['mtu']} ({h['port_mtu']})",
-                  "unshaped" if loop else _rate(h),
-                  f"{h['cpu_cores']:g} cores" if h.get("cgroup") and h.get("cpu_cores") else "none",
-                  h.get("netns") or "-",
-                  sshd if ok else f"[red]{sshd}[/]")
+        t.add_row(
+            h["name"],
+            h["address"],
+            h["device"],
+            str(h["mtu"]) if loop else f"{h['mtu']} ({h['port_mtu']})",
+            "unshaped" if loop else _rate(h),
+            f"{h['cpu_cores']:g} cores" if h.get("cgroup") and h.get("cpu_cores") else "none",
+            h.get("netns") or "-",
+            sshd if ok else f"[red]{sshd}[/]",
+        )
     return t
 
 
@@ -70,20 +86,32 @@ def run(args) -> int:
 
     con = Console()
     if args.action == "up":
-        kw = dict(name=args.name, scenario=args.scenario, hosts=args.hosts, subnet=args.subnet,
-                  inventory=args.inventory, rate_mbit=args.rate_mbit, mtu=args.mtu,
-                  cpu_limit=args.cpu_limit)
+        kw = dict(
+            name=args.name,
+            scenario=args.scenario,
+            hosts=args.hosts,
+            subnet=args.subnet,
+            inventory=args.inventory,
+            rate_mbit=args.rate_mbit,
+            mtu=args.mtu,
+            cpu_limit=args.cpu_limit,
+        )
         loopback = True if args.loopback else None
         try:
             with con.status(f"building sim {args.name} ({args.scenario})"):
                 st = sim.up(loopback=loopback, **kw)
         except sim.SimUnavailable as e:
-            raise sim.SimUnavailable(f"{e}; for loopback hosts instead (no namespaces, no shaping, no "
-                                     "provisioning) ask for them: smolnet sim up --loopback (or SMOL_SIM_LOOPBACK=1)",
-                                     code=2) from None
+            raise sim.SimUnavailable(
+                f"{e}; for loopback hosts instead (no namespaces, no shaping, no "
+                "provisioning) ask for them: smolnet sim up --loopback (or SMOL_SIM_LOOPBACK=1)",
+                code=2,
+            ) from None
         if st["mode"] == "loopback":
-            print("smolnet: LOOPBACK sim as asked: hosts are this machine on 127.x addresses; no namespaces, "
-                  "no link shaping, no MTU faults, nothing to provision", file=sys.stderr)
+            print(
+                "smolnet: LOOPBACK sim as asked: hosts are this machine on 127.x addresses; no namespaces, "
+                "no link shaping, no MTU faults, nothing to provision",
+                file=sys.stderr,
+            )
         con.print(_table(sim.status(args.name) or st))
         con.print(f"inventory written to {st['inventory']}; tear down with: smolnet sim down --name {st['name']}")
         return 0

@@ -6,6 +6,7 @@ can precede the JSON (parse from the first `{`); the client's `sum_sent` is the
 sender's view, so read `sum_received`; an MTU black hole exits 0 with no error and
 about nothing received.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,12 @@ def start_server(bind: str, lifetime: float) -> tuple[int, subprocess.Popen]:
         raise IperfError("iperf3 is not installed on this host")
     for _ in range(3):
         port = _free_port(bind)
-        p = subprocess.Popen(["iperf3", "-s", "-1", "--forceflush", "-B", bind, "-p", str(port)],
-                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        p = subprocess.Popen(
+            ["iperf3", "-s", "-1", "--forceflush", "-B", bind, "-p", str(port)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 5.0
         out = b""
         while time.monotonic() < deadline and p.poll() is None:
@@ -112,17 +117,27 @@ def summarize(doc: dict) -> dict:
     }
 
 
-def run_client(dst: str, port: int, duration: float, omit: float, streams: int,
-               source: str | None = None) -> dict:
+def run_client(dst: str, port: int, duration: float, omit: float, streams: int, source: str | None = None) -> dict:
     if not available():
         raise IperfError("iperf3 is not installed on this host")
-    argv = ["iperf3", "-c", dst, "-p", str(port), "-J", "-t", f"{duration:g}", "-O", f"{omit:g}",
-            "-P", str(int(streams))]
+    argv = [
+        "iperf3",
+        "-c",
+        dst,
+        "-p",
+        str(port),
+        "-J",
+        "-t",
+        f"{duration:g}",
+        "-O",
+        f"{omit:g}",
+        "-P",
+        str(int(streams)),
+    ]
     if source:
         argv += ["-B", source]
     try:
-        p = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
-                           timeout=duration + omit + 30)
+        p = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=duration + omit + 30)
     except subprocess.TimeoutExpired:
         raise IperfError(f"iperf3 client to {dst}:{port} timed out") from None
     return summarize(parse_json(p.stdout.decode(errors="replace")))

@@ -10,6 +10,7 @@ Probe: MAGIC, nonce, size, HMAC tag, zero padding up to `size` bytes of IP packe
 Ack:   ACK_MAGIC, nonce, size, HMAC tag. Unauthenticated probes get no ack, and the
 prober ignores acks whose tag does not verify.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -19,17 +20,17 @@ import socket
 import struct
 import time
 
-IP_MTU_DISCOVER = 10       # Linux <linux/in.h>; Python's socket module lacks these
+IP_MTU_DISCOVER = 10  # Linux <linux/in.h>; Python's socket module lacks these
 IP_PMTUDISC_PROBE = 3
 IP_MTU = 14
-IP_UDP_OVERHEAD = 28       # IPv4 20 + UDP 8
-MIN_PROBE = 576            # every IPv4 path must carry this
+IP_UDP_OVERHEAD = 28  # IPv4 20 + UDP 8
+MIN_PROBE = 576  # every IPv4 path must carry this
 MAX_PROBE = 65535
 PROBE_MAGIC = b"SMTU"
 ACK_MAGIC = b"SMTA"
 NONCE = 16
 TAG = 16
-HEAD = struct.Struct("!4s16sI16s")   # magic, nonce, size, tag
+HEAD = struct.Struct("!4s16sI16s")  # magic, nonce, size, tag
 MIN_WAIT = 0.05
 
 
@@ -47,7 +48,7 @@ def answer_probe(secret: bytes, datagram: bytes | memoryview) -> bytes | None:
     """The ack for a valid probe, or None (wrong size, bad tag, not ours)."""
     if len(datagram) < HEAD.size:
         return None
-    magic, nonce, size, tag = HEAD.unpack(bytes(datagram[:HEAD.size]))
+    magic, nonce, size, tag = HEAD.unpack(bytes(datagram[: HEAD.size]))
     if magic != PROBE_MAGIC or size != len(datagram) + IP_UDP_OVERHEAD:
         return None
     if not hmac.compare_digest(tag, _tag(secret, b"probe", nonce, size)):
@@ -59,8 +60,9 @@ def _check_ack(secret: bytes, data: bytes, nonce: bytes, size: int) -> bool:
     if len(data) != HEAD.size:
         return False
     magic, n, s, tag = HEAD.unpack(data)
-    return (magic == ACK_MAGIC and n == nonce and s == size
-            and hmac.compare_digest(tag, _tag(secret, b"ack", nonce, size)))
+    return (
+        magic == ACK_MAGIC and n == nonce and s == size and hmac.compare_digest(tag, _tag(secret, b"ack", nonce, size))
+    )
 
 
 def _try(sock: socket.socket, secret: bytes, size: int, tries: int, wait: float) -> bool:
@@ -68,7 +70,7 @@ def _try(sock: socket.socket, secret: bytes, size: int, tries: int, wait: float)
         nonce, pkt = make_probe(secret, size)
         try:
             sock.send(pkt)
-        except OSError:          # EMSGSIZE: larger than our own interface allows
+        except OSError:  # EMSGSIZE: larger than our own interface allows
             return False
         deadline = time.monotonic() + wait
         while True:
@@ -78,17 +80,24 @@ def _try(sock: socket.socket, secret: bytes, size: int, tries: int, wait: float)
             sock.settimeout(left)
             try:
                 data = sock.recv(256)
-            except socket.timeout:
+            except TimeoutError:
                 break
-            except OSError:      # ICMP port unreachable etc.
+            except OSError:  # ICMP port unreachable etc.
                 break
             if _check_ack(secret, data, nonce, size):
                 return True
     return False
 
 
-def measure_pmtu(dst: str, port: int, secret: bytes, source: str | None = None,
-                 tries: int = 3, wait: float = 0.2, resolution: int = 1) -> dict:
+def measure_pmtu(
+    dst: str,
+    port: int,
+    secret: bytes,
+    source: str | None = None,
+    tries: int = 3,
+    wait: float = 0.2,
+    resolution: int = 1,
+) -> dict:
     """Run on the sending agent: largest IPv4 packet (IP header included) dst acknowledges."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
@@ -103,8 +112,12 @@ def measure_pmtu(dst: str, port: int, secret: bytes, source: str | None = None,
         hi = max(MIN_PROBE, min(int(local), MAX_PROBE))
         t0 = time.monotonic()
         if not _try(sock, secret, MIN_PROBE, tries, wait):
-            return {"mtu_effective": None, "local_mtu": local, "probes": 1,
-                    "error": f"no acknowledgement from {dst}:{port} even for {MIN_PROBE}-byte packets"}
+            return {
+                "mtu_effective": None,
+                "local_mtu": local,
+                "probes": 1,
+                "error": f"no acknowledgement from {dst}:{port} even for {MIN_PROBE}-byte packets",
+            }
         # a lost probe costs `wait`; scale it to the path (ten round trips, 50 ms at least)
         wait = min(wait, max(MIN_WAIT, 10 * (time.monotonic() - t0)))
         if _try(sock, secret, hi, tries, wait):
@@ -118,7 +131,6 @@ def measure_pmtu(dst: str, port: int, secret: bytes, source: str | None = None,
                 good = mid
             else:
                 bad = mid
-        return {"mtu_effective": good, "local_mtu": local, "probes": probes, "error": None,
-                "wait_s": round(wait, 3)}
+        return {"mtu_effective": good, "local_mtu": local, "probes": probes, "error": None, "wait_s": round(wait, 3)}
     finally:
         sock.close()

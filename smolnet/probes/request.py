@@ -4,6 +4,7 @@ The controller never carries test traffic: it tells the agent on src to probe th
 agent on dst and collects the figures. Each function returns plain dicts that
 `report.assess_links` turns into contract link entries.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ RTT_COUNT = 300
 @dataclass
 class Endpoint:
     """A host whose agent answers: where to reach it and what it told us."""
+
     host: Host
     ip: str
     port: int
@@ -32,8 +34,7 @@ class Endpoint:
 
 
 def probe_rtt(src: Endpoint, dst: Endpoint, secret: bytes, count: int = RTT_COUNT) -> dict:
-    return control.call(src.ip, src.port, secret, "rtt", timeout=60.0,
-                        dst=dst.ip, port=dst.port, count=count)
+    return control.call(src.ip, src.port, secret, "rtt", timeout=60.0, dst=dst.ip, port=dst.port, count=count)
 
 
 def probe_pmtu(src: Endpoint, dst: Endpoint, secret: bytes) -> dict:
@@ -46,9 +47,15 @@ def pick_backend(requested: str, src: Endpoint, dst: Endpoint) -> str:
     return requested
 
 
-def probe_throughput(src: Endpoint, dst: Endpoint, secret: bytes, duration: float = DEFAULT_DURATION,
-                     backend: str = "auto", omit: float = DEFAULT_OMIT,
-                     streams: int = DEFAULT_STREAMS) -> dict:
+def probe_throughput(
+    src: Endpoint,
+    dst: Endpoint,
+    secret: bytes,
+    duration: float = DEFAULT_DURATION,
+    backend: str = "auto",
+    omit: float = DEFAULT_OMIT,
+    streams: int = DEFAULT_STREAMS,
+) -> dict:
     """Receiver-side goodput src -> dst, warm-up excluded."""
     method = pick_backend(backend, src, dst)
     wait = duration + omit + 45.0
@@ -60,5 +67,16 @@ def probe_throughput(src: Endpoint, dst: Endpoint, secret: bytes, duration: floa
         port = int(srv["port"])
     else:
         port = dst.port
-    return control.call(src.ip, src.port, secret, "throughput", timeout=wait, dst=dst.ip, port=port,
-                        duration=duration, omit=omit, streams=streams, backend=method)
+    return control.call(
+        src.ip,
+        src.port,
+        secret,
+        "throughput",
+        timeout=wait,
+        dst=dst.ip,
+        port=port,
+        duration=duration,
+        omit=omit,
+        streams=streams,
+        backend=method,
+    )

@@ -3,13 +3,14 @@
 One message in flight, TCP_NODELAY on both ends, warm-up discarded, full round trip
 (not half, unlike sockperf's default), percentiles over at least 200 samples.
 """
+
 from __future__ import annotations
 
 import socket
 import time
 
-from smolnet import wire
 from smolnet import agent_client as control
+from smolnet import wire
 
 MIN_SAMPLES = 200
 MAX_SAMPLES = 100_000
@@ -28,12 +29,19 @@ def percentiles(samples_us: list[float]) -> dict:
         k = max(0, min(len(s) - 1, int(round(p / 100 * len(s) + 0.5)) - 1))
         return round(s[k], 1)
 
-    return {"min": round(s[0], 1), "p50": pct(50), "p90": pct(90), "p99": pct(99), "max": round(s[-1], 1),
-            "samples": len(s)}
+    return {
+        "min": round(s[0], 1),
+        "p50": pct(50),
+        "p90": pct(90),
+        "p99": pct(99),
+        "max": round(s[-1], 1),
+        "samples": len(s),
+    }
 
 
-def measure_rtt(dst: str, port: int, secret: bytes, count: int = 300, size: int = 1,
-                source: str | None = None, timeout: float = 5.0) -> dict:
+def measure_rtt(
+    dst: str, port: int, secret: bytes, count: int = 300, size: int = 1, source: str | None = None, timeout: float = 5.0
+) -> dict:
     """Run on the pinging agent: `count` round trips to the echo of the agent at dst."""
     count = max(MIN_SAMPLES, min(int(count), MAX_SAMPLES))
     size = max(1, min(int(size), MAX_MESSAGE))

@@ -5,6 +5,7 @@ warm-up and again `duration` later, so the figure is receiver-side goodput with 
 slow-start excluded. The sending agent reports how much CPU it burnt: a Python sender
 that saturates its core measures itself, not the link (`probe-limited`).
 """
+
 from __future__ import annotations
 
 import os
@@ -14,19 +15,19 @@ import threading
 import time
 import uuid
 
-from smolnet import wire
 from smolnet import agent_client as control
+from smolnet import wire
 
-CHUNK = 1 << 20            # send/recv buffer: large, so syscalls are not the limit
+CHUNK = 1 << 20  # send/recv buffer: large, so syscalls are not the limit
 # Socket buffers are left to the kernel's autotuning: setting SO_RCVBUF would cap the window.
 MAX_STREAMS = 16
 MAX_DURATION = 120.0
 MAX_OMIT = 10.0
-IDLE_TIMEOUT = 5.0         # a data stream silent this long is finished
-START_TIMEOUT = 10.0       # first byte must arrive within this after the session opens
+IDLE_TIMEOUT = 5.0  # a data stream silent this long is finished
+START_TIMEOUT = 10.0  # first byte must arrive within this after the session opens
 
 
-TCP_INFO_BYTES_RECEIVED = 128   # offset of u64 tcpi_bytes_received in struct tcp_info (Linux 4.1+)
+TCP_INFO_BYTES_RECEIVED = 128  # offset of u64 tcpi_bytes_received in struct tcp_info (Linux 4.1+)
 
 
 def _kernel_received(sock: socket.socket) -> int | None:
@@ -74,7 +75,7 @@ class SinkSession:
             for i, sock in enumerate(self.socks):
                 k = _kernel_received(sock)
                 if k is not None:
-                    self.kernel[i] = k      # a stream closed since keeps its last count
+                    self.kernel[i] = k  # a stream closed since keeps its last count
             if self.socks and len(self.kernel) == len(self.socks):
                 return sum(self.kernel.values())
             return sum(c[0] for c in self.counts)
@@ -98,7 +99,7 @@ class SinkSession:
         while not self.done.is_set() and time.monotonic() < limit:
             try:
                 k = sock.recv_into(view)
-            except socket.timeout:
+            except TimeoutError:
                 if time.monotonic() - last > IDLE_TIMEOUT:
                     return
                 continue
@@ -119,8 +120,13 @@ class SinkSession:
             b0, t0 = self.total(), time.monotonic()
             time.sleep(self.duration)
             b1, t1 = self.total(), time.monotonic()
-            return {"bytes": b1 - b0, "seconds": t1 - t0, "total_bytes": b1,
-                    "first_byte": True, "streams_attached": len(self.counts)}
+            return {
+                "bytes": b1 - b0,
+                "seconds": t1 - t0,
+                "total_bytes": b1,
+                "first_byte": True,
+                "streams_attached": len(self.counts),
+            }
         finally:
             self.done.set()
 
@@ -155,8 +161,9 @@ class SinkRegistry:
             self._sessions.pop(s.id, None)
 
 
-def send_builtin(dst: str, port: int, secret: bytes, duration: float, omit: float,
-                 streams: int, source: str | None = None) -> dict:
+def send_builtin(
+    dst: str, port: int, secret: bytes, duration: float, omit: float, streams: int, source: str | None = None
+) -> dict:
     """Run on the sending agent: stream to the agent at dst, return its receiver-side count."""
     streams = int(_bounded(streams, 1, MAX_STREAMS, "streams"))
     duration = _bounded(duration, 0.1, MAX_DURATION, "duration")
@@ -181,7 +188,7 @@ def send_builtin(dst: str, port: int, secret: bytes, duration: float, omit: floa
             while time.monotonic() < stop_at:
                 try:
                     sent[i] += s.send(payload)
-                except socket.timeout:
+                except TimeoutError:
                     continue
                 except OSError:
                     return

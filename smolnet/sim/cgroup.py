@@ -7,14 +7,15 @@ the truth known (the cap). The cgroup is joined from the root namespace after ss
 (children inherit it); `ip netns exec` remounts /sys, so inside a host the cgroup
 filesystem is mounted again (mount_lines) for probes to read their own limit.
 """
-from __future__ import annotations
 
-from smolnet.errors import SmolError
+from __future__ import annotations
 
 import os
 import sys
 import time
 from pathlib import Path
+
+from smolnet.errors import SmolError
 
 ROOT = Path(os.environ.get("SMOL_CGROUP_ROOT", "/sys/fs/cgroup"))
 PERIOD_US = 100_000
@@ -135,7 +136,7 @@ def own_limit(root: Path = ROOT, proc_cgroup: str = "/proc/self/cgroup") -> floa
         else:
             continue
         parts = [p for p in rel.strip("/").split("/") if p]
-        for i in range(len(parts), -1, -1):     # every ancestor may cap too
+        for i in range(len(parts), -1, -1):  # every ancestor may cap too
             lim = limit(str(base.joinpath(*parts[:i])))
             if lim is not None:
                 best = lim if best is None else min(best, lim)
@@ -160,8 +161,10 @@ def mount_lines() -> list[str]:
     to mount costs only that reading (calibrate reports the cap as unknown)."""
     v = version()
     if v == 1:
-        body = ("mount -t tmpfs smol-cg /sys/fs/cgroup && mkdir -p /sys/fs/cgroup/cpu && "
-                f"mount -t cgroup -o {_v1_cpu_options()} smol-cgcpu /sys/fs/cgroup/cpu")
+        body = (
+            "mount -t tmpfs smol-cg /sys/fs/cgroup && mkdir -p /sys/fs/cgroup/cpu && "
+            f"mount -t cgroup -o {_v1_cpu_options()} smol-cgcpu /sys/fs/cgroup/cpu"
+        )
     elif v == 2:
         body = "mount -t cgroup2 smol-cg2 /sys/fs/cgroup"
     else:

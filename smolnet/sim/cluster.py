@@ -10,6 +10,7 @@ smolnet hunts (slow uplinks, jumbo mismatches) are real here, not mocked.
 Without root or namespaces, `up(loopback=True)` gives the same hosts as
 `ansible_connection: local` processes on 127.x addresses so the flow still runs.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -23,14 +24,24 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
-from smolnet.sim import cgroup, net
 from smolnet.files import write_text_atomic
+from smolnet.sim import cgroup, net
 from smolnet.sim.inventory import inventory_text, remove_inventory
 from smolnet.sim.net import SimError, SimUnavailable, unavailable_reason
 from smolnet.sim.scenarios import SCENARIOS, HostSpec, path_truth, tcp_goodput_mbit
 
-__all__ = ["up", "down", "status", "SimError", "SimUnavailable", "SCENARIOS",
-           "path_truth", "tcp_goodput_mbit", "state_dir", "unavailable_reason"]
+__all__ = [
+    "up",
+    "down",
+    "status",
+    "SimError",
+    "SimUnavailable",
+    "SCENARIOS",
+    "path_truth",
+    "tcp_goodput_mbit",
+    "state_dir",
+    "unavailable_reason",
+]
 
 
 def _state_root() -> Path:
@@ -47,7 +58,7 @@ def _state_root() -> Path:
 STATE_ROOT = _state_root()
 LOCK_TIMEOUT = 60.0
 SSHD_TIMEOUT = 20.0
-CONTROLLER_MTU = 1500   # management path: SSH must work even to a host with a jumbo mismatch
+CONTROLLER_MTU = 1500  # management path: SSH must work even to a host with a jumbo mismatch
 NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,9}$")
 
 
@@ -57,8 +68,11 @@ def state_dir(name: str) -> Path:
 
 def _check_name(name: str) -> None:
     if not NAME_RE.match(name or ""):
-        raise SimError(f"bad sim name {name!r}: 1-10 lowercase letters/digits, starting with a letter "
-                       "(it becomes part of interface names, which Linux caps at 15 characters)", code=2)
+        raise SimError(
+            f"bad sim name {name!r}: 1-10 lowercase letters/digits, starting with a letter "
+            "(it becomes part of interface names, which Linux caps at 15 characters)",
+            code=2,
+        )
 
 
 @contextmanager
@@ -133,21 +147,30 @@ def _opaque(upper_dir: Path) -> None:
     try:
         os.setxattr(upper_dir, "trusted.overlay.opaque", b"y")
     except OSError as e:
-        raise SimError(f"cannot mark {upper_dir} opaque for overlayfs ({e.strerror}); "
-                       f"is {STATE_ROOT} on a filesystem with trusted xattrs?") from None
+        raise SimError(
+            f"cannot mark {upper_dir} opaque for overlayfs ({e.strerror}); "
+            f"is {STATE_ROOT} on a filesystem with trusted xattrs?"
+        ) from None
 
 
 def _etc_hosts(host: str, address: str) -> str:
-    return (f"127.0.0.1\tlocalhost\n127.0.1.1\t{host}\n{address}\t{host}\n"
-            "::1\tlocalhost ip6-localhost ip6-loopback\n")
+    return f"127.0.0.1\tlocalhost\n127.0.1.1\t{host}\n{address}\t{host}\n::1\tlocalhost ip6-localhost ip6-loopback\n"
 
 
 # --- up -----------------------------------------------------------------------------------
 
-def up(name: str = "smol", scenario: str = "home", hosts: int | None = None,
-       subnet: str = "10.213.0.0/24", inventory: str = "inventory/sim.yml",
-       rate_mbit: float | None = None, mtu: int | None = None, loopback: bool | None = None,
-       cpu_limit: str | None = None) -> dict:
+
+def up(
+    name: str = "smol",
+    scenario: str = "home",
+    hosts: int | None = None,
+    subnet: str = "10.213.0.0/24",
+    inventory: str = "inventory/sim.yml",
+    rate_mbit: float | None = None,
+    mtu: int | None = None,
+    loopback: bool | None = None,
+    cpu_limit: str | None = None,
+) -> dict:
     """Build the sim and write its inventory; return the recorded state.
 
     loopback=None follows $SMOL_SIM_LOOPBACK (default off); off raises SimUnavailable when
@@ -170,13 +193,19 @@ def up(name: str = "smol", scenario: str = "home", hosts: int | None = None,
         if _load(name) is not None:
             raise SimError(f"sim {name} is already up (smolnet sim down --name {name} first)")
         st = {
-            "name": name, "scenario": scenario, "mode": "loopback" if loopback else "netns",
-            "subnet": str(net_), "prefix": net_.prefixlen, "inventory": str(inv_path),
+            "name": name,
+            "scenario": scenario,
+            "mode": "loopback" if loopback else "netns",
+            "subnet": str(net_),
+            "prefix": net_.prefixlen,
+            "inventory": str(inv_path),
             "controller": None if loopback else controller,
             "controller_iface": None if loopback else f"{name}-ctl",
             "switch_netns": None if loopback else f"smol-{name}-sw",
-            "state_dir": str(d), "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "status": "building", "hosts": [],
+            "state_dir": str(d),
+            "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "status": "building",
+            "hosts": [],
         }
         for i, (s, a) in enumerate(zip(specs, addrs), 1):
             h = s.to_dict()
@@ -190,13 +219,14 @@ def up(name: str = "smol", scenario: str = "home", hosts: int | None = None,
             _preflight(st)
             cgroup.check_caps(st["hosts"], explicit=cpu_limit is not None, error=SimError)
         if d.exists():
-            shutil.rmtree(d)        # leftovers of a crashed run without state.json
+            shutil.rmtree(d)  # leftovers of a crashed run without state.json
         d.mkdir(parents=True, mode=0o700)
         _save(st)
         try:
             if not loopback:
                 _build(st, specs)
             from smolnet.secret import ensure_secret
+
             ensure_secret(d / "secret")
             st["status"] = "up"
             _save(st)
@@ -213,11 +243,14 @@ def _preflight(st: dict) -> None:
     mine = [st["switch_netns"]] + [h["netns"] for h in st["hosts"]]
     clash = [n for n in mine if n in existing]
     if clash:
-        raise SimError(f"network namespace {clash[0]} already exists without sim state "
-                       f"(leftover? try: smolnet sim down --name {st['name']})")
+        raise SimError(
+            f"network namespace {clash[0]} already exists without sim state "
+            f"(leftover? try: smolnet sim down --name {st['name']})"
+        )
     if net.link_exists(st["controller_iface"]):
-        raise SimError(f"interface {st['controller_iface']} already exists "
-                       f"(leftover? try: smolnet sim down --name {st['name']})")
+        raise SimError(
+            f"interface {st['controller_iface']} already exists (leftover? try: smolnet sim down --name {st['name']})"
+        )
     sub = ipaddress.ip_network(st["subnet"])
     for r in net.root_routes():
         dst = r.get("dst", "")
@@ -225,8 +258,7 @@ def _preflight(st: dict) -> None:
             continue
         try:
             if ipaddress.ip_network(dst, strict=False).overlaps(sub):
-                raise SimError(f"subnet {sub} overlaps route {dst} on {r.get('dev', '?')}; "
-                               "choose another --subnet")
+                raise SimError(f"subnet {sub} overlaps route {dst} on {r.get('dev', '?')}; choose another --subnet")
         except ValueError:
             continue
 
@@ -246,14 +278,31 @@ def _build(st: dict, specs: list[HostSpec]) -> None:
     for h, s in zip(st["hosts"], specs):
         ns, port = h["netns"], f"p{h['index']}"
         net.netns_add(ns)
-        net.ipn(None, "link", "add", "eth0", "netns", ns, "mtu", str(s.mtu), "type", "veth",
-                "peer", "name", port, "netns", sw, "mtu", str(s.port_mtu))
+        net.ipn(
+            None,
+            "link",
+            "add",
+            "eth0",
+            "netns",
+            ns,
+            "mtu",
+            str(s.mtu),
+            "type",
+            "veth",
+            "peer",
+            "name",
+            port,
+            "netns",
+            sw,
+            "mtu",
+            str(s.port_mtu),
+        )
         net.ipn(ns, "addr", "add", f"{h['address']}/{prefix}", "dev", "eth0")
         net.ipn(sw, "link", "set", port, "master", "br0")
         net.offloads_off(ns, "eth0")
         net.offloads_off(sw, port)
-        net.shape(ns, "eth0", s.up_mbit, s.mtu)            # upload: host egress
-        net.shape(sw, port, s.down_mbit, s.port_mtu, burst_ms=25)   # download: switch-port egress
+        net.shape(ns, "eth0", s.up_mbit, s.mtu)  # upload: host egress
+        net.shape(sw, port, s.down_mbit, s.port_mtu, burst_ms=25)  # download: switch-port egress
         net.ipn(sw, "link", "set", port, "up")
         net.ipn(ns, "link", "set", "eth0", "up")
         h["port"] = port
@@ -271,14 +320,32 @@ def _build(st: dict, specs: list[HostSpec]) -> None:
         _write_atomic(hd / "ssh_host_ed25519_key", priv, 0o600)
         _write_atomic(hd / "ssh_host_ed25519_key.pub", pub + "\n")
         known.append(f"{s.name},{h['address']} {' '.join(pub.split()[:2])}")
-        _write_atomic(hd / "sshd_config", net.SSHD_CONFIG.format(
-            host=s.name, address=h["address"], host_key=hd / "ssh_host_ed25519_key",
-            pid_file=hd / "sshd.pid"))
+        _write_atomic(
+            hd / "sshd_config",
+            net.SSHD_CONFIG.format(
+                host=s.name, address=h["address"], host_key=hd / "ssh_host_ed25519_key", pid_file=hd / "sshd.pid"
+            ),
+        )
     _write_atomic(d / "known_hosts", "\n".join(known) + "\n")
 
     ctl = st["controller_iface"]
-    net.ipn(None, "link", "add", ctl, "mtu", str(CONTROLLER_MTU), "type", "veth",
-            "peer", "name", "pc", "netns", sw, "mtu", str(CONTROLLER_MTU))
+    net.ipn(
+        None,
+        "link",
+        "add",
+        ctl,
+        "mtu",
+        str(CONTROLLER_MTU),
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "pc",
+        "netns",
+        sw,
+        "mtu",
+        str(CONTROLLER_MTU),
+    )
     net.ipn(sw, "link", "set", "pc", "master", "br0")
     net.ipn(sw, "link", "set", "pc", "up")
     net.ipn(None, "addr", "add", f"{st['controller']}/{prefix}", "dev", ctl)
@@ -299,7 +366,7 @@ def _build(st: dict, specs: list[HostSpec]) -> None:
         hd = d / "hosts" / h["name"]
         h["pid_sshd"] = net.wait_sshd(h["name"], h["address"], hd / "sshd.pid", hd / "sshd.log", deadline)
         _save(st)
-        if h.get("cpu_cores"):      # sessions are forked by this sshd, so they inherit its cgroup
+        if h.get("cpu_cores"):  # sessions are forked by this sshd, so they inherit its cgroup
             h["cgroup"] = cgroup.path(cgroup.cap_name(name, h["name"]))
             _save(st)
             if not cgroup.cap_pid(h["cgroup"], h["cpu_cores"], h["pid_sshd"], SimError, h.get("cpu_required", True)):
@@ -307,6 +374,7 @@ def _build(st: dict, specs: list[HostSpec]) -> None:
 
 
 # --- down ---------------------------------------------------------------------------------
+
 
 def _teardown(st: dict) -> list[str]:
     """Remove everything `st` says was made; return what could not be removed."""
@@ -319,7 +387,7 @@ def _teardown(st: dict) -> list[str]:
             pids.add(pid)
     all_ns = host_ns + ([st["switch_netns"]] if st.get("switch_netns") else [])
     existing = net.netns_list() if all_ns else set()
-    for ns in all_ns:           # agents, iperf3, tcpdump: whatever runs in a sim namespace dies with it
+    for ns in all_ns:  # agents, iperf3, tcpdump: whatever runs in a sim namespace dies with it
         if ns in existing:
             pids.update(net.netns_pids(ns))
     pids.discard(os.getpid())
@@ -373,14 +441,20 @@ def _orphans(name: str) -> dict | None:
     has_ctl = net.link_exists(ctl)
     if not found and not has_ctl and not state_dir(name).exists():
         return None
-    hosts = [{"name": n[len(prefix):], "netns": n} for n in found if n != f"{prefix}sw"]
-    for h in hosts:     # a cap made before the crash has the host's name
+    hosts = [{"name": n[len(prefix) :], "netns": n} for n in found if n != f"{prefix}sw"]
+    for h in hosts:  # a cap made before the crash has the host's name
         h["cgroup"] = cgroup.existing(cgroup.cap_name(name, h["name"]))
-    return {"name": name, "hosts": hosts, "switch_netns": f"{prefix}sw" if f"{prefix}sw" in found else None,
-            "controller_iface": ctl if has_ctl else None, "state_dir": str(state_dir(name))}
+    return {
+        "name": name,
+        "hosts": hosts,
+        "switch_netns": f"{prefix}sw" if f"{prefix}sw" in found else None,
+        "controller_iface": ctl if has_ctl else None,
+        "state_dir": str(state_dir(name)),
+    }
 
 
 # --- status -------------------------------------------------------------------------------
+
 
 def status(name: str = "smol") -> dict | None:
     """The recorded state plus live checks (sshd alive, netns present); None if not up."""

@@ -3,6 +3,7 @@
 The controller reaches every host over SSH with the sim's own key and a real known_hosts;
 the loopback fallback writes the same hosts as `ansible_connection: local`.
 """
+
 from __future__ import annotations
 
 import sys
@@ -30,34 +31,47 @@ def inventory_text(st: dict) -> str:
         common["ansible_python_interpreter"] = sys.executable
     else:
         kh = str(d / "known_hosts")
-        common.update({
-            "ansible_user": "root",
-            "ansible_ssh_private_key_file": str(d / "id_ed25519"),
-            "ansible_ssh_common_args": f"-o UserKnownHostsFile={kh} -o StrictHostKeyChecking=yes "
-                                       "-o IdentitiesOnly=yes",
-            "ansible_python_interpreter": "/usr/bin/python3",
-            "smol_known_hosts_file": kh,
-        })
+        common.update(
+            {
+                "ansible_user": "root",
+                "ansible_ssh_private_key_file": str(d / "id_ed25519"),
+                "ansible_ssh_common_args": f"-o UserKnownHostsFile={kh} -o StrictHostKeyChecking=yes "
+                "-o IdentitiesOnly=yes",
+                "ansible_python_interpreter": "/usr/bin/python3",
+                "smol_known_hosts_file": kh,
+            }
+        )
     hosts = {}
     for h in st["hosts"]:
-        v = {"ansible_host": h["address"], "cluster_ip": h["address"], "mtu": h["mtu"],
-             "device": h["device"]}
+        v = {"ansible_host": h["address"], "cluster_ip": h["address"], "mtu": h["mtu"], "device": h["device"]}
         if h.get("nic_mbit") and not loop:
             v["link_rate_mbit"] = h["nic_mbit"]
         if not loop:
-            v.update({"smol_sim_netns": h["netns"], "smol_sim_port_mtu": h["port_mtu"],
-                      "smol_sim_up_mbit": h["up_mbit"], "smol_sim_down_mbit": h["down_mbit"]})
+            v.update(
+                {
+                    "smol_sim_netns": h["netns"],
+                    "smol_sim_port_mtu": h["port_mtu"],
+                    "smol_sim_up_mbit": h["up_mbit"],
+                    "smol_sim_down_mbit": h["down_mbit"],
+                }
+            )
             if h.get("cgroup"):
                 v["smol_sim_cpu_cores"] = h["cpu_cores"]
         hosts[h["name"]] = v
     first = st["hosts"][0]["name"]
-    doc = {"all": {"children": {
-        "cluster": {"hosts": hosts, "vars": common},
-        "coordinator": {"hosts": {first: None}},
-        "nfs_server": {"hosts": {first: None}},
-    }}}
-    header = (f"{GENERATED} (sim {st['name']}, scenario {st['scenario']}, {st['mode']}) "
-              f"at {st['created']}.\n# `smolnet sim down --name {st['name']}` deletes it; edits are lost.\n")
+    doc = {
+        "all": {
+            "children": {
+                "cluster": {"hosts": hosts, "vars": common},
+                "coordinator": {"hosts": {first: None}},
+                "nfs_server": {"hosts": {first: None}},
+            }
+        }
+    }
+    header = (
+        f"{GENERATED} (sim {st['name']}, scenario {st['scenario']}, {st['mode']}) "
+        f"at {st['created']}.\n# `smolnet sim down --name {st['name']}` deletes it; edits are lost.\n"
+    )
     return header + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)
 
 
@@ -65,8 +79,11 @@ def remove_inventory(st: dict) -> None:
     """Delete the inventory this sim wrote, and only that: a file the user replaced stays."""
     p = Path(st.get("inventory") or "")
     try:
-        if p.is_file() and p.read_text(errors="replace").startswith(GENERATED) \
-                and f"(sim {st['name']}," in p.read_text(errors="replace").splitlines()[0]:
+        if (
+            p.is_file()
+            and p.read_text(errors="replace").startswith(GENERATED)
+            and f"(sim {st['name']}," in p.read_text(errors="replace").splitlines()[0]
+        ):
             p.unlink()
     except OSError:
         pass

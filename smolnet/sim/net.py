@@ -3,6 +3,7 @@
 Thin wrappers around `ip`, `tc`, `ethtool` and `sshd`, each with a timeout and a
 one-line error, so smolnet/sim/cluster.py reads as the recipe rather than the mechanics.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,9 @@ class SimUnavailable(SimError):
     """This machine cannot run namespaced hosts (no root, no netns, missing tools)."""
 
 
-def sh(argv: list[str], timeout: float = CMD_TIMEOUT, check: bool = True,
-       stdin: bytes | None = None) -> subprocess.CompletedProcess:
+def sh(
+    argv: list[str], timeout: float = CMD_TIMEOUT, check: bool = True, stdin: bytes | None = None
+) -> subprocess.CompletedProcess:
     """Run one tool; a failure is a SimError naming the command and its stderr."""
     try:
         p = subprocess.run(argv, input=stdin, capture_output=True, timeout=timeout)
@@ -61,6 +63,7 @@ def unavailable_reason() -> str | None:
 
 
 # --- namespaces and links -------------------------------------------------------------
+
 
 def netns_list() -> set[str]:
     p = sh([IP, "-j", "netns", "list"], check=False)
@@ -122,8 +125,24 @@ def shape(ns: str, ifname: str, rate_mbit: float | None, mtu: int, burst_ms: flo
         return
     bytes_per_s = rate_mbit * 1e6 / 8
     burst = int(max(bytes_per_s * burst_ms / 1000, 4 * (mtu + 14)))
-    in_ns(ns, ["tc", "qdisc", "replace", "dev", ifname, "root", "tbf",
-               "rate", f"{rate_mbit:g}mbit", "burst", str(burst), "limit", str(2 * burst)])
+    in_ns(
+        ns,
+        [
+            "tc",
+            "qdisc",
+            "replace",
+            "dev",
+            ifname,
+            "root",
+            "tbf",
+            "rate",
+            f"{rate_mbit:g}mbit",
+            "burst",
+            str(burst),
+            "limit",
+            str(2 * burst),
+        ],
+    )
 
 
 def _cpu_mask() -> str:
@@ -183,15 +202,31 @@ def start_sshd(ns: str, host: str, d: Path, log: Path, extra: list[str] = ()) ->
     """
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
     q = shlex.quote
-    script = " && ".join([
-        f"mount -t overlay smol-etc -o lowerdir=/etc,upperdir={q(str(d / 'etc'))},workdir={q(str(d / 'etc.work'))} /etc",
-        f"mount -t overlay smol-root -o lowerdir=/root,upperdir={q(str(d / 'root'))},workdir={q(str(d / 'root.work'))} /root",
-        f"hostname {q(host)}",
-        *extra,                 # e.g. the cgroup mount (smolnet/sim/cgroup.py)
-        f"exec /usr/sbin/sshd -D -e -f {q(str(d / 'sshd_config'))}",
-    ])
-    argv = ["setsid", "-f", IP, "netns", "exec", ns,
-            "unshare", "--uts", "--mount", "--propagation", "private", "sh", "-c", script]
+    script = " && ".join(
+        [
+            f"mount -t overlay smol-etc -o lowerdir=/etc,upperdir={q(str(d / 'etc'))},workdir={q(str(d / 'etc.work'))} /etc",  # noqa: E501
+            f"mount -t overlay smol-root -o lowerdir=/root,upperdir={q(str(d / 'root'))},workdir={q(str(d / 'root.work'))} /root",  # noqa: E501
+            f"hostname {q(host)}",
+            *extra,  # e.g. the cgroup mount (smolnet/sim/cgroup.py)
+            f"exec /usr/sbin/sshd -D -e -f {q(str(d / 'sshd_config'))}",
+        ]
+    )
+    argv = [
+        "setsid",
+        "-f",
+        IP,
+        "netns",
+        "exec",
+        ns,
+        "unshare",
+        "--uts",
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        script,
+    ]
     with open(log, "ab") as out:
         p = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, timeout=CMD_TIMEOUT)
     if p.returncode != 0:

@@ -4,6 +4,7 @@ A scenario is a list of host specs: name, device profile, interface MTU, switch-
 MTU and shaped rates. Tests and users check every smolnet tool against these numbers,
 so they live in one place and the README states the same values.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,12 +23,12 @@ MAX_HOSTS = 32
 class HostSpec:
     name: str
     device: str = "generic"
-    mtu: int = 1500                  # the host's eth0 MTU (what its owner configured)
-    port_mtu: int = 1500             # the switch port's MTU (what the wire really carries)
-    up_mbit: float | None = None     # shaped host -> switch rate; None = unshaped
-    down_mbit: float | None = None   # shaped switch -> host rate; None = unshaped
-    nic_mbit: float | None = None    # rated NIC speed, written as link_rate_mbit
-    cpu_cores: float | None = None   # CPU cap (cgroup quota, in cores); None = uncapped
+    mtu: int = 1500  # the host's eth0 MTU (what its owner configured)
+    port_mtu: int = 1500  # the switch port's MTU (what the wire really carries)
+    up_mbit: float | None = None  # shaped host -> switch rate; None = unshaped
+    down_mbit: float | None = None  # shaped switch -> host rate; None = unshaped
+    nic_mbit: float | None = None  # rated NIC speed, written as link_rate_mbit
+    cpu_cores: float | None = None  # CPU cap (cgroup quota, in cores); None = uncapped
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -41,11 +42,11 @@ HOME_CPU = (0.15, 0.25, 0.45, 0.65)
 def _home() -> list[HostSpec]:
     specs = [
         HostSpec("pi5", "pi5", 1500, 1500, 1000, 1000, 1000),
-        HostSpec("jetson", "jetson-orin-nano", 1500, 1500, 300, 1000, 1000),   # slow uplink
+        HostSpec("jetson", "jetson-orin-nano", 1500, 1500, 300, 1000, 1000),  # slow uplink
         HostSpec("macmini", "mac-mini-m4", 9000, 9000, 2500, 2500, 2500),
-        HostSpec("laptop", "rtx4050-laptop", 9000, 1500, 1000, 1000, 1000),    # silent mismatch
+        HostSpec("laptop", "rtx4050-laptop", 9000, 1500, 1000, 1000, 1000),  # silent mismatch
     ]
-    scale = min(1.0, 0.75 * (os.cpu_count() or 1) / sum(HOME_CPU))   # caps must fit the machine
+    scale = min(1.0, 0.75 * (os.cpu_count() or 1) / sum(HOME_CPU))  # caps must fit the machine
     for s, c in zip(specs, HOME_CPU):
         s.cpu_cores = round(c * scale, 3)
     return specs
@@ -76,13 +77,18 @@ def _mtu_lab() -> list[HostSpec]:
     return [
         HostSpec("j1", mtu=9000, port_mtu=9000),
         HostSpec("j2", mtu=9000, port_mtu=9000),
-        HostSpec("jm", mtu=9000, port_mtu=1500),    # jumbo host on a 1500 switch port
-        HostSpec("s1", mtu=1500, port_mtu=1500),    # plain host: MSS clamp hides the mismatch
+        HostSpec("jm", mtu=9000, port_mtu=1500),  # jumbo host on a 1500 switch port
+        HostSpec("s1", mtu=1500, port_mtu=1500),  # plain host: MSS clamp hides the mismatch
     ]
 
 
-def scenario(name: str, hosts: int | None = None, rate_mbit: float | None = None,
-             mtu: int | None = None, cpu_limit: str | None = None) -> list[HostSpec]:
+def scenario(
+    name: str,
+    hosts: int | None = None,
+    rate_mbit: float | None = None,
+    mtu: int | None = None,
+    cpu_limit: str | None = None,
+) -> list[HostSpec]:
     specs = _scenario(name, hosts, rate_mbit, mtu)
     caps = cpu_limits(cpu_limit, len(specs))
     if caps is not None:
@@ -91,8 +97,9 @@ def scenario(name: str, hosts: int | None = None, rate_mbit: float | None = None
     return specs
 
 
-def _scenario(name: str, hosts: int | None = None, rate_mbit: float | None = None,
-              mtu: int | None = None) -> list[HostSpec]:
+def _scenario(
+    name: str, hosts: int | None = None, rate_mbit: float | None = None, mtu: int | None = None
+) -> list[HostSpec]:
     """Host specs for a scenario; options the scenario cannot honour are usage errors."""
     if name not in SCENARIOS:
         raise UsageError(f"unknown sim scenario {name!r} (one of {', '.join(SCENARIOS)})")
@@ -113,7 +120,7 @@ def _scenario(name: str, hosts: int | None = None, rate_mbit: float | None = Non
         raise UsageError(f"scenario {name} has {len(specs)} hosts; --hosts applies to 'uniform' only")
     if mtu is not None:
         raise UsageError(f"--mtu applies to scenario 'uniform' only ({name} fixes each host's MTU)")
-    if rate_mbit is not None:   # one rate for every host and direction; 0 = unshaped
+    if rate_mbit is not None:  # one rate for every host and direction; 0 = unshaped
         for s in specs:
             s.up_mbit = s.down_mbit = s.nic_mbit = rate_mbit or None
     return specs

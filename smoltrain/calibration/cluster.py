@@ -5,13 +5,14 @@ kernel: the sim, or several ranks on one box) one after another, because each wo
 otherwise measure the others' load instead of its own speed. A host that fails is reported
 with its reason and the rest are still measured.
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
 import json
 import socket
+from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Callable
 
 from smolnet.inventory import Host
 from smolnet.remote import RemoteError, connect
@@ -20,13 +21,12 @@ COMPUTE_SCHEMA = "smoltrain.compute/1"
 ID_TIMEOUT = 30.0
 PROBE_TIMEOUT = 600.0
 
-Progress = Callable[[str, str], None]     # (host name, what is happening)
+Progress = Callable[[str, str], None]  # (host name, what is happening)
 
 
 def _machine_id(h: Host) -> str:
     with connect(h) as r:
-        res = r.run("cat /proc/sys/kernel/random/boot_id 2>/dev/null || cat /etc/machine-id",
-                    timeout=ID_TIMEOUT)
+        res = r.run("cat /proc/sys/kernel/random/boot_id 2>/dev/null || cat /etc/machine-id", timeout=ID_TIMEOUT)
     mid = res.stdout.strip()
     if res.rc != 0 or not mid:
         raise RemoteError(h.name, "cannot read a machine id (boot_id or /etc/machine-id)")
@@ -55,8 +55,13 @@ def _failed(name: str, err: str, machine_id: str | None = None) -> dict:
     return {"name": name, "status": "failed", "error": err, "machine_id": machine_id}
 
 
-def calibrate_hosts(hosts: list[Host], model: str = "tiny", seconds: float = 0.5,
-                    progress: Progress | None = None, probe: Callable = probe_host) -> dict:
+def calibrate_hosts(
+    hosts: list[Host],
+    model: str = "tiny",
+    seconds: float = 0.5,
+    progress: Progress | None = None,
+    probe: Callable = probe_host,
+) -> dict:
     """Measure `hosts`; the compute report (failed hosts carry status `failed` and `error`)."""
     say = progress or (lambda name, what: None)
     results: dict[str, dict] = {}
@@ -90,17 +95,24 @@ def calibrate_hosts(hosts: list[Host], model: str = "tiny", seconds: float = 0.5
 
     with cf.ThreadPoolExecutor(max(1, len(groups))) as ex:
         list(ex.map(one_machine, groups.values()))
-    return {"schema": COMPUTE_SCHEMA, "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "controller": socket.gethostname(), "settings": {"model": model, "seconds": seconds, "threads": 1},
-            "hosts": [results[h.name] for h in hosts]}
+    return {
+        "schema": COMPUTE_SCHEMA,
+        "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "controller": socket.gethostname(),
+        "settings": {"model": model, "seconds": seconds, "threads": 1},
+        "hosts": [results[h.name] for h in hosts],
+    }
 
 
 def summary(doc: dict) -> str:
     f = doc.get("flops") or {}
     ts = doc.get("train_step") or []
     cap = doc.get("cpu_limit_cores")
-    parts = [f"fp32 {f.get('fp32', 0) / 1e9:,.1f} GFLOP/s", f"bf16 {f.get('bf16', 0) / 1e9:,.1f}",
-             f"mem {doc.get('mem_bw_bytes_s', 0) / 1e9:,.1f} GB/s"]
+    parts = [
+        f"fp32 {f.get('fp32', 0) / 1e9:,.1f} GFLOP/s",
+        f"bf16 {f.get('bf16', 0) / 1e9:,.1f}",
+        f"mem {doc.get('mem_bw_bytes_s', 0) / 1e9:,.1f} GB/s",
+    ]
     if ts:
         parts.append(f"{ts[-1]['model']} step {ts[-1]['seconds'] * 1e3:,.0f} ms @ batch {ts[-1]['batch']}")
     parts.append(f"cap {cap:g} cores" if cap else f"{doc.get('cores')} cores")
@@ -112,6 +124,10 @@ def local_report(model: str = "tiny", seconds: float = 0.5, name: str | None = N
     from smoltrain.calibration.probe import probe as run_probe
 
     doc = run_probe(model, seconds)
-    return {"schema": COMPUTE_SCHEMA, "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "controller": socket.gethostname(), "settings": {"model": model, "seconds": seconds, "threads": 1},
-            "hosts": [{"name": name or socket.gethostname(), "status": "ok", "error": None, **doc}]}
+    return {
+        "schema": COMPUTE_SCHEMA,
+        "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "controller": socket.gethostname(),
+        "settings": {"model": model, "seconds": seconds, "threads": 1},
+        "hosts": [{"name": name or socket.gethostname(), "status": "ok", "error": None, **doc}],
+    }

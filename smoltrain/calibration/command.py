@@ -1,4 +1,5 @@
 """`smoltrain calibrate -i INVENTORY | --local`: the compute report, with progress per host."""
+
 from __future__ import annotations
 
 from smolnet.errors import UsageError
@@ -19,9 +20,15 @@ def _table(doc: dict):
             continue
         st = ", ".join(f"{s['seconds'] * 1e3:,.0f} ({s['batch']})" for s in h["train_step"])
         cap = h.get("cpu_limit_cores")
-        t.add_row(h["name"], f"{cap:g}" if cap else f"none ({h['cores']} cores)",
-                  f"{h['flops']['fp32'] / 1e9:,.1f}", f"{h['flops']['bf16'] / 1e9:,.1f}",
-                  f"{h['mem_bw_bytes_s'] / 1e9:,.1f}", st or "-", h["machine_id"][:8])
+        t.add_row(
+            h["name"],
+            f"{cap:g}" if cap else f"none ({h['cores']} cores)",
+            f"{h['flops']['fp32'] / 1e9:,.1f}",
+            f"{h['flops']['bf16'] / 1e9:,.1f}",
+            f"{h['mem_bw_bytes_s'] / 1e9:,.1f}",
+            st or "-",
+            h["machine_id"][:8],
+        )
     return t
 
 
@@ -44,8 +51,9 @@ def run_compute(args, out: str) -> int:
             hosts = inv.select(args.hosts.split(",") if args.hosts else None)
         except InventoryError as e:
             raise UsageError(str(e)) from None
-        with Progress(SpinnerColumn(), TextColumn("{task.fields[host]:<12} {task.description}"),
-                      TimeElapsedColumn(), console=con) as prog:
+        with Progress(
+            SpinnerColumn(), TextColumn("{task.fields[host]:<12} {task.description}"), TimeElapsedColumn(), console=con
+        ) as prog:
             tasks = {h.name: prog.add_task("connecting", host=h.name) for h in hosts}
 
             def say(name: str, what: str) -> None:

@@ -6,6 +6,7 @@ quota a short operation runs at full speed until the quota is spent and then wai
 fastest sample measures the uncapped machine, while work over a window sees the cap,
 as a training rank does.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,10 +14,11 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 from smolnet.facts import machine_id
 
-WINDOW_MIN = 0.25       # seconds; >= 2.5 CFS periods of 100 ms
+WINDOW_MIN = 0.25  # seconds; >= 2.5 CFS periods of 100 ms
 TRAIN_BATCHES = (2, 8)
 
 
@@ -42,13 +44,13 @@ def rate(fn, window: float) -> float:
 def matmul_flops(torch, dtype, n: int, window: float) -> float:
     a = torch.randn(n, n).to(dtype)
     b = torch.randn(n, n).to(dtype)
-    return 2 * n ** 3 * rate(lambda: torch.mm(a, b), window)
+    return 2 * n**3 * rate(lambda: torch.mm(a, b), window)
 
 
 def copy_bw(torch, nbytes: int, window: float) -> float:
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
-    return 2 * nbytes * rate(lambda: dst.copy_(src), window)   # read + write
+    return 2 * nbytes * rate(lambda: dst.copy_(src), window)  # read + write
 
 
 def train_seconds(torch, model_name: str, batch: int, seq: int, window: float) -> float:
@@ -74,7 +76,7 @@ def train_seconds(torch, model_name: str, batch: int, seq: int, window: float) -
 
 
 BIG_FLOATS = 1 << 19
-COMM_WINDOW = 1.0       # seconds per measurement: ten CFS periods, so a cap shows
+COMM_WINDOW = 1.0  # seconds per measurement: ten CFS periods, so a cap shows
 
 
 def _loop(c, t, rank: int, window: float) -> tuple[int, float]:
@@ -138,7 +140,7 @@ def usable_memory() -> int:
     avail = psutil.virtual_memory().available
     for p in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
         try:
-            v = open(p).read().strip()
+            v = Path(p).read_text().strip()
             if v.isdigit():
                 avail = min(avail, int(v))
         except OSError:
@@ -154,20 +156,28 @@ def probe(model: str | None = "tiny", seconds: float = 0.5, threads: int = 1, se
 
     torch.set_num_threads(threads)
     comm = comm_cpu(torch) if hasattr(os, "fork") else None
-    flops = {"fp32": matmul_flops(torch, torch.float32, 384, w),
-             "bf16": matmul_flops(torch, torch.bfloat16, 256, w)}
+    flops = {"fp32": matmul_flops(torch, torch.float32, 384, w), "bf16": matmul_flops(torch, torch.bfloat16, 256, w)}
     flops["fp16"] = flops["bf16"]
-    doc = {"machine_id": machine_id(), "cores": cores(), "cpu_limit_cores": own_limit(),
-           "threads": torch.get_num_threads(), "torch": torch.__version__,
-           "flops": flops, "mem_bw_bytes_s": copy_bw(torch, 32 << 20, w),
-           "usable_memory_bytes": usable_memory(), "comm_cpu": comm, "train_step": []}
+    doc = {
+        "machine_id": machine_id(),
+        "cores": cores(),
+        "cpu_limit_cores": own_limit(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "flops": flops,
+        "mem_bw_bytes_s": copy_bw(torch, 32 << 20, w),
+        "usable_memory_bytes": usable_memory(),
+        "comm_cpu": comm,
+        "train_step": [],
+    }
     if model and model != "none":
         from smoltrain.models.spec import get_model
 
         s = seq or min(64, get_model(model).ctx)
         for b in TRAIN_BATCHES:
-            doc["train_step"].append({"model": model, "batch": b, "seq": s,
-                                      "seconds": train_seconds(torch, model, b, s, 2 * w)})
+            doc["train_step"].append(
+                {"model": model, "batch": b, "seq": s, "seconds": train_seconds(torch, model, b, s, 2 * w)}
+            )
     return doc
 
 
@@ -180,7 +190,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     try:
         doc = probe(a.model, a.seconds, a.threads, a.seq)
-    except Exception as e:     # one line for the controller, which names the host
+    except Exception as e:  # one line for the controller, which names the host
         print(f"probe failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     print(json.dumps(doc))

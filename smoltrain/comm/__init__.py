@@ -1,8 +1,9 @@
 """Collective communication for strategies: one interface, two backends.
 
-    from smoltrain.comm import make_comm
-    comm = make_comm("socket", rank, world_size, "10.0.0.1", 7700, secret)
+from smoltrain.comm import make_comm
+comm = make_comm("socket", rank, world_size, "10.0.0.1", 7700, secret)
 """
+
 from __future__ import annotations
 
 from smoltrain.comm.base import ByteCounter, Comm, CommError
@@ -10,16 +11,36 @@ from smoltrain.comm.base import ByteCounter, Comm, CommError
 BACKENDS = ("socket", "torch")
 
 
-def make_comm(backend: str, rank: int, world_size: int, coordinator_addr: str, port: int, secret: bytes,
-              timeout: float = 30.0, device="cpu", addrs: list[str] | None = None,
-              integrity: str = "header") -> Comm:
+def make_comm(
+    backend: str,
+    rank: int,
+    world_size: int,
+    coordinator_addr: str,
+    port: int,
+    secret: bytes,
+    timeout: float = 30.0,
+    device="cpu",
+    addrs: list[str] | None = None,
+    integrity: str = "header",
+) -> Comm:
     """Join the group. socket: authenticated, counts real bytes; torch: gloo/nccl, trusted network."""
     if backend == "socket":
         from smoltrain.comm.socket_comm import SocketComm
-        return SocketComm(rank, world_size, coordinator_addr, port, secret, timeout=timeout, device=device, addrs=addrs,
-                          integrity=integrity)
+
+        return SocketComm(
+            rank,
+            world_size,
+            coordinator_addr,
+            port,
+            secret,
+            timeout=timeout,
+            device=device,
+            addrs=addrs,
+            integrity=integrity,
+        )
     if backend == "torch":
         from smoltrain.comm.torch_comm import TorchComm
+
         return TorchComm(rank, world_size, coordinator_addr, port, secret, timeout=timeout, device=device, addrs=addrs)
     raise CommError(f"unknown comm backend {backend!r} (choose from {', '.join(BACKENDS)})")
 

@@ -14,6 +14,7 @@ Conventions (the planner counts the same way):
 - byte counters hold tensor payload bytes per destination rank, kept apart from
   framing/protocol overhead.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -33,6 +34,7 @@ class CommError(SmolError):
 @dataclass
 class ByteCounter:
     """Bytes this rank sent to each destination rank."""
+
     payload: dict[int, int] = field(default_factory=dict)
     framing: dict[int, int] = field(default_factory=dict)
 

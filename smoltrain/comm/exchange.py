@@ -5,6 +5,7 @@ mesh always has one), every frame header carries a MAC over it and its sequence 
 a frame cannot be injected, replayed or reordered; with `full` integrity every payload is
 MACed as well (its cost is measured by bench/bench_faults.py --integrity).
 """
+
 from __future__ import annotations
 
 import select
@@ -31,8 +32,9 @@ def _check_frame(kind: int, meta: dict, payload_len: int, expect_len: int, expec
     if expect_meta is not None and meta != expect_meta:
         raise wire.WireError(f"collective mismatch: peer sent {meta}, this rank expected {expect_meta}")
     if payload_len != expect_len:
-        raise wire.WireError(f"sent {payload_len} payload bytes, this rank expected {expect_len} "
-                             f"(mismatched shapes or dtypes)")
+        raise wire.WireError(
+            f"sent {payload_len} payload bytes, this rank expected {expect_len} (mismatched shapes or dtypes)"
+        )
 
 
 def _consume(bufs: list, k: int) -> None:
@@ -44,6 +46,7 @@ def _consume(bufs: list, k: int) -> None:
         else:
             bufs[0] = bufs[0][k:]
             k = 0
+
 
 class _RemoteAbort(SmolError):
     """Another rank reported a failure; carries its CommError fields."""
@@ -70,22 +73,38 @@ class _Exchange:
     thread for the sends measured slower here: the hand-offs cost more than the overlap.)
     """
 
-    def __init__(self, socks, op, seq, extra, sends, recvs, schunks, rchunks, base, elem, staging,
-                 staging_bytes, hdr, timeout, sess=None):
+    def __init__(
+        self,
+        socks,
+        op,
+        seq,
+        extra,
+        sends,
+        recvs,
+        schunks,
+        rchunks,
+        base,
+        elem,
+        staging,
+        staging_bytes,
+        hdr,
+        timeout,
+        sess=None,
+    ):
         self.socks, self.op, self.seq, self.extra = socks, op, seq, extra
-        self.sess = sess or {}    # peer -> wire.Session: every frame MACed (none: a bare test link)
-        self.ptag = None          # full integrity: the payload just received, awaiting its tag
+        self.sess = sess or {}  # peer -> wire.Session: every frame MACed (none: a bare test link)
+        self.ptag = None  # full integrity: the payload just received, awaiting its tag
         self.sends, self.recvs, self.schunks, self.rchunks, self.base = sends, recvs, schunks, rchunks, base
         self.elem, self.staging, self.staging_bytes = elem, staging, staging_bytes
         self.hdr = memoryview(hdr)
         self.wait_ms = max(1, int(timeout * 1000))
         self.stats = _Sent()
-        self.peer = None          # the peer of the call that failed, for the error message
-        self.done = 0             # receive chunks landed (and reduced)
-        self.si = self.sk = 0     # send item, chunk
+        self.peer = None  # the peer of the call that failed, for the error message
+        self.done = 0  # receive chunks landed (and reduced)
+        self.si = self.sk = 0  # send item, chunk
         self.sbufs = None
         self.spay = 0
-        self.ri = self.rk = 0     # receive item, chunk
+        self.ri = self.rk = 0  # receive item, chunk
         self.phase, self.rview, self.rgot, self.plen, self.kind, self.meta = 0, self.hdr, 0, 0, 0, {}
 
     # ------------------------------------------------------------------ pumps
@@ -141,7 +160,7 @@ class _Exchange:
             peer, view, acc = self.recvs[self.ri]
             self.peer = peer
             try:
-                k = self.socks[peer].recv_into(self.rview[self.rgot:], len(self.rview) - self.rgot, _DONTWAIT)
+                k = self.socks[peer].recv_into(self.rview[self.rgot :], len(self.rview) - self.rgot, _DONTWAIT)
             except BlockingIOError:
                 return moved
             if k == 0:
@@ -164,8 +183,8 @@ class _Exchange:
                 if self.phase == 1:
                     raw = bytes(self.rview)
                     if ses is not None:
-                        ses.check(bytes(self.hdr) + raw[:self.jlen], raw[self.jlen:])
-                    self.meta = wire.parse_meta(raw[:self.jlen])
+                        ses.check(bytes(self.hdr) + raw[: self.jlen], raw[self.jlen :])
+                    self.meta = wire.parse_meta(raw[: self.jlen])
                 expect = dict(self.extra, o=self.op, q=self.seq, i=self.ri) if self.rk == 0 else None
                 _check_frame(self.kind, self.meta, self.plen, b - a, expect, peer)
                 if self.plen:
@@ -178,7 +197,7 @@ class _Exchange:
             if self.phase == 3:
                 ses.check_payload(self.ptag, bytes(self.rview))
             if acc is not None and b > a:  # chunk complete: reduce it
-                acc[a // self.elem: b // self.elem].add_(self.staging[: (b - a) // self.elem])
+                acc[a // self.elem : b // self.elem].add_(self.staging[: (b - a) // self.elem])
             self.phase, self.rview, self.rgot = 0, self.hdr, 0
             self.rk += 1
             if self.rk == len(self.rchunks[self.ri]):

@@ -3,6 +3,7 @@
 A group needs world_size + 2 consecutive TCP ports from its base port: the rendezvous
 (base; torch uses it for its store) and one listening port per rank (base + 1 + r).
 """
+
 from __future__ import annotations
 
 import os

@@ -8,6 +8,7 @@ rank j > i. Every connection, rendezvous and mesh alike, passes the cluster-secr
 challenge before a single frame is read from it; a stranger is logged and dropped and
 the wait goes on until the deadline.
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,15 +18,14 @@ import time
 
 from smolnet import wire
 from smolnet.server import AuthListener
-
 from smoltrain.comm.base import CommError
 
 log = logging.getLogger("smoltrain.comm")
 
-K_HELLO = 1     # rank -> rank 0: {"rank", "world_size", "addr", "port"}
-K_TABLE = 2     # rank 0 -> rank: {"table": [[addr, port], ...]}
-K_REJECT = 3    # rank 0 -> rank: {"why"}
-K_PEER = 4      # mesh dialer -> acceptor: {"rank", "world_size"}
+K_HELLO = 1  # rank -> rank 0: {"rank", "world_size", "addr", "port"}
+K_TABLE = 2  # rank 0 -> rank: {"table": [[addr, port], ...]}
+K_REJECT = 3  # rank 0 -> rank: {"why"}
+K_PEER = 4  # mesh dialer -> acceptor: {"rank", "world_size"}
 
 HANDSHAKE_TIMEOUT = 5.0
 
@@ -142,8 +142,16 @@ def _valid_rank(meta: dict, world_size: int) -> int | None:
     return None
 
 
-def rendezvous(rank: int, world_size: int, coordinator_addr: str, port: int, secret: bytes,
-               my_addr: str, my_port: int, timeout: float) -> list[tuple[str, int]]:
+def rendezvous(
+    rank: int,
+    world_size: int,
+    coordinator_addr: str,
+    port: int,
+    secret: bytes,
+    my_addr: str,
+    my_port: int,
+    timeout: float,
+) -> list[tuple[str, int]]:
     """Exchange listening addresses through rank 0; returns [(addr, port)] indexed by rank."""
     deadline = time.monotonic() + timeout
     if world_size == 1:
@@ -152,8 +160,12 @@ def rendezvous(rank: int, world_size: int, coordinator_addr: str, port: int, sec
         return _serve_table(world_size, coordinator_addr, port, secret, my_addr, my_port, deadline)
     s, _ = dial_authenticated(coordinator_addr, port, secret, deadline, "rank 0 (rendezvous)", 0)
     try:
-        wire.send_frame(s, K_HELLO, {"rank": rank, "world_size": world_size, "addr": my_addr, "port": my_port},
-                        timeout=max(_left(deadline), 0.1))
+        wire.send_frame(
+            s,
+            K_HELLO,
+            {"rank": rank, "world_size": world_size, "addr": my_addr, "port": my_port},
+            timeout=max(_left(deadline), 0.1),
+        )
         kind, meta, _ = wire.recv_frame(s, timeout=max(_left(deadline), 0.1), max_payload=0)
     except (wire.WireError, OSError, TimeoutError) as e:
         raise CommError(f"rendezvous with rank 0 ({coordinator_addr}:{port}) failed: {e}", peer=0) from None
@@ -162,8 +174,14 @@ def rendezvous(rank: int, world_size: int, coordinator_addr: str, port: int, sec
     if kind == K_REJECT:
         raise CommError(f"rank 0 ({coordinator_addr}:{port}) refused rank {rank}: {meta.get('why')}", peer=0)
     table = meta.get("table")
-    if kind != K_TABLE or not isinstance(table, list) or len(table) != world_size or not all(
-            isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and isinstance(e[1], int) for e in table):
+    if (
+        kind != K_TABLE
+        or not isinstance(table, list)
+        or len(table) != world_size
+        or not all(
+            isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and isinstance(e[1], int) for e in table
+        )
+    ):
         raise CommError(f"rank 0 ({coordinator_addr}:{port}) sent a malformed rendezvous table", peer=0)
     return [(a, p) for a, p in table]
 
@@ -181,8 +199,11 @@ def _serve_table(world_size, coordinator_addr, port, secret, my_addr, my_port, d
                 s, kind, meta, key = inbox.next(deadline)
             except TimeoutError:
                 missing = [r for r in range(1, world_size) if r not in conns]
-                raise CommError(f"rendezvous at {coordinator_addr}:{port} timed out: rank(s) "
-                                f"{', '.join(map(str, missing))} never registered", peer=missing[0]) from None
+                raise CommError(
+                    f"rendezvous at {coordinator_addr}:{port} timed out: rank(s) "
+                    f"{', '.join(map(str, missing))} never registered",
+                    peer=missing[0],
+                ) from None
             r = _valid_rank(meta, world_size) if kind == K_HELLO else None
             why = None
             if r is None:
@@ -214,8 +235,14 @@ def _serve_table(world_size, coordinator_addr, port, secret, my_addr, my_port, d
     return table
 
 
-def connect_mesh(rank: int, table: list[tuple[str, int]], listener: socket.socket | None, secret: bytes,
-                 timeout: float, keys: dict | None = None) -> dict[int, socket.socket]:
+def connect_mesh(
+    rank: int,
+    table: list[tuple[str, int]],
+    listener: socket.socket | None,
+    secret: bytes,
+    timeout: float,
+    keys: dict | None = None,
+) -> dict[int, socket.socket]:
     """One authenticated TCP connection to every other rank: dial lower ranks, accept higher ones.
     keys (filled in when given): peer -> (session key, whether this rank dialled)."""
     keys = {} if keys is None else keys
@@ -242,8 +269,11 @@ def connect_mesh(rank: int, table: list[tuple[str, int]], listener: socket.socke
                 s, kind, meta, key = inbox.next(deadline)
             except TimeoutError:
                 missing = [j for j in range(rank + 1, world_size) if j not in socks]
-                raise CommError(f"rank(s) {', '.join(map(str, missing))} never connected to rank {rank} "
-                                f"({table[rank][0]}:{table[rank][1]})", peer=missing[0]) from None
+                raise CommError(
+                    f"rank(s) {', '.join(map(str, missing))} never connected to rank {rank} "
+                    f"({table[rank][0]}:{table[rank][1]})",
+                    peer=missing[0],
+                ) from None
             j = _valid_rank(meta, world_size) if kind == K_PEER else None
             if j is None or j <= rank or j in socks:
                 log.warning("%s: dropped peer with bad hello %r", where, meta)

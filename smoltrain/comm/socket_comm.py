@@ -31,6 +31,7 @@ The rank that saw it tells every other peer (an ABORT frame, at a frame boundary
 ranks that are not neighbours of the dead peer raise a CommError naming it too,
 instead of waiting for their own timeout. After a failure the Comm refuses further use.
 """
+
 from __future__ import annotations
 
 import logging
@@ -39,12 +40,17 @@ import socket
 import torch
 
 from smolnet import wire
-from smolnet.errors import SmolError
-
 from smoltrain.comm import rendezvous as rdv
-from smoltrain.comm.exchange import (HEADER_SIZE, K_ABORT, K_DATA, _byte_view, _consume,  # noqa: F401 (K_DATA: tests)
-                                     _Exchange, _RemoteAbort, _Staged)
 from smoltrain.comm.base import ByteCounter, Comm, CommError
+from smoltrain.comm.exchange import (
+    HEADER_SIZE,
+    K_ABORT,
+    _byte_view,
+    _consume,
+    _Exchange,
+    _RemoteAbort,
+    _Staged,
+)
 
 log = logging.getLogger("smoltrain.comm")
 
@@ -55,6 +61,7 @@ log = logging.getLogger("smoltrain.comm")
 CHUNK_BYTES_PAIR = 4 << 20
 CHUNK_BYTES_RING = 1 << 20
 SMALL_BYTES = 64 * 1024
+
 
 def _segments(n: int, parts: int) -> list[tuple[int, int]]:
     """Element ranges of `parts` nearly equal segments; the first n % parts get one more."""
@@ -78,9 +85,19 @@ def ring_allreduce_bytes(numel: int, elem_size: int, world_size: int, rank: int)
 class SocketComm(Comm):
     backend = "socket"
 
-    def __init__(self, rank: int, world_size: int, coordinator_addr: str, port: int, secret: bytes,
-                 timeout: float = 30.0, device="cpu", addrs: list[str] | None = None,
-                 chunk_bytes: int | None = None, integrity: str = "header"):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        coordinator_addr: str,
+        port: int,
+        secret: bytes,
+        timeout: float = 30.0,
+        device="cpu",
+        addrs: list[str] | None = None,
+        chunk_bytes: int | None = None,
+        integrity: str = "header",
+    ):
         if not (0 <= rank < world_size):
             raise CommError(f"rank {rank} is outside world size {world_size}")
         if addrs is not None and len(addrs) != world_size:
@@ -196,8 +213,16 @@ class SocketComm(Comm):
         step = max(elem, self.chunk_bytes - self.chunk_bytes % elem)
         return [(a, min(n, a + step)) for a in range(0, n, step)]
 
-    def _transfer(self, op: str, sends: list, recvs: list, elem: int = 1, dtype=None,
-                  seq: int | None = None, extra: dict | None = None) -> None:
+    def _transfer(
+        self,
+        op: str,
+        sends: list,
+        recvs: list,
+        elem: int = 1,
+        dtype=None,
+        seq: int | None = None,
+        extra: dict | None = None,
+    ) -> None:
         """Run sends [(peer, view, dep)] and receives [(peer, view, acc)] as one exchange.
 
         dep: index of the receive whose chunk k must have landed (and been reduced) before
@@ -220,8 +245,23 @@ class SocketComm(Comm):
             biggest = max(len(v) for _, v, a in recvs if a is not None)
             staging = self._staging_buffer(dtype, min(biggest, self.chunk_bytes) // elem)
             staging_bytes = _byte_view(staging)
-        ex = _Exchange(self._socks, op, seq, extra or {}, sends, recvs, schunks, rchunks, base, elem, staging,
-                       staging_bytes, self._hdr, self.peer_timeout, self._sess)
+        ex = _Exchange(
+            self._socks,
+            op,
+            seq,
+            extra or {},
+            sends,
+            recvs,
+            schunks,
+            rchunks,
+            base,
+            elem,
+            staging,
+            staging_bytes,
+            self._hdr,
+            self.peer_timeout,
+            self._sess,
+        )
         try:
             ex.run()
         except BaseException as e:
@@ -243,16 +283,26 @@ class SocketComm(Comm):
         self._check_peer(dst)
         st = _Staged(tensor, writeback=False)
         self._p2p_out[dst] = self._p2p_out.get(dst, 0) + 1
-        self._transfer("p2p", [(dst, _byte_view(st.flat), None)], [], seq=self._p2p_out[dst],
-                       extra={"dt": str(st.flat.dtype), "n": st.flat.numel()})
+        self._transfer(
+            "p2p",
+            [(dst, _byte_view(st.flat), None)],
+            [],
+            seq=self._p2p_out[dst],
+            extra={"dt": str(st.flat.dtype), "n": st.flat.numel()},
+        )
 
     def recv(self, tensor, src: int) -> None:
         self._check_usable()
         self._check_peer(src)
         st = _Staged(tensor, writeback=True)
         self._p2p_in[src] = self._p2p_in.get(src, 0) + 1
-        self._transfer("p2p", [], [(src, _byte_view(st.flat), None)], seq=self._p2p_in[src],
-                       extra={"dt": str(st.flat.dtype), "n": st.flat.numel()})
+        self._transfer(
+            "p2p",
+            [],
+            [(src, _byte_view(st.flat), None)],
+            seq=self._p2p_in[src],
+            extra={"dt": str(st.flat.dtype), "n": st.flat.numel()},
+        )
         st.finish()
 
     def broadcast(self, tensor, src: int) -> None:
@@ -294,13 +344,13 @@ class SocketComm(Comm):
             for t in range(n - 1):  # reduce-scatter: rank r ends up owning segment (r+1) % n
                 slo, shi = segs[(r - t) % n]
                 rlo, rhi = segs[(r - t - 1) % n]
-                sends.append((nxt, view[slo * es: shi * es], t - 1 if t else None))
-                recvs.append((prv, view[rlo * es: rhi * es], flat[rlo:rhi]))
+                sends.append((nxt, view[slo * es : shi * es], t - 1 if t else None))
+                recvs.append((prv, view[rlo * es : rhi * es], flat[rlo:rhi]))
             for t in range(n - 1):  # all-gather: pass the owned segments around
                 slo, shi = segs[(r + 1 - t) % n]
                 rlo, rhi = segs[(r - t) % n]
-                sends.append((nxt, view[slo * es: shi * es], n - 2 + t))
-                recvs.append((prv, view[rlo * es: rhi * es], None))
+                sends.append((nxt, view[slo * es : shi * es], n - 2 + t))
+                recvs.append((prv, view[rlo * es : rhi * es], None))
         self._transfer("all_reduce", sends, recvs, es, flat.dtype)
         if op == "avg":
             if flat.is_floating_point():
@@ -315,8 +365,10 @@ class SocketComm(Comm):
             raise CommError(f"unsupported reduce op {op!r} (sum or avg)")
         n, r = self.world_size, self.rank
         if inp.numel() != n * out.numel() or inp.dtype != out.dtype:
-            raise CommError(f"reduce_scatter: input has {inp.numel()} {inp.dtype} elements, output "
-                            f"{out.numel()} {out.dtype}; input must be world_size x output")
+            raise CommError(
+                f"reduce_scatter: input has {inp.numel()} {inp.dtype} elements, output "
+                f"{out.numel()} {out.dtype}; input must be world_size x output"
+            )
         m = out.numel()
         work = inp.detach().to("cpu").reshape(-1).clone()  # reduced in place; the caller's input stays intact
         if n > 1 and m > 0:
@@ -326,10 +378,10 @@ class SocketComm(Comm):
             sends, recvs = [], []
             for t in range(n - 1):  # ends with rank r owning segment r
                 s, g = (r - t - 1) % n, (r - t - 2) % n
-                sends.append((nxt, view[s * m * es:(s + 1) * m * es], t - 1 if t else None))
-                recvs.append((prv, view[g * m * es:(g + 1) * m * es], work[g * m:(g + 1) * m]))
+                sends.append((nxt, view[s * m * es : (s + 1) * m * es], t - 1 if t else None))
+                recvs.append((prv, view[g * m * es : (g + 1) * m * es], work[g * m : (g + 1) * m]))
             self._transfer("reduce_scatter", sends, recvs, es, work.dtype)
-        mine = work[r * m:(r + 1) * m]
+        mine = work[r * m : (r + 1) * m]
         if op == "avg":
             mine = mine / n if mine.is_floating_point() else torch.div(mine, n, rounding_mode="floor")
         with torch.no_grad():
@@ -339,13 +391,15 @@ class SocketComm(Comm):
         self._check_usable()
         n, r = self.world_size, self.rank
         if out.numel() != n * inp.numel() or inp.dtype != out.dtype:
-            raise CommError(f"all_gather: output has {out.numel()} {out.dtype} elements, input "
-                            f"{inp.numel()} {inp.dtype}; output must be world_size x input")
+            raise CommError(
+                f"all_gather: output has {out.numel()} {out.dtype} elements, input "
+                f"{inp.numel()} {inp.dtype}; output must be world_size x input"
+            )
         m = inp.numel()
         st = _Staged(out, writeback=True)
         flat = st.flat
         with torch.no_grad():
-            flat[r * m:(r + 1) * m].copy_(inp.detach().reshape(-1))
+            flat[r * m : (r + 1) * m].copy_(inp.detach().reshape(-1))
         if n > 1 and m > 0:
             es = flat.element_size()
             view = _byte_view(flat)
@@ -353,8 +407,8 @@ class SocketComm(Comm):
             sends, recvs = [], []
             for t in range(n - 1):
                 s, g = (r - t) % n, (r - t - 1) % n
-                sends.append((nxt, view[s * m * es:(s + 1) * m * es], t - 1 if t else None))
-                recvs.append((prv, view[g * m * es:(g + 1) * m * es], None))
+                sends.append((nxt, view[s * m * es : (s + 1) * m * es], t - 1 if t else None))
+                recvs.append((prv, view[g * m * es : (g + 1) * m * es], None))
             self._transfer("all_gather", sends, recvs, es, flat.dtype)
         st.finish()
 

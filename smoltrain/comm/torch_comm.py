@@ -11,6 +11,7 @@ hand-written transport. Two things it cannot do, and SocketComm does:
 A failed or timed-out peer surfaces as CommError; torch does not say which rank, so
 `peer` is None unless the message lets us tell.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -31,8 +32,17 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 class TorchComm(Comm):
     backend = "torch"
 
-    def __init__(self, rank: int, world_size: int, coordinator_addr: str, port: int, secret: bytes = b"",
-                 timeout: float = 30.0, device="cpu", addrs: list[str] | None = None):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        coordinator_addr: str,
+        port: int,
+        secret: bytes = b"",
+        timeout: float = 30.0,
+        device="cpu",
+        addrs: list[str] | None = None,
+    ):
         if not (0 <= rank < world_size):
             raise CommError(f"rank {rank} is outside world size {world_size}")
         self.rank = rank
@@ -47,11 +57,17 @@ class TorchComm(Comm):
         if dist.is_initialized():
             raise CommError("torch.distributed is already initialized in this process")
         try:
-            dist.init_process_group("nccl" if self._nccl else "gloo", init_method=f"tcp://{coordinator_addr}:{port}",
-                                    rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=timeout))
+            dist.init_process_group(
+                "nccl" if self._nccl else "gloo",
+                init_method=f"tcp://{coordinator_addr}:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
         except Exception as e:  # torch raises RuntimeError/DistStoreError/TimeoutError variously
-            raise CommError(f"torch rendezvous at {self._where} failed: {_short(e)}", peer=0 if rank else None) from None
+            raise CommError(
+                f"torch rendezvous at {self._where} failed: {_short(e)}", peer=0 if rank else None
+            ) from None
 
     # ----------------------------------------------------------------- helpers
     def _dev(self, t: torch.Tensor):
@@ -122,8 +138,10 @@ class TorchComm(Comm):
             raise CommError(f"unsupported reduce op {op!r} (sum or avg)")
         n = self.world_size
         if inp.numel() != n * out.numel() or inp.dtype != out.dtype:
-            raise CommError(f"reduce_scatter: input has {inp.numel()} {inp.dtype} elements, output "
-                            f"{out.numel()} {out.dtype}; input must be world_size x output")
+            raise CommError(
+                f"reduce_scatter: input has {inp.numel()} {inp.dtype} elements, output "
+                f"{out.numel()} {out.dtype}; input must be world_size x output"
+            )
         i, _ = self._dev(inp.reshape(-1))
         o = torch.empty(out.numel(), dtype=out.dtype, device=i.device)
         if n == 1:
@@ -139,8 +157,10 @@ class TorchComm(Comm):
     def all_gather(self, out, inp) -> None:
         n = self.world_size
         if out.numel() != n * inp.numel() or inp.dtype != out.dtype:
-            raise CommError(f"all_gather: output has {out.numel()} {out.dtype} elements, input "
-                            f"{inp.numel()} {inp.dtype}; output must be world_size x input")
+            raise CommError(
+                f"all_gather: output has {out.numel()} {out.dtype} elements, input "
+                f"{inp.numel()} {inp.dtype}; output must be world_size x input"
+            )
         i, _ = self._dev(inp.reshape(-1))
         o, staged = self._dev(out.reshape(-1))
         if n == 1:
@@ -166,9 +186,15 @@ class TorchComm(Comm):
             # gloo's list all_to_all wants equal sizes; the split form takes any (zeros too)
             dev = ins[0].device
             flat_out = torch.empty(sum(o.numel() for o in outs), dtype=outs[0].dtype, device=dev)
-            self._run("all_to_all", lambda: dist.all_to_all_single(
-                flat_out, torch.cat(ins), output_split_sizes=[o.numel() for o in outs],
-                input_split_sizes=[t.numel() for t in ins]))
+            self._run(
+                "all_to_all",
+                lambda: dist.all_to_all_single(
+                    flat_out,
+                    torch.cat(ins),
+                    output_split_sizes=[o.numel() for o in outs],
+                    input_split_sizes=[t.numel() for t in ins],
+                ),
+            )
             with torch.no_grad():
                 for o, part in zip(outs, torch.split(flat_out, [o.numel() for o in outs])):
                     o.copy_(part.view_as(o))
@@ -200,6 +226,7 @@ def _pin_interface(addr: str, nccl: bool) -> None:
         return
     try:
         import psutil
+
         for iface, entries in psutil.net_if_addrs().items():
             if any(e.address == addr for e in entries):
                 os.environ[var] = iface

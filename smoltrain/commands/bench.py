@@ -5,6 +5,7 @@ runs warm-up plus --iters timed all-reduces of a float32 buffer, the ranks excha
 their per-iteration times, and rank 0 reports the median over iterations of the
 slowest rank's time. algbw = bytes / time, busbw = algbw * 2(N-1)/N, in 10^9 bytes/s.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,19 @@ from smolnet.errors import SmolError, UsageError
 from smolnet.files import write_json_atomic
 
 SCHEMA = "smoltrain.bench/1"
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
-          "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1 << 30,
+    "gib": 1 << 30,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -45,8 +57,9 @@ def add_arguments(p) -> None:
     p.add_argument("--iters", type=int, default=20, help="timed iterations (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations first (default 3)")
     p.add_argument("--hosts", help="comma-separated subset of inventory hosts, in rank order")
-    p.add_argument("--port", type=int, help="base TCP port (default: the coordinator's smol_train_port; "
-                                             "a free one for --local)")
+    p.add_argument(
+        "--port", type=int, help="base TCP port (default: the coordinator's smol_train_port; a free one for --local)"
+    )
     p.add_argument("--timeout", type=float, default=60.0, help="peer timeout in seconds (default 60)")
     p.add_argument("--secret-file", help="cluster secret (default: the inventory's smol_secret_file)")
     p.add_argument("--json", help="write the smoltrain.bench/1 document here")
@@ -59,6 +72,7 @@ def add_arguments(p) -> None:
 
 def argparse_suppress():
     import argparse
+
     return argparse.SUPPRESS
 
 
@@ -92,8 +106,9 @@ def _worker(args, nbytes: int) -> int:
     addrs = args.addrs.split(",") if args.addrs else None
     torch.set_num_threads(1)
     try:
-        comm = make_comm(args.backend, args.rank, args.world, args.coord, args.port, secret,
-                         timeout=args.timeout, addrs=addrs)
+        comm = make_comm(
+            args.backend, args.rank, args.world, args.coord, args.port, secret, timeout=args.timeout, addrs=addrs
+        )
     except CommError as e:
         raise SmolError(f"rank {args.rank}: {e}") from None
     try:
@@ -117,12 +132,21 @@ def _worker(args, nbytes: int) -> int:
             p50 = float(slowest.median())
             n = args.world
             algbw = numel * 4 / p50 / 1e9 if p50 > 0 else 0.0
-            doc = {"schema": SCHEMA, "op": "allreduce", "backend": args.backend, "world_size": n,
-                   "bytes": numel * 4, "iters": args.iters, "seconds_p50": p50,
-                   "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (n - 1) / n,
-                   "seconds_min": float(slowest.min()), "seconds_max": float(slowest.max()),
-                   "payload_bytes_per_iter_rank0": sent // args.iters,
-                   "framing_bytes_per_iter_rank0": framing // args.iters}
+            doc = {
+                "schema": SCHEMA,
+                "op": "allreduce",
+                "backend": args.backend,
+                "world_size": n,
+                "bytes": numel * 4,
+                "iters": args.iters,
+                "seconds_p50": p50,
+                "algbw_gbps": algbw,
+                "busbw_gbps": algbw * 2 * (n - 1) / n,
+                "seconds_min": float(slowest.min()),
+                "seconds_max": float(slowest.max()),
+                "payload_bytes_per_iter_rank0": sent // args.iters,
+                "framing_bytes_per_iter_rank0": framing // args.iters,
+            }
             print("SMOLBENCH " + json.dumps(doc), flush=True)
     except CommError as e:
         raise SmolError(f"rank {args.rank}: {e}") from None
@@ -132,9 +156,30 @@ def _worker(args, nbytes: int) -> int:
 
 
 def _rank_argv(python: list[str], args, nbytes, rank, world, coord, port, addrs) -> list[str]:
-    argv = python + ["-m", "smoltrain", "bench", "allreduce", "--bytes", str(nbytes), "--backend", args.backend,
-                     "--iters", str(args.iters), "--warmup", str(args.warmup), "--timeout", str(args.timeout),
-                     "--rank", str(rank), "--world", str(world), "--coord", coord, "--port", str(port)]
+    argv = python + [
+        "-m",
+        "smoltrain",
+        "bench",
+        "allreduce",
+        "--bytes",
+        str(nbytes),
+        "--backend",
+        args.backend,
+        "--iters",
+        str(args.iters),
+        "--warmup",
+        str(args.warmup),
+        "--timeout",
+        str(args.timeout),
+        "--rank",
+        str(rank),
+        "--world",
+        str(world),
+        "--coord",
+        coord,
+        "--port",
+        str(port),
+    ]
     if addrs:
         argv += ["--addrs", ",".join(addrs)]
     return argv
@@ -146,7 +191,7 @@ def _parse_result(outputs: list[tuple[int, str, str]]) -> dict:
     for line in out0.splitlines():
         if line.startswith("SMOLBENCH "):
             try:
-                return json.loads(line[len("SMOLBENCH "):])
+                return json.loads(line[len("SMOLBENCH ") :])
             except ValueError:
                 break
     reasons = []
@@ -164,9 +209,16 @@ def _run_local(args, nbytes: int) -> dict:
     port = args.port or free_port_base(n)
     secret = secrets.token_hex(32).encode()  # loopback group: a fresh secret for this run only
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    procs = [subprocess.Popen(_rank_argv([sys.executable], args, nbytes, r, n, "127.0.0.1", port, None),
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-             for r in range(n)]
+    procs = [
+        subprocess.Popen(
+            _rank_argv([sys.executable], args, nbytes, r, n, "127.0.0.1", port, None),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+        for r in range(n)
+    ]
     deadline = args.timeout * 2 + 30 + args.iters * 5
     outputs: list = [None] * n
 
@@ -207,8 +259,11 @@ def _run_inventory(args, nbytes: int) -> dict:
         try:
             with connect(h) as rem:
                 python = [sys.executable] if h.local else h.python.split()
-                res = rem.run(_rank_argv(python, args, nbytes, r, n, coord, port, addrs),
-                              timeout=args.timeout * 2 + 30 + args.iters * 5, stdin=secret + b"\n")
+                res = rem.run(
+                    _rank_argv(python, args, nbytes, r, n, coord, port, addrs),
+                    timeout=args.timeout * 2 + 30 + args.iters * 5,
+                    stdin=secret + b"\n",
+                )
                 outputs[r] = (res.rc, res.stdout, res.stderr)
         except RemoteError as e:
             outputs[r] = (255, "", str(e))
@@ -222,7 +277,9 @@ def _run_inventory(args, nbytes: int) -> dict:
 
 
 def _emit(doc: dict, path: str | None) -> None:
-    print(f"allreduce {doc['backend']} N={doc['world_size']} {doc['bytes']} B: p50 {doc['seconds_p50'] * 1e6:.0f} us, "
-          f"algbw {doc['algbw_gbps']:.3f} GB/s, busbw {doc['busbw_gbps']:.3f} GB/s")
+    print(
+        f"allreduce {doc['backend']} N={doc['world_size']} {doc['bytes']} B: p50 {doc['seconds_p50'] * 1e6:.0f} us, "
+        f"algbw {doc['algbw_gbps']:.3f} GB/s, busbw {doc['busbw_gbps']:.3f} GB/s"
+    )
     if path:
         write_json_atomic(path, doc)

@@ -4,6 +4,7 @@ The plan uses the result for `generic` hosts instead of guessed figures. Besides
 matmul rate it times real training steps of a model (default `tiny`, batch 8 x 64), because
 small models reach a small fraction of the peak and the plan should know which fraction.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,25 +15,30 @@ from datetime import datetime, timezone
 from smolnet.errors import UsageError
 from smolnet.files import write_json_atomic
 
-
 DEFAULT_COMPUTE = "reports/compute.json"
 
 
 def add_arguments(p) -> None:
     g = p.add_mutually_exclusive_group()
-    g.add_argument("-i", "--inventory", help="measure every cluster host over SSH into a smoltrain.compute/1 "
-                                             "report (default reports/compute.json)")
+    g.add_argument(
+        "-i",
+        "--inventory",
+        help="measure every cluster host over SSH into a smoltrain.compute/1 report (default reports/compute.json)",
+    )
     g.add_argument("--local", action="store_true", help="measure this machine into a smoltrain.compute/1 report")
     p.add_argument("--hosts", help="with -i: only these hosts (comma-separated)")
-    p.add_argument("--out", help="where to write the profile (default ~/.config/smolcluster/calibration.json; "
-                                 f"with -i or --local the compute report, default {DEFAULT_COMPUTE})")
+    p.add_argument(
+        "--out",
+        help="where to write the profile (default ~/.config/smolcluster/calibration.json; "
+        f"with -i or --local the compute report, default {DEFAULT_COMPUTE})",
+    )
     p.add_argument("--seconds", type=float, default=0.3, help="time per measurement (default 0.3)")
-    p.add_argument("--model", default="tiny", help="model whose training step sets the achieved fraction "
-                                                   "(none: skip)")
+    p.add_argument("--model", default="tiny", help="model whose training step sets the achieved fraction (none: skip)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (default 1: smoltrain runs each rank with one thread)")
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch threads (default 1: smoltrain runs each rank with one thread)"
+    )
     p.add_argument("--json", metavar="FILE", help="also write the profile here")
 
 
@@ -54,20 +60,20 @@ def _timed(fn, seconds: float, typical: bool = False) -> float:
 def measure_matmul(torch, n: int, dtype, seconds: float) -> float:
     a = torch.randn(n, n, dtype=torch.float32).to(dtype)
     b = torch.randn(n, n, dtype=torch.float32).to(dtype)
-    return 2 * n ** 3 / _timed(lambda: torch.mm(a, b), seconds)
+    return 2 * n**3 / _timed(lambda: torch.mm(a, b), seconds)
 
 
 def measure_copy(torch, nbytes: int, seconds: float) -> float:
     src = torch.ones(nbytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
-    return 2 * nbytes / _timed(lambda: dst.copy_(src), seconds)   # read + write
+    return 2 * nbytes / _timed(lambda: dst.copy_(src), seconds)  # read + write
 
 
 def measure_train(torch, model_name: str, batch: int, seq: int, seconds: float) -> dict:
     """Achieved FLOP/s of real fwd+bwd+update steps (6 FLOPs per param per token + attention)."""
     from smoltrain.models.gpt import build_model
-    from smoltrain.models.spec import get_model
     from smoltrain.models.optim import AdamW  # the optimizer smoltrain run uses (and no torch._dynamo)
+    from smoltrain.models.spec import get_model
 
     spec = get_model(model_name)
     model = build_model(spec, seed=0)
@@ -88,8 +94,9 @@ def measure_train(torch, model_name: str, batch: int, seq: int, seconds: float) 
     return {"model": model_name, "batch": batch, "seq": seq, "step_s": sec, "flops": flops / sec}
 
 
-def calibrate(seconds: float = 0.3, model: str | None = "tiny", batch: int = 8, seq: int = 64,
-              threads: int | None = 1) -> dict:
+def calibrate(
+    seconds: float = 0.3, model: str | None = "tiny", batch: int = 8, seq: int = 64, threads: int | None = 1
+) -> dict:
     import psutil
     import torch
 
@@ -100,12 +107,19 @@ def calibrate(seconds: float = 0.3, model: str | None = "tiny", batch: int = 8, 
     f32 = max(m["flops"] for m in mm32)
     f16 = measure_matmul(torch, 512, torch.bfloat16, seconds / 3)
     bw = max(measure_copy(torch, nb, seconds / 2) for nb in (16 << 20, 64 << 20))
-    doc = {"schema": "smoltrain.calibration/1",
-           "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-           "host": socket.gethostname(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-           "cpu_count": os.cpu_count(),
-           "flops_fp32": f32, "flops_fp16": f16, "mem_bw": bw,
-           "memory_bytes": psutil.virtual_memory().total, "matmul_fp32": mm32}
+    doc = {
+        "schema": "smoltrain.calibration/1",
+        "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "host": socket.gethostname(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "flops_fp32": f32,
+        "flops_fp16": f16,
+        "mem_bw": bw,
+        "memory_bytes": psutil.virtual_memory().total,
+        "matmul_fp32": mm32,
+    }
     if model and model != "none":
         tr = measure_train(torch, model, batch, seq, seconds)
         doc["train"] = tr
@@ -140,11 +154,15 @@ def run(args) -> int:
     write_atomic(out, doc)
     if args.json:
         write_atomic(args.json, doc)
-    con.print(f"matmul fp32 {doc['flops_fp32'] / 1e9:,.1f} GFLOP/s, bf16 {doc['flops_fp16'] / 1e9:,.1f} GFLOP/s, "
-              f"memory {doc['mem_bw'] / 1e9:,.1f} GB/s, {doc['threads']} threads")
+    con.print(
+        f"matmul fp32 {doc['flops_fp32'] / 1e9:,.1f} GFLOP/s, bf16 {doc['flops_fp16'] / 1e9:,.1f} GFLOP/s, "
+        f"memory {doc['mem_bw'] / 1e9:,.1f} GB/s, {doc['threads']} threads"
+    )
     if "train" in doc:
         t = doc["train"]
-        con.print(f"{t['model']} training step {t['step_s'] * 1e3:.1f} ms at batch {t['batch']} x {t['seq']}: "
-                  f"{t['flops'] / 1e9:,.1f} GFLOP/s, {doc['train_efficiency']:.0%} of the matmul peak")
+        con.print(
+            f"{t['model']} training step {t['step_s'] * 1e3:.1f} ms at batch {t['batch']} x {t['seq']}: "
+            f"{t['flops'] / 1e9:,.1f} GFLOP/s, {doc['train_efficiency']:.0%} of the matmul peak"
+        )
     con.print(f"wrote {out}; `smoltrain plan` uses it for generic hosts")
     return 0

@@ -4,6 +4,7 @@ Each stage is a plain command line (the same ones the README teaches), so the de
 doubles as a check that the tutorial still works. A failing stage is named with its
 reason, and the sim is always taken down again.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,11 @@ def add_arguments(p) -> None:
     p.add_argument("--subnet", default="10.213.9.0/24", help="sim subnet (default 10.213.9.0/24)")
     p.add_argument("--keep", action="store_true", help="leave the sim up afterwards")
     p.add_argument("--skip-provision", action="store_true", help="skip the Ansible stage")
-    p.add_argument("--loopback", action="store_true",
-                   help="loopback hosts instead of the namespaced sim (no root needed; skips shaping and provisioning)")
+    p.add_argument(
+        "--loopback",
+        action="store_true",
+        help="loopback hosts instead of the namespaced sim (no root needed; skips shaping and provisioning)",
+    )
 
 
 class Stage:
@@ -48,8 +52,15 @@ class Stage:
             log.write(f"\n$ {' '.join(argv)}\n")
             log.flush()
             try:
-                p = subprocess.run(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True, timeout=timeout)
+                p = subprocess.run(
+                    argv,
+                    cwd=ROOT,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    timeout=timeout,
+                )
             except subprocess.TimeoutExpired:
                 raise SmolError(f"stage '{title}' timed out after {timeout:.0f}s (log: {self.log})") from None
             log.write(p.stdout)
@@ -88,13 +99,17 @@ def run(args) -> int:
     try:
         subprocess.run(sim + ["down", "--name", args.name], cwd=ROOT, capture_output=True, timeout=180)
         loopback = ["--loopback"] if args.loopback else []
-        stage.run("1. cluster: build the sim", sim + ["up", "--name", args.name, "--subnet", args.subnet,
-                                                      "--inventory", str(inv)] + loopback)
+        stage.run(
+            "1. cluster: build the sim",
+            sim + ["up", "--name", args.name, "--subnet", args.subnet, "--inventory", str(inv)] + loopback,
+        )
         up = True
         stage.run("   cluster: status", sim + ["status", "--name", args.name])
-        stage.run("2. measure: every link, both directions, before provisioning",
-                  [py, "-m", "smolnet", "matrix", "-i", str(inv), "--duration", dur, "--out", str(out / "before")],
-                  ok_codes=(0, 4))
+        stage.run(
+            "2. measure: every link, both directions, before provisioning",
+            [py, "-m", "smolnet", "matrix", "-i", str(inv), "--duration", dur, "--out", str(out / "before")],
+            ok_codes=(0, 4),
+        )
         provisioned = False
         skipped = []
         if _sim_is_loopback(inv):
@@ -104,49 +119,115 @@ def run(args) -> int:
         if skipped:
             console.print(f"[bold yellow]SKIPPED: {'; '.join(skipped)}")
         else:
-            p = stage.run("3. provision: names, keys, MTU, NFS, secret", playbook + ["-i", str(inv),
-                          str(ROOT / "playbooks" / "site.yml")], ok_codes=(0, 2))
+            p = stage.run(
+                "3. provision: names, keys, MTU, NFS, secret",
+                playbook + ["-i", str(inv), str(ROOT / "playbooks" / "site.yml")],
+                ok_codes=(0, 2),
+            )
             if p.returncode != 0:
                 if "MTU error" not in p.stdout:
-                    raise SmolError("stage '3. provision' failed for another reason than the MTU fault "
-                                    f"(log: {stage.log})")
-                console.print("[bold yellow]provisioning refused an MTU the wire cannot carry (the laptop's "
-                              "switch port); telling the inventory the truth and provisioning again")
+                    raise SmolError(
+                        f"stage '3. provision' failed for another reason than the MTU fault (log: {stage.log})"
+                    )
+                console.print(
+                    "[bold yellow]provisioning refused an MTU the wire cannot carry (the laptop's "
+                    "switch port); telling the inventory the truth and provisioning again"
+                )
                 (inv_dir / "host_vars").mkdir(exist_ok=True)
-                (inv_dir / "host_vars" / "laptop.yml").write_text("# the laptop's switch port carries 1500\nmtu: 1500\n")
-                stage.run("3. provision again with the laptop at 1500", playbook + ["-i", str(inv),
-                          str(ROOT / "playbooks" / "site.yml")])
+                (inv_dir / "host_vars" / "laptop.yml").write_text(
+                    "# the laptop's switch port carries 1500\nmtu: 1500\n"
+                )
+                stage.run(
+                    "3. provision again with the laptop at 1500",
+                    playbook + ["-i", str(inv), str(ROOT / "playbooks" / "site.yml")],
+                )
             provisioned = True
         links = out / "links.json"
-        stage.run("4. measure again" if provisioned else "4. measure: the report the plan reads",
-                  [py, "-m", "smolnet", "matrix", "-i", str(inv), "--duration", dur, "--out", str(out)],
-                  ok_codes=(0, 4))
-        from smoltrain.commands.demo_compute import compute_stage; compute_stage(stage, py, inv, out, links, steps, args.quick)  # noqa: E702,E501
+        stage.run(
+            "4. measure again" if provisioned else "4. measure: the report the plan reads",
+            [py, "-m", "smolnet", "matrix", "-i", str(inv), "--duration", dur, "--out", str(out)],
+            ok_codes=(0, 4),
+        )
+        from smoltrain.commands.demo_compute import compute_stage
+
+        compute_stage(stage, py, inv, out, links, steps, args.quick)
         plans = out / "plans.json"
-        stage.run("5. plan: every strategy on the measured links",
-                  [py, "-m", "smoltrain", "plan", "--strategy", "all", "-i", str(inv), "--links", str(links),
-                   "--json", str(plans), "--chart", str(out / "plan.png")])
+        stage.run(
+            "5. plan: every strategy on the measured links",
+            [
+                py,
+                "-m",
+                "smoltrain",
+                "plan",
+                "--strategy",
+                "all",
+                "-i",
+                str(inv),
+                "--links",
+                str(links),
+                "--json",
+                str(plans),
+                "--chart",
+                str(out / "plan.png"),
+            ],
+        )
         world = len(json.loads(links.read_text()).get("hosts", []))
         chosen = pick_strategies(json.loads(plans.read_text()), world)
         for strat in chosen:
             run_json = out / f"run-{strat}.json"
-            stage.run(f"6. train: {strat} across the cluster",
-                      [py, "-m", "smoltrain", "run", "--strategy", strat, "-i", str(inv), "--steps", steps,
-                       "--links", str(links), "--json", str(run_json), "--out", str(out)], timeout=900)
-            stage.run(f"7. check: plan vs measured for {strat}",
-                      [py, "-m", "smoltrain", "plan", "--compare", str(run_json), "--links", str(links),
-                       "-i", str(inv), "--json", str(out / f"compare-{strat}.json")])
+            stage.run(
+                f"6. train: {strat} across the cluster",
+                [
+                    py,
+                    "-m",
+                    "smoltrain",
+                    "run",
+                    "--strategy",
+                    strat,
+                    "-i",
+                    str(inv),
+                    "--steps",
+                    steps,
+                    "--links",
+                    str(links),
+                    "--json",
+                    str(run_json),
+                    "--out",
+                    str(out),
+                ],
+                timeout=900,
+            )
+            stage.run(
+                f"7. check: plan vs measured for {strat}",
+                [
+                    py,
+                    "-m",
+                    "smoltrain",
+                    "plan",
+                    "--compare",
+                    str(run_json),
+                    "--links",
+                    str(links),
+                    "-i",
+                    str(inv),
+                    "--json",
+                    str(out / f"compare-{strat}.json"),
+                ],
+            )
         from smoltrain.commands.demo_report import write_report
 
         path = write_report(out, chosen, stage.results)
         from smoltrain.commands.demo_placement import placement_stage
+
         placement_stage(stage, console, py, inv, links, out, steps, path, args.quick)  # even vs auto, into REPORT.md
         from smoltrain.commands.demo_generate import generate_stages
+
         generate_stages(stage, py, inv, out, steps, path)
         if skipped:
             console.rule("[bold yellow]done, with stages SKIPPED")
-            console.print(f"[bold yellow]SKIPPED: {'; '.join(skipped)} -- run as root without --loopback for the "
-                          "whole demo")
+            console.print(
+                f"[bold yellow]SKIPPED: {'; '.join(skipped)} -- run as root without --loopback for the whole demo"
+            )
         else:
             console.rule("[bold green]done")
         console.print(f"report: {path}")

@@ -7,6 +7,7 @@ the sim's hosts share this machine's file system), then `smoltrain generate` wit
 tp across the hosts. REPORT.md gains a table of predicted vs measured decode tokens/s
 and bytes per token.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,6 +18,7 @@ from pathlib import Path
 def model_dir(inv: Path, out: Path) -> Path:
     try:
         from smolnet.inventory import load_inventory
+
         share = Path(load_inventory(str(inv)).nfs_mount_dir)
         if os.path.ismount(share) and os.access(share, os.W_OK):
             return share / "smoltrain-demo"
@@ -26,31 +28,75 @@ def model_dir(inv: Path, out: Path) -> Path:
 
 
 def generate_stages(stage, py: str, inv: Path, out: Path, steps: str, report: Path | None = None) -> list[dict]:
-    gen = out / "generate"   # its own folder: the training sections' run-*.json and PNGs stay as they are
+    gen = out / "generate"  # its own folder: the training sections' run-*.json and PNGs stay as they are
     ck, model = gen / "checkpoints", model_dir(inv, out)
-    stage.run("8. train with checkpoints: dp across the cluster",
-              [py, "-m", "smoltrain", "run", "--strategy", "dp", "-i", str(inv), "--steps", steps,
-               "--checkpoint-dir", str(ck), "--json", str(gen / "train.json"), "--out", str(gen)], timeout=900)
-    stage.run("9. export: the trained model as a Hugging Face checkpoint on the share",
-              [py, "-m", "smoltrain", "export", "--checkpoint-dir", str(ck), "--out", str(model)])
+    stage.run(
+        "8. train with checkpoints: dp across the cluster",
+        [
+            py,
+            "-m",
+            "smoltrain",
+            "run",
+            "--strategy",
+            "dp",
+            "-i",
+            str(inv),
+            "--steps",
+            steps,
+            "--checkpoint-dir",
+            str(ck),
+            "--json",
+            str(gen / "train.json"),
+            "--out",
+            str(gen),
+        ],
+        timeout=900,
+    )
+    stage.run(
+        "9. export: the trained model as a Hugging Face checkpoint on the share",
+        [py, "-m", "smoltrain", "export", "--checkpoint-dir", str(ck), "--out", str(model)],
+    )
     world = len(json.loads((gen / "train.json").read_text()).get("hosts", []))
     rows = []
     for strat in ("pp", "tp"):
         if strat == "tp" and 6 % max(world, 1):
             continue  # tiny's 6 heads do not split over this many hosts
         rep = gen / f"generate-{strat}.json"
-        stage.run(f"10. generate: {strat} across the cluster from the share",
-                  [py, "-m", "smoltrain", "generate", "--strategy", strat, "-i", str(inv), "--model", str(model),
-                   "--prompt", "def main():", "--max-new-tokens", "32", "--ignore-eos", "--json", str(rep)])
+        stage.run(
+            f"10. generate: {strat} across the cluster from the share",
+            [
+                py,
+                "-m",
+                "smoltrain",
+                "generate",
+                "--strategy",
+                strat,
+                "-i",
+                str(inv),
+                "--model",
+                str(model),
+                "--prompt",
+                "def main():",
+                "--max-new-tokens",
+                "32",
+                "--ignore-eos",
+                "--json",
+                str(rep),
+            ],
+        )
         rows.append(json.loads(rep.read_text()))
     if report is not None and rows:
         with open(report, "a") as f:
-            f.write("\n## Generation across the cluster (the trained model, from the share)\n\n"
-                    "| strategy | hosts | decode tok/s (plan) | B/token (plan) | ttft ms | text |\n|---|---|---|---|---|---|\n")
+            f.write(
+                "\n## Generation across the cluster (the trained model, from the share)\n\n"
+                "| strategy | hosts | decode tok/s (plan) | B/token (plan) | ttft ms | text |\n|---|---|---|---|---|---|\n"  # noqa: E501
+            )
             for d in rows:
                 p = d.get("plan") or {}
-                f.write(f"| {d['strategy']} | {d['world_size']} | {d['decode']['tokens_per_s'] or 0:,.1f} "
-                        f"({p.get('tokens_per_s') or 0:,.1f}) | {d['decode']['bytes_per_token'] or 0:,.0f} "
-                        f"({p.get('bytes_per_token') or 0:,.0f}) | {d['ttft_s'] * 1e3:.0f} | "
-                        f"`{(d.get('text') or '').replace('|', ' ').replace(chr(10), ' ')[:40]}` |\n")
+                f.write(
+                    f"| {d['strategy']} | {d['world_size']} | {d['decode']['tokens_per_s'] or 0:,.1f} "
+                    f"({p.get('tokens_per_s') or 0:,.1f}) | {d['decode']['bytes_per_token'] or 0:,.0f} "
+                    f"({p.get('bytes_per_token') or 0:,.0f}) | {d['ttft_s'] * 1e3:.0f} | "
+                    f"`{(d.get('text') or '').replace('|', ' ').replace(chr(10), ' ')[:40]}` |\n"
+                )
     return rows

@@ -6,6 +6,7 @@ Then, for dp and pp: `plan --placement auto` (the placement and its predicted ga
 `run --placement even` and `run --placement auto` (the measured gain). REPORT.md gets a
 table of predicted and measured tokens/s and a picture of who got what.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,6 +39,7 @@ def picture(rows: list[dict], path: Path) -> bool:
     """Stacked bars: each strategy's even and auto placement, one colour per host."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -49,7 +51,7 @@ def picture(rows: list[dict], path: Path) -> bool:
     for r in rows:
         for m in ("even", "auto"):
             left = 0.0
-            for h, share, label in work_of(r[m]["placement"]):
+            for h, share, _label in work_of(r[m]["placement"]):
                 ax.barh(y, share, left=left, color=colours[h], edgecolor="white")
                 ax.text(left + share / 2, y, h, ha="center", va="center", fontsize=7)
                 left += share
@@ -66,15 +68,22 @@ def picture(rows: list[dict], path: Path) -> bool:
 
 
 def markdown(rows: list[dict], png: str | None) -> list[str]:
-    out = ["", "## Placement by measured speed", "",
-           "| strategy | even tok/s (plan) | even tok/s (measured) | auto tok/s (plan) | auto tok/s (measured) "
-           "| gain plan | gain measured |", "|---|---|---|---|---|---|---|"]
+    out = [
+        "",
+        "## Placement by measured speed",
+        "",
+        "| strategy | even tok/s (plan) | even tok/s (measured) | auto tok/s (plan) | auto tok/s (measured) "
+        "| gain plan | gain measured |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         pe, pa = r["plan"]["predicted"]["even"], r["plan"]["predicted"]["auto"]
         gm = r["auto"]["tokens_per_s"] / r["even"]["tokens_per_s"] if r["even"]["tokens_per_s"] else 0
-        out.append(f"| {r['strategy']} | {pe['tokens_per_s']:,.0f} | {r['even']['tokens_per_s']:,.0f} | "
-                   f"{pa['tokens_per_s']:,.0f} | {r['auto']['tokens_per_s']:,.0f} | {r['plan']['speedup'] or 0:.2f}x | "
-                   f"{gm:.2f}x |")
+        out.append(
+            f"| {r['strategy']} | {pe['tokens_per_s']:,.0f} | {r['even']['tokens_per_s']:,.0f} | "
+            f"{pa['tokens_per_s']:,.0f} | {r['auto']['tokens_per_s']:,.0f} | {r['plan']['speedup'] or 0:.2f}x | "
+            f"{gm:.2f}x |"
+        )
     for r in rows:
         out += ["", f"{r['strategy']} auto: " + "; ".join(r["auto"]["placement"].get("why") or [])]
     if png:
@@ -82,36 +91,86 @@ def markdown(rows: list[dict], png: str | None) -> list[str]:
     return out
 
 
-def placement_stage(stage, console, py: str, inv: Path, links: Path, out: Path, steps: str, report: Path,
-                    quick: bool = False) -> None:
+def placement_stage(
+    stage, console, py: str, inv: Path, links: Path, out: Path, steps: str, report: Path, quick: bool = False
+) -> None:
     """Run the stage and append its section to the demo's REPORT.md (--quick: dp only)."""
     if not has_calibrate_inventory(py):
-        console.print("[bold red]PLACEMENT STAGE SKIPPED: this smoltrain has no `calibrate -i` (measured compute); "
-                      "even vs auto needs measured host speeds[/]")
+        console.print(
+            "[bold red]PLACEMENT STAGE SKIPPED: this smoltrain has no `calibrate -i` (measured compute); "
+            "even vs auto needs measured host speeds[/]"
+        )
         return
     compute = out / "compute.json"
-    stage.run("8. calibrate: measure every host's training speed",
-              [py, "-m", "smoltrain", "calibrate", "-i", str(inv), "--json", str(compute)], timeout=900)
+    stage.run(
+        "8. calibrate: measure every host's training speed",
+        [py, "-m", "smoltrain", "calibrate", "-i", str(inv), "--json", str(compute)],
+        timeout=900,
+    )
     rows = []
     for strat in STRATEGIES[:1] if quick else STRATEGIES:
         row = {"strategy": strat}
         plan = out / f"plan-placement-{strat}.json"
-        stage.run(f"9. plan: {strat} placed by measured speed",
-                  [py, "-m", "smoltrain", "plan", "--strategy", strat, "-i", str(inv), "--links", str(links),
-                   "--compute", str(compute), "--placement", "auto", "--microbatches", "4", "--no-what-if",
-                   "--json", str(plan)])
+        stage.run(
+            f"9. plan: {strat} placed by measured speed",
+            [
+                py,
+                "-m",
+                "smoltrain",
+                "plan",
+                "--strategy",
+                strat,
+                "-i",
+                str(inv),
+                "--links",
+                str(links),
+                "--compute",
+                str(compute),
+                "--placement",
+                "auto",
+                "--microbatches",
+                "4",
+                "--no-what-if",
+                "--json",
+                str(plan),
+            ],
+        )
         row["plan"] = json.loads(plan.read_text())["placement"]
         for mode in ("even", "auto"):
             rj = out / f"placement-{strat}-{mode}.json"  # not run-*.json: those are the demo's main runs
-            stage.run(f"10. train: {strat} --placement {mode}",
-                      [py, "-m", "smoltrain", "run", "--strategy", strat, "-i", str(inv), "--steps", steps,
-                       "--microbatches", "4", "--compute", str(compute), "--placement", mode, "--json", str(rj),
-                       "--out", str(out)], timeout=900)
+            stage.run(
+                f"10. train: {strat} --placement {mode}",
+                [
+                    py,
+                    "-m",
+                    "smoltrain",
+                    "run",
+                    "--strategy",
+                    strat,
+                    "-i",
+                    str(inv),
+                    "--steps",
+                    steps,
+                    "--microbatches",
+                    "4",
+                    "--compute",
+                    str(compute),
+                    "--placement",
+                    mode,
+                    "--json",
+                    str(rj),
+                    "--out",
+                    str(out),
+                ],
+                timeout=900,
+            )
             doc = json.loads(rj.read_text())
             row[mode] = {"tokens_per_s": doc.get("tokens_per_s") or 0.0, "placement": doc.get("placement") or {}}
         rows.append(row)
-        console.print(f"  {strat}: even {row['even']['tokens_per_s']:,.0f} tok/s, auto "
-                      f"{row['auto']['tokens_per_s']:,.0f} tok/s (plan: {row['plan'].get('speedup') or 0:.2f}x)")
+        console.print(
+            f"  {strat}: even {row['even']['tokens_per_s']:,.0f} tok/s, auto "
+            f"{row['auto']['tokens_per_s']:,.0f} tok/s (plan: {row['plan'].get('speedup') or 0:.2f}x)"
+        )
     png = out / "placement.png"
     lines = markdown(rows, png.name if picture(rows, png) else None)
     with open(report, "a") as f:

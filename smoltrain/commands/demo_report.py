@@ -3,6 +3,7 @@
 It tells the course's story in order: the links as measured (and what is wrong
 with them), what the plan predicts per strategy, and whether the runs agree.
 """
+
 from __future__ import annotations
 
 import json
@@ -96,15 +97,21 @@ def _links_section(folder: Path, prefix: str) -> list[str]:
 def write_report(out: Path, strategies: list[str], stages: list[dict]) -> Path:
     out = Path(out)
     lines = ["# smolcluster demo report", ""]
-    lines += ["The whole flow on the built-in cluster: measured links, the plan for every strategy, "
-              "and training runs that check the plan.", ""]
+    lines += [
+        "The whole flow on the built-in cluster: measured links, the plan for every strategy, "
+        "and training runs that check the plan.",
+        "",
+    ]
     before = out / "before"
     if (before / "links.md").exists():
-        lines += ["## 1. Links as found", "",
-                  "Measured before provisioning: the faults a new cluster really has.", ""]
+        lines += ["## 1. Links as found", "", "Measured before provisioning: the faults a new cluster really has.", ""]
         lines += _links_section(before, "before/")
-        lines += ["## 1b. Links after provisioning", "",
-                  "Measured again after `make provision` set and verified the MTU.", ""]
+        lines += [
+            "## 1b. Links after provisioning",
+            "",
+            "Measured again after `make provision` set and verified the MTU.",
+            "",
+        ]
     else:
         lines += ["## 1. Links", ""]
     lines += _links_section(out, "")
@@ -115,8 +122,10 @@ def write_report(out: Path, strategies: list[str], stages: list[dict]) -> Path:
     if plans:
         lines += ["| strategy | bytes/token | step | tokens/s | bottleneck | where |", "|---|---|---|---|---|---|"]
         for p in sorted(plans, key=lambda p: p.get("step_s") or float("inf")):
-            lines.append(f"| {p.get('strategy')} | {_fmt_bytes(p.get('bytes_per_token'))} | {_fmt_s(p.get('step_s'))} "
-                         f"| {p.get('tokens_per_s', 0):.0f} | {p.get('bottleneck')} | {p.get('bottleneck_where', '')} |")
+            lines.append(
+                f"| {p.get('strategy')} | {_fmt_bytes(p.get('bytes_per_token'))} | {_fmt_s(p.get('step_s'))} "
+                f"| {p.get('tokens_per_s', 0):.0f} | {p.get('bottleneck')} | {p.get('bottleneck_where', '')} |"
+            )
         lines.append("")
     lines += ["## 3. Training runs", ""]
     runs = {s: r for s in strategies if (r := _load(out / f"run-{s}.json"))}
@@ -125,8 +134,10 @@ def write_report(out: Path, strategies: list[str], stages: list[dict]) -> Path:
     if runs:
         lines += ["| strategy | backend | world | steps | final loss | tokens/s |", "|---|---|---|---|---|---|"]
         for s, r in runs.items():
-            lines.append(f"| {s} | {r.get('backend')} | {r.get('world_size')} | {len(r.get('steps', []))} "
-                         f"| {r.get('final_loss', float('nan')):.4f} | {r.get('tokens_per_s', 0):.0f} |")
+            lines.append(
+                f"| {s} | {r.get('backend')} | {r.get('world_size')} | {len(r.get('steps', []))} "
+                f"| {r.get('final_loss', float('nan')):.4f} | {r.get('tokens_per_s', 0):.0f} |"
+            )
         lines.append("")
     lines += ["## 4. Predicted vs measured", ""]
     rows = []
@@ -138,8 +149,12 @@ def write_report(out: Path, strategies: list[str], stages: list[dict]) -> Path:
         med = measured_step[len(measured_step) // 2] if measured_step else None
         step_rows.append(f"| {s} | {_fmt_s((plan or {}).get('step_s'))} | {_fmt_s(med)} |")
     if rows:
-        lines += ["Bytes per step on each link (tensor payload):", "",
-                  "| strategy | link | predicted | measured | measured/predicted |", "|---|---|---|---|---|"]
+        lines += [
+            "Bytes per step on each link (tensor payload):",
+            "",
+            "| strategy | link | predicted | measured | measured/predicted |",
+            "|---|---|---|---|---|",
+        ]
         lines += rows + [""]
         lines += ["Step time:", "", "| strategy | predicted | measured (median) |", "|---|---|---|"]
         lines += step_rows + [""]

@@ -1,4 +1,5 @@
-"""`smoltrain export`: a `smoltrain run` checkpoint as a Hugging Face GPT-2 folder (for generate, serve, transformers)."""
+"""`smoltrain export`: a `smoltrain run` checkpoint as a Hugging Face GPT-2 folder (generate, serve, transformers)."""
+
 from __future__ import annotations
 
 
@@ -9,6 +10,7 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from smoltrain.infer.export import export
+
     out = export(args.checkpoint_dir, args.out)
     print(f"exported {args.checkpoint_dir} as a Hugging Face GPT-2 checkpoint in {out}")
     return 0

@@ -1,4 +1,5 @@
 """`smoltrain generate`: a Hugging Face model split over ranks (pp or tp), tokens streamed as they come."""
+
 from __future__ import annotations
 
 import sys
@@ -8,6 +9,7 @@ from smolnet.errors import SmolError, UsageError
 
 def add_arguments(p) -> None:
     from smoltrain.infer.launch import add_placement_arguments
+
     add_placement_arguments(p)
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json)")
@@ -28,8 +30,9 @@ def prompt_ids(args, tokenizer, vocab: int) -> list[int]:
             raise UsageError(f"--prompt-ids {args.prompt_ids}: expected token ids like 1,2,3") from None
     else:
         if tokenizer is None:
-            raise UsageError(f"--prompt needs a tokenizer, and {args.model} has no tokenizer.json "
-                             "(give --prompt-ids instead)")
+            raise UsageError(
+                f"--prompt needs a tokenizer, and {args.model} has no tokenizer.json (give --prompt-ids instead)"
+            )
         ids = tokenizer.encode(args.prompt).ids
     if not ids:
         raise UsageError("the prompt is empty")
@@ -60,24 +63,26 @@ class Printer:
             self.out.write(f"{t} ")
         else:
             text = self.tok.decode(self.ids)
-            self.out.write(text[len(self.shown):] if text.startswith(self.shown) else text)
+            self.out.write(text[len(self.shown) :] if text.startswith(self.shown) else text)
             self.shown = text
         self.out.flush()
 
 
 def run(args) -> int:
     from smoltrain.infer import report
+    from smoltrain.infer.cluster import RankDied
     from smoltrain.infer.engine import Request
     from smoltrain.infer.launch import open_model
-    from smoltrain.infer.cluster import RankDied
 
     if args.strategy == "local" and args.local is None and not args.inventory:
         args.local = 1
     if args.max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be at least 1")
     # checks that need only the folder come before any rank starts
-    from smoltrain.models.hf import CheckpointError, load_tokenizer, read_config
     import os
+
+    from smoltrain.models.hf import CheckpointError, load_tokenizer, read_config
+
     try:
         mc = read_config(os.path.abspath(args.model)) if os.path.isdir(args.model) else None
         tok = load_tokenizer(args.model) if mc else None
@@ -89,8 +94,14 @@ def run(args) -> int:
     setup = open_model(args)
     mc = setup.ckpt.config
     try:
-        req = Request(ids, args.max_new_tokens, args.temperature, args.top_p, args.seed,
-                      [] if args.ignore_eos or mc.eos is None else [mc.eos])
+        req = Request(
+            ids,
+            args.max_new_tokens,
+            args.temperature,
+            args.top_p,
+            args.seed,
+            [] if args.ignore_eos or mc.eos is None else [mc.eos],
+        )
         pr = Printer(setup.tokenizer)
         try:
             stats = setup.runner.generate(req, on_token=pr)
@@ -103,13 +114,16 @@ def run(args) -> int:
     plan = report.infer_plan(setup.cfg, mc, len(ids) + args.max_new_tokens, setup.hosts)
     doc = report.build(setup.cfg, mc, stats, ids, text, plan)
     d, p = doc["decode"], doc["prefill"]
-    line = (f"{setup.cfg.strategy} on {setup.cfg.world_size} rank(s): ttft {doc['ttft_s'] * 1e3:.1f} ms, "
-            f"prefill {p['tokens_per_s'] or 0:,.0f} tok/s, decode {d['tokens_per_s'] or 0:,.1f} tok/s, "
-            f"{d['bytes_per_token'] or 0:,.0f} B/token")
+    line = (
+        f"{setup.cfg.strategy} on {setup.cfg.world_size} rank(s): ttft {doc['ttft_s'] * 1e3:.1f} ms, "
+        f"prefill {p['tokens_per_s'] or 0:,.0f} tok/s, decode {d['tokens_per_s'] or 0:,.1f} tok/s, "
+        f"{d['bytes_per_token'] or 0:,.0f} B/token"
+    )
     if plan and "bytes_per_token" in plan:
         line += f" (plan: {plan['tokens_per_s']:,.1f} tok/s, {plan['bytes_per_token']:,.0f} B/token)"
     print(line, file=sys.stderr)
     if args.json:
         from smolnet.files import write_json_atomic
+
         write_json_atomic(args.json, doc, indent=1)
     return 0

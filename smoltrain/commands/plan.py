@@ -1,6 +1,6 @@
 """`smoltrain plan`: bytes per token, step time and the bottleneck, before anything runs."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 from smolnet.errors import UsageError
 from smolnet.files import write_json_atomic
@@ -21,18 +21,30 @@ def add_arguments(p) -> None:
     src.add_argument("--links", metavar="REPORT.json", help="a smolnet.links/1 report (smolnet matrix)")
     src.add_argument("--link-class", help="1gbe, 2.5gbe, 10gbe, 25gbe, 100gbe, 200gbe, tb4, tb5 (or loopback)")
     p.add_argument("-i", "--inventory", help="inventory: host names, device profiles, rank order")
-    p.add_argument("--calibration", metavar="FILE",
-                   help="profile from `smoltrain calibrate` for generic hosts "
-                        "(default ~/.config/smolcluster/calibration.json when present)")
-    p.add_argument("--compute", metavar="COMPUTE.json",
-                   help="measured compute (smoltrain calibrate; default reports/compute.json when present)")
-    p.add_argument("--json", metavar="FILE", help="write the plan (smoltrain.plan/1; --strategy all: "
-                                                  "smoltrain.plans/1 with a list under 'plans')")
+    p.add_argument(
+        "--calibration",
+        metavar="FILE",
+        help="profile from `smoltrain calibrate` for generic hosts "
+        "(default ~/.config/smolcluster/calibration.json when present)",
+    )
+    p.add_argument(
+        "--compute",
+        metavar="COMPUTE.json",
+        help="measured compute (smoltrain calibrate; default reports/compute.json when present)",
+    )
+    p.add_argument(
+        "--json",
+        metavar="FILE",
+        help="write the plan (smoltrain.plan/1; --strategy all: smoltrain.plans/1 with a list under 'plans')",
+    )
     p.add_argument("--chart", metavar="PNG", help="bytes per token and step time split, per strategy")
     p.add_argument("--compare", metavar="RUN.json", help="predicted vs measured for a smoltrain run report")
     p.add_argument("--no-what-if", action="store_true", help="skip the table over link classes")
-    p.add_argument("--placement", choices=("even", "auto"),
-                   help="split work evenly or by measured speed (default auto when a compute report is available)")
+    p.add_argument(
+        "--placement",
+        choices=("even", "auto"),
+        help="split work evenly or by measured speed (default auto when a compute report is available)",
+    )
 
 
 _write_json = write_json_atomic
@@ -61,6 +73,7 @@ def _hosts(args, links_doc):
             out.append(_ReportHost(h["name"], dev))
         if not out:
             from smoltrain.planner.links import report_hosts
+
             out = [_ReportHost(n, None) for n in report_hosts(links_doc)]
         return out
     return None
@@ -73,13 +86,21 @@ def run(args) -> int:
     from smoltrain.planner import STRATEGIES, render
     from smoltrain.planner.devices import get_link_class, load_calibration
     from smoltrain.planner.links import read_report
-    from smoltrain.planner.plan import (busy_ranks, link_model, make_plan, resolve_ranks, share_machine, what_if,
-                                        what_if_sentence)
+    from smoltrain.planner.plan import (
+        busy_ranks,
+        link_model,
+        make_plan,
+        resolve_ranks,
+        share_machine,
+        what_if,
+        what_if_sentence,
+    )
 
     con = Console()
     run_doc = None
     if args.compare:
         from smoltrain.planner.compare import read_run, run_request
+
         run_doc = read_run(args.compare)
         req = run_request(run_doc)
         args.strategy = args.strategy or req["strategy"]
@@ -101,6 +122,7 @@ def run(args) -> int:
     hosts = _hosts(args, links_doc)
     if run_doc is not None and hosts is None:
         from smoltrain.planner.compare import is_local_names, run_hosts
+
         names = run_hosts(run_doc)
         if not is_local_names(names):
             hosts = [_ReportHost(n, None) for n in names]
@@ -112,13 +134,16 @@ def run(args) -> int:
     calibration = load_calibration(args.calibration, required=bool(args.calibration))
     ranks = resolve_ranks(world, hosts, calibration)
     from smoltrain.planner import compute as measured
-    ranks, compute_source = measured.apply(ranks, hosts[:world] if hosts else None,
-                                           getattr(args, "compute", None), model)
-    if run_doc is not None and hosts is None and world > 1:   # a --local run: ranks share this machine
+
+    ranks, compute_source = measured.apply(
+        ranks, hosts[:world] if hosts else None, getattr(args, "compute", None), model
+    )
+    if run_doc is not None and hosts is None and world > 1:  # a --local run: ranks share this machine
         ranks = share_machine(ranks, busy=busy_ranks(args.strategy, world, args.microbatches, args.mode))
     lm = link_model([r.name for r in ranks], hosts[:world] if hosts else None, links_doc, args.link_class)
     kw = dict(dtype=args.dtype, batch=args.batch, seq=args.seq, microbatches=args.microbatches, mode=args.mode)
     from smoltrain.planner import placement_plan
+
     compute_doc = placement_plan.load_compute(getattr(args, "compute", None))
     placement_mode = getattr(args, "placement", None)
 
@@ -136,13 +161,21 @@ def run(args) -> int:
             placement_plan.attach(p, placement_mode, compute_doc, model, hosts, lm)
         placed_ranking = placement_plan.ranking(con, plans)
         best = render.rank_plans(plans)[0]
-        con.print(f"  best here: [bold]{best['strategy']}[/], {best['tokens_per_s']:,.1f} tokens/s, "
-                  f"bottleneck {best['bottleneck']}")
+        con.print(
+            f"  best here: [bold]{best['strategy']}[/], {best['tokens_per_s']:,.1f} tokens/s, "
+            f"bottleneck {best['bottleneck']}"
+        )
         if args.json:
-            _write_json(args.json, {"schema": "smoltrain.plans/1",
-                                    "ranking": [p["strategy"] for p in render.rank_plans(plans)],
-                                    "ranking_placed": placed_ranking,
-                                    "plans": plans, "skipped": skipped})
+            _write_json(
+                args.json,
+                {
+                    "schema": "smoltrain.plans/1",
+                    "ranking": [p["strategy"] for p in render.rank_plans(plans)],
+                    "ranking_placed": placed_ranking,
+                    "plans": plans,
+                    "skipped": skipped,
+                },
+            )
         if args.chart:
             render.chart(plans, args.chart)
         return 0
@@ -165,7 +198,9 @@ def run(args) -> int:
         render.what_if_table(con, rows, what_if_sentence(plan, rows))
     out = plan
     if run_doc is not None:
-        from smoltrain.planner.compare import compare, render as render_cmp
+        from smoltrain.planner.compare import compare
+        from smoltrain.planner.compare import render as render_cmp
+
         out = compare(plan, run_doc)
         render_cmp(con, out)
     if args.json:

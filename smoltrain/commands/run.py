@@ -1,4 +1,5 @@
 """`smoltrain run`: train the small GPT with one strategy, locally or across the inventory."""
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,11 @@ def add_arguments(p) -> None:
     p.add_argument("--microbatches", type=int, default=4, help="pp microbatches (default 4)")
     p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"), help="pp schedule")
     p.add_argument("--shares", help="dp/fsdp per-rank batch shares by hand, e.g. 2,1,1 (see --placement)")
-    p.add_argument("--placement", help="even, auto (split by measured speed; the default when a compute report "
-                                       "is available), or a placement / plan JSON to run exactly")
+    p.add_argument(
+        "--placement",
+        help="even, auto (split by measured speed; the default when a compute report "
+        "is available), or a placement / plan JSON to run exactly",
+    )
     p.add_argument("--compute", help="compute report, smoltrain.compute/1 (default reports/compute.json if present)")
     p.add_argument("--checkpoint-dir", help="write checkpoints here (state dicts, safetensors)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every K steps")
@@ -35,19 +39,31 @@ def add_arguments(p) -> None:
     p.add_argument("--links", help="links.json for the plan shown before the run")
     p.add_argument("--secret-file", help="cluster secret (default ~/.config/smolcluster/secret, created if missing)")
     p.add_argument("--barrier-timeout", type=float, default=30.0, help="syncps/edp: drop a worker this late")
-    p.add_argument("--timeout", type=float, default=120.0,
-                   help="give up after this long without word from workers (a silent peer: half of it)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="give up after this long without word from workers (a silent peer: half of it)",
+    )
     p.add_argument("--pace", type=float, default=0.0, help="make each step last at least this many seconds (demos)")
     p.add_argument("--print-torchrun", action="store_true", help="print torchrun command lines and exit")
     p.add_argument("--external", action="store_true", help="start no workers; wait for them (e.g. from torchrun)")
     p.add_argument("--control-port", type=int, default=0, help="port of the control channel (default: any free)")
     p.add_argument("--device", default="cpu", help="--local: torch device of every worker (cpu, cuda, mps, auto)")
     p.add_argument("--data-cap-mb", type=float, default=2.0, help="use at most this much of the corpus")
-    p.add_argument("--heartbeat", type=float, default=1.0,
-                   help="seconds between controller<->worker heartbeats; 5 missed = stopped or cut off")
+    p.add_argument(
+        "--heartbeat",
+        type=float,
+        default=1.0,
+        help="seconds between controller<->worker heartbeats; 5 missed = stopped or cut off",
+    )
     p.add_argument("--keep-checkpoints", type=int, default=3, help="keep the newest N complete checkpoints")
-    p.add_argument("--integrity", default="header", choices=("header", "full"),
-                   help="rank frames: MAC over every header (default) or over whole frames")
+    p.add_argument(
+        "--integrity",
+        default="header",
+        choices=("header", "full"),
+        help="rank frames: MAC over every header (default) or over whole frames",
+    )
 
 
 def _shares(text: str | None, hosts) -> list[float] | None:
@@ -73,6 +89,7 @@ def run(args) -> int:
     console = Console(stderr=False)
     info = registry.get(args.strategy, trainable=True)
     from smoltrain.run import preflight
+
     preflight.check_args(args)
     if args.local is None and not args.inventory:
         raise UsageError("give --local N or -i INVENTORY")
@@ -91,12 +108,24 @@ def run(args) -> int:
         placements = [Placement(f"rank{r}", "127.0.0.1") for r in range(args.local)]
     else:
         from smolnet.inventory import load_inventory
+
         inv = load_inventory(args.inventory)
         hosts = [inv.coordinator] + [h for h in inv.hosts if h.name != inv.coordinator.name]
         placements = [Placement(h.name, h.cluster_ip, h) for h in hosts]
     from smoltrain.planner.placement_plan import for_run
-    placed = for_run(args.strategy, args.placement, args.compute, spec, [p.name for p in placements], hosts,
-                     args.batch, args.seq, args.microbatches, legacy_shares=args.shares)
+
+    placed = for_run(
+        args.strategy,
+        args.placement,
+        args.compute,
+        spec,
+        [p.name for p in placements],
+        hosts,
+        args.batch,
+        args.seq,
+        args.microbatches,
+        legacy_shares=args.shares,
+    )
     if placed is not None:  # rank r runs on placed["order"][r]; hosts the placement leaves out get no rank
         by_name = {p.name: p for p in placements}
         placements = [by_name[n] for n in placed["order"]]
@@ -108,22 +137,36 @@ def run(args) -> int:
     world = len(placements)
     data = os.path.abspath(args.data) if args.data else None
     cfg = RunConfig(
-        strategy=args.strategy, backend=args.backend, model=spec, data=data,
-        data_cap=int(args.data_cap_mb * (1 << 20)), steps=args.steps, batch=args.batch, seq=args.seq,
-        lr=args.lr, seed=args.seed, microbatches=args.microbatches, schedule=args.schedule,
-        shares=_shares(args.shares, hosts), checkpoint_every=args.checkpoint_every,
+        strategy=args.strategy,
+        backend=args.backend,
+        model=spec,
+        data=data,
+        data_cap=int(args.data_cap_mb * (1 << 20)),
+        steps=args.steps,
+        batch=args.batch,
+        seq=args.seq,
+        lr=args.lr,
+        seed=args.seed,
+        microbatches=args.microbatches,
+        schedule=args.schedule,
+        shares=_shares(args.shares, hosts),
+        checkpoint_every=args.checkpoint_every,
         barrier_timeout=args.barrier_timeout,
         # workers give up on a silent peer first, so the error names the link, not just "silence"
-        timeout=max(10.0, args.timeout / 2), pace=args.pace,
+        timeout=max(10.0, args.timeout / 2),
+        pace=args.pace,
         names=tuple(p.name for p in placements),
         devices=tuple(p.host.torch_device if p.host else args.device for p in placements),
-        control_port=args.control_port, heartbeat_s=args.heartbeat, keep_checkpoints=args.keep_checkpoints,
+        control_port=args.control_port,
+        heartbeat_s=args.heartbeat,
+        keep_checkpoints=args.keep_checkpoints,
         integrity=args.integrity,
         placement=placed,
     )
     check_usage(cfg)
 
     from smoltrain.models.data import corpus_digest, load_corpus
+
     corpus = load_corpus(data, cfg.data_cap)
     cfg = cfg.replace(data_bytes=len(corpus), data_digest=corpus_digest(corpus))
 
@@ -133,6 +176,7 @@ def run(args) -> int:
         if not args.checkpoint_dir:
             raise UsageError("--resume needs --checkpoint-dir")
         from smoltrain.run import checkpoint
+
         start = checkpoint.latest(cfg.checkpoint_dir, checkpoint.identity(cfg), info.checkpoint_parts(world))
         if start >= cfg.steps:
             raise UsageError(f"checkpoint is at step {start}, not before --steps {cfg.steps}")
@@ -141,10 +185,12 @@ def run(args) -> int:
     # where ranks meet
     if hosts is None:
         from smoltrain.comm.group import free_port_base
+
         cfg = cfg.replace(coord_addr="127.0.0.1", port=free_port_base(world), addrs=("127.0.0.1",) * world)
         bind = control_addr = "127.0.0.1"
     else:
         from smoltrain.comm.group import inventory_group
+
         coord, port, addrs = inventory_group(hosts)
         cfg = cfg.replace(coord_addr=coord, port=port, addrs=tuple(addrs))
         control_addr = route_source(hosts[0].cluster_ip)
@@ -154,11 +200,15 @@ def run(args) -> int:
         sfile = args.secret_file or (hosts[0].secret_file if hosts else "~/.config/smolcluster/secret")
         for r, p in enumerate(placements):
             print(f"# on {p.name} (the worker reads the cluster secret on stdin):")
-            print(f"torchrun --nnodes {world} --node-rank {r} --nproc-per-node 1 --master-addr {cfg.coord_addr} "
-                  f"--master-port 29500 -m smoltrain worker --control {control_addr}:7799 --rank {r} < {sfile}")
+            print(
+                f"torchrun --nnodes {world} --node-rank {r} --nproc-per-node 1 --master-addr {cfg.coord_addr} "
+                f"--master-port 29500 -m smoltrain worker --control {control_addr}:7799 --rank {r} < {sfile}"
+            )
         where_ = f"--local {world}" if hosts is None else f"-i {args.inventory}"
-        print(f"# first, on this machine: smoltrain run --strategy {args.strategy} {where_} --backend {args.backend} "
-              f"--external --control-port 7799 --secret-file {sfile}")
+        print(
+            f"# first, on this machine: smoltrain run --strategy {args.strategy} {where_} --backend {args.backend} "
+            f"--external --control-port 7799 --secret-file {sfile}"
+        )
         return 0
 
     plan = None
@@ -177,12 +227,23 @@ def run(args) -> int:
             if links:
                 console.print("plan: using reports/links.json (measured links of these hosts)")
         try:
-            plan = plan_for_run(strategy=args.strategy, model=spec, world=world, dtype="fp32", batch=args.batch,
-                                seq=args.seq, microbatches=args.microbatches, hosts=hosts, links=links,
-                                compute=getattr(args, "compute", None))
-            console.print(f"plan: {plan['step_s'] * 1e3:.1f} ms/step predicted, bottleneck "
-                          f"{plan['bottleneck']} ({plan.get('bottleneck_where')}), "
-                          f"{plan['bytes_per_step'] / 1e6:.2f} MB/step on the busiest rank")
+            plan = plan_for_run(
+                strategy=args.strategy,
+                model=spec,
+                world=world,
+                dtype="fp32",
+                batch=args.batch,
+                seq=args.seq,
+                microbatches=args.microbatches,
+                hosts=hosts,
+                links=links,
+                compute=getattr(args, "compute", None),
+            )
+            console.print(
+                f"plan: {plan['step_s'] * 1e3:.1f} ms/step predicted, bottleneck "
+                f"{plan['bottleneck']} ({plan.get('bottleneck_where')}), "
+                f"{plan['bytes_per_step'] / 1e6:.2f} MB/step on the busiest rank"
+            )
             if plan["bottleneck"] == "capacity":
                 console.print(f"[bold yellow]warning: the model does not fit: {plan.get('bottleneck_where')}")
             elif plan["bottleneck"] in ("link", "latency"):
@@ -191,15 +252,20 @@ def run(args) -> int:
             console.print(f"plan unavailable: {e}")
 
     if args.secret_file or hosts is not None or info.joiners or args.external:
-        secret = ensure_secret(args.secret_file or (hosts[0].secret_file if hosts else None))  # others (joiners, remote hosts) must know it too
+        secret = ensure_secret(
+            args.secret_file or (hosts[0].secret_file if hosts else None)
+        )  # others (joiners, remote hosts) must know it too
     else:
         import secrets
+
         secret = secrets.token_hex(32).encode()  # loopback run: a fresh secret for this run only
     preflight.check_outputs(args)
     log_dir = tempfile.mkdtemp(prefix="smoltrain-logs-")
     ctl = Controller(cfg, placements, secret, console, log_dir, external=args.external, corpus=corpus)
-    console.print(f"{args.strategy} on {world} rank(s) ({args.backend}), model {spec.name}, "
-                  f"batch {args.batch}x{args.seq}, steps {cfg.start_step}..{args.steps}, logs {log_dir}")
+    console.print(
+        f"{args.strategy} on {world} rank(s) ({args.backend}), model {spec.name}, "
+        f"batch {args.batch}x{args.seq}, steps {cfg.start_step}..{args.steps}, logs {log_dir}"
+    )
     if cfg.start_step:
         ctl.events.append({"step": cfg.start_step, "kind": "resume", "who": "all"})
     try:
@@ -209,6 +275,7 @@ def run(args) -> int:
         raise
     doc = preflight.write_report(None, ctl, None, doc=doc)
     import shutil
+
     shutil.rmtree(log_dir, ignore_errors=True)  # kept only when the run failed
     doc["placement"] = placed
     if plan is not None:
@@ -218,7 +285,8 @@ def run(args) -> int:
     png = os.path.join(args.out, f"run-{args.strategy}-{args.backend}-{world}.png")
     plot_losses(doc, png)
     total = sum(b["bytes"] for b in doc["bytes"])
-    console.print(f"final loss {doc['final_loss']:.4f}, {doc['tokens_per_s'] or 0:,.0f} tokens/s, "
-                  f"{total / 1e6:.2f} MB sent in all; loss curve {png}"
-                  + (f"; report {args.json}" if args.json else ""))
+    console.print(
+        f"final loss {doc['final_loss']:.4f}, {doc['tokens_per_s'] or 0:,.0f} tokens/s, "
+        f"{total / 1e6:.2f} MB sent in all; loss curve {png}" + (f"; report {args.json}" if args.json else "")
+    )
     return 0

@@ -1,4 +1,5 @@
 """`smoltrain serve`: a Hugging Face model split over ranks behind the OpenAI HTTP API (contract §7)."""
+
 from __future__ import annotations
 
 import sys
@@ -6,6 +7,7 @@ import sys
 
 def add_arguments(p) -> None:
     from smoltrain.infer.launch import add_placement_arguments
+
     add_placement_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
@@ -25,8 +27,12 @@ def run(args) -> int:
         svc = Service(setup.runner, setup.tokenizer, mc, os.path.basename(setup.cfg.model_dir.rstrip("/")))
         server = make_server(svc, args.host, args.port)
         host, port = server.server_address[:2]
-        print(f"serving {svc.model_id} ({setup.cfg.strategy} on {setup.cfg.world_size} rank(s)) at "
-              f"http://{host}:{port}/v1", file=sys.stderr, flush=True)
+        print(
+            f"serving {svc.model_id} ({setup.cfg.strategy} on {setup.cfg.world_size} rank(s)) at "
+            f"http://{host}:{port}/v1",
+            file=sys.stderr,
+            flush=True,
+        )
         try:
             server.serve_forever(poll_interval=0.5)
         except KeyboardInterrupt:

@@ -2,6 +2,7 @@
 
 The cluster secret is read from standard input (one line), never from the command line.
 """
+
 from __future__ import annotations
 
 import sys
@@ -24,4 +25,5 @@ def run(args) -> int:
         raise UsageError("give --rank R, or --join to join an elastic run")
     secret = parse_secret(sys.stdin.buffer.readline(), "stdin")
     from smoltrain.run.worker import worker_main
+
     return worker_main(addr, int(port), secret, args.rank, args.join)

@@ -5,6 +5,7 @@ inventory's hosts, the secret on standard input) but run `smoltrain.infer.worker
 which stays up between requests so `serve` pays the model load once. A rank that
 dies or goes silent turns into a `RankDied` with its one-line reason, never a hang.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,15 @@ class RankDied(SmolError):
 
 
 class Cluster:
-    def __init__(self, cfg: InferConfig, placements, secret: bytes, log_dir: str, bind: str = "127.0.0.1",
-                 control_addr: str = "127.0.0.1"):
+    def __init__(
+        self,
+        cfg: InferConfig,
+        placements,
+        secret: bytes,
+        log_dir: str,
+        bind: str = "127.0.0.1",
+        control_addr: str = "127.0.0.1",
+    ):
         self.cfg, self.placements, self.secret, self.log_dir = cfg, placements, secret, log_dir
         self.bind, self.control_addr = bind, control_addr
         self.world = cfg.world_size
@@ -52,11 +60,13 @@ class Cluster:
                 self._check_procs()
                 if time.monotonic() > deadline:
                     missing = [self.cfg.names[r] for r in range(self.world) if r not in self.socks]
-                    raise RankDied(f"{', '.join(missing)}: never connected within {timeout:.0f}s "
-                                   f"({self.log_tail(self.cfg.names.index(missing[0])) or 'host unreachable?'})")
+                    raise RankDied(
+                        f"{', '.join(missing)}: never connected within {timeout:.0f}s "
+                        f"({self.log_tail(self.cfg.names.index(missing[0])) or 'host unreachable?'})"
+                    )
                 try:
                     sock, _ = listener.accept()
-                except (socket.timeout, OSError):
+                except (TimeoutError, OSError):
                     continue
                 try:
                     wire.server_handshake(sock, self.secret, timeout=10.0)
@@ -82,24 +92,33 @@ class Cluster:
         for r, p in enumerate(self.placements):
             argv = ["-m", "smoltrain.infer.worker", "--control", f"{self.control_addr}:{port}", "--rank", str(r)]
             if p.host is None or p.host.local:
-                log = open(os.path.join(self.log_dir, f"{p.name}.log"), "wb")
+                log = open(os.path.join(self.log_dir, f"{p.name}.log"), "wb")  # noqa: SIM115 (the worker writes it)
                 python = sys.executable if p.host is None else p.host.python
-                proc = subprocess.Popen([python, *argv], stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+                proc = subprocess.Popen(
+                    [python, *argv], stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
                 proc.stdin.write(self.secret + b"\n")
                 proc.stdin.close()
                 self.procs.append(proc)
             else:
                 from smolnet.remote import connect
+
                 remote = connect(p.host)
-                self.procs.append((remote, remote.start([p.host.python, *argv], stdin=self.secret + b"\n",
-                                                        log=f"/tmp/smoltrain-infer-{p.name}.log")))
+                self.procs.append(
+                    (
+                        remote,
+                        remote.start(
+                            [p.host.python, *argv], stdin=self.secret + b"\n", log=f"/tmp/smoltrain-infer-{p.name}.log"
+                        ),
+                    )
+                )
 
     def _check_procs(self) -> None:
         for r, proc in enumerate(self.procs):
             if isinstance(proc, subprocess.Popen) and proc.poll() not in (None, 0):
-                raise RankDied(f"{self.cfg.names[r]}: exited with status {proc.returncode} "
-                               f"({self.log_tail(r) or 'no log'})")
+                raise RankDied(
+                    f"{self.cfg.names[r]}: exited with status {proc.returncode} ({self.log_tail(r) or 'no log'})"
+                )
 
     def log_tail(self, r: int) -> str:
         proc = self.procs[r] if r < len(self.procs) else None
@@ -110,8 +129,11 @@ class Cluster:
             except Exception:
                 return ""
         try:
-            lines = [ln for ln in Path(self.log_dir, f"{self.placements[r].name}.log").read_text(
-                errors="replace").splitlines() if ln.strip()]
+            lines = [
+                ln
+                for ln in Path(self.log_dir, f"{self.placements[r].name}.log").read_text(errors="replace").splitlines()
+                if ln.strip()
+            ]
         except OSError:
             return ""
         return lines[-1][:200] if lines else ""
@@ -177,7 +199,7 @@ class Cluster:
             raise RankDied(self.dead) from None
 
     def close(self) -> None:
-        for r, s in list(self.socks.items()):
+        for s in list(self.socks.values()):
             try:
                 wire.send_frame(s, MSG, {"type": "quit"}, timeout=2.0)
             except Exception:

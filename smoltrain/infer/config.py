@@ -1,4 +1,5 @@
 """What every inference rank needs to know, sent by the controller over the control channel as JSON."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
@@ -15,7 +16,7 @@ class InferConfig:
     model_dir: str
     dtype: str | None
     names: tuple[str, ...]
-    layers: tuple[tuple[int, int], ...]   # pp: [first, last) per rank; tp: all layers on every rank
+    layers: tuple[tuple[int, int], ...]  # pp: [first, last) per rank; tp: all layers on every rank
     coord_addr: str = "127.0.0.1"
     port: int = 0
     addrs: tuple[str, ...] = ()
@@ -29,11 +30,15 @@ class InferConfig:
         return asdict(self)
 
     @classmethod
-    def from_wire(cls, d) -> "InferConfig":
+    def from_wire(cls, d) -> InferConfig:
         if not isinstance(d, dict) or set(d) != {f.name for f in fields(cls)}:
             raise SmolError("the controller sent an inference config of another version")
-        d = dict(d, names=tuple(d["names"]), addrs=tuple(d["addrs"]),
-                 layers=tuple(tuple(int(x) for x in p) for p in d["layers"]))
+        d = dict(
+            d,
+            names=tuple(d["names"]),
+            addrs=tuple(d["addrs"]),
+            layers=tuple(tuple(int(x) for x in p) for p in d["layers"]),
+        )
         if d["strategy"] not in STRATEGIES or len(d["layers"]) != len(d["names"]):
             raise SmolError("the controller sent a malformed inference config")
         return cls(**d)

@@ -7,15 +7,15 @@ instead of the next step's first message (pp: the hidden state; tp: the first
 all-reduce contribution) it sends NaNs of the same shape, which no real hidden state
 contains. A rank that sees them raises `Stop` and the request ends everywhere.
 """
-from __future__ import annotations
 
-from smolnet.errors import SmolError
+from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from smolnet.errors import SmolError
 from smoltrain.infer.sampling import Sampler
 from smoltrain.models.stage import Stage
 
@@ -78,7 +78,7 @@ class Engine:
         prefill_sent = step_sent = self.sent()
         steps = 0
         while True:
-            step_sent = self.sent()   # the stop marker is not a decode step's traffic
+            step_sent = self.sent()  # the stop marker is not a decode step's traffic
             if r == 0 and (len(out_ids) >= req.max_new_tokens or tok in req.stop_ids or cancelled()):
                 self.signal_stop()
                 break
@@ -91,9 +91,17 @@ class Engine:
                 out_ids.append(tok)
                 emit(tok)
         t_end = time.perf_counter()
-        return {"rank": r, "output_ids": out_ids, "prefill_tokens": len(req.prompt_ids), "prefill_s": t_first - t0,
-                "decode_steps": steps, "decode_s": t_end - t_first, "decode_cpu_s": time.process_time() - cpu_first,
-                "prefill_bytes": prefill_sent - sent0, "decode_bytes": step_sent - prefill_sent}
+        return {
+            "rank": r,
+            "output_ids": out_ids,
+            "prefill_tokens": len(req.prompt_ids),
+            "prefill_s": t_first - t0,
+            "decode_steps": steps,
+            "decode_s": t_end - t_first,
+            "decode_cpu_s": time.process_time() - cpu_first,
+            "prefill_bytes": prefill_sent - sent0,
+            "decode_bytes": step_sent - prefill_sent,
+        }
 
 
 def make_engine(strategy: str, stage: Stage, comm=None, rank: int = 0, world: int = 1) -> Engine:
@@ -101,8 +109,10 @@ def make_engine(strategy: str, stage: Stage, comm=None, rank: int = 0, world: in
         return Engine(stage)
     if strategy == "pp":
         from smoltrain.infer.pp import PipelineEngine
+
         return PipelineEngine(stage, comm, rank, world)
     if strategy == "tp":
         from smoltrain.infer.tp import TensorParallelEngine
+
         return TensorParallelEngine(stage, comm, rank, world)
     raise ValueError(f"unknown inference strategy {strategy!r}")

@@ -9,6 +9,7 @@ Token ids are bytes, so a byte-level tokenizer.json is written beside it.
 Readable checkpoints: strategies whose parts hold named parameters (dp: the whole model
 on rank 0; mp and pp: one stage per rank).
 """
+
 from __future__ import annotations
 
 import json
@@ -37,13 +38,13 @@ def gather_units(step_dir: Path, meta: dict) -> dict:
     if strategy == "dp":
         for k, v in load_part(step_dir.parent, int(meta["step"]), "rank0").items():
             if k.startswith("param.units."):
-                out[k[len("param."):]] = v
+                out[k[len("param.") :]] = v
     elif strategy in ("mp", "pp"):
         ranges = split_units(spec.layers + 2, spec.layers, world)
         for r in range(world):
             for k, v in load_part(step_dir.parent, int(meta["step"]), f"rank{r}").items():
                 if k.startswith("param."):
-                    j, rest = k[len("param."):].split(".", 1)
+                    j, rest = k[len("param.") :].split(".", 1)
                     out[f"units.{ranges[r][int(j)]}.{rest}"] = v
     else:
         raise UsageError(f"export reads dp, mp and pp checkpoints; this one is {strategy}")
@@ -52,6 +53,7 @@ def gather_units(step_dir: Path, meta: dict) -> dict:
 
 def to_gpt2(spec, units: dict) -> dict:
     import torch
+
     L, h = spec.layers, spec.hidden
     u = lambda n: units[n].float()  # noqa: E731
     sd = {"transformer.wte.weight": u("units.0.wte.weight"), "transformer.wpe.weight": u("units.0.wpe.weight")}
@@ -74,9 +76,12 @@ def to_gpt2(spec, units: dict) -> dict:
 def byte_tokenizer():
     """Ids are bytes: a byte-level BPE without merges maps each byte to its own id."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     # the ByteLevel alphabet in byte order (the GPT-2 bytes_to_unicode table)
-    order = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    order = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     table, n = {}, 0
     for b in range(256):
         if b in order:
@@ -100,14 +105,26 @@ def export(ckpt_dir: str, out_dir: str) -> Path:
     except KeyError as e:
         raise SmolError(f"{step_dir}: checkpoint lacks tensor {e}") from None
     from safetensors.torch import save_file
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": spec.vocab,
-              "n_embd": spec.hidden, "n_layer": spec.layers, "n_head": spec.heads, "n_positions": spec.ctx,
-              "n_inner": spec.ffn, "activation_function": "gelu", "layer_norm_epsilon": 1e-5,
-              "tie_word_embeddings": bool(spec.tied_embeddings), "dtype": "float32",
-              "bos_token_id": None, "eos_token_id": None,
-              "smoltrain": {k: meta.get(k) for k in ("strategy", "world_size", "model", "seed", "step")}}
+    config = {
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "vocab_size": spec.vocab,
+        "n_embd": spec.hidden,
+        "n_layer": spec.layers,
+        "n_head": spec.heads,
+        "n_positions": spec.ctx,
+        "n_inner": spec.ffn,
+        "activation_function": "gelu",
+        "layer_norm_epsilon": 1e-5,
+        "tie_word_embeddings": bool(spec.tied_embeddings),
+        "dtype": "float32",
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "smoltrain": {k: meta.get(k) for k in ("strategy", "world_size", "model", "seed", "step")},
+    }
     (out / "config.json").write_text(json.dumps(config, indent=1))
     tmp = out / f"model.safetensors.tmp{os.getpid()}"
     save_file(sd, str(tmp), metadata={"format": "pt"})

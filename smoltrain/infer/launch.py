@@ -4,6 +4,7 @@ Everything that can be checked before a rank starts is checked here: the checkpo
 architecture and every tensor's name, shape and dtype, the split (pp stages per layer,
 tp heads per rank), the world size.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,9 +25,11 @@ class LocalRunner:
     def __init__(self, ckpt: Checkpoint, dtype: str | None):
         from smoltrain.infer.engine import Engine
         from smoltrain.models.stage import Stage
+
         cfg = ckpt.config
         if os.environ.get("SMOL_INFER_THREADS"):  # as the ranks do (benchmarks compare like with like)
             import torch
+
             torch.set_num_threads(int(os.environ["SMOL_INFER_THREADS"]))
         self.engine = Engine(Stage(ckpt, 0, cfg.layers, True, True, dtype=dtype))
         self.dead = None
@@ -60,6 +63,7 @@ class Setup:
 def resolve(args):
     """(strategy, placements, hosts) from --strategy, --local N / -i INVENTORY."""
     from smoltrain.run.controller import Placement
+
     strategy = args.strategy
     if args.local is None and not args.inventory:
         raise UsageError("give --local N or -i INVENTORY")
@@ -70,6 +74,7 @@ def resolve(args):
         placements = [Placement(f"rank{r}", "127.0.0.1") for r in range(args.local)]
     else:
         from smolnet.inventory import load_inventory
+
         inv = load_inventory(args.inventory)
         hosts = [inv.coordinator] + [h for h in inv.hosts if h.name != inv.coordinator.name]
         placements = [Placement(h.name, h.cluster_ip, h) for h in hosts]
@@ -81,8 +86,10 @@ def resolve(args):
 def open_model(args, timeout: float = 120.0) -> Setup:
     model_dir = os.path.abspath(args.model)
     if not os.path.isdir(model_dir):
-        raise UsageError(f"--model {args.model}: not a folder (a Hugging Face checkpoint: config.json, "
-                         "*.safetensors, optional tokenizer.json)")
+        raise UsageError(
+            f"--model {args.model}: not a folder (a Hugging Face checkpoint: config.json, "
+            "*.safetensors, optional tokenizer.json)"
+        )
     if args.dtype is not None and args.dtype not in TORCH:
         raise UsageError(f"--dtype {args.dtype}: choose from {', '.join(TORCH)}")
     strategy, placements, hosts = resolve(args)
@@ -101,21 +108,30 @@ def open_model(args, timeout: float = 120.0) -> Setup:
         tok = load_tokenizer(model_dir)
     except CheckpointError as e:
         raise UsageError(str(e)) from None
-    cfg = InferConfig(strategy=strategy if world > 1 else "local", backend=args.backend, model_dir=model_dir,
-                      dtype=args.dtype, names=tuple(p.name for p in placements), layers=tuple(layers),
-                      timeout=args.timeout)
+    cfg = InferConfig(
+        strategy=strategy if world > 1 else "local",
+        backend=args.backend,
+        model_dir=model_dir,
+        dtype=args.dtype,
+        names=tuple(p.name for p in placements),
+        layers=tuple(layers),
+        timeout=args.timeout,
+    )
     if world == 1:
         return Setup(LocalRunner(ckpt, args.dtype), cfg, ckpt, tok, hosts, None)
     from smoltrain.infer.cluster import Cluster
     from smoltrain.run.controller import route_source
+
     if hosts is None:
         from smoltrain.comm.group import free_port_base
+
         cfg = _replace(cfg, coord_addr="127.0.0.1", port=free_port_base(world), addrs=("127.0.0.1",) * world)
         bind = control_addr = "127.0.0.1"
         secret = secrets.token_hex(32).encode()  # loopback: a fresh secret for these ranks only
     else:
         from smolnet.secret import ensure_secret
         from smoltrain.comm.group import inventory_group
+
         coord, port, addrs = inventory_group(hosts)
         cfg = _replace(cfg, coord_addr=coord, port=port, addrs=tuple(addrs))
         bind = control_addr = route_source(hosts[0].cluster_ip)
@@ -132,6 +148,7 @@ def open_model(args, timeout: float = 120.0) -> Setup:
 
 def _replace(cfg: InferConfig, **kw) -> InferConfig:
     from dataclasses import replace
+
     return replace(cfg, **kw)
 
 
@@ -144,7 +161,11 @@ def add_placement_arguments(p) -> None:
     p.add_argument("--model", required=True, help="Hugging Face checkpoint folder (same path on every host)")
     p.add_argument("--backend", default="socket", choices=("socket", "torch"))
     p.add_argument("--dtype", choices=tuple(TORCH), help="default: the checkpoint's dtype")
-    p.add_argument("--placement", default="even", choices=("even", "auto"),
-                   help="pp layer split (auto falls back to even for inference)")
+    p.add_argument(
+        "--placement",
+        default="even",
+        choices=("even", "auto"),
+        help="pp layer split (auto falls back to even for inference)",
+    )
     p.add_argument("--timeout", type=float, default=120.0, help="give up on a silent rank after this long")
     p.add_argument("--secret-file", help="cluster secret (default: the inventory's smol_secret_file)")

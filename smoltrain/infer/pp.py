@@ -5,6 +5,7 @@ sends the token id (one int64) back to rank 0, which feeds it into the next step
 Stages run one after another (batch 1), so per token each hop carries one hidden
 state: `hidden * dtype bytes`, plus 8 bytes back, as the plan counts.
 """
+
 from __future__ import annotations
 
 import torch

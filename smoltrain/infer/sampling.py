@@ -3,6 +3,7 @@
 Sampling draws from a generator seeded per request, so every tp rank (which sees the
 same logits) draws the same token, and a seeded run repeats itself.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,7 +24,7 @@ class Sampler:
         probs = torch.softmax(logits.float() / self.temperature, dim=-1)
         if self.top_p < 1.0:
             p, idx = torch.sort(probs, descending=True)
-            keep = torch.cumsum(p, 0) - p < self.top_p   # the smallest prefix reaching top_p
+            keep = torch.cumsum(p, 0) - p < self.top_p  # the smallest prefix reaching top_p
             p = torch.where(keep, p, torch.zeros_like(p))
             return int(idx[torch.multinomial(p / p.sum(), 1, generator=self.gen)])
         return int(torch.multinomial(probs, 1, generator=self.gen))

@@ -6,9 +6,8 @@ another (batch-1 decode). A bad request gets a 4xx JSON error; a client that goe
 mid-stream cancels its request so the next one starts; a dead rank gets a 503 and a
 log line, and every later request a 503 too, at once.
 """
-from __future__ import annotations
 
-from smolnet.errors import SmolError
+from __future__ import annotations
 
 import json
 import sys
@@ -17,6 +16,7 @@ import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from smolnet.errors import SmolError
 from smoltrain.infer.engine import Request
 
 MAX_BODY = 1 << 20
@@ -55,6 +55,7 @@ class Service:
                 with svc.cv:
                     svc.serving += 1
                     svc.cv.notify_all()
+
         return _Turn()
 
     def encode(self, prompt) -> list[int]:
@@ -77,8 +78,11 @@ class Service:
 
     def chat_prompt(self, messages) -> str:
         """A plain chat layout (role: content lines, then `assistant:`); checkpoints' Jinja templates are not run."""
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages)
+        ):
             raise BadRequest("messages must be a non-empty list of {role, content} objects")
         return "".join(f"{m.get('role', 'user')}: {m['content']}\n" for m in messages) + "assistant:"
 
@@ -121,11 +125,23 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path == "/health":
             dead = self.svc.runner.dead
-            self._json(503 if dead else 200, {"status": "dead" if dead else "ok", "error": dead,
-                                              "served": self.svc.served, "disconnects": self.svc.disconnects})
+            self._json(
+                503 if dead else 200,
+                {
+                    "status": "dead" if dead else "ok",
+                    "error": dead,
+                    "served": self.svc.served,
+                    "disconnects": self.svc.disconnects,
+                },
+            )
         elif self.path == "/v1/models":
-            self._json(200, {"object": "list", "data": [{"id": self.svc.model_id, "object": "model",
-                                                         "created": 0, "owned_by": "smolcluster"}]})
+            self._json(
+                200,
+                {
+                    "object": "list",
+                    "data": [{"id": self.svc.model_id, "object": "model", "created": 0, "owned_by": "smolcluster"}],
+                },
+            )
         else:
             self._error(404, f"no such endpoint: GET {self.path}")
 
@@ -154,6 +170,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _complete(self, req: Request, body: dict, chat: bool) -> None:
         from smoltrain.infer.cluster import RankDied
+
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
         stream = bool(body.get("stream"))
         created = int(time.time())
@@ -161,10 +178,18 @@ class Handler(BaseHTTPRequestHandler):
         state = {"shown": "", "gone": False}
 
         def chunk(delta: str, finish=None) -> dict:
-            choice = ({"index": 0, "delta": {"content": delta} if delta else {}, "finish_reason": finish} if chat
-                      else {"index": 0, "text": delta, "finish_reason": finish})
-            return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                    "created": created, "model": self.svc.model_id, "choices": [choice]}
+            choice = (
+                {"index": 0, "delta": {"content": delta} if delta else {}, "finish_reason": finish}
+                if chat
+                else {"index": 0, "text": delta, "finish_reason": finish}
+            )
+            return {
+                "id": rid,
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created,
+                "model": self.svc.model_id,
+                "choices": [choice],
+            }
 
         def send_event(doc) -> None:
             if state["gone"]:
@@ -183,7 +208,7 @@ class Handler(BaseHTTPRequestHandler):
             ids.append(t)
             if stream:
                 text = self.svc.decode(ids)
-                delta = text[len(state["shown"]):] if text.startswith(state["shown"]) else text
+                delta = text[len(state["shown"]) :] if text.startswith(state["shown"]) else text
                 state["shown"] = text
                 send_event(chunk(delta))
 
@@ -211,13 +236,24 @@ class Handler(BaseHTTPRequestHandler):
             self._end_chunks(state)
             return
         text = self.svc.decode(ids)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish} if chat
-                  else {"index": 0, "text": text, "finish_reason": finish})
+        choice = (
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            if chat
+            else {"index": 0, "text": text, "finish_reason": finish}
+        )
         choice["token_ids"] = ids
         n = len(req.prompt_ids)
-        self._json(200, {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                         "model": self.svc.model_id, "choices": [choice],
-                         "usage": {"prompt_tokens": n, "completion_tokens": len(ids), "total_tokens": n + len(ids)}})
+        self._json(
+            200,
+            {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": created,
+                "model": self.svc.model_id,
+                "choices": [choice],
+                "usage": {"prompt_tokens": n, "completion_tokens": len(ids), "total_tokens": n + len(ids)},
+            },
+        )
 
     def _end_chunks(self, state) -> None:
         if not state["gone"]:

@@ -4,6 +4,7 @@ Two all-reduces of the hidden state per layer (after attention, after the MLP), 
 the plan counts; embedding and head are replicated, and every rank samples the same
 token from the same logits with the same seeded generator, so no token crosses.
 """
+
 from __future__ import annotations
 
 import torch

@@ -5,6 +5,7 @@ layers (or tp slice) from the shared checkpoint folder, says `ready`, then serve
 `generate` requests until `quit`. Rank 0 streams each token as it comes; every rank
 ends a request with `done` and its stats, or `error` with a one-line reason.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,13 +69,29 @@ def serve(ctl: Control, rank: int, secret: bytes) -> None:
     comm = None
     if world > 1:
         from smoltrain.comm import make_comm
-        comm = make_comm(cfg.backend, rank, world, cfg.coord_addr, cfg.port, secret, timeout=cfg.timeout,
-                         addrs=list(cfg.addrs) or None)
+
+        comm = make_comm(
+            cfg.backend,
+            rank,
+            world,
+            cfg.coord_addr,
+            cfg.port,
+            secret,
+            timeout=cfg.timeout,
+            addrs=list(cfg.addrs) or None,
+        )
     first, last = cfg.layers[rank]
     pp = cfg.strategy == "pp"
-    stage = Stage(Checkpoint(cfg.model_dir), first, last, is_first=rank == 0 or not pp,
-                  is_last=rank == world - 1 or not pp, tp_rank=rank if cfg.strategy == "tp" else 0,
-                  tp_world=world if cfg.strategy == "tp" else 1, dtype=cfg.dtype)
+    stage = Stage(
+        Checkpoint(cfg.model_dir),
+        first,
+        last,
+        is_first=rank == 0 or not pp,
+        is_last=rank == world - 1 or not pp,
+        tp_rank=rank if cfg.strategy == "tp" else 0,
+        tp_world=world if cfg.strategy == "tp" else 1,
+        dtype=cfg.dtype,
+    )
     engine = make_engine(cfg.strategy, stage, comm, rank, world)
     ctl.send({"type": "ready", "load_s": time.perf_counter() - t0})
     try:
@@ -86,8 +103,9 @@ def serve(ctl: Control, rank: int, secret: bytes) -> None:
                 continue
             ctl.cancel.clear()
             req = Request(**msg["request"])
-            stats = engine.generate(req, emit=lambda t: ctl.send({"type": "token", "id": t}),
-                                    cancelled=ctl.cancel.is_set)
+            stats = engine.generate(
+                req, emit=lambda t: ctl.send({"type": "token", "id": t}), cancelled=ctl.cancel.is_set
+            )
             stats["links"] = sorted((comm.bytes_sent() if comm else {}).items())
             ctl.send({"type": "done", "stats": stats})
     finally:
@@ -101,6 +119,7 @@ def main(argv=None) -> int:
     p.add_argument("--rank", type=int, required=True)
     a = p.parse_args(argv)
     from smolnet.secret import parse_secret
+
     secret = parse_secret(sys.stdin.buffer.readline(), "stdin")
     addr, _, port = a.control.rpartition(":")
     ctl = Control(addr, int(port), secret, a.rank)

@@ -10,6 +10,7 @@ T+1 bytes for any world size, and each rank takes its slice of them. That is wha
 lets every synchronous strategy reproduce the `--local 1` loss curve, and what
 lets `--resume` continue exactly without saving a data-loader state.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -78,7 +79,7 @@ class Batches:
 
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         starts = torch.randint(0, len(self.tokens) - self.seq - 1, (self.batch,), generator=gen)
-        win = torch.stack([self.tokens[s: s + self.seq + 1] for s in starts.tolist()])
+        win = torch.stack([self.tokens[s : s + self.seq + 1] for s in starts.tolist()])
         return win[:, :-1], win[:, 1:]
 
     def slice(self, step: int, lo: int, hi: int):

@@ -11,6 +11,7 @@ them, `fsdp` shards each unit's parameters, `tp` splits inside each `Block`.
 Building the full model from the seed on every rank and then cutting it is what
 makes initial weights independent of the world size.
 """
+
 from __future__ import annotations
 
 import math
@@ -133,8 +134,7 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor, total_tokens: int) -> 
     Summing these shares over ranks gives the mean over the global batch, and so
     do their gradients: no rank needs to know how the batch was split.
     """
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                           reduction="sum") / total_tokens
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum") / total_tokens
 
 
 def split_units(n_units: int, layers: int, stages: int) -> list[range]:

@@ -4,6 +4,7 @@ Matches `transformers`' GPT2LMHeadModel number for number. Under tp a block hold
 its ranks' heads and MLP columns; the two output projections are partial sums that
 `reduce` finishes, and their biases are added once, after it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,16 +49,21 @@ def load_block(ckpt, i: int, rank: int, world: int, dtype) -> GPT2Block:
         return ckpt.read(p + name, rows, cols).to(dtype)
 
     c0, c1 = rank * n * hd, (rank + 1) * n * hd
-    w = {"ln_1.weight": rd("ln_1.weight"), "ln_1.bias": rd("ln_1.bias"),
-         "ln_2.weight": rd("ln_2.weight"), "ln_2.bias": rd("ln_2.bias"),
-         # q, k, v each: this rank's heads' columns
-         "attn.c_attn.weight": torch.cat([rd("attn.c_attn.weight", None, (o + c0, o + c1)) for o in (0, h, 2 * h)], 1),
-         "attn.c_attn.bias": torch.cat([rd("attn.c_attn.bias", (o + c0, o + c1)) for o in (0, h, 2 * h)]),
-         "attn.c_proj.weight": rd("attn.c_proj.weight", (c0, c1)), "attn.c_proj.bias": rd("attn.c_proj.bias"),
-         "mlp.c_fc.weight": rd("mlp.c_fc.weight", None, (rank * f, (rank + 1) * f)),
-         "mlp.c_fc.bias": rd("mlp.c_fc.bias", (rank * f, (rank + 1) * f)),
-         "mlp.c_proj.weight": rd("mlp.c_proj.weight", (rank * f, (rank + 1) * f)),
-         "mlp.c_proj.bias": rd("mlp.c_proj.bias")}
+    w = {
+        "ln_1.weight": rd("ln_1.weight"),
+        "ln_1.bias": rd("ln_1.bias"),
+        "ln_2.weight": rd("ln_2.weight"),
+        "ln_2.bias": rd("ln_2.bias"),
+        # q, k, v each: this rank's heads' columns
+        "attn.c_attn.weight": torch.cat([rd("attn.c_attn.weight", None, (o + c0, o + c1)) for o in (0, h, 2 * h)], 1),
+        "attn.c_attn.bias": torch.cat([rd("attn.c_attn.bias", (o + c0, o + c1)) for o in (0, h, 2 * h)]),
+        "attn.c_proj.weight": rd("attn.c_proj.weight", (c0, c1)),
+        "attn.c_proj.bias": rd("attn.c_proj.bias"),
+        "mlp.c_fc.weight": rd("mlp.c_fc.weight", None, (rank * f, (rank + 1) * f)),
+        "mlp.c_fc.bias": rd("mlp.c_fc.bias", (rank * f, (rank + 1) * f)),
+        "mlp.c_proj.weight": rd("mlp.c_proj.weight", (rank * f, (rank + 1) * f)),
+        "mlp.c_proj.bias": rd("mlp.c_proj.bias"),
+    }
     return GPT2Block(cfg, w, n)
 
 
@@ -84,4 +90,4 @@ def load_ends(ckpt, first: bool, last: bool, dtype) -> dict:
 
 def embed(ends: dict, ids, pos: int):
     T = ids.shape[1]
-    return F.embedding(ids, ends["embed"]) + ends["pos"][pos:pos + T]
+    return F.embedding(ids, ends["embed"]) + ends["pos"][pos : pos + T]

@@ -5,6 +5,7 @@ controller can check the whole checkpoint before any rank starts; each rank then
 reads just its own layers (and, under tp, just its own slice of each matrix)
 through safetensors' lazy `safe_open`.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,7 +26,7 @@ class CheckpointError(SmolError):
 
 @dataclass(frozen=True)
 class HFConfig:
-    arch: str            # "llama" or "gpt2"
+    arch: str  # "llama" or "gpt2"
     vocab: int
     hidden: int
     layers: int
@@ -38,25 +39,35 @@ class HFConfig:
     rope_theta: float = 10000.0
     tied: bool = True
     dtype: str = "fp32"
-    bias: bool = False   # llama attention_bias
+    bias: bool = False  # llama attention_bias
     eos: int | None = None
     name: str = ""
-    act: str = "silu"    # gpt2: gelu_new (tanh) or gelu (exact)
+    act: str = "silu"  # gpt2: gelu_new (tanh) or gelu (exact)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "HFConfig":
+    def from_dict(cls, d: dict) -> HFConfig:
         return cls(**d)
 
     def spec(self):
         """The planner's ModelSpec of this checkpoint (for the `--mode infer` plan)."""
         from smoltrain.models.spec import ModelSpec
-        return ModelSpec(self.name or self.arch, vocab=self.vocab, layers=self.layers, hidden=self.hidden,
-                         heads=self.heads, kv_heads=self.kv_heads, ffn=self.ffn, ctx=self.ctx,
-                         tied_embeddings=self.tied, gated_mlp=self.arch == "llama",
-                         learned_pos=self.arch == "gpt2")
+
+        return ModelSpec(
+            self.name or self.arch,
+            vocab=self.vocab,
+            layers=self.layers,
+            hidden=self.hidden,
+            heads=self.heads,
+            kv_heads=self.kv_heads,
+            ffn=self.ffn,
+            ctx=self.ctx,
+            tied_embeddings=self.tied,
+            gated_mlp=self.arch == "llama",
+            learned_pos=self.arch == "gpt2",
+        )
 
 
 def _first_eos(v):
@@ -83,23 +94,44 @@ def read_config(model_dir: str) -> HFConfig:
             if rope and rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
                 raise CheckpointError(f"{path}: rope scaling {rope.get('rope_type')!r} is not supported")
             theta = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
-            return HFConfig("llama", vocab=int(c["vocab_size"]), hidden=int(c["hidden_size"]),
-                            layers=int(c["num_hidden_layers"]), heads=heads,
-                            kv_heads=int(c.get("num_key_value_heads") or heads),
-                            head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
-                            ffn=int(c["intermediate_size"]), ctx=int(c["max_position_embeddings"]),
-                            eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=theta,
-                            tied=bool(c.get("tie_word_embeddings", False)), dtype=dtype,
-                            bias=bool(c.get("attention_bias", False)), eos=_first_eos(c.get("eos_token_id")),
-                            name=name)
+            return HFConfig(
+                "llama",
+                vocab=int(c["vocab_size"]),
+                hidden=int(c["hidden_size"]),
+                layers=int(c["num_hidden_layers"]),
+                heads=heads,
+                kv_heads=int(c.get("num_key_value_heads") or heads),
+                head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
+                ffn=int(c["intermediate_size"]),
+                ctx=int(c["max_position_embeddings"]),
+                eps=float(c.get("rms_norm_eps", 1e-6)),
+                rope_theta=theta,
+                tied=bool(c.get("tie_word_embeddings", False)),
+                dtype=dtype,
+                bias=bool(c.get("attention_bias", False)),
+                eos=_first_eos(c.get("eos_token_id")),
+                name=name,
+            )
         if kind == "gpt2":
             h, heads = int(c["n_embd"]), int(c["n_head"])
-            return HFConfig("gpt2", vocab=int(c["vocab_size"]), hidden=h, layers=int(c["n_layer"]), heads=heads,
-                            kv_heads=heads, head_dim=h // heads, ffn=int(c.get("n_inner") or 4 * h),
-                            ctx=int(c["n_positions"]), eps=float(c.get("layer_norm_epsilon", 1e-5)),
-                            tied=bool(c.get("tie_word_embeddings", True)), dtype=dtype, bias=True,
-                            eos=_first_eos(c.get("eos_token_id")), name=name,
-                            act=str(c.get("activation_function", "gelu_new")))
+            return HFConfig(
+                "gpt2",
+                vocab=int(c["vocab_size"]),
+                hidden=h,
+                layers=int(c["n_layer"]),
+                heads=heads,
+                kv_heads=heads,
+                head_dim=h // heads,
+                ffn=int(c.get("n_inner") or 4 * h),
+                ctx=int(c["n_positions"]),
+                eps=float(c.get("layer_norm_epsilon", 1e-5)),
+                tied=bool(c.get("tie_word_embeddings", True)),
+                dtype=dtype,
+                bias=True,
+                eos=_first_eos(c.get("eos_token_id")),
+                name=name,
+                act=str(c.get("activation_function", "gelu_new")),
+            )
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: missing or bad field {e}") from None
     raise CheckpointError(f"{path}: unknown architecture {kind!r} (supported: llama, gpt2)")
@@ -113,14 +145,28 @@ def expected_tensors(cfg: HFConfig) -> dict[str, tuple[int, ...]]:
         out["model.embed_tokens.weight"] = (cfg.vocab, h)
         for i in range(cfg.layers):
             p = f"model.layers.{i}."
-            out.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                        p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                        p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
-                        p + "mlp.down_proj.weight": (h, f), p + "input_layernorm.weight": (h,),
-                        p + "post_attention_layernorm.weight": (h,)})
+            out.update(
+                {
+                    p + "self_attn.q_proj.weight": (q, h),
+                    p + "self_attn.k_proj.weight": (kv, h),
+                    p + "self_attn.v_proj.weight": (kv, h),
+                    p + "self_attn.o_proj.weight": (h, q),
+                    p + "mlp.gate_proj.weight": (f, h),
+                    p + "mlp.up_proj.weight": (f, h),
+                    p + "mlp.down_proj.weight": (h, f),
+                    p + "input_layernorm.weight": (h,),
+                    p + "post_attention_layernorm.weight": (h,),
+                }
+            )
             if cfg.bias:
-                out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                            p + "self_attn.v_proj.bias": (kv,), p + "self_attn.o_proj.bias": (h,)})
+                out.update(
+                    {
+                        p + "self_attn.q_proj.bias": (q,),
+                        p + "self_attn.k_proj.bias": (kv,),
+                        p + "self_attn.v_proj.bias": (kv,),
+                        p + "self_attn.o_proj.bias": (h,),
+                    }
+                )
         out["model.norm.weight"] = (h,)
         if not cfg.tied:
             out["lm_head.weight"] = (cfg.vocab, h)
@@ -129,11 +175,22 @@ def expected_tensors(cfg: HFConfig) -> dict[str, tuple[int, ...]]:
         out["wpe.weight"] = (cfg.ctx, h)
         for i in range(cfg.layers):
             p = f"h.{i}."
-            out.update({p + "ln_1.weight": (h,), p + "ln_1.bias": (h,), p + "ln_2.weight": (h,),
-                        p + "ln_2.bias": (h,), p + "attn.c_attn.weight": (h, 3 * h), p + "attn.c_attn.bias": (3 * h,),
-                        p + "attn.c_proj.weight": (h, h), p + "attn.c_proj.bias": (h,),
-                        p + "mlp.c_fc.weight": (h, f), p + "mlp.c_fc.bias": (f,),
-                        p + "mlp.c_proj.weight": (f, h), p + "mlp.c_proj.bias": (h,)})
+            out.update(
+                {
+                    p + "ln_1.weight": (h,),
+                    p + "ln_1.bias": (h,),
+                    p + "ln_2.weight": (h,),
+                    p + "ln_2.bias": (h,),
+                    p + "attn.c_attn.weight": (h, 3 * h),
+                    p + "attn.c_attn.bias": (3 * h,),
+                    p + "attn.c_proj.weight": (h, h),
+                    p + "attn.c_proj.bias": (h,),
+                    p + "mlp.c_fc.weight": (h, f),
+                    p + "mlp.c_fc.bias": (f,),
+                    p + "mlp.c_proj.weight": (f, h),
+                    p + "mlp.c_proj.bias": (h,),
+                }
+            )
         out["ln_f.weight"] = (h,)
         out["ln_f.bias"] = (h,)
         if not cfg.tied:
@@ -151,11 +208,12 @@ class Checkpoint:
         if not files:
             raise CheckpointError(f"{model_dir}: no *.safetensors files")
         from safetensors import safe_open
+
         self.index: dict[str, tuple[str, tuple[int, ...], str]] = {}
         for fp in files:
             try:
                 with safe_open(str(fp), framework="pt") as f:
-                    for k in f.keys():
+                    for k in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                         sl = f.get_slice(k)
                         self.index[k] = (str(fp), tuple(sl.get_shape()), sl.get_dtype())
             except Exception as e:
@@ -168,8 +226,7 @@ class Checkpoint:
     def check(self, names=None) -> None:
         """Name, shape and dtype of every tensor the model needs; raises CheckpointError naming the first miss."""
         if self.config.arch == "gpt2" and self.config.act not in GELUS:
-            raise CheckpointError(f"{self.dir}: activation {self.config.act!r} is not supported "
-                                  f"({', '.join(GELUS)})")
+            raise CheckpointError(f"{self.dir}: activation {self.config.act!r} is not supported ({', '.join(GELUS)})")
         want = expected_tensors(self.config)
         dtypes = set()
         for name, shape in want.items():
@@ -179,11 +236,13 @@ class Checkpoint:
             if got is None:
                 raise CheckpointError(f"{self.dir}: missing tensor {self.key(name)}")
             if got[1] != shape:
-                raise CheckpointError(f"{self.dir}: tensor {self.key(name)} has shape {list(got[1])}, "
-                                      f"config.json implies {list(shape)}")
+                raise CheckpointError(
+                    f"{self.dir}: tensor {self.key(name)} has shape {list(got[1])}, config.json implies {list(shape)}"
+                )
             if got[2] not in DTYPES:
-                raise CheckpointError(f"{self.dir}: tensor {self.key(name)} has dtype {got[2]} "
-                                      f"(supported: {', '.join(DTYPES)})")
+                raise CheckpointError(
+                    f"{self.dir}: tensor {self.key(name)} has dtype {got[2]} (supported: {', '.join(DTYPES)})"
+                )
             dtypes.add(got[2])
         if len(dtypes) > 1:
             raise CheckpointError(f"{self.dir}: tensors of mixed dtypes {sorted(dtypes)}")
@@ -191,6 +250,7 @@ class Checkpoint:
     def read(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None):
         """One tensor, or only a [rows, cols] window of it (read lazily from disk)."""
         from safetensors import safe_open
+
         key = self.key(name)
         if key not in self.index:
             raise CheckpointError(f"{self.dir}: missing tensor {key}")
@@ -210,6 +270,7 @@ def load_tokenizer(model_dir: str):
     if not os.path.isfile(path):
         return None
     from tokenizers import Tokenizer
+
     try:
         return Tokenizer.from_file(path)
     except Exception as e:

@@ -5,6 +5,7 @@ rotate-half RoPE), so greedy decoding gives the same tokens. Under tp a block ho
 only its ranks' heads and MLP columns (Megatron): the attention output and the MLP
 output are partial sums, finished by `reduce` (an all-reduce; identity alone).
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,9 +49,9 @@ class KVCache:
 
     def update(self, k, v, pos: int):
         t = k.shape[2]
-        self.k[:, :, pos:pos + t] = k
-        self.v[:, :, pos:pos + t] = v
-        return self.k[:, :, :pos + t], self.v[:, :, :pos + t]
+        self.k[:, :, pos : pos + t] = k
+        self.v[:, :, pos : pos + t] = v
+        return self.k[:, :, : pos + t], self.v[:, :, : pos + t]
 
 
 def attend(q, k, v, heads: int, kv_heads: int, causal: bool):
@@ -91,8 +92,10 @@ class LlamaBlock(torch.nn.Module):
             a = a + w["self_attn.o_proj.bias"]
         x = x + a
         y = self.ln2(x)
-        m = F.linear(F.silu(F.linear(y, w["mlp.gate_proj.weight"])) * F.linear(y, w["mlp.up_proj.weight"]),
-                     w["mlp.down_proj.weight"])
+        m = F.linear(
+            F.silu(F.linear(y, w["mlp.gate_proj.weight"])) * F.linear(y, w["mlp.up_proj.weight"]),
+            w["mlp.down_proj.weight"],
+        )
         return x + reduce(m)
 
 
@@ -103,21 +106,35 @@ def shard_windows(cfg: HFConfig, rank: int, world: int) -> dict:
     q = (rank * qh * hd, (rank + 1) * qh * hd)
     kv = (rank * kvh * hd, (rank + 1) * kvh * hd)
     fr = (rank * f, (rank + 1) * f)
-    out = {"self_attn.q_proj.weight": (q, None), "self_attn.k_proj.weight": (kv, None),
-           "self_attn.v_proj.weight": (kv, None), "self_attn.o_proj.weight": (None, q),
-           "mlp.gate_proj.weight": (fr, None), "mlp.up_proj.weight": (fr, None),
-           "mlp.down_proj.weight": (None, fr), "input_layernorm.weight": (None, None),
-           "post_attention_layernorm.weight": (None, None)}
+    out = {
+        "self_attn.q_proj.weight": (q, None),
+        "self_attn.k_proj.weight": (kv, None),
+        "self_attn.v_proj.weight": (kv, None),
+        "self_attn.o_proj.weight": (None, q),
+        "mlp.gate_proj.weight": (fr, None),
+        "mlp.up_proj.weight": (fr, None),
+        "mlp.down_proj.weight": (None, fr),
+        "input_layernorm.weight": (None, None),
+        "post_attention_layernorm.weight": (None, None),
+    }
     if cfg.bias:
-        out.update({"self_attn.q_proj.bias": (q, None), "self_attn.k_proj.bias": (kv, None),
-                    "self_attn.v_proj.bias": (kv, None), "self_attn.o_proj.bias": (None, None)})
+        out.update(
+            {
+                "self_attn.q_proj.bias": (q, None),
+                "self_attn.k_proj.bias": (kv, None),
+                "self_attn.v_proj.bias": (kv, None),
+                "self_attn.o_proj.bias": (None, None),
+            }
+        )
     return out
 
 
 def load_block(ckpt, i: int, rank: int, world: int, dtype) -> LlamaBlock:
     cfg = ckpt.config
-    w = {k: ckpt.read(f"model.layers.{i}.{k}", rows, cols).to(dtype)
-         for k, (rows, cols) in shard_windows(cfg, rank, world).items()}
+    w = {
+        k: ckpt.read(f"model.layers.{i}.{k}", rows, cols).to(dtype)
+        for k, (rows, cols) in shard_windows(cfg, rank, world).items()
+    }
     return LlamaBlock(cfg, w, cfg.heads // world, cfg.kv_heads // world)
 
 

@@ -5,6 +5,7 @@ server's flat buffer); because every operation here is elementwise, all of them
 apply the same update to the same parameter value. The state is plain tensors, so
 checkpoints are state dicts and nothing else.
 """
+
 from __future__ import annotations
 
 import math
@@ -13,8 +14,14 @@ import torch
 
 
 class AdamW:
-    def __init__(self, params: list[torch.Tensor], lr: float = 1e-3, betas=(0.9, 0.95),
-                 eps: float = 1e-8, weight_decay: float = 0.0):
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        lr: float = 1e-3,
+        betas=(0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ):
         self.params = list(params)
         self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
         self.step_count = 0
@@ -25,8 +32,8 @@ class AdamW:
     def step(self, grads: list[torch.Tensor]) -> None:
         self.step_count += 1
         b1, b2 = self.betas
-        bc1 = 1 - b1 ** self.step_count
-        bc2_sqrt = math.sqrt(1 - b2 ** self.step_count)
+        bc1 = 1 - b1**self.step_count
+        bc2_sqrt = math.sqrt(1 - b2**self.step_count)
         for p, g, m, v in zip(self.params, grads, self.m, self.v):
             if self.wd:
                 p.mul_(1 - self.lr * self.wd)

@@ -4,6 +4,7 @@ Published shapes for the real models; `tiny` is ours, sized to train in seconds 
 CPU and to split evenly over 1, 2 or 3 ranks (6 layers, 6 heads); its head is
 untied so pipeline stages share no weights and only activations cross the links.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,12 +26,12 @@ class ModelSpec:
     hidden: int
     heads: int
     kv_heads: int
-    ffn: int                 # MLP inner width (per expert for MoE)
-    ctx: int                 # maximum sequence length
+    ffn: int  # MLP inner width (per expert for MoE)
+    ctx: int  # maximum sequence length
     tied_embeddings: bool = True
     gated_mlp: bool = False  # SwiGLU (3 matrices) instead of GELU (2)
-    experts: int = 1         # MoE experts per layer (1 = dense)
-    top_k: int = 1           # experts each token visits
+    experts: int = 1  # MoE experts per layer (1 = dense)
+    top_k: int = 1  # experts each token visits
     learned_pos: bool = True  # learned position embeddings (GPT) vs rotary (Llama)
 
     @property
@@ -76,21 +77,56 @@ class ModelSpec:
 
 
 BUILTIN: dict[str, ModelSpec] = {
-    "tiny": ModelSpec("tiny", vocab=256, layers=6, hidden=96, heads=6, kv_heads=6, ffn=384, ctx=64,
-                      tied_embeddings=False),
+    "tiny": ModelSpec(
+        "tiny", vocab=256, layers=6, hidden=96, heads=6, kv_heads=6, ffn=384, ctx=64, tied_embeddings=False
+    ),
     # tiny8: the demo's model, whose 8 layers and 4 heads split evenly over 1, 2 or 4 ranks
     # (pp and tp apply on the 4-host sim); untied like tiny
-    "tiny8": ModelSpec("tiny8", vocab=256, layers=8, hidden=96, heads=4, kv_heads=4, ffn=384, ctx=64,
-                       tied_embeddings=False),
-    "gpt2-124m": ModelSpec("gpt2-124m", vocab=50257, layers=12, hidden=768, heads=12, kv_heads=12,
-                           ffn=3072, ctx=1024),
-    "llama-3.2-1b": ModelSpec("llama-3.2-1b", vocab=128256, layers=16, hidden=2048, heads=32, kv_heads=8,
-                              ffn=8192, ctx=131072, tied_embeddings=True, gated_mlp=True, learned_pos=False),
-    "llama-3.1-8b": ModelSpec("llama-3.1-8b", vocab=128256, layers=32, hidden=4096, heads=32, kv_heads=8,
-                              ffn=14336, ctx=131072, tied_embeddings=False, gated_mlp=True, learned_pos=False),
-    "mixtral-8x7b": ModelSpec("mixtral-8x7b", vocab=32000, layers=32, hidden=4096, heads=32, kv_heads=8,
-                              ffn=14336, ctx=32768, tied_embeddings=False, gated_mlp=True, experts=8, top_k=2,
-                              learned_pos=False),
+    "tiny8": ModelSpec(
+        "tiny8", vocab=256, layers=8, hidden=96, heads=4, kv_heads=4, ffn=384, ctx=64, tied_embeddings=False
+    ),
+    "gpt2-124m": ModelSpec("gpt2-124m", vocab=50257, layers=12, hidden=768, heads=12, kv_heads=12, ffn=3072, ctx=1024),
+    "llama-3.2-1b": ModelSpec(
+        "llama-3.2-1b",
+        vocab=128256,
+        layers=16,
+        hidden=2048,
+        heads=32,
+        kv_heads=8,
+        ffn=8192,
+        ctx=131072,
+        tied_embeddings=True,
+        gated_mlp=True,
+        learned_pos=False,
+    ),
+    "llama-3.1-8b": ModelSpec(
+        "llama-3.1-8b",
+        vocab=128256,
+        layers=32,
+        hidden=4096,
+        heads=32,
+        kv_heads=8,
+        ffn=14336,
+        ctx=131072,
+        tied_embeddings=False,
+        gated_mlp=True,
+        learned_pos=False,
+    ),
+    "mixtral-8x7b": ModelSpec(
+        "mixtral-8x7b",
+        vocab=32000,
+        layers=32,
+        hidden=4096,
+        heads=32,
+        kv_heads=8,
+        ffn=14336,
+        ctx=32768,
+        tied_embeddings=False,
+        gated_mlp=True,
+        experts=8,
+        top_k=2,
+        learned_pos=False,
+    ),
 }
 
 

@@ -5,6 +5,7 @@ the final norm and LM head on the last; under tp, one rank's slice of every laye
 returns the hidden state, or the last position's logits on the last stage. The KV cache
 lives in the blocks; `reset` starts a new sequence.
 """
+
 from __future__ import annotations
 
 import torch
@@ -57,8 +58,17 @@ def stage_tensors(cfg, first: int, last: int, is_first: bool, is_last: bool) -> 
 
 
 class Stage(torch.nn.Module):
-    def __init__(self, ckpt: Checkpoint, first: int, last: int, is_first: bool, is_last: bool,
-                 tp_rank: int = 0, tp_world: int = 1, dtype: str | None = None):
+    def __init__(
+        self,
+        ckpt: Checkpoint,
+        first: int,
+        last: int,
+        is_first: bool,
+        is_last: bool,
+        tp_rank: int = 0,
+        tp_world: int = 1,
+        dtype: str | None = None,
+    ):
         super().__init__()
         cfg = ckpt.config
         self.cfg, self.first, self.last, self.is_first, self.is_last = cfg, first, last, is_first, is_last

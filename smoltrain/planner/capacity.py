@@ -5,31 +5,31 @@ fp32 master copy when training in 16-bit) + activations (Korthikanti et al. 2022
 s*b*h*(34 + 5*heads*s/h) bytes at 16 bits, tp: s*b*h*(10 + 24/t + 5*heads*s/(h*t))) + logits
 + KV cache (inference). It is compared with each device's memory; 10% stays for the OS.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
 from smoltrain.models.spec import ModelSpec
-
 from smoltrain.planner.traffic import dtype_bytes, expert_params, split_layers
 
-ADAM_BYTES = 8          # two fp32 moments per owned parameter
-MASTER_BYTES = 4        # fp32 master weights when training in bf16/fp16
-OPT_TRAFFIC = 28        # Adam step: read p, g, m, v and write p, m, v (fp32)
-HEADROOM = 0.9          # share of device memory a training process can count on
+ADAM_BYTES = 8  # two fp32 moments per owned parameter
+MASTER_BYTES = 4  # fp32 master weights when training in bf16/fp16
+OPT_TRAFFIC = 28  # Adam step: read p, g, m, v and write p, m, v (fp32)
+HEADROOM = 0.9  # share of device memory a training process can count on
 
 
 @dataclass
 class RankWork:
-    layers: int             # transformer layers this rank runs
-    params_held: float      # parameters stored on this rank (at rest)
-    params_owned: float     # parameters this rank keeps optimizer state for
-    matmul_params: float    # parameters this rank multiplies per token it processes
-    tokens: float           # tokens this rank processes per step (infer: per generated token)
+    layers: int  # transformer layers this rank runs
+    params_held: float  # parameters stored on this rank (at rest)
+    params_owned: float  # parameters this rank keeps optimizer state for
+    matmul_params: float  # parameters this rank multiplies per token it processes
+    tokens: float  # tokens this rank processes per step (infer: per generated token)
     attn_share: float = 1.0  # share of attention heads (tp) this rank computes
     kv_positions: float = 0  # KV cache positions held (infer)
-    gathered: float = 0.0   # transient copy of gathered parameters (fsdp: one unit at a time)
-    logits: bool = True     # computes the LM head's logits (a pipeline's last stage only)
+    gathered: float = 0.0  # transient copy of gathered parameters (fsdp: one unit at a time)
+    logits: bool = True  # computes the LM head's logits (a pipeline's last stage only)
     recompute: bool = False  # reruns each unit's forward in backward (fsdp)
     saved_only: bool = False  # keeps only each unit's input activation (fsdp)
     in_flight: float = 0.0  # tokens whose activations are held at once (0: all of `tokens`)
@@ -61,8 +61,9 @@ def _head(model: ModelSpec) -> int:
     return model.vocab * model.hidden
 
 
-def layout(strategy: str, mode: str, model: ModelSpec, world: int, batch: int, seq: int,
-           microbatches: int = 1) -> list[RankWork]:
+def layout(
+    strategy: str, mode: str, model: ModelSpec, world: int, batch: int, seq: int, microbatches: int = 1
+) -> list[RankWork]:
     """Per rank: what it stores, owns and computes, per step (train) or per token (infer)."""
     N, L, P = world, model.layers, model.params()
     lp = model.layer_params()
@@ -80,12 +81,21 @@ def layout(strategy: str, mode: str, model: ModelSpec, world: int, batch: int, s
             owned = P / N if strategy == "fsdp" else (P if strategy in ("dp", "sp") or r == 0 or not train else 0)
             held = P / N if strategy == "fsdp" else P
             fs = strategy == "fsdp"
-            out.append(RankWork(L, held, owned, full_matmul, toks,
-                                kv_positions=kv / N if strategy == "sp" else kv,
-                                gathered=_largest_unit(model) if fs else 0.0,
-                                recompute=fs and train, saved_only=fs and train))
+            out.append(
+                RankWork(
+                    L,
+                    held,
+                    owned,
+                    full_matmul,
+                    toks,
+                    kv_positions=kv / N if strategy == "sp" else kv,
+                    gathered=_largest_unit(model) if fs else 0.0,
+                    recompute=fs and train,
+                    saved_only=fs and train,
+                )
+            )
             if strategy == "sp" and not train:
-                out[-1].tokens = 1 / N   # each rank attends over its share; matmuls split by position
+                out[-1].tokens = 1 / N  # each rank attends over its share; matmuls split by position
         return out
     if strategy == "tp":
         held = L * lp / N + model.embedding_params()
@@ -103,8 +113,7 @@ def layout(strategy: str, mode: str, model: ModelSpec, world: int, batch: int, s
             m = max(1, microbatches) if strategy == "pp" and train else 1
             # 1F1B: stage r holds at most min(m, N - r) microbatches' activations (<= p)
             live = toks_all / m * min(m, N - r) if m > 1 else 0.0
-            out.append(RankWork(nl, held, held, mm, toks_all, kv_positions=kv, logits=r == N - 1,
-                                in_flight=live))
+            out.append(RankWork(nl, held, held, mm, toks_all, kv_positions=kv, logits=r == N - 1, in_flight=live))
         return out
     if strategy == "ep":
         ex = expert_params(model)
@@ -113,13 +122,13 @@ def layout(strategy: str, mode: str, model: ModelSpec, world: int, batch: int, s
         if train:
             return [RankWork(L, held, held, active, toks_all / N) for _ in range(N)]
         # decode: rank 0 runs attention for the sequence; the experts' share is small
-        return [RankWork(L, held, held, active, 1 if r == 0 else 0, kv_positions=kv if r == 0 else 0)
-                for r in range(N)]
+        return [RankWork(L, held, held, active, 1 if r == 0 else 0, kv_positions=kv if r == 0 else 0) for r in range(N)]
     raise ValueError(strategy)
 
 
 def _largest_unit(model: ModelSpec) -> float:
     from smoltrain.planner.traffic import fsdp_units
+
     return max(fsdp_units(model))
 
 
@@ -133,13 +142,12 @@ def flops(w: RankWork, model: ModelSpec, mode: str, seq: int) -> float:
     return w.tokens * 2 * w.matmul_params + 4 * attn * (w.kv_positions / seq if seq else 0)
 
 
-def memory_traffic(w: RankWork, model: ModelSpec, mode: str, dtype: str, batch: int, seq: int,
-                   strategy: str) -> float:
+def memory_traffic(w: RankWork, model: ModelSpec, mode: str, dtype: str, batch: int, seq: int, strategy: str) -> float:
     """Bytes moved to and from memory per step: what a memory-bound rank waits for."""
     a = dtype_bytes(dtype)
     if mode == "train":
-        weights = model.params() if w.gathered else w.params_held   # fsdp: every unit passes through
-        every = replace(w, in_flight=0.0, saved_only=False)   # all tokens' activations pass through memory
+        weights = model.params() if w.gathered else w.params_held  # fsdp: every unit passes through
+        every = replace(w, in_flight=0.0, saved_only=False)  # all tokens' activations pass through memory
         return weights * 3 * a + w.params_owned * OPT_TRAFFIC + 2 * _activations(every, model, a, seq, strategy)
     kv = 2 * w.layers * model.kv_dim * w.kv_positions * a * w.attn_share
     return w.matmul_params * a + kv
@@ -153,7 +161,7 @@ def _activations(w: RankWork, model: ModelSpec, a: int, seq: int, strategy: str)
         per_token = h * (10 + 24 / t + 5 * heads * seq / (h * t))
     toks = w.in_flight or w.tokens
     logits = toks * model.vocab * 4 if w.logits else 0
-    if w.saved_only:    # each unit's input is kept; one unit's full activations live at a time
+    if w.saved_only:  # each unit's input is kept; one unit's full activations live at a time
         return w.tokens * (w.layers + 2) * h * a + w.tokens * per_token * a / 2 + logits
     return toks * w.layers * per_token * a / 2 + logits
 
@@ -166,11 +174,13 @@ def memory(w: RankWork, model: ModelSpec, mode: str, dtype: str, seq: int, strat
     master = MASTER_BYTES if a < 4 else 0
     # fsdp: the shard's gradient plus one gathered unit's full gradient before its reduce-scatter
     grads_full = w.params_held + w.gathered
-    return Memory(weights=w.params_held * a + w.gathered * a,
-                  grads=grads_full * a,
-                  optimizer=w.params_owned * (ADAM_BYTES + master),
-                  activations=_activations(w, model, a, seq, strategy),
-                  kv_cache=0)
+    return Memory(
+        weights=w.params_held * a + w.gathered * a,
+        grads=grads_full * a,
+        optimizer=w.params_owned * (ADAM_BYTES + master),
+        activations=_activations(w, model, a, seq, strategy),
+        kv_cache=0,
+    )
 
 
 def fixed_share(w: RankWork, model: ModelSpec, strategy: str) -> float:

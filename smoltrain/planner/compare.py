@@ -5,6 +5,7 @@ number of steps; step time, communication time and tokens/s are taken over the s
 the warm-up (the first WARMUP_STEPS: allocator, thread pools and first connections), which
 no steady-state prediction describes.
 """
+
 from __future__ import annotations
 
 import re
@@ -28,12 +29,15 @@ def read_run(path: str) -> dict:
 def run_request(run: dict) -> dict:
     """The plan arguments that describe a run: strategy, model, world, batch, seq, ..."""
     cfg = run["config"]
-    req = {"strategy": cfg.get("strategy") or run.get("strategy"),
-           "model": cfg.get("model", "tiny"),
-           "world": int(cfg.get("world_size") or run.get("world_size") or 0),
-           "dtype": cfg.get("dtype", "fp32"),
-           "batch": int(cfg.get("batch", 8)), "seq": int(cfg.get("seq", 64)),
-           "microbatches": int(cfg.get("microbatches") or 1)}
+    req = {
+        "strategy": cfg.get("strategy") or run.get("strategy"),
+        "model": cfg.get("model", "tiny"),
+        "world": int(cfg.get("world_size") or run.get("world_size") or 0),
+        "dtype": cfg.get("dtype", "fp32"),
+        "batch": int(cfg.get("batch", 8)),
+        "seq": int(cfg.get("seq", 64)),
+        "microbatches": int(cfg.get("microbatches") or 1),
+    }
     if not req["strategy"] or req["world"] < 1:
         raise UsageError("run report lacks config.strategy or world_size")
     return req
@@ -86,22 +90,34 @@ def compare(plan: dict, run: dict) -> dict:
     for key in sorted(set(measured) | set(predicted)):
         p, m = predicted.get(key, 0.0), measured.get(key, 0.0)
         ratio = (m / p) if p else (1.0 if m == 0 else None)
-        rows.append({"src": key[0], "dst": key[1], "predicted_bytes_per_step": p,
-                     "measured_bytes_per_step": m, "ratio": ratio,
-                     "within_2pct": ratio is not None and abs(ratio - 1) <= TOLERANCE})
+        rows.append(
+            {
+                "src": key[0],
+                "dst": key[1],
+                "predicted_bytes_per_step": p,
+                "measured_bytes_per_step": m,
+                "ratio": ratio,
+                "within_2pct": ratio is not None and abs(ratio - 1) <= TOLERANCE,
+            }
+        )
     step_m = _median_after_warmup([s.get("step_s") for s in run.get("steps") or []])
     comm_m = _median_after_warmup([s.get("comm_s") for s in run.get("steps") or []])
-    return {"schema": COMPARE_SCHEMA, "strategy": plan["strategy"], "world_size": plan["world_size"],
-            "steps": steps, "links": rows,
-            "bytes_within_2pct": all(r["within_2pct"] for r in rows),
-            "step_s": {"predicted": plan["step_s"], "measured": step_m},
-            "comm_s": {"predicted": plan["comm_s_per_step"], "measured": comm_m},
-            "tokens_per_s": {"predicted": plan["tokens_per_s"], "measured": tokens_per_s_after_warmup(run)},
-            **per_rank(plan, run),
-            "plan": plan}
+    return {
+        "schema": COMPARE_SCHEMA,
+        "strategy": plan["strategy"],
+        "world_size": plan["world_size"],
+        "steps": steps,
+        "links": rows,
+        "bytes_within_2pct": all(r["within_2pct"] for r in rows),
+        "step_s": {"predicted": plan["step_s"], "measured": step_m},
+        "comm_s": {"predicted": plan["comm_s_per_step"], "measured": comm_m},
+        "tokens_per_s": {"predicted": plan["tokens_per_s"], "measured": tokens_per_s_after_warmup(run)},
+        **per_rank(plan, run),
+        "plan": plan,
+    }
 
 
-MISS = 0.25     # a per-rank figure further than this from its prediction "missed"
+MISS = 0.25  # a per-rank figure further than this from its prediction "missed"
 
 
 def per_rank(plan: dict, run: dict) -> dict:
@@ -140,35 +156,56 @@ def render(con, cmp: dict) -> None:
 
     from smoltrain.planner.plan import human_bytes, human_s
 
-    t = Table(title=f"{cmp['strategy']}: predicted vs measured per step ({cmp['steps']} steps)",
-              title_justify="left")
+    t = Table(title=f"{cmp['strategy']}: predicted vs measured per step ({cmp['steps']} steps)", title_justify="left")
     for c in ("src", "dst", "predicted", "measured", "measured/predicted"):
         t.add_column(c)
     for r in cmp["links"]:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.4f}"
         color = "green" if r["within_2pct"] else "red"
-        t.add_row(r["src"], r["dst"], human_bytes(r["predicted_bytes_per_step"]),
-                  human_bytes(r["measured_bytes_per_step"]), f"[{color}]{ratio}[/]")
+        t.add_row(
+            r["src"],
+            r["dst"],
+            human_bytes(r["predicted_bytes_per_step"]),
+            human_bytes(r["measured_bytes_per_step"]),
+            f"[{color}]{ratio}[/]",
+        )
     for what in ("step_s", "comm_s"):
         p, m = cmp[what]["predicted"], cmp[what]["measured"]
         ratio = f"{m / p:.2f}" if p and m else "-"
-        t.add_row(f"[bold]{what.replace('_s', ' time')}[/]", "", human_s(p) if p is not None else "-",
-                  human_s(m) if m is not None else "-", ratio)
+        t.add_row(
+            f"[bold]{what.replace('_s', ' time')}[/]",
+            "",
+            human_s(p) if p is not None else "-",
+            human_s(m) if m is not None else "-",
+            ratio,
+        )
     con.print(t)
     if cmp.get("ranks"):
         from smoltrain.planner.plan import human_s as hs
+
         rt = Table(title="per rank: predicted vs measured (median after warm-up)", title_justify="left")
         for c in ("rank", "host", "compute", "comm", "wait"):
             rt.add_column(c)
         for r in cmp["ranks"]:
+
             def cell(x):
                 ok = x["ratio"] is not None and abs(x["ratio"] - 1) <= MISS
                 col = "green" if ok else "red"
-                return (f"{hs(x['predicted'])} / {hs(x['measured'])} "
-                        f"[{col}]x{x['ratio']:.2f}[/]" if x["ratio"] is not None else "-")
+                return (
+                    f"{hs(x['predicted'])} / {hs(x['measured'])} [{col}]x{x['ratio']:.2f}[/]"
+                    if x["ratio"] is not None
+                    else "-"
+                )
+
             rt.add_row(str(r["rank"]), r["name"], cell(r["compute_s"]), cell(r["comm_s"]), hs(r["wait_s"]))
         con.print(rt)
-        con.print("  missed: " + ("; ".join(cmp["missed"]) if cmp["missed"] else "nothing (compute and comm "
-                                                                                  f"within {MISS:.0%} on every rank)"))
+        con.print(
+            "  missed: "
+            + (
+                "; ".join(cmp["missed"])
+                if cmp["missed"]
+                else f"nothing (compute and comm within {MISS:.0%} on every rank)"
+            )
+        )
     verdict = "all links within 2%" if cmp["bytes_within_2pct"] else "[red]some links differ by more than 2%[/]"
     con.print(f"  bytes: {verdict}")

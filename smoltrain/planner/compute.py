@@ -6,9 +6,9 @@ differs by integer factors. The report's two timed training steps give, per host
 cost per step and a cost per token; the plan charges each rank those for its share of the
 model. Hosts that share a machine (same machine_id) share its cores when they run at once.
 """
+
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -26,11 +26,11 @@ class HostCompute:
     machine_id: str
     cores: int
     cpu_limit_cores: float | None
-    flops: dict                      # matmul FLOP/s per dtype at one thread
-    mem_bw: float                    # bytes/s
-    usable_memory: float             # bytes
+    flops: dict  # matmul FLOP/s per dtype at one thread
+    mem_bw: float  # bytes/s
+    usable_memory: float  # bytes
     train_step: list = field(default_factory=list)
-    comm_cpu: dict | None = None     # smoltrain comm's CPU cost here: message_s, bytes_s
+    comm_cpu: dict | None = None  # smoltrain comm's CPU cost here: message_s, bytes_s
 
     def fit(self, model: ModelSpec) -> tuple[float, float, int] | None:
         """(fixed seconds per step, seconds per token, the timed seq) of the model's training step, from the
@@ -39,11 +39,13 @@ class HostCompute:
         steps = [s for s in self.train_step if s.get("model") == model.name] or list(self.train_step)
         if len(steps) < 2:
             return None
-        a, b = sorted(steps, key=lambda s: s["batch"] * s["seq"])[:1] + \
-            sorted(steps, key=lambda s: s["batch"] * s["seq"])[-1:]
+        a, b = (
+            sorted(steps, key=lambda s: s["batch"] * s["seq"])[:1]
+            + sorted(steps, key=lambda s: s["batch"] * s["seq"])[-1:]
+        )
         na, nb = a["batch"] * a["seq"], b["batch"] * b["seq"]
         per = (b["seconds"] - a["seconds"]) / (nb - na) if nb > na else 0.0
-        if per <= 0:                 # noise: charge everything per token
+        if per <= 0:  # noise: charge everything per token
             per, fixed = b["seconds"] / nb, 0.0
         else:
             fixed = max(0.0, a["seconds"] - per * na)
@@ -65,11 +67,17 @@ def train_flops_per_token(model: ModelSpec, seq: int) -> float:
 
 def _host(d: dict, origin: str) -> HostCompute:
     try:
-        return HostCompute(str(d["name"]), str(d.get("machine_id") or d["name"]), int(d.get("cores") or 1),
-                           (float(d["cpu_limit_cores"]) if d.get("cpu_limit_cores") else None),
-                           {k: float(v) for k, v in d["flops"].items()}, float(d["mem_bw_bytes_s"]),
-                           float(d.get("usable_memory_bytes") or 0), list(d.get("train_step") or []),
-                           d.get("comm_cpu") if isinstance(d.get("comm_cpu"), dict) else None)
+        return HostCompute(
+            str(d["name"]),
+            str(d.get("machine_id") or d["name"]),
+            int(d.get("cores") or 1),
+            (float(d["cpu_limit_cores"]) if d.get("cpu_limit_cores") else None),
+            {k: float(v) for k, v in d["flops"].items()},
+            float(d["mem_bw_bytes_s"]),
+            float(d.get("usable_memory_bytes") or 0),
+            list(d.get("train_step") or []),
+            d.get("comm_cpu") if isinstance(d.get("comm_cpu"), dict) else None,
+        )
     except (KeyError, TypeError, ValueError, AttributeError):
         raise UsageError(f"{origin}: host {d.get('name', '?')!r} lacks flops or mem_bw_bytes_s") from None
 
@@ -98,12 +106,16 @@ def load_compute(path: str, hosts=None) -> dict[str, HostCompute]:
     names = [getattr(h, "name", h) for h in hosts]
     missing = [n for n in names if n not in entries]
     if missing:
-        raise UsageError(f"{path}: compute report has no {', '.join(missing)} (measured: "
-                         f"{', '.join(entries) or 'none'}); run `smoltrain calibrate -i` on this inventory")
+        raise UsageError(
+            f"{path}: compute report has no {', '.join(missing)} (measured: "
+            f"{', '.join(entries) or 'none'}); run `smoltrain calibrate -i` on this inventory"
+        )
     failed = [n for n in names if n not in ok]
     if failed:
-        raise UsageError(f"{path}: calibration failed on {', '.join(failed)} "
-                         f"({entries[failed[0]].get('error')}); calibrate again or pass --compute")
+        raise UsageError(
+            f"{path}: calibration failed on {', '.join(failed)} "
+            f"({entries[failed[0]].get('error')}); calibrate again or pass --compute"
+        )
     return {n: ok[n] for n in names}
 
 
@@ -117,6 +129,7 @@ def default_path(path: str | None) -> str | None:
 
 def this_machine() -> str:
     from smolnet.facts import machine_id
+
     return machine_id()
 
 
@@ -154,14 +167,29 @@ def measured_ranks(ranks: list, figs: list[HostCompute], model: ModelSpec) -> li
         else:
             fixed, achieved = 0.0, f32 * 0.4
         ratio = (f.flops.get("bf16") or f32) / f32 if f32 else 1.0
-        prof = DeviceProfile(f"{rk.device.name}*", achieved * share, achieved * ratio * share, f.mem_bw * share,
-                             f.usable_memory or rk.memory_bytes, f32, f.mem_bw,
-                             f"measured on {f.name}" + (f" (cap {f.cpu_limit_cores:g} cores)" if f.cpu_limit_cores else ""))
+        prof = DeviceProfile(
+            f"{rk.device.name}*",
+            achieved * share,
+            achieved * ratio * share,
+            f.mem_bw * share,
+            f.usable_memory or rk.memory_bytes,
+            f32,
+            f.mem_bw,
+            f"measured on {f.name}" + (f" (cap {f.cpu_limit_cores:g} cores)" if f.cpu_limit_cores else ""),
+        )
         cc = None
         if f.comm_cpu and f.comm_cpu.get("message_s") and f.comm_cpu.get("bytes_s"):
             cc = {"message_s": float(f.comm_cpu["message_s"]) / share, "bytes_s": float(f.comm_cpu["bytes_s"]) * share}
-        out.append(replace(rk, device=prof, memory_bytes=f.usable_memory or rk.memory_bytes,
-                           fixed_s=fixed / share, measured=True, comm_cpu=cc))
+        out.append(
+            replace(
+                rk,
+                device=prof,
+                memory_bytes=f.usable_memory or rk.memory_bytes,
+                fixed_s=fixed / share,
+                measured=True,
+                comm_cpu=cc,
+            )
+        )
     return out
 
 
@@ -187,8 +215,7 @@ def cpu_links(lm, ranks: list):
             if rate and ends:
                 rate = min(rate, min(c["bytes_s"] for c in ends) * 8 / 1e6)
             links[(s, d)] = Link(rate, ln.rtt_us + 2e6 * msg, ln.status)
-    return LinkModel(dict(lm.source, comm_cpu="per-message and per-byte CPU cost of each end (measured)"),
-                     links, None)
+    return LinkModel(dict(lm.source, comm_cpu="per-message and per-byte CPU cost of each end (measured)"), links, None)
 
 
 def apply(ranks: list, hosts, path: str | None, model: ModelSpec) -> tuple[list, str]:
@@ -206,7 +233,7 @@ def apply(ranks: list, hosts, path: str | None, model: ModelSpec) -> tuple[list,
     try:
         figs = list(load_compute(path, [r.name for r in ranks]).values())
     except UsageError:
-        if given:           # asked for: its hosts must be these
+        if given:  # asked for: its hosts must be these
             raise
-        return ranks, "nominal"   # the default report is of other hosts: device profiles
+        return ranks, "nominal"  # the default report is of other hosts: device profiles
     return measured_ranks(ranks, figs, model), "measured"

@@ -6,6 +6,7 @@ rated speeds with the TCP goodput a 1500-byte MTU allows (anchors-netmeasure.md 
 round-trip time typical of kernel TCP plus a Python peer. `smoltrain calibrate` replaces
 the guesses for this host with measured numbers.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ from pathlib import Path
 from smolnet.errors import UsageError
 
 GB = 1e9
-GIB = 1024 ** 3
+GIB = 1024**3
 DEFAULT_CALIBRATION = "~/.config/smolcluster/calibration.json"
 CALIBRATION_SCHEMA = "smoltrain.calibration/1"
 
@@ -24,11 +25,11 @@ CALIBRATION_SCHEMA = "smoltrain.calibration/1"
 @dataclass(frozen=True)
 class DeviceProfile:
     name: str
-    flops_fp32: float        # achieved FLOP/s for fp32 matmul-heavy work
-    flops_fp16: float        # achieved FLOP/s for fp16/bf16
-    mem_bw: float            # achieved memory bandwidth, bytes/s
-    memory_bytes: float      # memory a training process may use (RAM or VRAM)
-    peak_fp32: float         # published peak, for the record
+    flops_fp32: float  # achieved FLOP/s for fp32 matmul-heavy work
+    flops_fp16: float  # achieved FLOP/s for fp16/bf16
+    mem_bw: float  # achieved memory bandwidth, bytes/s
+    memory_bytes: float  # memory a training process may use (RAM or VRAM)
+    peak_fp32: float  # published peak, for the record
     peak_mem_bw: float
     source: str
 
@@ -43,21 +44,66 @@ class DeviceProfile:
 # training loops is in the same range) and the measured copy bandwidth where one is known.
 ACHIEVED = 0.4
 DEVICES: dict[str, DeviceProfile] = {
-    "pi4": DeviceProfile("pi4", 48e9 * ACHIEVED, 48e9 * ACHIEVED, 4.0 * GB, 4 * GIB, 48e9, 12.8 * GB,
-                         "4x A72 1.5 GHz x 8 FLOP/cycle (derived); LPDDR4-3200 32-bit; 4 GB model"),
-    "pi5": DeviceProfile("pi5", 154e9 * ACHIEVED, 308e9 * ACHIEVED, 6.2 * GB, 8 * GIB, 154e9, 17.1 * GB,
-                         "4x A76 2.4 GHz (derived peak); tinymembench copy 6.2 GB/s; 8 GB model"),
-    "jetson-orin-nano": DeviceProfile("jetson-orin-nano", 1.28e12 * ACHIEVED, 10e12 * ACHIEVED * 0.5,
-                                      68 * GB * 0.7, 8 * GB, 1.28e12, 68 * GB,
-                                      "NVIDIA datasheet (non-Super clocks); 8 GB shared memory"),
-    "mac-mini-m4": DeviceProfile("mac-mini-m4", 4.26e12 * ACHIEVED, 8.5e12 * ACHIEVED * 0.5,
-                                 120 * GB * 0.7, 16 * GB, 4.26e12, 120 * GB,
-                                 "Apple M4 10-core GPU; 16 GB unified memory (base model)"),
-    "rtx4050-laptop": DeviceProfile("rtx4050-laptop", 10e12 * ACHIEVED, 20e12 * ACHIEVED,
-                                    192 * GB * 0.7, 6 * GIB, 10e12, 192 * GB,
-                                    "20 SM, 8-12 TFLOPS by TGP (10 taken); 6 GB GDDR6 96-bit"),
-    "generic": DeviceProfile("generic", 100e9 * ACHIEVED, 100e9 * ACHIEVED, 10 * GB, 16 * GIB, 100e9, 20 * GB,
-                             "a modest x86 CPU; run `smoltrain calibrate` to measure this host"),
+    "pi4": DeviceProfile(
+        "pi4",
+        48e9 * ACHIEVED,
+        48e9 * ACHIEVED,
+        4.0 * GB,
+        4 * GIB,
+        48e9,
+        12.8 * GB,
+        "4x A72 1.5 GHz x 8 FLOP/cycle (derived); LPDDR4-3200 32-bit; 4 GB model",
+    ),
+    "pi5": DeviceProfile(
+        "pi5",
+        154e9 * ACHIEVED,
+        308e9 * ACHIEVED,
+        6.2 * GB,
+        8 * GIB,
+        154e9,
+        17.1 * GB,
+        "4x A76 2.4 GHz (derived peak); tinymembench copy 6.2 GB/s; 8 GB model",
+    ),
+    "jetson-orin-nano": DeviceProfile(
+        "jetson-orin-nano",
+        1.28e12 * ACHIEVED,
+        10e12 * ACHIEVED * 0.5,
+        68 * GB * 0.7,
+        8 * GB,
+        1.28e12,
+        68 * GB,
+        "NVIDIA datasheet (non-Super clocks); 8 GB shared memory",
+    ),
+    "mac-mini-m4": DeviceProfile(
+        "mac-mini-m4",
+        4.26e12 * ACHIEVED,
+        8.5e12 * ACHIEVED * 0.5,
+        120 * GB * 0.7,
+        16 * GB,
+        4.26e12,
+        120 * GB,
+        "Apple M4 10-core GPU; 16 GB unified memory (base model)",
+    ),
+    "rtx4050-laptop": DeviceProfile(
+        "rtx4050-laptop",
+        10e12 * ACHIEVED,
+        20e12 * ACHIEVED,
+        192 * GB * 0.7,
+        6 * GIB,
+        10e12,
+        192 * GB,
+        "20 SM, 8-12 TFLOPS by TGP (10 taken); 6 GB GDDR6 96-bit",
+    ),
+    "generic": DeviceProfile(
+        "generic",
+        100e9 * ACHIEVED,
+        100e9 * ACHIEVED,
+        10 * GB,
+        16 * GIB,
+        100e9,
+        20 * GB,
+        "a modest x86 CPU; run `smoltrain calibrate` to measure this host",
+    ),
 }
 
 
@@ -65,8 +111,8 @@ DEVICES: dict[str, DeviceProfile] = {
 class LinkClass:
     name: str
     rated_mbit: float
-    goodput_mbit: float      # realistic TCP goodput
-    rtt_us: float            # application-level round trip of a small message
+    goodput_mbit: float  # realistic TCP goodput
+    rtt_us: float  # application-level round trip of a small message
     source: str
 
     def to_dict(self) -> dict:
@@ -82,8 +128,13 @@ LINK_CLASSES: dict[str, LinkClass] = {
     "200gbe": LinkClass("200gbe", 200_000, 160_000, 40, "iperf3 >= 3.16 reaches ~160 Gb/s"),
     "tb4": LinkClass("tb4", 40_000, 16_400, 130, "Thunderbolt 4 P2P: iperf3 16.4 Gb/s at MTU 1500, 65 us one way"),
     "tb5": LinkClass("tb5", 80_000, 32_800, 100, "Thunderbolt 5: no TCP figure published; 2x TB4 assumed"),
-    "loopback": LinkClass("loopback", 80_000, 8_000, 50,
-                          "one machine: Python sockets move ~1 GB/s, RTT 15-60 us (plan default for --local)"),
+    "loopback": LinkClass(
+        "loopback",
+        80_000,
+        8_000,
+        50,
+        "one machine: Python sockets move ~1 GB/s, RTT 15-60 us (plan default for --local)",
+    ),
 }
 
 
@@ -121,8 +172,16 @@ def profile_from_calibration(doc: dict, origin: str = "calibration") -> DevicePr
         raise UsageError(f"{origin}: calibration figures must be positive")
     # The measured matmul rate is a peak for this host; apply the same achieved fraction.
     eff = float(doc.get("train_efficiency", ACHIEVED))
-    return DeviceProfile("generic", f32 * eff, f16 * eff, bw, mem, f32, bw,
-                         f"calibrated on {doc.get('host', '?')} at {doc.get('created', '?')}")
+    return DeviceProfile(
+        "generic",
+        f32 * eff,
+        f16 * eff,
+        bw,
+        mem,
+        f32,
+        bw,
+        f"calibrated on {doc.get('host', '?')} at {doc.get('created', '?')}",
+    )
 
 
 def load_calibration(path: str | None = None, required: bool = False) -> DeviceProfile | None:

@@ -4,6 +4,7 @@ Each directed pair gets a goodput (Mbit/s) and a per-message latency alpha; a ri
 star then takes its time from these. Latency alpha is half the measured application-level
 round trip (one way), which already includes a Python peer on each end.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,7 +12,6 @@ from pathlib import Path
 
 from smolnet.errors import UsageError
 from smolnet.files import read_json
-
 from smoltrain.planner.devices import get_link_class
 
 LINKS_SCHEMA = "smolnet.links/1"
@@ -19,7 +19,7 @@ LINKS_SCHEMA = "smolnet.links/1"
 
 @dataclass
 class Link:
-    rate_mbit: float | None    # None or 0: down
+    rate_mbit: float | None  # None or 0: down
     rtt_us: float
     status: str = "ok"
 
@@ -39,17 +39,19 @@ class Link:
 @dataclass
 class LinkModel:
     """Directed links between named hosts, and where the figures came from."""
+
     source: dict
     links: dict[tuple[str, str], Link] = field(default_factory=dict)
-    default: Link | None = None     # used for every pair when built from a link class
+    default: Link | None = None  # used for every pair when built from a link class
 
     def get(self, src: str, dst: str) -> Link:
         if (src, dst) in self.links:
             return self.links[(src, dst)]
         if self.default is not None:
             return self.default
-        raise UsageError(f"links report has no measurement {src} -> {dst} "
-                         f"(run `smolnet matrix` again over these hosts)")
+        raise UsageError(
+            f"links report has no measurement {src} -> {dst} (run `smolnet matrix` again over these hosts)"
+        )
 
     def egress_bytes_per_s(self, host: str, peers: list[str]) -> float:
         """A host's own NIC: the best goodput it showed towards anyone (the others shared it)."""
@@ -63,9 +65,16 @@ class LinkModel:
 
 def from_class(name: str) -> LinkModel:
     lc = get_link_class(name)
-    return LinkModel(source={"kind": "link-class", "link_class": lc.name, "rated_mbit": lc.rated_mbit,
-                             "goodput_mbit": lc.goodput_mbit, "rtt_us": lc.rtt_us},
-                     default=Link(lc.goodput_mbit, lc.rtt_us))
+    return LinkModel(
+        source={
+            "kind": "link-class",
+            "link_class": lc.name,
+            "rated_mbit": lc.rated_mbit,
+            "goodput_mbit": lc.goodput_mbit,
+            "rtt_us": lc.rtt_us,
+        },
+        default=Link(lc.goodput_mbit, lc.rtt_us),
+    )
 
 
 def read_report(path: str) -> dict:
@@ -93,8 +102,10 @@ def from_report(doc: dict, hosts: list[str]) -> LinkModel:
     known = set(report_hosts(doc))
     missing = [h for h in hosts if h not in known]
     if missing:
-        raise UsageError(f"{where} lacks hosts {', '.join(missing)} of the inventory "
-                         f"(it has {', '.join(sorted(known)) or 'none'}; run `smolnet matrix` again)")
+        raise UsageError(
+            f"{where} lacks hosts {', '.join(missing)} of the inventory "
+            f"(it has {', '.join(sorted(known)) or 'none'}; run `smolnet matrix` again)"
+        )
     model = LinkModel(source={"kind": "links-report", "path": where, "created": doc.get("created")})
     for ln in doc.get("links") or []:
         src, dst = ln.get("src"), ln.get("dst")
@@ -104,12 +115,15 @@ def from_report(doc: dict, hosts: list[str]) -> LinkModel:
         p50 = rtt.get("p50") if isinstance(rtt, dict) else rtt
         status = ln.get("status", "ok")
         rate = ln.get("throughput_mbit")
-        model.links[(src, dst)] = Link(float(rate) if rate and status != "down" else None,
-                                       float(p50) if p50 else 200.0, status)
+        model.links[(src, dst)] = Link(
+            float(rate) if rate and status != "down" else None, float(p50) if p50 else 200.0, status
+        )
     absent = [f"{a} -> {b}" for a in hosts for b in hosts if a != b and (a, b) not in model.links]
     if absent:
-        raise UsageError(f"{where}: no measurement for {', '.join(absent[:4])}"
-                         f"{' ...' if len(absent) > 4 else ''} (run `smolnet matrix` again)")
+        raise UsageError(
+            f"{where}: no measurement for {', '.join(absent[:4])}"
+            f"{' ...' if len(absent) > 4 else ''} (run `smolnet matrix` again)"
+        )
     return model
 
 
@@ -121,7 +135,7 @@ def find_report(hosts: list[str], paths=("reports/links.json",)) -> dict | None:
             doc = read_report(p)
         except UsageError:
             continue
-        if set(hosts) <= set(report_hosts(doc)):
-            if best is None or str(doc.get("created") or "") > str(best.get("created") or ""):
-                best = doc
+        newer = best is None or str(doc.get("created") or "") > str(best.get("created") or "")
+        if set(hosts) <= set(report_hosts(doc)) and newer:
+            best = doc
     return best

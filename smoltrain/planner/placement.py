@@ -20,6 +20,7 @@ fit at all is refused (PlacementError) before anything starts.
 Torch-free: speeds come in as `HostSpeed`s (planner.speeds), links as a function
 `link_s(src, dst, nbytes) -> seconds` (None: free, as on one machine).
 """
+
 from __future__ import annotations
 
 import math
@@ -30,8 +31,8 @@ from smoltrain import registry
 from smoltrain.models.spec import ModelSpec
 
 MODES = ("even", "auto")
-TRAIN_BYTES_PER_PARAM = 16   # fp32 weight, gradient and two AdamW moments
-HEADROOM = 0.9               # as planner.capacity: 10% stays for the OS
+TRAIN_BYTES_PER_PARAM = 16  # fp32 weight, gradient and two AdamW moments
+HEADROOM = 0.9  # as planner.capacity: 10% stays for the OS
 
 
 class PlacementError(UsageError):
@@ -47,7 +48,7 @@ class Placement:
     layers: list[list[int]] | None = None
     heads: list[list[int]] | None = None
     ffn: list[list[int]] | None = None
-    excluded: list[dict] = field(default_factory=list)   # [{name, why}]
+    excluded: list[dict] = field(default_factory=list)  # [{name, why}]
     why: list[str] = field(default_factory=list)
 
     @property
@@ -66,9 +67,17 @@ class Placement:
     def from_dict(cls, d: dict) -> Placement:
         if not isinstance(d, dict) or not isinstance(d.get("order"), list) or not d["order"]:
             raise PlacementError("placement: expected an object with a non-empty `order`")
-        p = cls(str(d.get("mode", "even")), str(d.get("strategy", "")), [str(x) for x in d["order"]],
-                d.get("shares"), d.get("layers"), d.get("heads"), d.get("ffn"),
-                list(d.get("excluded") or []), list(d.get("why") or []))
+        p = cls(
+            str(d.get("mode", "even")),
+            str(d.get("strategy", "")),
+            [str(x) for x in d["order"]],
+            d.get("shares"),
+            d.get("layers"),
+            d.get("heads"),
+            d.get("ffn"),
+            list(d.get("excluded") or []),
+            list(d.get("why") or []),
+        )
         for k in ("shares", "layers", "heads", "ffn"):
             v = getattr(p, k)
             if v is not None and (not isinstance(v, list) or len(v) != p.world):
@@ -181,8 +190,17 @@ def human_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def place(strategy: str, mode: str, model: ModelSpec, names: list[str], speeds: dict, batch: int, seq: int,
-          microbatches: int = 1, link_s=None) -> Placement:
+def place(
+    strategy: str,
+    mode: str,
+    model: ModelSpec,
+    names: list[str],
+    speeds: dict,
+    batch: int,
+    seq: int,
+    microbatches: int = 1,
+    link_s=None,
+) -> Placement:
     """The placement of `strategy` over hosts `names` (in their given order for `even`)."""
     if mode not in MODES:
         raise UsageError(f"--placement {mode!r}: choose even or auto")
@@ -225,11 +243,20 @@ def validate(doc: dict, strategy: str, model: ModelSpec, batch: int, world: int)
     splits = registry.get(strategy).splits
 
     def covers(cuts, total, what, step=1):
-        if not cuts or cuts[0][0] != 0 or cuts[-1][1] != total or any(
-                not (isinstance(a, int) and isinstance(b, int)) or b <= a or (a % step) or (b % step)
-                for a, b in cuts) or any(cuts[i][1] != cuts[i + 1][0] for i in range(len(cuts) - 1)):
-            raise PlacementError(f"placement: {what} {cuts} must cut 0..{total} into non-empty consecutive "
-                                 f"ranges" + (f" of whole groups of {step}" if step > 1 else ""))
+        if (
+            not cuts
+            or cuts[0][0] != 0
+            or cuts[-1][1] != total
+            or any(
+                not (isinstance(a, int) and isinstance(b, int)) or b <= a or (a % step) or (b % step) for a, b in cuts
+            )
+            or any(cuts[i][1] != cuts[i + 1][0] for i in range(len(cuts) - 1))
+        ):
+            raise PlacementError(
+                f"placement: {what} {cuts} must cut 0..{total} into non-empty consecutive "
+                f"ranges" + (f" of whole groups of {step}" if step > 1 else "")
+            )
+
     if splits == "batch" and p.shares is not None:
         if min(counts_from_shares(batch, p.shares)) < 1:
             raise PlacementError(f"placement: shares {p.shares} leave a rank without a sequence of --batch {batch}")
@@ -242,6 +269,8 @@ def validate(doc: dict, strategy: str, model: ModelSpec, batch: int, world: int)
     elif p.shares is p.layers is p.heads is None:
         pass
     else:
-        raise PlacementError(f"placement: a {strategy} placement must give its "
-                             f"{ {'batch': 'shares', 'layers': 'layers', 'heads': 'heads'}.get(splits, splits)}")
+        raise PlacementError(
+            f"placement: a {strategy} placement must give its "
+            f"{ {'batch': 'shares', 'layers': 'layers', 'heads': 'heads'}.get(splits, splits) }"
+        )
     return p

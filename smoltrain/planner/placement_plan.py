@@ -3,10 +3,12 @@ plan's `placement` section (the chosen split, its predicted step next to `even`,
 
 `plan` and `run` both call `choose`, so the run executes the placement the plan showed.
 """
+
 from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 from smolnet.errors import UsageError
 from smoltrain import registry
@@ -14,6 +16,7 @@ from smoltrain.planner import compute
 from smoltrain.planner.placement import MODES, Placement, PlacementError, place
 from smoltrain.planner.placement_split import predict
 from smoltrain.planner.speeds import host_speeds, source_of
+
 
 def load_compute(path: str | None) -> dict | None:
     """The compute report: the given file (required), else reports/compute.json when present."""
@@ -33,6 +36,7 @@ def link_fn(lm):
     def link_s(a, b, n):
         ln = lm.get(a, b)
         return ln.alpha_s + n / ln.bytes_per_s if ln.up else math.inf
+
     return link_s
 
 
@@ -43,7 +47,7 @@ def applies(strategy: str) -> bool:
 def read_placement_file(path: str) -> dict:
     """A placement document, or a plan / run report that carries one."""
     try:
-        doc = json.loads(open(path).read())
+        doc = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise UsageError(f"--placement {path}: not a readable placement JSON ({e})") from None
     if isinstance(doc, dict) and isinstance(doc.get("placement"), dict):
@@ -52,8 +56,18 @@ def read_placement_file(path: str) -> dict:
     return doc
 
 
-def choose(strategy: str, mode: str, model, hosts, names: list[str], compute_doc, batch: int, seq: int,
-           microbatches: int = 1, lm=None) -> tuple[Placement, dict]:
+def choose(
+    strategy: str,
+    mode: str,
+    model,
+    hosts,
+    names: list[str],
+    compute_doc,
+    batch: int,
+    seq: int,
+    microbatches: int = 1,
+    lm=None,
+) -> tuple[Placement, dict]:
     """(placement, speeds by host name) for these hosts (inventory hosts or plain names)."""
     speeds = host_speeds(compute_doc, hosts if hosts else names, model)
     return place(strategy, mode, model, names, speeds, batch, seq, microbatches, link_fn(lm)), speeds
@@ -97,15 +111,26 @@ def render(con, sec: dict) -> None:
         con.print(f"    auto vs even: {sec['speedup']:.2f}x")
 
 
-def for_run(strategy: str, mode_arg: str | None, compute_path: str | None, model, names: list[str], hosts,
-            batch: int, seq: int, microbatches: int, legacy_shares=None) -> dict | None:
+def for_run(
+    strategy: str,
+    mode_arg: str | None,
+    compute_path: str | None,
+    model,
+    names: list[str],
+    hosts,
+    batch: int,
+    seq: int,
+    microbatches: int,
+    legacy_shares=None,
+) -> dict | None:
     """The placement `smoltrain run` executes (a dict for RunConfig), or None to keep --shares."""
     if mode_arg and mode_arg not in MODES:
         doc = read_placement_file(mode_arg)
         missing = [n for n in doc["order"] if n not in names]
         if missing:
-            raise UsageError(f"--placement {mode_arg}: hosts {', '.join(missing)} are not ranks of this run "
-                             f"({', '.join(names)})")
+            raise UsageError(
+                f"--placement {mode_arg}: hosts {', '.join(missing)} are not ranks of this run ({', '.join(names)})"
+            )
         return doc
     if not applies(strategy):
         return None
@@ -134,8 +159,18 @@ def attach(plan: dict, mode_arg: str | None, compute_doc, model, hosts, lm) -> d
     world = plan["world_size"]
     names = [r["name"] for r in plan["ranks"]]
     try:
-        sec = section(strategy, default_mode(mode_arg, compute_doc), model, hosts[:world] if hosts else None, names,
-                      compute_doc, plan["batch"], plan["seq"], plan["microbatches"], lm)
+        sec = section(
+            strategy,
+            default_mode(mode_arg, compute_doc),
+            model,
+            hosts[:world] if hosts else None,
+            names,
+            compute_doc,
+            plan["batch"],
+            plan["seq"],
+            plan["microbatches"],
+            lm,
+        )
     except PlacementError as e:
         sec = {"mode": default_mode(mode_arg, compute_doc), "strategy": strategy, "error": str(e)}
     plan["placement"] = sec

@@ -9,6 +9,7 @@ a pairwise cost table, so 8! orders take a moment); beyond that a greedy walk fr
 start host, then 2-opt swaps. The first order of the input wins ties, so equal links keep
 the inventory's order.
 """
+
 from __future__ import annotations
 
 import itertools

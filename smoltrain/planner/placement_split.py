@@ -5,15 +5,25 @@ Costs: a host's measured time for n tokens of the whole model is `fixed_s + n * 
 layer_params / (L * layer_params + vocab * hidden); the LM head: vocab * hidden of it), which
 is what a training step's FLOPs follow. See planner.placement for the rules.
 """
+
 from __future__ import annotations
 
 import math
 
 from smoltrain import registry
 from smoltrain.models.spec import ModelSpec
-from smoltrain.planner.placement import (Placement, PlacementError, act_bytes_per_layer, even_counts,
-                                         greedy_counts, human_bytes, ranges, stage_bytes, usable,
-                                         TRAIN_BYTES_PER_PARAM)
+from smoltrain.planner.placement import (
+    TRAIN_BYTES_PER_PARAM,
+    Placement,
+    PlacementError,
+    act_bytes_per_layer,
+    even_counts,
+    greedy_counts,
+    human_bytes,
+    ranges,
+    stage_bytes,
+    usable,
+)
 from smoltrain.planner.placement_search import candidate_orders, slowest_edge
 
 
@@ -43,7 +53,7 @@ def _model_bytes(strategy: str, model: ModelSpec, n: int) -> float:
     if strategy == "fsdp":
         return p * TRAIN_BYTES_PER_PARAM / n + 2 * 4 * max(model.layer_params(), model.vocab * model.hidden)
     if registry.get(strategy).parameter_server:
-        return p * (TRAIN_BYTES_PER_PARAM + 8)   # the server's master copy and AdamW, and a worker copy
+        return p * (TRAIN_BYTES_PER_PARAM + 8)  # the server's master copy and AdamW, and a worker copy
     return p * TRAIN_BYTES_PER_PARAM
 
 
@@ -55,8 +65,13 @@ def place_batch(strategy, mode, model, names, speeds, batch, seq, link_s) -> Pla
         room = usable(speeds[n]) - held
         caps[n] = int(room // per_seq) if room > 0 else 0
         if caps[n] < 1:
-            excluded.append({"name": n, "why": f"needs {human_bytes(held + per_seq)} for the model and one "
-                                               f"sequence, has {human_bytes(usable(speeds[n]))}"})
+            excluded.append(
+                {
+                    "name": n,
+                    "why": f"needs {human_bytes(held + per_seq)} for the model and one "
+                    f"sequence, has {human_bytes(usable(speeds[n]))}",
+                }
+            )
     kept = [n for n in names if caps[n] >= 1]
     if not kept:
         raise PlacementError(f"{strategy}: {model.name} fits on no host ({excluded[0]['why']})")
@@ -66,20 +81,29 @@ def place_batch(strategy, mode, model, names, speeds, batch, seq, link_s) -> Pla
     if mode == "even":
         counts = even_counts(batch, len(kept))
         if any(c > h for c, h in zip(counts, hi)):
-            raise PlacementError(f"{strategy}: an even split of {batch} sequences does not fit in memory "
-                                 f"(at most {hi} per rank); try --placement auto")
+            raise PlacementError(
+                f"{strategy}: an even split of {batch} sequences does not fit in memory "
+                f"(at most {hi} per rank); try --placement auto"
+            )
     else:
         counts = greedy_counts(batch, lambda i, c: _rate(speeds[kept[i]], c * seq), [1] * len(kept), hi)
         if counts is None:
-            raise PlacementError(f"{strategy}: {batch} sequences of {seq} do not fit in the hosts' memory "
-                                 f"(at most {sum(hi)})")
+            raise PlacementError(
+                f"{strategy}: {batch} sequences of {seq} do not fit in the hosts' memory (at most {sum(hi)})"
+            )
     by_host = dict(zip(kept, counts))
     topo = registry.get(strategy).topology
     order = kept if mode == "even" else candidate_orders(kept, topo, link_s, 4 * model.params() / len(kept))[0]
     counts = [by_host[n] for n in order]
     why = [f"{n}: {c} of {batch} sequences ({_describe(speeds[n])})" for n, c in zip(order, counts)]
-    return Placement(mode, strategy, order, shares=[c / batch for c in counts], excluded=excluded,
-                     why=why + _order_words(order, topo, link_s, 4 * model.params() / len(kept)))
+    return Placement(
+        mode,
+        strategy,
+        order,
+        shares=[c / batch for c in counts],
+        excluded=excluded,
+        why=why + _order_words(order, topo, link_s, 4 * model.params() / len(kept)),
+    )
 
 
 # --- mp, pp ---
@@ -126,8 +150,9 @@ def place_layers(strategy, mode, model, names, speeds, batch, seq, microbatches,
     for n in names:
         need = stage_bytes(model, 1, False, False, tokens, seq)
         if need > usable(speeds[n]):
-            excluded.append({"name": n, "why": f"needs {human_bytes(need)} for one layer, has "
-                                               f"{human_bytes(usable(speeds[n]))}"})
+            excluded.append(
+                {"name": n, "why": f"needs {human_bytes(need)} for one layer, has {human_bytes(usable(speeds[n]))}"}
+            )
     kept = [n for n in names if n not in {e["name"] for e in excluded}]
     if not kept:
         raise PlacementError(f"{strategy}: no host has memory for one layer of {model.name} ({excluded[0]['why']})")
@@ -139,8 +164,10 @@ def place_layers(strategy, mode, model, names, speeds, batch, seq, microbatches,
         for r, (n, c) in enumerate(zip(order, counts)):
             need = stage_bytes(model, c, r == 0, r == len(order) - 1, tokens, seq)
             if need > usable(speeds[n]):
-                raise PlacementError(f"{strategy}: an even cut gives {n} {c} layer(s) needing {human_bytes(need)}, "
-                                     f"it has {human_bytes(usable(speeds[n]))}; try --placement auto")
+                raise PlacementError(
+                    f"{strategy}: an even cut gives {n} {c} layer(s) needing {human_bytes(need)}, "
+                    f"it has {human_bytes(usable(speeds[n]))}; try --placement auto"
+                )
     else:
         found = None
         for o in candidate_orders(kept, "chain", link_s, act) + [kept]:
@@ -149,13 +176,23 @@ def place_layers(strategy, mode, model, names, speeds, batch, seq, microbatches,
                 found = (got, o)
         if found is None:
             total = stage_bytes(model, model.layers, True, True, tokens, seq)
-            raise PlacementError(f"{strategy}: {model.name} ({human_bytes(total)} to train at batch {batch}) does "
-                                 f"not fit in the memory of {', '.join(kept)}")
+            raise PlacementError(
+                f"{strategy}: {model.name} ({human_bytes(total)} to train at batch {batch}) does "
+                f"not fit in the memory of {', '.join(kept)}"
+            )
         (_, counts), order = found
-    why = [f"{n}: layers {lo}..{hi - 1} ({hi - lo} of {model.layers}; {_describe(speeds[n])})"
-           for n, (lo, hi) in zip(order, ranges(counts))]
-    return Placement(mode, strategy, list(order), layers=ranges(counts), excluded=excluded,
-                     why=why + _order_words(order, "chain", link_s, act))
+    why = [
+        f"{n}: layers {lo}..{hi - 1} ({hi - lo} of {model.layers}; {_describe(speeds[n])})"
+        for n, (lo, hi) in zip(order, ranges(counts))
+    ]
+    return Placement(
+        mode,
+        strategy,
+        list(order),
+        layers=ranges(counts),
+        excluded=excluded,
+        why=why + _order_words(order, "chain", link_s, act),
+    )
 
 
 # --- tp ---
@@ -166,11 +203,22 @@ def place_heads(strategy, mode, model, names, speeds, batch, seq, link_s) -> Pla
     repl = (model.vocab * model.hidden * 2 + model.ctx * model.hidden) * TRAIN_BYTES_PER_PARAM
 
     def need(g):
-        return repl + model.layers * (model.layer_params() * g / G * TRAIN_BYTES_PER_PARAM
-                                      + act_bytes_per_layer(model, tokens, seq)) + tokens * model.vocab * 8
+        return (
+            repl
+            + model.layers
+            * (model.layer_params() * g / G * TRAIN_BYTES_PER_PARAM + act_bytes_per_layer(model, tokens, seq))
+            + tokens * model.vocab * 8
+        )
 
-    excluded = [{"name": n, "why": f"needs {human_bytes(need(1))} for {gsize} head(s) of every layer, has "
-                                   f"{human_bytes(usable(speeds[n]))}"} for n in names if need(1) > usable(speeds[n])]
+    excluded = [
+        {
+            "name": n,
+            "why": f"needs {human_bytes(need(1))} for {gsize} head(s) of every layer, has "
+            f"{human_bytes(usable(speeds[n]))}",
+        }
+        for n in names
+        if need(1) > usable(speeds[n])
+    ]
     kept = [n for n in names if n not in {e["name"] for e in excluded}]
     if not kept:
         raise PlacementError(f"tp: no host has memory for a slice of {model.name} ({excluded[0]['why']})")
@@ -182,8 +230,10 @@ def place_heads(strategy, mode, model, names, speeds, batch, seq, link_s) -> Pla
         if any(c > h for c, h in zip(counts, hi)):
             raise PlacementError(f"tp: an even split of {G} head groups does not fit in memory; try --placement auto")
     else:
+
         def cost(i, g):
             return _rate(speeds[kept[i]], tokens) * (f_head + model.layers * f_layer * g / G)
+
         counts = greedy_counts(G, cost, [1] * len(kept), hi)
         if counts is None:
             raise PlacementError(f"tp: {model.name} does not fit in the memory of {', '.join(kept)}")
@@ -193,24 +243,37 @@ def place_heads(strategy, mode, model, names, speeds, batch, seq, link_s) -> Pla
     groups = [by_host[n] for n in order]
     heads = [g * gsize for g in groups]
     from smoltrain.planner.placement import counts_from_shares
+
     ffn = counts_from_shares(model.ffn, heads)
-    why = [f"{n}: heads {lo}..{hi - 1} and {f} MLP columns ({_describe(speeds[n])})"
-           for n, (lo, hi), f in zip(order, ranges(heads), ffn)]
-    return Placement(mode, strategy, order, heads=ranges(heads), ffn=ranges(ffn), excluded=excluded,
-                     why=why + _order_words(order, "ring", link_s, act))
+    why = [
+        f"{n}: heads {lo}..{hi - 1} and {f} MLP columns ({_describe(speeds[n])})"
+        for n, (lo, hi), f in zip(order, ranges(heads), ffn)
+    ]
+    return Placement(
+        mode,
+        strategy,
+        order,
+        heads=ranges(heads),
+        ffn=ranges(ffn),
+        excluded=excluded,
+        why=why + _order_words(order, "ring", link_s, act),
+    )
 
 
 def _order_words(order, topology, link_s, nbytes) -> list[str]:
     e = slowest_edge(order, topology, link_s, nbytes)
     if e is None or len(order) < 2:
         return []
-    return [f"rank order {' -> '.join(order)} ({topology}); its slowest hop {e[0]} -> {e[1]} "
-            f"takes {e[2] * 1e3:.2f} ms per {nbytes / 1e6:.2f} MB"]
+    return [
+        f"rank order {' -> '.join(order)} ({topology}); its slowest hop {e[0]} -> {e[1]} "
+        f"takes {e[2] * 1e3:.2f} ms per {nbytes / 1e6:.2f} MB"
+    ]
 
 
 # --- prediction ---
-def predict(p: Placement, model: ModelSpec, speeds: dict, batch: int, seq: int, microbatches: int = 1,
-            link_s=None) -> dict:
+def predict(
+    p: Placement, model: ModelSpec, speeds: dict, batch: int, seq: int, microbatches: int = 1, link_s=None
+) -> dict:
     """Compute per rank and a step time for this placement (communication: the strategy's
     topology at its slowest edge; dp's overlap with backward is not counted)."""
     ls, N, tokens = _zero(link_s), p.world, batch * seq
@@ -231,11 +294,14 @@ def predict(p: Placement, model: ModelSpec, speeds: dict, batch: int, seq: int, 
     else:
         if p.heads is not None:
             f_layer, f_head = fractions(model)
-            compute = [_rate(s, tokens) * (f_head + f_layer * model.layers * (hi - lo) / model.heads)
-                       for s, (lo, hi) in zip(sp, p.heads)]
+            compute = [
+                _rate(s, tokens) * (f_head + f_layer * model.layers * (hi - lo) / model.heads)
+                for s, (lo, hi) in zip(sp, p.heads)
+            ]
             msgs, nbytes = 4 * model.layers * 2 * (N - 1), tokens * model.hidden * 4 / max(N, 1)
         else:
             from smoltrain.planner.placement import counts_from_shares
+
             counts = counts_from_shares(batch, p.shares) if p.shares else even_counts(batch, N)
             compute = [_rate(s, c * seq) for s, c in zip(sp, counts)]
             msgs = {"ring": 2 * (N - 1), "star": 1}.get(topo, 2 * (N - 1)) * (1.5 if p.strategy == "fsdp" else 1)
@@ -245,8 +311,11 @@ def predict(p: Placement, model: ModelSpec, speeds: dict, batch: int, seq: int, 
         elif topo == "star":
             comm = sum(ls(p.order[0], o, nbytes) + ls(o, p.order[0], nbytes) for o in p.order[1:]) * msgs
         else:
-            comm = msgs * max(ls(p.order[s], p.order[d], nbytes) for s, d in
-                              [(r, (r + 1) % N) for r in range(N)])
+            comm = msgs * max(ls(p.order[s], p.order[d], nbytes) for s, d in [(r, (r + 1) % N) for r in range(N)])
         step = max(compute) + comm
-    return {"compute_s_per_rank": compute, "comm_s": comm, "step_s": step,
-            "tokens_per_s": tokens / step if step > 0 and math.isfinite(step) else 0.0}
+    return {
+        "compute_s_per_rank": compute,
+        "comm_s": comm,
+        "step_s": step,
+        "tokens_per_s": tokens / step if step > 0 and math.isfinite(step) else 0.0,
+    }

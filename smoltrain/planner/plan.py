@@ -2,6 +2,7 @@
 the bottleneck, in words. Everything else in the planner (CLI, tables, chart, compare) reads
 these documents.
 """
+
 from __future__ import annotations
 
 import math
@@ -10,7 +11,6 @@ from dataclasses import dataclass
 
 from smolnet.errors import UsageError
 from smoltrain.models.spec import ModelSpec
-
 from smoltrain.planner import capacity, timing
 from smoltrain.planner.devices import LINK_CLASSES, DeviceProfile, get_device, load_calibration
 from smoltrain.planner.links import Link, LinkModel, from_class, from_report
@@ -25,8 +25,8 @@ class Rank:
     name: str
     device: DeviceProfile
     memory_bytes: float
-    fixed_s: float = 0.0        # measured fixed cost of a whole-model training step (planner/compute.py)
-    measured: bool = False      # figures from a compute report, not a device profile
+    fixed_s: float = 0.0  # measured fixed cost of a whole-model training step (planner/compute.py)
+    measured: bool = False  # figures from a compute report, not a device profile
     comm_cpu: dict | None = None  # measured CPU cost of communication on this host (planner/compute.py)
 
 
@@ -74,9 +74,16 @@ def link_model(names: list[str], hosts=None, links: dict | None = None, link_cla
     if rates:
         lc = LINK_CLASSES["1gbe"]
         good = min(rates) * lc.goodput_mbit / lc.rated_mbit
-        return LinkModel(source={"kind": "inventory", "rated_mbit": min(rates), "goodput_mbit": good,
-                                 "rtt_us": lc.rtt_us, "assumed": "link_rate_mbit from the inventory"},
-                         default=Link(good, lc.rtt_us))
+        return LinkModel(
+            source={
+                "kind": "inventory",
+                "rated_mbit": min(rates),
+                "goodput_mbit": good,
+                "rtt_us": lc.rtt_us,
+                "assumed": "link_rate_mbit from the inventory",
+            },
+            default=Link(good, lc.rtt_us),
+        )
     lm = from_class("1gbe")
     lm.source["assumed"] = "no links report, link class or link_rate_mbit; 1 GbE assumed"
     return lm
@@ -97,19 +104,31 @@ def human_s(s: float) -> str:
     return f"{s * 1e6:.3g} us"
 
 
-def make_plan(strategy: str, model: ModelSpec, world: int, dtype: str = "fp32", batch: int = 8,
-              seq: int = 64, microbatches: int = 1, mode: str = "train", ranks: list[Rank] | None = None,
-              lm: LinkModel | None = None, overlap: bool = True, single: bool = True) -> dict:
+def make_plan(
+    strategy: str,
+    model: ModelSpec,
+    world: int,
+    dtype: str = "fp32",
+    batch: int = 8,
+    seq: int = 64,
+    microbatches: int = 1,
+    mode: str = "train",
+    ranks: list[Rank] | None = None,
+    lm: LinkModel | None = None,
+    overlap: bool = True,
+    single: bool = True,
+) -> dict:
     if mode == "infer":
-        batch, microbatches = 1, 1   # the contract's bytes per token are for batch-1 decode
+        batch, microbatches = 1, 1  # the contract's bytes per token are for batch-1 decode
     if strategy != "pp":
-        microbatches = 1   # only pp cuts the batch into microbatches (as smoltrain run does)
+        microbatches = 1  # only pp cuts the batch into microbatches (as smoltrain run does)
     tr: Traffic = traffic(strategy, mode, model, world, dtype, batch, seq, microbatches)
     ranks = ranks or resolve_ranks(world)
     names = [r.name for r in ranks]
     lm = lm or from_class("1gbe")
     from smoltrain.planner.compute import cpu_links
-    lm_wire, lm = lm, cpu_links(lm, ranks)   # a busy host's CPU slows its messages (measured compute only)
+
+    lm_wire, lm = lm, cpu_links(lm, ranks)  # a busy host's CPU slows its messages (measured compute only)
     train = mode == "train"
     a = dtype_bytes(dtype)
 
@@ -123,14 +142,25 @@ def make_plan(strategy: str, model: ModelSpec, world: int, dtype: str = "fp32", 
         t_mem = mt / rk.device.mem_bw
         mem = capacity.memory(w, model, mode, dtype, seq, strategy)
         t_c = max(t_fl, t_mem)
-        if rk.measured and train:   # timed steps hold the memory traffic already, plus a fixed cost
+        if rk.measured and train:  # timed steps hold the memory traffic already, plus a fixed cost
             # every microbatch runs all of the stage's operations: a pipeline pays the fixed cost m times
-            t_c = t_fl + rk.fixed_s * capacity.fixed_share(w, model, strategy) * (microbatches if strategy == "pp" else 1)
-        per_rank.append({"rank": r, "name": rk.name, "device": rk.device.name, "flops_per_step": fl,
-                         "memory_traffic_bytes": mt, "compute_s": t_c,
-                         "bound": "compute" if t_fl >= t_mem else "memory-bandwidth",
-                         "memory": mem.to_dict(), "memory_available": int(rk.memory_bytes * capacity.HEADROOM),
-                         "fits": mem.total <= rk.memory_bytes * capacity.HEADROOM})
+            t_c = t_fl + rk.fixed_s * capacity.fixed_share(w, model, strategy) * (
+                microbatches if strategy == "pp" else 1
+            )
+        per_rank.append(
+            {
+                "rank": r,
+                "name": rk.name,
+                "device": rk.device.name,
+                "flops_per_step": fl,
+                "memory_traffic_bytes": mt,
+                "compute_s": t_c,
+                "bound": "compute" if t_fl >= t_mem else "memory-bandwidth",
+                "memory": mem.to_dict(),
+                "memory_available": int(rk.memory_bytes * capacity.HEADROOM),
+                "fits": mem.total <= rk.memory_bytes * capacity.HEADROOM,
+            }
+        )
 
     # communication and the step
     link_b = tr.link_bytes()
@@ -143,10 +173,14 @@ def make_plan(strategy: str, model: ModelSpec, world: int, dtype: str = "fp32", 
         if train:
             hop = lambda s, d: lm.get(names[s], names[d])  # noqa: E731
             mb = batch * seq * model.hidden * a / microbatches
-            hop_f = [hop(r, r + 1).alpha_s + mb / hop(r, r + 1).bytes_per_s if hop(r, r + 1).up else math.inf
-                     for r in range(world - 1)]
-            hop_b = [hop(r + 1, r).alpha_s + mb / hop(r + 1, r).bytes_per_s if hop(r + 1, r).up else math.inf
-                     for r in range(world - 1)]
+            hop_f = [
+                hop(r, r + 1).alpha_s + mb / hop(r, r + 1).bytes_per_s if hop(r, r + 1).up else math.inf
+                for r in range(world - 1)
+            ]
+            hop_b = [
+                hop(r + 1, r).alpha_s + mb / hop(r + 1, r).bytes_per_s if hop(r + 1, r).up else math.inf
+                for r in range(world - 1)
+            ]
             compute_s, comm_s = timing.pipeline(stage, hop_f, hop_b, microbatches, True)
             # the boundary hops are in the schedule; add what else crosses (tied embeddings)
             hops = {i for i, ph in enumerate(tr.phases) if not ph.what.startswith("tied")}
@@ -159,15 +193,19 @@ def make_plan(strategy: str, model: ModelSpec, world: int, dtype: str = "fp32", 
     else:
         slowest = max(per_rank, key=lambda p: p["compute_s"])
         compute_s = slowest["compute_s"]
-        if train and strategy in ("syncps", "edp") and world > 1:   # the server aggregates and updates
+        if train and strategy in ("syncps", "edp") and world > 1:  # the server aggregates and updates
             compute_s += capacity.server_seconds(model, world, ranks[0].device.mem_bw)
         cc = timing.comm_cost(tr, names, lm)
         comm_s = cc.total_s
         if overlap and train and cc.overlappable_s > 0:
             # only the wire's share hides behind backward; the CPU's share competes with it
             wire = timing.comm_cost(tr, names, lm_wire) if lm is not lm_wire else cc
-            comm_s = comm_s - cc.overlappable_s + max(0.0, cc.overlappable_s - wire.overlappable_s) + \
-                timing.exposed_overlap(wire.overlappable_s, wire.last_bucket_s, 2 / 3 * compute_s)
+            comm_s = (
+                comm_s
+                - cc.overlappable_s
+                + max(0.0, cc.overlappable_s - wire.overlappable_s)
+                + timing.exposed_overlap(wire.overlappable_s, wire.last_bucket_s, 2 / 3 * compute_s)
+            )
     step_s = compute_s + comm_s
     finite = math.isfinite(step_s)
     tokens_step = batch * seq if train else 1
@@ -182,18 +220,34 @@ def make_plan(strategy: str, model: ModelSpec, world: int, dtype: str = "fp32", 
     links_out = []
     for (s, d), b in sorted(link_b.items()):
         ln = lm.get(names[s], names[d])
-        links_out.append({"src": names[s], "dst": names[d], "bytes_per_step": int(round(b)),
-                          "messages_per_step": link_m.get((s, d), 0),
-                          "seconds_per_step": link_s[(s, d)] if math.isfinite(link_s[(s, d)]) else None,
-                          "rate_mbit": ln.rate_mbit or 0.0, "rtt_us": ln.rtt_us})
+        links_out.append(
+            {
+                "src": names[s],
+                "dst": names[d],
+                "bytes_per_step": int(round(b)),
+                "messages_per_step": link_m.get((s, d), 0),
+                "seconds_per_step": link_s[(s, d)] if math.isfinite(link_s[(s, d)]) else None,
+                "rate_mbit": ln.rate_mbit or 0.0,
+                "rtt_us": ln.rtt_us,
+            }
+        )
     doc = {
         "schema": PLAN_SCHEMA,
         "strategy": strategy,
         "mode": mode,
-        "model": {"name": model.name, "params": model.params(), "layers": model.layers,
-                  "hidden": model.hidden, "heads": model.heads, "kv_heads": model.kv_heads,
-                  "ffn": model.ffn, "vocab": model.vocab, "experts": model.experts,
-                  "top_k": model.top_k, "tied_embeddings": model.tied_embeddings},
+        "model": {
+            "name": model.name,
+            "params": model.params(),
+            "layers": model.layers,
+            "hidden": model.hidden,
+            "heads": model.heads,
+            "kv_heads": model.kv_heads,
+            "ffn": model.ffn,
+            "vocab": model.vocab,
+            "experts": model.experts,
+            "top_k": model.top_k,
+            "tied_embeddings": model.tied_embeddings,
+        },
         "world_size": world,
         "dtype": dtype,
         "batch": batch,
@@ -214,16 +268,18 @@ def make_plan(strategy: str, model: ModelSpec, world: int, dtype: str = "fp32", 
         "bottleneck": bn,
         "bottleneck_where": where,
         "ranks": per_rank,
-        "phases": [{"what": ph.what, "rounds": ph.repeat,
-                    "bytes_per_round": int(round(sum(t.nbytes for t in ph.transfers)))} for ph in tr.phases],
+        "phases": [
+            {"what": ph.what, "rounds": ph.repeat, "bytes_per_round": int(round(sum(t.nbytes for t in ph.transfers)))}
+            for ph in tr.phases
+        ],
         "link_source": lm.source,
-        "notes": tr.notes + ([] if train else ["infer: one generated token per step, batch-1 decode, "
-                                               f"KV cache over {seq} positions"]),
+        "notes": tr.notes
+        + ([] if train else [f"infer: one generated token per step, batch-1 decode, KV cache over {seq} positions"]),
     }
     if single:
         from smoltrain.planner import verdict
-        doc["single_host"] = verdict.single_host(make_plan, model, ranks, dtype=dtype, batch=batch, seq=seq,
-                                                 mode=mode)
+
+        doc["single_host"] = verdict.single_host(make_plan, model, ranks, dtype=dtype, batch=batch, seq=seq, mode=mode)
         doc["verdict"] = verdict.sentence(doc)
     return doc
 
@@ -232,9 +288,11 @@ def _bottleneck(tr, per_rank, names, lm, link_b, link_s, compute_s, comm_s, cc, 
     unfit = [p for p in per_rank if not p["fits"]]
     if unfit:
         p = max(unfit, key=lambda p: p["memory"]["total"] / max(1, p["memory_available"]))
-        return "capacity", (f"rank {p['rank']} ({p['name']}, {p['device']}) needs "
-                            f"{human_bytes(p['memory']['total'])} of {human_bytes(p['memory_available'])} "
-                            f"usable memory")
+        return "capacity", (
+            f"rank {p['rank']} ({p['name']}, {p['device']}) needs "
+            f"{human_bytes(p['memory']['total'])} of {human_bytes(p['memory_available'])} "
+            f"usable memory"
+        )
     if down:
         s, d = down[0]
         return "link", f"link {names[s]} -> {names[d]} is down; the plan cannot run over it"
@@ -243,33 +301,58 @@ def _bottleneck(tr, per_rank, names, lm, link_b, link_s, compute_s, comm_s, cc, 
         ln = lm.get(names[s], names[d])
         if cc.alpha_s > (cc.total_s - cc.alpha_s):
             msgs = tr.link_msgs().get((s, d), 0)
-            return "latency", (f"{msgs} messages per step wait {ln.rtt_us:.0f} us round trips on "
-                               f"{names[s]} -> {names[d]}; "
-                               f"latency is {human_s(cc.alpha_s)} of {human_s(comm_s)} communication")
+            return "latency", (
+                f"{msgs} messages per step wait {ln.rtt_us:.0f} us round trips on "
+                f"{names[s]} -> {names[d]}; "
+                f"latency is {human_s(cc.alpha_s)} of {human_s(comm_s)} communication"
+            )
         lim = cc.limiter if "link" in cc.limiter or "lin" in cc.limiter else f"link {names[s]} -> {names[d]}"
         if "link " in lim:
-            return "link", (f"{lim} ({ln.rate_mbit or 0:.0f} Mbit/s) carries "
-                            f"{human_bytes(link_b[(s, d)])} per step, busy {human_s(sec)} against "
-                            f"{human_s(compute_s)} of compute")
-        return "link", (f"{lim} carries the star's traffic, {human_s(comm_s)} per step against "
-                        f"{human_s(compute_s)} of compute")
+            return "link", (
+                f"{lim} ({ln.rate_mbit or 0:.0f} Mbit/s) carries "
+                f"{human_bytes(link_b[(s, d)])} per step, busy {human_s(sec)} against "
+                f"{human_s(compute_s)} of compute"
+            )
+        return "link", (
+            f"{lim} carries the star's traffic, {human_s(comm_s)} per step against {human_s(compute_s)} of compute"
+        )
     p = max(per_rank, key=lambda p: p["compute_s"])
     what = "FLOPs" if p["bound"] == "compute" else "memory traffic"
     what += " per step" if tr.mode == "train" else " per token"
     if tr.strategy in ("pp", "mp") and tr.world > 1:
-        how = ("decode runs the stages one after another" if tr.mode == "infer"
-               else f"pipeline bubble {bubble:.0%} of the step")
-        return p["bound"], (f"{tr.world} stages, slowest rank {p['rank']} ({p['name']}, {p['device']}) "
-                            f"with {human_s(p['compute_s'])} of {what}; {how}; "
-                            f"communication adds {human_s(comm_s)}")
-    return p["bound"], (f"rank {p['rank']} ({p['name']}, {p['device']}): {human_s(p['compute_s'])} of "
-                        f"{what}; communication adds {human_s(comm_s)}")
+        how = (
+            "decode runs the stages one after another"
+            if tr.mode == "infer"
+            else f"pipeline bubble {bubble:.0%} of the step"
+        )
+        return p["bound"], (
+            f"{tr.world} stages, slowest rank {p['rank']} ({p['name']}, {p['device']}) "
+            f"with {human_s(p['compute_s'])} of {what}; {how}; "
+            f"communication adds {human_s(comm_s)}"
+        )
+    return p["bound"], (
+        f"rank {p['rank']} ({p['name']}, {p['device']}): {human_s(p['compute_s'])} of "
+        f"{what}; communication adds {human_s(comm_s)}"
+    )
 
 
-def plan_for_run(strategy, model: ModelSpec, world: int, dtype: str = "fp32", batch: int = 8, seq: int = 64,
-                 microbatches: int = 1, mode: str = "train", hosts=None, links: dict | None = None,
-                 link_class: str | None = None, *, calibration=None, overlap: bool = True,
-                 compute: str | None | bool = None) -> dict:
+def plan_for_run(
+    strategy,
+    model: ModelSpec,
+    world: int,
+    dtype: str = "fp32",
+    batch: int = 8,
+    seq: int = 64,
+    microbatches: int = 1,
+    mode: str = "train",
+    hosts=None,
+    links: dict | None = None,
+    link_class: str | None = None,
+    *,
+    calibration=None,
+    overlap: bool = True,
+    compute: str | None | bool = None,
+) -> dict:
     """The plan `smoltrain run` shows before launching and writes beside what it measured.
 
     Host names are the inventory's, or rank0..rank{N-1} when `hosts` is None (`--local N`).
@@ -283,16 +366,16 @@ def plan_for_run(strategy, model: ModelSpec, world: int, dtype: str = "fp32", ba
     elif calibration is False:
         calibration = None
     ranks = resolve_ranks(world, hosts, calibration)
-    if compute is not False:    # None: reports/compute.json when it exists (planner/compute.py)
+    if compute is not False:  # None: reports/compute.json when it exists (planner/compute.py)
         from smoltrain.planner import compute as measured
+
         ranks, _ = measured.apply(ranks, hosts[:world] if hosts else None, compute, model)
     if hosts is None and world > 1:
         ranks = share_machine(ranks, busy=busy_ranks(strategy, world, microbatches, mode))
     lm = link_model([r.name for r in ranks], hosts[:world] if hosts else None, links, link_class)
     doc = make_plan(strategy, model, world, dtype, batch, seq, microbatches, mode, ranks, lm, overlap)
     if hosts is None and world > 1:
-        doc["notes"].append(f"--local: the {world} ranks share this machine's {os.cpu_count()} cores "
-                            f"and its memory")
+        doc["notes"].append(f"--local: the {world} ranks share this machine's {os.cpu_count()} cores and its memory")
     return doc
 
 
@@ -313,11 +396,24 @@ def share_machine(ranks: list[Rank], cores: int | None = None, busy: int | None 
 
     n = len(ranks)
     f = min(1.0, (cores or os.cpu_count() or 1) / (busy or n))
-    return [Rank(r.name, replace(r.device, flops_fp32=r.device.flops_fp32 * f, flops_fp16=r.device.flops_fp16 * f,
-                                 mem_bw=r.device.mem_bw * f), r.memory_bytes / n, r.fixed_s / f, r.measured,
-                 dict(r.comm_cpu, message_s=r.comm_cpu["message_s"] / f, bytes_s=r.comm_cpu["bytes_s"] * f)
-                 if r.comm_cpu else None)
-            for r in ranks]
+    return [
+        Rank(
+            r.name,
+            replace(
+                r.device,
+                flops_fp32=r.device.flops_fp32 * f,
+                flops_fp16=r.device.flops_fp16 * f,
+                mem_bw=r.device.mem_bw * f,
+            ),
+            r.memory_bytes / n,
+            r.fixed_s / f,
+            r.measured,
+            dict(r.comm_cpu, message_s=r.comm_cpu["message_s"] / f, bytes_s=r.comm_cpu["bytes_s"] * f)
+            if r.comm_cpu
+            else None,
+        )
+        for r in ranks
+    ]
 
 
 WHAT_IF_CLASSES = ("1gbe", "2.5gbe", "10gbe", "tb4", "25gbe", "tb5", "100gbe", "200gbe")  # by goodput
@@ -329,10 +425,17 @@ def what_if(strategy: str, model: ModelSpec, world: int, ranks: list[Rank], **kw
     rows = []
     for name in WHAT_IF_CLASSES:
         d = make_plan(strategy, model, world, ranks=ranks, lm=from_class(name), single=False, **kw)
-        rows.append({"link_class": name, "goodput_mbit": LINK_CLASSES[name].goodput_mbit,
-                     "rtt_us": LINK_CLASSES[name].rtt_us, "step_s": d["step_s"],
-                     "comm_s_per_step": d["comm_s_per_step"], "tokens_per_s": d["tokens_per_s"],
-                     "bottleneck": d["bottleneck"]})
+        rows.append(
+            {
+                "link_class": name,
+                "goodput_mbit": LINK_CLASSES[name].goodput_mbit,
+                "rtt_us": LINK_CLASSES[name].rtt_us,
+                "step_s": d["step_s"],
+                "comm_s_per_step": d["comm_s_per_step"],
+                "tokens_per_s": d["tokens_per_s"],
+                "bottleneck": d["bottleneck"],
+            }
+        )
     return rows
 
 
@@ -352,12 +455,12 @@ def what_if_sentence(plan: dict, rows: list[dict]) -> str:
     s, per_tok = plan["strategy"], human_bytes(plan["bytes_per_token"])
     yours = describe_links(plan["link_source"])
     if plan["bottleneck"] not in COMM_BOUND:
-        return (f"{s} over {yours} sends {per_tok} per token; the link is not the bottleneck "
-                f"({plan['bottleneck']} is)")
+        return f"{s} over {yours} sends {per_tok} per token; the link is not the bottleneck ({plan['bottleneck']} is)"
     ok = next((r for r in rows if r["bottleneck"] not in COMM_BOUND), None)
     if ok is None:
         last = rows[-1]
-        return (f"{s} sends {per_tok} per token and stays {last['bottleneck']}-bound even on "
-                f"{last['link_class']}; pick a strategy that sends less")
-    return (f"{s} needs {ok['link_class']} here (over {yours} it is {plan['bottleneck']}-bound, "
-            f"{per_tok} per token)")
+        return (
+            f"{s} sends {per_tok} per token and stays {last['bottleneck']}-bound even on "
+            f"{last['link_class']}; pick a strategy that sends less"
+        )
+    return f"{s} needs {ok['link_class']} here (over {yours} it is {plan['bottleneck']}-bound, {per_tok} per token)"

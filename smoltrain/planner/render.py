@@ -1,11 +1,11 @@
 """How plans look: a rich summary in words, the what-if table, the ranking, and a chart."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 from rich.console import Console
 from rich.table import Table
-from smolnet.files import save_figure_atomic
 
+from smolnet.files import save_figure_atomic
 from smoltrain.planner.plan import human_bytes, human_s
 
 
@@ -17,8 +17,10 @@ def summary(con: Console, plan: dict) -> None:
     m = plan["model"]
     n = m["params"]
     count = f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
-    head = (f"[bold]{plan['strategy']}[/] · {plan['mode']} · {m['name']} ({count} params, "
-            f"{m['layers']} layers, hidden {m['hidden']}) · world {plan['world_size']} · {plan['dtype']}")
+    head = (
+        f"[bold]{plan['strategy']}[/] · {plan['mode']} · {m['name']} ({count} params, "
+        f"{m['layers']} layers, hidden {m['hidden']}) · world {plan['world_size']} · {plan['dtype']}"
+    )
     if plan["mode"] == "train":
         head += f" · batch {plan['batch']} x seq {plan['seq']}"
         if plan["microbatches"] > 1:
@@ -27,15 +29,19 @@ def summary(con: Console, plan: dict) -> None:
         head += f" · decode at context {plan['seq']}"
     con.print(head)
     unit = "step" if plan["mode"] == "train" else "generated token"
-    con.print(f"  bytes per token  {human_bytes(plan['bytes_per_token'])} (busiest rank); "
-              f"per {unit} {human_bytes(plan['bytes_per_step'])}, all links {human_bytes(plan['total_bytes_per_step'])}")
+    con.print(
+        f"  bytes per token  {human_bytes(plan['bytes_per_token'])} (busiest rank); "
+        f"per {unit} {human_bytes(plan['bytes_per_step'])}, all links {human_bytes(plan['total_bytes_per_step'])}"
+    )
     if plan["step_s"] is None:
         con.print("  step             cannot run: a link it needs is down")
     else:
         extra = f", pipeline bubble {plan['bubble_fraction']:.0%}" if plan["bubble_fraction"] else ""
-        con.print(f"  per {unit:<12} {human_s(plan['step_s'])} = compute {human_s(plan['compute_s_per_step'])}"
-                  f" + communication {human_s(plan['comm_s_per_step'])}{extra} -> "
-                  f"{plan['tokens_per_s']:,.1f} tokens/s")
+        con.print(
+            f"  per {unit:<12} {human_s(plan['step_s'])} = compute {human_s(plan['compute_s_per_step'])}"
+            f" + communication {human_s(plan['comm_s_per_step'])}{extra} -> "
+            f"{plan['tokens_per_s']:,.1f} tokens/s"
+        )
     color = {"capacity": "red", "link": "yellow", "latency": "yellow"}.get(plan["bottleneck"], "green")
     con.print(f"  bottleneck       [{color}]{plan['bottleneck']}[/]: {plan['bottleneck_where']}")
 
@@ -48,22 +54,34 @@ def links_table(con: Console, plan: dict) -> None:
     for c in ("src", "dst", "bytes/step", "messages", "busy", "goodput Mbit/s", "RTT us"):
         t.add_column(c, justify="right" if c not in ("src", "dst") else "left")
     for ln in plan["links"]:
-        t.add_row(ln["src"], ln["dst"], human_bytes(ln["bytes_per_step"]), str(ln["messages_per_step"]),
-                  _s(ln["seconds_per_step"]), f"{ln['rate_mbit']:.0f}", f"{ln['rtt_us']:.0f}")
+        t.add_row(
+            ln["src"],
+            ln["dst"],
+            human_bytes(ln["bytes_per_step"]),
+            str(ln["messages_per_step"]),
+            _s(ln["seconds_per_step"]),
+            f"{ln['rate_mbit']:.0f}",
+            f"{ln['rtt_us']:.0f}",
+        )
     con.print(t)
 
 
 def memory_table(con: Console, plan: dict) -> None:
     t = Table(title="memory per rank", title_justify="left")
-    for c in ("rank", "host", "device", "weights+grads+optimizer", "activations", "KV cache", "total / usable",
-              "fits"):
+    for c in ("rank", "host", "device", "weights+grads+optimizer", "activations", "KV cache", "total / usable", "fits"):
         t.add_column(c)
     for r in plan["ranks"]:
         mm = r["memory"]
-        t.add_row(str(r["rank"]), r["name"], r["device"],
-                  human_bytes(mm["weights"] + mm["grads"] + mm["optimizer"]), human_bytes(mm["activations"]),
-                  human_bytes(mm["kv_cache"]), f"{human_bytes(mm['total'])} / {human_bytes(r['memory_available'])}",
-                  "yes" if r["fits"] else "[red]no[/]")
+        t.add_row(
+            str(r["rank"]),
+            r["name"],
+            r["device"],
+            human_bytes(mm["weights"] + mm["grads"] + mm["optimizer"]),
+            human_bytes(mm["activations"]),
+            human_bytes(mm["kv_cache"]),
+            f"{human_bytes(mm['total'])} / {human_bytes(r['memory_available'])}",
+            "yes" if r["fits"] else "[red]no[/]",
+        )
     con.print(t)
 
 
@@ -72,8 +90,15 @@ def what_if_table(con: Console, rows: list[dict], sentence: str) -> None:
     for c in ("link class", "goodput Mbit/s", "RTT us", "step", "communication", "tokens/s", "bottleneck"):
         t.add_column(c)
     for r in rows:
-        t.add_row(r["link_class"], f"{r['goodput_mbit']:,.0f}", f"{r['rtt_us']:.0f}", _s(r["step_s"]),
-                  _s(r["comm_s_per_step"]), f"{r['tokens_per_s']:,.1f}", r["bottleneck"])
+        t.add_row(
+            r["link_class"],
+            f"{r['goodput_mbit']:,.0f}",
+            f"{r['rtt_us']:.0f}",
+            _s(r["step_s"]),
+            _s(r["comm_s_per_step"]),
+            f"{r['tokens_per_s']:,.1f}",
+            r["bottleneck"],
+        )
     con.print(t)
     con.print(f"  {sentence}")
 
@@ -89,9 +114,16 @@ def ranking_table(con: Console, plans: list[dict], skipped: list[dict]) -> None:
         t.add_column(c)
     ranked = rank_plans(plans)
     for i, p in enumerate(ranked, 1):
-        t.add_row(str(i), p["strategy"], human_bytes(p["bytes_per_token"]), _s(p["step_s"]),
-                  _s(p["compute_s_per_step"]), _s(p["comm_s_per_step"]), f"{p['tokens_per_s']:,.1f}",
-                  p["bottleneck"])
+        t.add_row(
+            str(i),
+            p["strategy"],
+            human_bytes(p["bytes_per_token"]),
+            _s(p["step_s"]),
+            _s(p["compute_s_per_step"]),
+            _s(p["comm_s_per_step"]),
+            f"{p['tokens_per_s']:,.1f}",
+            p["bottleneck"],
+        )
     con.print(t)
     for i, p in enumerate(ranked, 1):
         con.print(f"  {i}. {p['strategy']}: {p['bottleneck']}: {p['bottleneck_where']}")
@@ -102,6 +134,7 @@ def ranking_table(con: Console, plans: list[dict], skipped: list[dict]) -> None:
 def chart(plans: list[dict], path: str) -> None:
     """Bytes per token per strategy (log scale) and the step split into compute and communication."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

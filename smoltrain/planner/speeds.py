@@ -8,6 +8,7 @@ device profiles (`planner/devices.py`) with the same 6P rule, and say so (`sourc
 
 Torch-free; placement sees only `host_speeds`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,10 +20,10 @@ from smoltrain.models.spec import ModelSpec
 @dataclass(frozen=True)
 class HostSpeed:
     name: str
-    s_per_token: float       # training seconds per token of the whole model (forward, backward, update)
-    memory_bytes: float      # memory a training process may use there
-    fixed_s: float = 0.0     # per-step cost that does not grow with the batch
-    machine_id: str = ""     # ranks with the same machine share its cores
+    s_per_token: float  # training seconds per token of the whole model (forward, backward, update)
+    memory_bytes: float  # memory a training process may use there
+    fixed_s: float = 0.0  # per-step cost that does not grow with the batch
+    machine_id: str = ""  # ranks with the same machine share its cores
     source: str = "nominal"  # measured (compute report) or nominal (device profile)
 
     @property
@@ -30,9 +31,15 @@ class HostSpeed:
         return 1.0 / self.s_per_token if self.s_per_token > 0 else 0.0
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "s_per_token": self.s_per_token, "tokens_per_s": self.tokens_per_s,
-                "fixed_s": self.fixed_s, "memory_bytes": self.memory_bytes, "machine_id": self.machine_id,
-                "source": self.source}
+        return {
+            "name": self.name,
+            "s_per_token": self.s_per_token,
+            "tokens_per_s": self.tokens_per_s,
+            "fixed_s": self.fixed_s,
+            "memory_bytes": self.memory_bytes,
+            "machine_id": self.machine_id,
+            "source": self.source,
+        }
 
 
 def _host_name(h) -> str:

@@ -7,6 +7,7 @@ ingress goodput); so the slowest link rules a ring and the server NIC rules a st
 Overlap: gradient buckets (1 MB in smoltrain's dp; DDP uses 25 MB) hide behind the backward
 pass, except the last bucket. Pipelines: GPipe schedule, bubble (p-1)/(m+p-1).
 """
+
 from __future__ import annotations
 
 import math
@@ -18,22 +19,23 @@ from smoltrain.planner.traffic import Phase, Traffic
 
 @dataclass
 class PhaseCost:
-    seconds: float          # per step, all rounds
-    alpha_s: float          # of which latency
-    limiter: str            # "link a -> b" or "host a egress" ...
+    seconds: float  # per step, all rounds
+    alpha_s: float  # of which latency
+    limiter: str  # "link a -> b" or "host a egress" ...
 
 
 def phase_cost(ph: Phase, names: list[str], lm: LinkModel) -> PhaseCost:
     best, best_alpha, limiter = 0.0, 0.0, ""
     out_b: dict[int, float] = {}
     in_b: dict[int, float] = {}
-    if ph.serial:   # hops one after another: the round costs their sum
+    if ph.serial:  # hops one after another: the round costs their sum
         secs = []
         for t in ph.transfers:
             ln = lm.get(names[t.src], names[t.dst])
             secs.append((t.msgs * ln.alpha_s, t.msgs * ln.alpha_s + (t.nbytes / ln.bytes_per_s if ln.up else math.inf)))
-        return PhaseCost(sum(s for _, s in secs) * ph.repeat, sum(a for a, _ in secs) * ph.repeat,
-                         f"{len(secs)} hops in series")
+        return PhaseCost(
+            sum(s for _, s in secs) * ph.repeat, sum(a for a, _ in secs) * ph.repeat, f"{len(secs)} hops in series"
+        )
     for t in ph.transfers:
         ln = lm.get(names[t.src], names[t.dst])
         alpha = t.msgs * ln.alpha_s
@@ -43,8 +45,7 @@ def phase_cost(ph: Phase, names: list[str], lm: LinkModel) -> PhaseCost:
         out_b[t.src] = out_b.get(t.src, 0.0) + t.nbytes
         in_b[t.dst] = in_b.get(t.dst, 0.0) + t.nbytes
     peers = list(names)
-    for (table, rate_of, word) in ((out_b, lm.egress_bytes_per_s, "uplink"),
-                                   (in_b, lm.ingress_bytes_per_s, "downlink")):
+    for table, rate_of, word in ((out_b, lm.egress_bytes_per_s, "uplink"), (in_b, lm.ingress_bytes_per_s, "downlink")):
         for r, b in table.items():
             if sum(1 for t in ph.transfers if (t.src if word == "uplink" else t.dst) == r) < 2:
                 continue
@@ -100,8 +101,7 @@ def link_seconds(tr: Traffic, names: list[str], lm: LinkModel) -> dict[tuple[int
     return out
 
 
-def pipeline(stage_s: list[float], hop_f: list[float], hop_b: list[float], m: int,
-             train: bool) -> tuple[float, float]:
+def pipeline(stage_s: list[float], hop_f: list[float], hop_b: list[float], m: int, train: bool) -> tuple[float, float]:
     """GPipe step: returns (compute seconds on the critical path, communication seconds).
 
     Forward: the first microbatch crosses every stage and hop; the other m-1 follow one slot

@@ -10,40 +10,42 @@ a star around rank 0 for syncps and edp (rank 0 is the server and also a worker,
 exchanges with ranks 1..N-1); stage boundaries r -> r+1 for pp and mp (gradients r+1 -> r);
 all pairs for ep.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
 from smolnet.errors import UsageError
-from smoltrain.models.spec import ModelSpec
 from smoltrain import registry
+from smoltrain.models.spec import ModelSpec
 
 STRATEGIES = registry.names()
 MODES = ("train", "infer")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-BUCKET_BYTES = 1e6      # smoltrain's dp bucket size (bucket_mb=1.0)
-TOKEN_ID_BYTES = 8      # the sampled token id returns to stage 0 as one int64
-LSE_BYTES = 4           # ring-attention decode carries one fp32 log-sum-exp per head
+BUCKET_BYTES = 1e6  # smoltrain's dp bucket size (bucket_mb=1.0)
+TOKEN_ID_BYTES = 8  # the sampled token id returns to stage 0 as one int64
+LSE_BYTES = 4  # ring-attention decode carries one fp32 log-sum-exp per head
 
 
 @dataclass
 class Transfer:
     src: int
     dst: int
-    nbytes: float       # per repetition
-    msgs: int = 1       # messages per repetition (latency is paid per message)
+    nbytes: float  # per repetition
+    msgs: int = 1  # messages per repetition (latency is paid per message)
 
 
 @dataclass
 class Phase:
     """Transfers that run concurrently; `repeat` serial rounds of them per step."""
+
     what: str
     transfers: list[Transfer]
     repeat: int = 1
-    overlap_backward: bool = False   # dp buckets may hide behind the backward pass
-    buckets: int = 1                 # gradient buckets the rounds are grouped in
-    serial: bool = False             # each transfer waits for the one before (a decode ring)
+    overlap_backward: bool = False  # dp buckets may hide behind the backward pass
+    buckets: int = 1  # gradient buckets the rounds are grouped in
+    serial: bool = False  # each transfer waits for the one before (a decode ring)
 
 
 @dataclass
@@ -140,8 +142,7 @@ def gather_or_scatter(world: int, nbytes: float, what: str) -> list[Phase]:
     return [_ring(world, nbytes / world, world - 1, what)]
 
 
-def validate(strategy: str, mode: str, model: ModelSpec, world: int, batch: int, seq: int,
-             microbatches: int) -> None:
+def validate(strategy: str, mode: str, model: ModelSpec, world: int, batch: int, seq: int, microbatches: int) -> None:
     if strategy not in STRATEGIES:
         raise UsageError(f"unknown strategy {strategy!r} (one of {', '.join(STRATEGIES)}, or all)")
     if mode not in MODES:
@@ -150,18 +151,21 @@ def validate(strategy: str, mode: str, model: ModelSpec, world: int, batch: int,
         if not isinstance(v, int) or v < 1:
             raise UsageError(f"{what} must be a positive integer, got {v!r}")
     if strategy in ("pp", "mp") and world > model.layers:
-        raise UsageError(f"{strategy} over {world} ranks needs at least {world} layers; "
-                         f"{model.name} has {model.layers}")
+        raise UsageError(
+            f"{strategy} over {world} ranks needs at least {world} layers; {model.name} has {model.layers}"
+        )
     if strategy == "tp" and world > model.kv_heads:  # uneven splits are the placement's (planner.placement)
-        raise UsageError(f"tp over {world} ranks needs at least one KV head group per rank; "
-                         f"{model.name} has {model.heads} heads in {model.kv_heads} groups")
+        raise UsageError(
+            f"tp over {world} ranks needs at least one KV head group per rank; "
+            f"{model.name} has {model.heads} heads in {model.kv_heads} groups"
+        )
     if strategy == "ep":
         if model.experts < 2:
-            raise UsageError(f"ep needs a mixture-of-experts model; {model.name} is dense "
-                             f"(try --model mixtral-8x7b)")
+            raise UsageError(f"ep needs a mixture-of-experts model; {model.name} is dense (try --model mixtral-8x7b)")
         if model.experts % world:
-            raise UsageError(f"ep over {world} ranks needs experts divisible by the world; "
-                             f"{model.name} has {model.experts}")
+            raise UsageError(
+                f"ep over {world} ranks needs experts divisible by the world; {model.name} has {model.experts}"
+            )
     if strategy == "sp" and seq % world:
         raise UsageError(f"sp over {world} ranks needs seq divisible by the world, got seq {seq}")
     if mode == "train" and strategy == "pp" and microbatches > batch:
@@ -170,8 +174,16 @@ def validate(strategy: str, mode: str, model: ModelSpec, world: int, batch: int,
         raise UsageError(f"seq {seq} is longer than {model.name}'s context ({model.ctx})")
 
 
-def traffic(strategy: str, mode: str, model: ModelSpec, world: int, dtype: str = "fp32",
-            batch: int = 8, seq: int = 64, microbatches: int = 1) -> Traffic:
+def traffic(
+    strategy: str,
+    mode: str,
+    model: ModelSpec,
+    world: int,
+    dtype: str = "fp32",
+    batch: int = 8,
+    seq: int = 64,
+    microbatches: int = 1,
+) -> Traffic:
     """Every byte the strategy sends per step (train) or per generated token (infer)."""
     validate(strategy, mode, model, world, batch, seq, microbatches)
     a = dtype_bytes(dtype)
@@ -184,21 +196,27 @@ def traffic(strategy: str, mode: str, model: ModelSpec, world: int, dtype: str =
         elif strategy == "fsdp":
             units = fsdp_units(model)
             pad = sum(padded(u, N) for u in units)
-            for what in ("all-gather parameters (forward)", "all-gather parameters (backward)",
-                         "reduce-scatter gradients"):
+            for what in (
+                "all-gather parameters (forward)",
+                "all-gather parameters (backward)",
+                "reduce-scatter gradients",
+            ):
                 for u in units:
                     ph += gather_or_scatter(N, padded(u, N) * a, what)
             if pad != P:
-                tr.notes.append(f"each unit's flat buffer is padded to a multiple of {N}: "
-                                f"{pad} elements instead of {P}")
+                tr.notes.append(
+                    f"each unit's flat buffer is padded to a multiple of {N}: {pad} elements instead of {P}"
+                )
         elif strategy in ("syncps", "edp"):
             if N > 1:
                 ph.append(Phase("workers push gradients", [Transfer(r, 0, P * a) for r in range(1, N)]))
                 ph.append(Phase("server returns parameters", [Transfer(0, r, P * a) for r in range(1, N)]))
             tr.notes.append("rank 0 is the parameter server and also a worker; it exchanges with ranks 1..N-1")
             if strategy == "edp":
-                tr.notes.append("edp: bytes per step as syncps; workers do not wait for each other, and a "
-                                "joiner also pulls the parameters and optimizer state (~3x params) once")
+                tr.notes.append(
+                    "edp: bytes per step as syncps; workers do not wait for each other, and a "
+                    "joiner also pulls the parameters and optimizer state (~3x params) once"
+                )
         elif strategy in ("mp", "pp"):
             m = 1 if strategy == "mp" else microbatches
             mb = batch * seq * h * a / m
@@ -209,15 +227,27 @@ def traffic(strategy: str, mode: str, model: ModelSpec, world: int, dtype: str =
                 ph.append(Phase("activation gradients backward", bwd, m))
             if model.tied_embeddings and N > 1:
                 E = model.vocab * h * a
-                ph.append(Phase("tied embedding gradient sync (first <-> last stage)",
-                                [Transfer(0, N - 1, E), Transfer(N - 1, 0, E)]))
-                tr.notes.append("tied embeddings: the first and last stages both hold the embedding "
-                                "and all-reduce its gradient once per step")
+                ph.append(
+                    Phase(
+                        "tied embedding gradient sync (first <-> last stage)",
+                        [Transfer(0, N - 1, E), Transfer(N - 1, 0, E)],
+                    )
+                )
+                tr.notes.append(
+                    "tied embeddings: the first and last stages both hold the embedding "
+                    "and all-reduce its gradient once per step"
+                )
         elif strategy == "tp":
             # Megatron: 2 all-reduces of b*s*h forward per layer and 2 backward, per microbatch.
             if N > 1:
-                ph.append(_ring(N, batch * seq * h * a / microbatches / N,
-                                4 * L * microbatches * 2 * (N - 1), "all-reduce activations (2 fwd + 2 bwd per layer)"))
+                ph.append(
+                    _ring(
+                        N,
+                        batch * seq * h * a / microbatches / N,
+                        4 * L * microbatches * 2 * (N - 1),
+                        "all-reduce activations (2 fwd + 2 bwd per layer)",
+                    )
+                )
             tr.notes.append("embeddings and LM head replicated: nothing else crosses the links")
         elif strategy == "ep":
             dense = P - expert_params(model)
@@ -252,13 +282,20 @@ def traffic(strategy: str, mode: str, model: ModelSpec, world: int, dtype: str =
                 ph.append(Phase("dispatch token to experts", [Transfer(0, j, share) for j in range(1, N)], L))
                 ph.append(Phase("combine expert outputs", [Transfer(j, 0, share) for j in range(1, N)], L))
             tr.notes.append("ep decode: rank 0 runs attention for the sequence; experts answer it")
-        elif strategy == "sp":
+        elif strategy == "sp":  # noqa: SIM102 (one branch per strategy reads better)
             if N > 1:
-                ph.append(Phase("ring-attention decode: q and partial (out, lse) around the ring",
-                                [Transfer(r, (r + 1) % N, 2 * h * a + model.heads * LSE_BYTES)
-                                 for r in range(N)], L, serial=True))
-                tr.notes.append("sp decode: the KV cache is split by position; q and the running "
-                                "(out, lse) go once around the ring per layer")
+                ph.append(
+                    Phase(
+                        "ring-attention decode: q and partial (out, lse) around the ring",
+                        [Transfer(r, (r + 1) % N, 2 * h * a + model.heads * LSE_BYTES) for r in range(N)],
+                        L,
+                        serial=True,
+                    )
+                )
+                tr.notes.append(
+                    "sp decode: the KV cache is split by position; q and the running "
+                    "(out, lse) go once around the ring per layer"
+                )
     return tr
 
 

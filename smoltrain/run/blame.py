@@ -9,6 +9,7 @@ died without a word, and only then names the culprit:
   2. else the rank the most other ranks accuse (ties: the lower rank);
   3. else the first rank that reported an error (its own failure: a bug, a bad input, NaN).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -17,11 +18,12 @@ from dataclasses import dataclass, field
 @dataclass
 class Views:
     """What the controller has heard from each rank since the first sign of failure."""
+
     names: list[str]
-    errors: dict[str, dict] = field(default_factory=dict)   # name -> {"message", "peer"}
-    order: list[str] = field(default_factory=list)          # names in the order their errors came
+    errors: dict[str, dict] = field(default_factory=dict)  # name -> {"message", "peer"}
+    order: list[str] = field(default_factory=list)  # names in the order their errors came
     silent: dict[str, float] = field(default_factory=dict)  # name -> seconds without a heartbeat
-    died: dict[str, str] = field(default_factory=dict)      # name -> last log line
+    died: dict[str, str] = field(default_factory=dict)  # name -> last log line
 
     def error(self, who: str, message: str, peer: str | None) -> None:
         if who not in self.errors:
@@ -47,8 +49,7 @@ def culprit(views: Views) -> tuple[str, str]:
     silent = [n for n in views.names if n in views.silent]
     if silent:
         who = silent[0]
-        return who, (f"no heartbeat for {views.silent[who]:.1f}s: the process is stopped or its host "
-                     "is cut off")
+        return who, (f"no heartbeat for {views.silent[who]:.1f}s: the process is stopped or its host is cut off")
     accused: dict[str, list[str]] = {}
     for who, e in views.errors.items():
         if e.get("peer") and e["peer"] != who:

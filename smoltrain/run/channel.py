@@ -8,6 +8,7 @@ small JSON messages: per-step stats, events, log lines, checkpoint notices, and
 finally its measured link bytes (`done`) or an `error`. Control traffic is not
 training traffic: none of it is counted in the run report's bytes.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -43,8 +44,9 @@ class ControlServer:
     `silent()` names every worker whose heartbeats stopped. The controller beats back, so a
     worker cut off from it notices too."""
 
-    def __init__(self, bind: str, secret: bytes, config_for, port: int = 0, corpus: bytes = b"",
-                 heartbeat_s: float = 1.0):
+    def __init__(
+        self, bind: str, secret: bytes, config_for, port: int = 0, corpus: bytes = b"", heartbeat_s: float = 1.0
+    ):
         self.secret, self.config_for, self.corpus = secret, config_for, corpus
         self.heartbeat_s = heartbeat_s
         self.messages: queue.Queue = queue.Queue()
@@ -65,9 +67,20 @@ class ControlServer:
             who = name
             peer = _Peer(sock, ses)
             with peer.lock:
-                wire.send_frame(sock, MSG, {"type": "config", "config": cfg.to_wire(), "rank": rank, "name": name,
-                                            "corpus_sha256": hashlib.sha256(self.corpus).hexdigest()},
-                                payload=self.corpus, timeout=60.0, session=ses)
+                wire.send_frame(
+                    sock,
+                    MSG,
+                    {
+                        "type": "config",
+                        "config": cfg.to_wire(),
+                        "rank": rank,
+                        "name": name,
+                        "corpus_sha256": hashlib.sha256(self.corpus).hexdigest(),
+                    },
+                    payload=self.corpus,
+                    timeout=60.0,
+                    session=ses,
+                )
             peer.seen = time.monotonic()
             self.peers[who] = peer
             self.messages.put((who, {"type": "connected", "hello": hello}))
@@ -94,8 +107,9 @@ class ControlServer:
             for peer in list(self.peers.values()):
                 if peer.lock.acquire(blocking=False):  # never queue behind a stuck send
                     try:
-                        wire.send_frame(peer.sock, MSG, {"type": "heartbeat"}, timeout=self.heartbeat_s,
-                                        session=peer.session)
+                        wire.send_frame(
+                            peer.sock, MSG, {"type": "heartbeat"}, timeout=self.heartbeat_s, session=peer.session
+                        )
                     except (OSError, TimeoutError, wire.WireError):
                         pass
                     finally:
@@ -104,8 +118,11 @@ class ControlServer:
     def silent(self, names=None) -> dict[str, float]:
         """Connected workers whose last authenticated frame is older than dead_after: seconds."""
         now, limit = time.monotonic(), dead_after(self.heartbeat_s)
-        return {who: now - p.seen for who, p in list(self.peers.items())
-                if (names is None or who in names) and now - p.seen > limit}
+        return {
+            who: now - p.seen
+            for who, p in list(self.peers.items())
+            if (names is None or who in names) and now - p.seen > limit
+        }
 
     def close(self) -> None:
         self.closing = True
@@ -129,8 +146,7 @@ class ControlClient:
         self.lock = threading.Lock()
         self.finished = False
         wire.send_frame(self.sock, MSG, dict(hello, type="hello"), timeout=10.0, session=self.session)
-        kind, msg, self.corpus = wire.recv_frame(self.sock, timeout=60.0, max_payload=MAX_CORPUS,
-                                                 session=self.session)
+        kind, msg, self.corpus = wire.recv_frame(self.sock, timeout=60.0, max_payload=MAX_CORPUS, session=self.session)
         if kind != MSG or msg.get("type") != "config":
             raise wire.WireError("controller did not send a config")
         if msg.get("corpus_sha256") != hashlib.sha256(self.corpus).hexdigest():  # the header MAC covers this
@@ -161,8 +177,9 @@ class ControlClient:
             time.sleep(self.heartbeat_s)
             if self.lock.acquire(blocking=False):
                 try:
-                    wire.send_frame(self.sock, MSG, {"type": "heartbeat"}, timeout=self.heartbeat_s,
-                                    session=self.session)
+                    wire.send_frame(
+                        self.sock, MSG, {"type": "heartbeat"}, timeout=self.heartbeat_s, session=self.session
+                    )
                 except (OSError, TimeoutError, wire.WireError):
                     pass
                 finally:

@@ -10,6 +10,7 @@ another lr must not silently continue the older run), and falls back past a dama
 the previous complete step. Parts, marker and folder are fsynced before the marker counts;
 temp files of a crash are removed; only the newest `keep` complete steps are kept.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -81,13 +82,31 @@ def load_part(root: str | os.PathLike, step: int, part: str) -> dict:
 
 def identity(cfg) -> dict:
     """What a checkpoint must share with the run that resumes it (a RunConfig)."""
-    trajectory = {"strategy": cfg.strategy, "world_size": cfg.world_size, "model": cfg.model.to_dict(),
-                  "seed": cfg.seed, "batch": cfg.batch, "seq": cfg.seq, "lr": cfg.lr,
-                  "data": cfg.data_digest, "microbatches": cfg.microbatches, "schedule": cfg.schedule,
-                  "shares": list(cfg.shares) if cfg.shares else None}
+    trajectory = {
+        "strategy": cfg.strategy,
+        "world_size": cfg.world_size,
+        "model": cfg.model.to_dict(),
+        "seed": cfg.seed,
+        "batch": cfg.batch,
+        "seq": cfg.seq,
+        "lr": cfg.lr,
+        "data": cfg.data_digest,
+        "microbatches": cfg.microbatches,
+        "schedule": cfg.schedule,
+        "shares": list(cfg.shares) if cfg.shares else None,
+    }
     run = hashlib.sha256(json.dumps(trajectory, sort_keys=True).encode()).hexdigest()[:16]
-    return {"strategy": cfg.strategy, "world_size": cfg.world_size, "model": cfg.model.name, "seed": cfg.seed,
-            "batch": cfg.batch, "seq": cfg.seq, "lr": cfg.lr, "data": cfg.data_digest, "run": run}
+    return {
+        "strategy": cfg.strategy,
+        "world_size": cfg.world_size,
+        "model": cfg.model.name,
+        "seed": cfg.seed,
+        "batch": cfg.batch,
+        "seq": cfg.seq,
+        "lr": cfg.lr,
+        "data": cfg.data_digest,
+        "run": run,
+    }
 
 
 def mark_complete(root: str | os.PathLike, step: int, meta: dict) -> None:
@@ -167,8 +186,10 @@ def latest(root: str | os.PathLike, expect: dict, parts: list[str] | None = None
             continue
         diff = _foreign(meta, expect)
         if diff:
-            raise SmolError(f"checkpoint {d} belongs to another run ({'; '.join(diff[:3])}): "
-                            "resume with the same options or use a fresh --checkpoint-dir")
+            raise SmolError(
+                f"checkpoint {d} belongs to another run ({'; '.join(diff[:3])}): "
+                "resume with the same options or use a fresh --checkpoint-dir"
+            )
         try:
             # parts on this machine must read back (other hosts keep theirs)
             for part in [p for p in parts or [] if (d / f"{p}.safetensors").exists()]:

@@ -5,6 +5,7 @@ field's presence and type, so a controller and a worker of different versions
 fail on the first message with the field's name instead of deep inside a step.
 Runtime things (the secret, callbacks, tensors) are never part of it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,12 +28,12 @@ class RunConfig:
     backend: str
     model: ModelSpec
     steps: int
-    batch: int                       # global batch, in sequences
+    batch: int  # global batch, in sequences
     seq: int
     lr: float
     seed: int
-    names: tuple[str, ...]           # host name of each rank
-    devices: tuple[str, ...]         # torch device of each rank
+    names: tuple[str, ...]  # host name of each rank
+    devices: tuple[str, ...]  # torch device of each rank
     data: str | None = None
     data_cap: int = 2 << 20
     data_bytes: int = 0
@@ -43,17 +44,17 @@ class RunConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     start_step: int = 0
-    barrier_timeout: float = 30.0    # syncps/edp: drop a worker this late
-    timeout: float = 60.0            # a silent peer
-    pace: float = 0.0                # make each step last at least this long (demos)
-    coord_addr: str = "127.0.0.1"    # rank 0: rendezvous and parameter server
+    barrier_timeout: float = 30.0  # syncps/edp: drop a worker this late
+    timeout: float = 60.0  # a silent peer
+    pace: float = 0.0  # make each step last at least this long (demos)
+    coord_addr: str = "127.0.0.1"  # rank 0: rendezvous and parameter server
     port: int = 0
-    addrs: tuple[str, ...] = ()      # address of each rank for the rank mesh
+    addrs: tuple[str, ...] = ()  # address of each rank for the rank mesh
     control_port: int = 0
-    heartbeat_s: float = 1.0         # controller <-> workers; silent for 5 beats = stopped or cut off
-    keep_checkpoints: int = 3        # newest complete checkpoints kept
-    integrity: str = "header"        # frames after the handshake: MAC over "header" or "full" frame
-    placement: dict | None = None    # planner.placement document: who gets which share, layers or heads
+    heartbeat_s: float = 1.0  # controller <-> workers; silent for 5 beats = stopped or cut off
+    keep_checkpoints: int = 3  # newest complete checkpoints kept
+    integrity: str = "header"  # frames after the handshake: MAC over "header" or "full" frame
+    placement: dict | None = None  # planner.placement document: who gets which share, layers or heads
 
     @property
     def world_size(self) -> int:

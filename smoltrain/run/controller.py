@@ -7,10 +7,12 @@ channel; the controller shows progress and writes the run report from what the
 workers measured. A worker that fails stops the run with its one-line reason
 (except in edp/syncps, where a worker may leave and the run goes on).
 """
+
 from __future__ import annotations
 
 import math
 import os
+import queue
 import socket
 import subprocess
 import sys
@@ -20,7 +22,6 @@ from pathlib import Path
 
 from smolnet.errors import SmolError, UsageError
 from smolnet.files import write_json_atomic
-
 from smoltrain import registry
 from smoltrain.run import blame, checkpoint
 from smoltrain.run.channel import ControlServer
@@ -47,8 +48,16 @@ def route_source(addr: str) -> str:
 
 
 class Controller:
-    def __init__(self, cfg: RunConfig, placements: list[Placement], secret: bytes, console, log_dir: str,
-                 external: bool = False, corpus: bytes = b""):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        placements: list[Placement],
+        secret: bytes,
+        console,
+        log_dir: str,
+        external: bool = False,
+        corpus: bytes = b"",
+    ):
         self.cfg, self.placements, self.secret, self.console = cfg, placements, secret, console
         self.corpus = corpus
         self.log_dir, self.external = log_dir, external
@@ -57,11 +66,11 @@ class Controller:
         self.strategy = cfg.strategy
         self.info = registry.get(cfg.strategy)
         self.joined = 0
-        self.procs: dict[str, object] = {}    # name -> Popen (local) or (Remote, Proc)
+        self.procs: dict[str, object] = {}  # name -> Popen (local) or (Remote, Proc)
         self.connected: dict[str, dict] = {}  # name -> hello
         self.finished: set[str] = set()
         self.closed: set[str] = set()
-        self.left: set[str] = set()             # dropped by the parameter server (syncps/edp)
+        self.left: set[str] = set()  # dropped by the parameter server (syncps/edp)
         self.steps: dict[int, dict] = {}
         self.events: list[dict] = []
         self.links: dict[tuple[str, str], int] = {}
@@ -94,18 +103,21 @@ class Controller:
         for r, p in enumerate(self.placements):
             argv = ["-m", "smoltrain", "worker", "--control", f"{control_addr}:{port}", "--rank", str(r)]
             if p.host is None or p.host.local:
-                log = open(os.path.join(self.log_dir, f"{p.name}.log"), "wb")
+                log = open(os.path.join(self.log_dir, f"{p.name}.log"), "wb")  # noqa: SIM115 (the worker writes it)
                 python = sys.executable if p.host is None else p.host.python
-                proc = subprocess.Popen([python, *argv], stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+                proc = subprocess.Popen(
+                    [python, *argv], stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
                 proc.stdin.write(self.secret + b"\n")
                 proc.stdin.close()
                 self.procs[p.name] = proc
             else:
                 from smolnet.remote import connect
+
                 remote = connect(p.host)
-                proc = remote.start([p.host.python, *argv], stdin=self.secret + b"\n",
-                                    log=f"/tmp/smoltrain-{p.name}.log")
+                proc = remote.start(
+                    [p.host.python, *argv], stdin=self.secret + b"\n", log=f"/tmp/smoltrain-{p.name}.log"
+                )
                 self.procs[p.name] = (remote, proc)
 
     def stop_workers(self) -> None:
@@ -151,7 +163,7 @@ class Controller:
             rec = self.steps.setdefault(msg["step"], {"parts": {}, "step_s": 0.0, "comm_s": 0.0})
             rec["step_s"] = max(rec["step_s"], msg["step_s"])
             rec["comm_s"] = max(rec["comm_s"], msg["comm_s"])
-            rec.setdefault("by", {})[who] = (msg["step_s"], msg["comm_s"])   # per-rank timings (run/timings.py)
+            rec.setdefault("by", {})[who] = (msg["step_s"], msg["comm_s"])  # per-rank timings (run/timings.py)
             if msg.get("loss") is not None:
                 rec["parts"][who] = msg["loss"]
                 if not math.isfinite(msg["loss"]):
@@ -190,8 +202,11 @@ class Controller:
 
     def _show(self, progress) -> None:
         need = self.info.loss_reports(self.world)
-        while (self.shown + 1 in self.steps and len(self.steps[self.shown + 1]["parts"]) >= need
-               and self.steps[self.shown + 1]["step_s"] > 0):
+        while (
+            self.shown + 1 in self.steps
+            and len(self.steps[self.shown + 1]["parts"]) >= need
+            and self.steps[self.shown + 1]["step_s"] > 0
+        ):
             self.shown += 1
             rec = self.steps[self.shown]
             loss = sum(v for _, v in sorted(rec["parts"].items()))
@@ -205,17 +220,26 @@ class Controller:
 
     def all_done(self) -> bool:
         expected = set(self.names) | set(self.connected)
-        return all(n in self.finished or n in self.closed or n in self.left for n in expected) and set(self.names) <= set(self.connected)
+        return all(n in self.finished or n in self.closed or n in self.left for n in expected) and set(
+            self.names
+        ) <= set(self.connected)
 
     def check_processes(self) -> None:
         for name, proc in self.procs.items():
             if isinstance(proc, subprocess.Popen) and proc.poll() not in (None, 0) and name not in self.connected:
-                raise SmolError(f"{name}: worker exited with status {proc.returncode} "
-                                f"({self.log_tail(name) or 'no log'})")
+                raise SmolError(
+                    f"{name}: worker exited with status {proc.returncode} ({self.log_tail(name) or 'no log'})"
+                )
 
     def run(self, bind: str, control_addr: str, connect_timeout: float, idle_timeout: float) -> dict:
-        server = ControlServer(bind, self.secret, self.config_for, port=self.cfg.control_port,
-                               corpus=self.corpus, heartbeat_s=self.cfg.heartbeat_s)
+        server = ControlServer(
+            bind,
+            self.secret,
+            self.config_for,
+            port=self.cfg.control_port,
+            corpus=self.corpus,
+            heartbeat_s=self.cfg.heartbeat_s,
+        )
         self.console.print(f"control channel {control_addr}:{server.port}")
         started = time.monotonic()
         try:
@@ -224,8 +248,10 @@ class Controller:
             progress = None
             if self.console.is_terminal:
                 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-                progress = Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                                    console=self.console)
+
+                progress = Progress(
+                    TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=self.console
+                )
                 progress.add_task("starting", total=self.cfg.steps, completed=self.cfg.start_step)
                 progress.start()
             try:
@@ -234,16 +260,20 @@ class Controller:
                     self.check_liveness(server)
                     try:
                         who, msg = server.messages.get(timeout=0.5)
-                    except Exception:  # queue.Empty
+                    except queue.Empty:
                         self.check_processes()
                         now = time.monotonic()
                         if len(self.connected) < self.world and now - started > connect_timeout:
                             missing = [n for n in self.names if n not in self.connected]
-                            raise SmolError(f"{', '.join(missing)}: never connected within {connect_timeout:.0f}s "
-                                            f"({self.log_tail(missing[0]) or 'host unreachable?'})")
+                            raise SmolError(
+                                f"{', '.join(missing)}: never connected within {connect_timeout:.0f}s "
+                                f"({self.log_tail(missing[0]) or 'host unreachable?'})"
+                            ) from None
                         if now - last > idle_timeout:
-                            raise SmolError(f"no word from any worker for {idle_timeout:.0f}s (a stalled link? "
-                                            "check it with `smolnet matrix`)")
+                            raise SmolError(
+                                f"no word from any worker for {idle_timeout:.0f}s (a stalled link? "
+                                "check it with `smolnet matrix`)"
+                            ) from None
                         continue
                     if who is not None:  # only authenticated workers hold the clock
                         last = time.monotonic()
@@ -315,12 +345,16 @@ class Controller:
         total_s = sum(r["step_s"] for r in rows)
         order = {n: i for i, n in enumerate(self.names)}
         from smoltrain.run.timings import rank_timings
+
         for row in rows:
             by = self.steps[row["step"]].get("by", {})
-            row["ranks"] = rank_timings({order.get(n, len(order) + i): v for i, (n, v) in enumerate(sorted(by.items()))},
-                                        row["step_s"])
-        links = sorted(self.links.items(), key=lambda kv: (order.get(kv[0][0], 1 << 20), kv[0][0],
-                                                             order.get(kv[0][1], 1 << 20), kv[0][1]))
+            row["ranks"] = rank_timings(
+                {order.get(n, len(order) + i): v for i, (n, v) in enumerate(sorted(by.items()))}, row["step_s"]
+            )
+        links = sorted(
+            self.links.items(),
+            key=lambda kv: (order.get(kv[0][0], 1 << 20), kv[0][0], order.get(kv[0][1], 1 << 20), kv[0][1]),
+        )
         return {
             "schema": "smoltrain.run/1",
             "strategy": self.strategy,
@@ -343,6 +377,7 @@ def write_json(path: str | os.PathLike, doc: dict) -> None:
 
 def plot_losses(doc: dict, path: str | os.PathLike) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -381,4 +416,5 @@ def check_usage(cfg: RunConfig) -> None:
         raise UsageError(f"--shares has {len(cfg.shares)} entries for {world} ranks")
     if cfg.placement:
         from smoltrain.planner.placement import validate
+
         validate(cfg.placement, cfg.strategy, spec, cfg.batch, world)

@@ -4,6 +4,7 @@ Why: an option that is out of range, a links file that is not one, or an output 
 cannot be written used to surface as a traceback, as silent NaN training, or only after the
 whole run; and a run that failed or was interrupted left no report at all.
 """
+
 from __future__ import annotations
 
 import math
@@ -54,8 +55,7 @@ def load_links(path: str) -> dict:
         raise UsageError(f"--links {path}: expected a JSON object with a 'links' list")
     links = doc.get("links")
     if not isinstance(links, list) or not all(isinstance(x, dict) for x in links):
-        raise UsageError(f"--links {path}: 'links' must be a list of link objects, "
-                         f"got {type(links).__name__}")
+        raise UsageError(f"--links {path}: 'links' must be a list of link objects, got {type(links).__name__}")
     return doc
 
 

@@ -11,6 +11,7 @@ rank's communication time, and its idle time until the slowest rank finishes, is
     comm_s    = the least communication time of any rank this step
     wait_s    = step - compute_s - comm_s      (step: the slowest rank's step time)
 """
+
 from __future__ import annotations
 
 

@@ -5,6 +5,7 @@ cluster secret on standard input. Everything else (the run configuration) comes
 from the controller over the authenticated control channel, so nothing secret
 or long ever sits on a command line.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,10 +15,10 @@ import traceback
 
 import torch
 
-from smoltrain.run.checkpoint import load_part, save_part
-from smoltrain.run.channel import ControlClient
 from smoltrain import registry
 from smoltrain.models.data import Batches, corpus_digest
+from smoltrain.run.channel import ControlClient
+from smoltrain.run.checkpoint import load_part, save_part
 from smoltrain.run.config import RunConfig
 from smoltrain.strategies import Context, Stopwatch, TimedComm, load_strategy
 
@@ -76,8 +77,12 @@ def checkpoint_due(cfg: RunConfig, completed: int) -> bool:
 
 
 def worker_main(control_addr: str, control_port: int, secret: bytes, rank: int, join: bool) -> int:
-    client = ControlClient(control_addr, control_port, secret,
-                           {"rank": rank, "join": join, "pid": os.getpid(), "host": socket.gethostname()})
+    client = ControlClient(
+        control_addr,
+        control_port,
+        secret,
+        {"rank": rank, "join": join, "pid": os.getpid(), "host": socket.gethostname()},
+    )
     rep = Reporter(client, client.name)
     try:
         train(client.config, client.rank, client.name, secret, rep, client.corpus)
@@ -115,9 +120,21 @@ def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, co
     comm = None
     if not ps and world > 1:
         from smoltrain.comm import make_comm
-        comm = TimedComm(make_comm(cfg.backend, rank, world, cfg.coord_addr, cfg.port, secret,
-                                   timeout=cfg.timeout, device=device, addrs=list(cfg.addrs) or None,
-                                   integrity=cfg.integrity))
+
+        comm = TimedComm(
+            make_comm(
+                cfg.backend,
+                rank,
+                world,
+                cfg.coord_addr,
+                cfg.port,
+                secret,
+                timeout=cfg.timeout,
+                device=device,
+                addrs=list(cfg.addrs) or None,
+                integrity=cfg.integrity,
+            )
+        )
     start = cfg.start_step
     server_state, server_saver = None, None
     if ps and rank == 0:
@@ -128,9 +145,21 @@ def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, co
             if checkpoint_due(cfg, step + 1):
                 save_part(cfg.checkpoint_dir, step + 1, "server", server.state_tensors())
                 rep.saved(step + 1, "server")
-    ctx = Context(rank=rank, world=world, run=cfg, batches=batches, comm=comm, reporter=rep, name=name,
-                  comm_timer=Stopwatch(), device=device, secret=secret, server_state=server_state,
-                  server_saver=server_saver)
+
+    ctx = Context(
+        rank=rank,
+        world=world,
+        run=cfg,
+        batches=batches,
+        comm=comm,
+        reporter=rep,
+        name=name,
+        comm_timer=Stopwatch(),
+        device=device,
+        secret=secret,
+        server_state=server_state,
+        server_saver=server_saver,
+    )
     strat = load_strategy(cfg.strategy)(ctx)
     if start and not ps:
         strat.load_state_tensors(load_part(cfg.checkpoint_dir, start, f"rank{rank}"))

@@ -10,13 +10,14 @@ Strategies call the `Comm` interface (send/recv/collectives); none of them opens
 a socket itself, except the parameter-server pair (`syncps`, `edp`), whose
 membership protocol lives in `smoltrain.strategies.parameter_server`.
 """
+
 from __future__ import annotations
 
 import importlib
 import threading
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from smolnet.errors import UsageError
 from smoltrain import registry
@@ -25,18 +26,19 @@ from smoltrain import registry
 @dataclass
 class Context:
     """A rank's place in its run: the typed run config plus what only exists at run time."""
+
     rank: int
     world: int
-    run: object              # smoltrain.run.config.RunConfig
-    batches: object          # models.data.Batches
-    comm: object = None      # TimedComm around a Comm (None for world 1 and the PS strategies)
+    run: object  # smoltrain.run.config.RunConfig
+    batches: object  # models.data.Batches
+    comm: object = None  # TimedComm around a Comm (None for world 1 and the PS strategies)
     device: str = "cpu"
     reporter: object = None  # run.worker.Reporter (events, per-step stats)
-    name: str = ""           # this rank's host name in the report
+    name: str = ""  # this rank's host name in the report
     comm_timer: object = None  # Stopwatch for communication a strategy does outside `comm`
-    secret: bytes = b""      # the parameter-server strategies open their own connections
+    secret: bytes = b""  # the parameter-server strategies open their own connections
     server_state: dict | None = None  # parameter server: tensors to resume from
-    server_saver: object = None       # parameter server: callback(step, server) that checkpoints
+    server_saver: object = None  # parameter server: callback(step, server) that checkpoints
 
     # the run's settings strategies read most, by their short names
     spec = property(lambda self: self.run.model)
@@ -63,7 +65,8 @@ class Context:
 
         shares = self.placement.get("shares") or self.run.shares
         return batch_ranges(self.batch, list(shares) if shares else None, self.world)[
-            self.rank if rank is None else rank]
+            self.rank if rank is None else rank
+        ]
 
     def layer_range(self) -> tuple[int, int]:
         """[first, last+1) transformer layers of this stage (mp, pp)."""
@@ -134,8 +137,8 @@ class Strategy(ABC):
         """Payload bytes this rank has sent so far (for the progress line)."""
         return self.ctx.comm.counter.total_payload() if self.ctx.comm else 0
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None:  # noqa: B027 (most strategies hold nothing to release)
+        """Release what the strategy holds beyond the Comm (threads, servers)."""
 
 
 def check_world(strategy: str, spec, world: int) -> None:
@@ -144,11 +147,15 @@ def check_world(strategy: str, spec, world: int) -> None:
     if world < 1:
         raise UsageError("world size must be at least 1")
     if strategy in ("pp", "mp") and world > spec.layers:
-        raise UsageError(f"{strategy}: {spec.layers} layers of {spec.name} do not divide over {world} stages "
-                         f"(at most one stage per layer)")
+        raise UsageError(
+            f"{strategy}: {spec.layers} layers of {spec.name} do not divide over {world} stages "
+            f"(at most one stage per layer)"
+        )
     if strategy == "tp" and (world > spec.kv_heads or world > spec.ffn):
-        raise UsageError(f"tp: {spec.kv_heads} KV head groups of {spec.name} do not divide over {world} ranks "
-                         f"(at most one rank per group)")
+        raise UsageError(
+            f"tp: {spec.kv_heads} KV head groups of {spec.name} do not divide over {world} ranks "
+            f"(at most one rank per group)"
+        )
     if strategy == "fsdp" and spec.tied_embeddings:
         raise UsageError(f"fsdp: {spec.name} ties its embeddings across units; use an untied model such as tiny")
 
@@ -197,6 +204,7 @@ class TimedComm:
                 dt = time.perf_counter() - t0
                 with self._lock:
                     self.seconds += dt
+
         return call
 
     def take_seconds(self) -> float:

@@ -16,6 +16,7 @@ a fixed order on every rank. Each rank sends 2(N-1)/N of the gradient bytes
 comm_s is the time spent inside those all-reduces, most of it hidden behind
 backward, so comm_s + compute can exceed step_s.
 """
+
 from __future__ import annotations
 
 import threading
@@ -101,7 +102,7 @@ class DataParallel(Strategy):
             for b in self.buckets:  # copy the summed gradients back
                 off = 0
                 for p in b.params:
-                    p.grad.copy_(b.flat[off: off + p.numel()].view_as(p))
+                    p.grad.copy_(b.flat[off : off + p.numel()].view_as(p))
                     off += p.numel()
         self.opt.step([p.grad for p in self.params])
         for p in self.params:

@@ -19,6 +19,7 @@ parameters. Every step still covers the whole global batch (re-split over the
 members present), so the curve matches `--local 1` until a member is lost
 mid-step: that one step averages only the survivors' sequences.
 """
+
 from __future__ import annotations
 
 from smoltrain.strategies.syncps import SyncParameterServer

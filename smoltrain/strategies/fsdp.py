@@ -20,6 +20,7 @@ reduce-scatter (N-1)/N*U*4 bytes: 3(N-1)/N of the (padded) fp32 parameter bytes,
 1.5x dp. Padding is at most N-1 elements per unit. Each rank trains on its slice
 of the global batch, and losses are shares of the global mean, as in dp.
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,7 +42,7 @@ class ShardedUnit:
         self.shard_numel = self.padded // world
         flat = torch.zeros(self.padded, device=device)
         flat[: self.numel] = torch.cat([p.detach().reshape(-1) for p in self.params])
-        self.shard = flat[rank * self.shard_numel: (rank + 1) * self.shard_numel].clone()
+        self.shard = flat[rank * self.shard_numel : (rank + 1) * self.shard_numel].clone()
         self.grad_shard = torch.zeros_like(self.shard)
         self.free()
 
@@ -54,7 +55,7 @@ class ShardedUnit:
         off = 0
         for p, shape in zip(self.params, self.shapes):
             n = shape.numel()
-            p.data = full[off: off + n].view(shape)
+            p.data = full[off : off + n].view(shape)
             off += n
 
     def free(self) -> None:

@@ -16,6 +16,7 @@ What crosses the wire, per step and per boundary: B*T*hidden*4 bytes forward
 rank, which reports it to the controller over the control channel (not a
 strategy transfer, so not counted).
 """
+
 from __future__ import annotations
 
 import torch

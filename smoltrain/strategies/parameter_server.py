@@ -18,6 +18,7 @@ next step boundary (a `join` event) and, like everyone, first receives the
 current parameters. Rank 0's own worker talks to the server over loopback; that
 is not a link, so it is not counted. Nothing here waits without a deadline.
 """
+
 from __future__ import annotations
 
 import socket
@@ -42,7 +43,7 @@ def flat_params(model: torch.nn.Module) -> torch.Tensor:
     flat = torch.cat([p.detach().reshape(-1) for p in params])
     off = 0
     for p in params:
-        p.data = flat[off: off + p.numel()].view(p.shape)
+        p.data = flat[off : off + p.numel()].view(p.shape)
         off += p.numel()
     return flat
 
@@ -67,14 +68,25 @@ class _Conn:
 
 
 class ParameterServer:
-    def __init__(self, ctx, bind: str, port: int, secret: bytes, expected: int, allow_join: bool,
-                 barrier_timeout: float = 30.0, start_timeout: float = 60.0, on_step=None, on_save=None):
+    def __init__(
+        self,
+        ctx,
+        bind: str,
+        port: int,
+        secret: bytes,
+        expected: int,
+        allow_join: bool,
+        barrier_timeout: float = 30.0,
+        start_timeout: float = 60.0,
+        on_step=None,
+        on_save=None,
+    ):
         self.ctx, self.secret, self.expected, self.allow_join = ctx, secret, expected, allow_join
         self.barrier_timeout, self.start_timeout = barrier_timeout, start_timeout
         self.on_step, self.on_save = on_step, on_save  # callbacks (step, loss) and (step, tensors)
         self.flat = flat_params(build_model(ctx.spec, ctx.seed))
         self.opt = AdamW([self.flat], lr=ctx.lr)
-        self.sent = ByteCounter()          # payload bytes to each member, keyed by name
+        self.sent = ByteCounter()  # payload bytes to each member, keyed by name
         self.received: dict[str, int] = {}  # payload bytes from each member
         self.members: list[_Conn] = []
         self.pending: list[_Conn] = []
@@ -83,8 +95,7 @@ class ParameterServer:
         self.stopping = False
         self.error: BaseException | None = None
         # handshakes run concurrently, strangers capped (smolnet.server): none can hold the door
-        self.listener = AuthListener.serve(bind, port, secret, self._greet, name="parameter server",
-                                           with_key=True)
+        self.listener = AuthListener.serve(bind, port, secret, self._greet, name="parameter server", with_key=True)
 
     # --- membership ---
     def _greet(self, sock: socket.socket, addr, key: bytes) -> None:
@@ -148,8 +159,9 @@ class ParameterServer:
             for m in list(self.members):
                 lo, hi = ranges[m.name]
                 try:
-                    n = _send_tensor(m.sock, PARAMS, {"step": step, "lo": lo, "hi": hi}, self.flat,
-                                     self.barrier_timeout, m.session)
+                    n = _send_tensor(
+                        m.sock, PARAMS, {"step": step, "lo": lo, "hi": hi}, self.flat, self.barrier_timeout, m.session
+                    )
                     self.sent.add(m.name, n)
                 except (OSError, wire.WireError, TimeoutError) as e:
                     self._drop(m, step, f"send failed: {e}")
@@ -210,16 +222,18 @@ class Member:
 
     def __init__(self, addr: str, port: int, secret: bytes, name: str, order: int, timeout: float = 60.0):
         self.timeout = timeout
-        self.sock, key = wire.connect(addr, port, secret, timeout=timeout, what="parameter server", retry_every=0.1,
-                                      keyed=True)
+        self.sock, key = wire.connect(
+            addr, port, secret, timeout=timeout, what="parameter server", retry_every=0.1, keyed=True
+        )
         self.session = wire.Session(key, client=True)
         wire.send_frame(self.sock, HELLO, {"name": name, "order": order}, timeout=10.0, session=self.session)
 
     def pull(self, flat: torch.Tensor) -> dict | None:
         """The next step's assignment with the current parameters, or None at the end."""
         deadline = time.monotonic() + self.timeout
-        kind, meta, n = wire.recv_frame_header(self.sock, self.timeout, max_payload=flat.numel() * 4,
-                                               session=self.session)
+        kind, meta, n = wire.recv_frame_header(
+            self.sock, self.timeout, max_payload=flat.numel() * 4, session=self.session
+        )
         if kind == STOP:
             return None
         if kind != PARAMS or n != flat.numel() * 4:

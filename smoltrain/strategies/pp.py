@@ -19,14 +19,14 @@ activation forward (b_m*T*hidden*4 bytes, r -> r+1) and its gradient backward
 (r+1 -> r): 2*B*T*hidden*4 bytes in all, for any M. The loss lives on the last
 stage, which reports it to the controller (not counted as a strategy transfer).
 """
+
 from __future__ import annotations
 
 import torch
 
 from smolnet.errors import UsageError
-
-from smoltrain.planner.placement import split_batch
 from smoltrain.models.gpt import loss_sum
+from smoltrain.planner.placement import split_batch
 from smoltrain.strategies import Context
 from smoltrain.strategies.mp import StageStrategy
 

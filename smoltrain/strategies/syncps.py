@@ -18,6 +18,7 @@ to the server over loopback and is not counted. This strategy runs on its own
 authenticated protocol whatever `--backend` says (torch.distributed cannot drop a
 member mid-run).
 """
+
 from __future__ import annotations
 
 import threading
@@ -26,8 +27,8 @@ import torch
 
 from smoltrain import registry
 from smoltrain.models.gpt import build_model, loss_sum
-from smoltrain.strategies.parameter_server import Member, ParameterServer, flat_params
 from smoltrain.strategies import Context, Strategy
+from smoltrain.strategies.parameter_server import Member, ParameterServer, flat_params
 
 
 class SyncParameterServer(Strategy):
@@ -37,23 +38,26 @@ class SyncParameterServer(Strategy):
         self.server = None
         if ctx.rank == 0:
             self.server = ParameterServer(
-                ctx, bind=run.coord_addr, port=run.port, secret=ctx.secret,
-                expected=ctx.world, allow_join=registry.get(run.strategy).joiners,
+                ctx,
+                bind=run.coord_addr,
+                port=run.port,
+                secret=ctx.secret,
+                expected=ctx.world,
+                allow_join=registry.get(run.strategy).joiners,
                 barrier_timeout=run.barrier_timeout,
                 on_step=lambda step, loss: ctx.reporter.loss(step, loss),
-                on_save=ctx.server_saver)
+                on_save=ctx.server_saver,
+            )
             if ctx.server_state:
                 self.server.load_state_tensors(ctx.server_state)
-            self.thread = threading.Thread(target=self.server.serve,
-                                           args=(run.start_step, run.steps), daemon=True)
+            self.thread = threading.Thread(target=self.server.serve, args=(run.start_step, run.steps), daemon=True)
             self.thread.start()
         self.model = build_model(ctx.spec, ctx.seed).to(ctx.device)
         self.flat = flat_params(self.model)
         self.wire_buf = torch.empty(self.flat.numel())  # parameters arrive in host memory
         self.params = list(self.model.parameters())
         order = ctx.rank if ctx.rank >= 0 else 1 << 20
-        self.member = Member(run.coord_addr, run.port, ctx.secret, ctx.name, order,
-                             timeout=run.barrier_timeout * 4)
+        self.member = Member(run.coord_addr, run.port, ctx.secret, ctx.name, order, timeout=run.barrier_timeout * 4)
         self.assignment = None
         self.loss_owner = False  # the server reports the loss
 
@@ -84,8 +88,10 @@ class SyncParameterServer(Strategy):
     def state_bytes(self) -> dict:
         if self.server:
             st = self.server.state_tensors()
-            return {"params": st["flat"].numel() * 4 * 2, "optimizer": sum(
-                t.numel() * t.element_size() for k, t in st.items() if k.startswith("opt."))}
+            return {
+                "params": st["flat"].numel() * 4 * 2,
+                "optimizer": sum(t.numel() * t.element_size() for k, t in st.items() if k.startswith("opt.")),
+            }
         return {"params": self.flat.numel() * 4, "optimizer": 0}
 
     def sent_bytes(self) -> int:
@@ -93,7 +99,8 @@ class SyncParameterServer(Strategy):
             return 0
         me = self.ctx.name
         return sum(n for k, n in self.server.sent.payload.items() if k != me) + sum(
-            n for k, n in self.server.received.items() if k != me)
+            n for k, n in self.server.received.items() if k != me
+        )
 
     def link_bytes(self) -> list[tuple[str, str, int]] | None:
         """The server measures both directions of every worker's link."""

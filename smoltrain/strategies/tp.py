@@ -19,12 +19,13 @@ attention and MLP), each of B*T*hidden*4 bytes, so every rank sends
 and LM head are replicated: their inputs and incoming gradients are identical on
 every rank, so their gradients are too and nothing else crosses.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
-from smoltrain.models.gpt import Attention, MLP, build_model, loss_sum
+from smoltrain.models.gpt import MLP, Attention, build_model, loss_sum
 from smoltrain.models.optim import AdamW
 from smoltrain.strategies import Context, Strategy
 
