@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 
 from smolnet import wire
 from smoltrain.comm import CommError, make_comm
+from smoltrain.comm.exchange import K_DATA
 from smoltrain.comm.group import free_port_base
-from smoltrain.comm.socket_comm import K_DATA, SocketComm
+from smoltrain.comm.socket_comm import SocketComm
 
 SECRET = b"wire-test-secret-0123456789"
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -12,8 +12,9 @@ import torch
 
 from smolnet import wire
 from smoltrain.comm import CommError, make_comm
+from smoltrain.comm.exchange import K_DATA
 from smoltrain.comm.group import free_port_base
-from smoltrain.comm.socket_comm import K_DATA, SocketComm
+from smoltrain.comm.socket_comm import SocketComm
 
 SECRET = b"test-secret-0123456789abcdef"
 
