@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from datetime import datetime, timezone
 
 from smolnet.errors import UsageError
@@ -42,53 +41,14 @@ def add_arguments(p) -> None:
     p.add_argument("--json", metavar="FILE", help="also write the profile here")
 
 
-def _timed(fn, seconds: float, typical: bool = False) -> float:
-    """Seconds per call after one warm-up call: the best (a peak), or with `typical` the
-    median, which is what a run on a busy machine sees."""
-    import statistics
-
-    fn()
-    samples, deadline = [], time.perf_counter() + max(0.05, seconds)
-    while True:
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-        if time.perf_counter() > deadline and len(samples) >= 3:
-            return statistics.median(samples) if typical else min(samples)
-
-
-def measure_matmul(torch, n: int, dtype, seconds: float) -> float:
-    a = torch.randn(n, n, dtype=torch.float32).to(dtype)
-    b = torch.randn(n, n, dtype=torch.float32).to(dtype)
-    return 2 * n**3 / _timed(lambda: torch.mm(a, b), seconds)
-
-
-def measure_copy(torch, nbytes: int, seconds: float) -> float:
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    return 2 * nbytes / _timed(lambda: dst.copy_(src), seconds)  # read + write
-
-
 def measure_train(torch, model_name: str, batch: int, seq: int, seconds: float) -> dict:
-    """Achieved FLOP/s of real fwd+bwd+update steps (6 FLOPs per param per token + attention)."""
-    from smoltrain.models.gpt import build_model
-    from smoltrain.models.optim import AdamW  # the optimizer smoltrain run uses (and no torch._dynamo)
+    """Achieved FLOP/s of real fwd+bwd+update steps (6 FLOPs per param per token + attention),
+    timed by the same probe `calibrate -i` runs on every host."""
+    from smoltrain.calibration.probe import train_seconds
     from smoltrain.models.spec import get_model
 
     spec = get_model(model_name)
-    model = build_model(spec, seed=0)
-    params = list(model.parameters())
-    opt = AdamW(params, lr=1e-3)
-    x = torch.randint(0, spec.vocab, (batch, seq))
-
-    def step():
-        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, spec.vocab), x.reshape(-1))
-        loss.backward()
-        opt.step([p.grad for p in params])
-        for p in params:
-            p.grad = None
-
-    sec = _timed(step, seconds, typical=True)
+    sec = train_seconds(torch, model_name, batch, seq, seconds)
     mm = spec.layers * spec.layer_params() + spec.vocab * spec.hidden
     flops = batch * seq * (6 * mm + 12 * spec.layers * spec.hidden * seq)
     return {"model": model_name, "batch": batch, "seq": seq, "step_s": sec, "flops": flops / sec}
@@ -100,13 +60,15 @@ def calibrate(
     import psutil
     import torch
 
+    from smoltrain.calibration.probe import copy_bw, matmul_flops
+
     if threads:
         torch.set_num_threads(threads)
     sizes = [256, 512, 1024]
-    mm32 = [{"n": n, "flops": measure_matmul(torch, n, torch.float32, seconds / 3)} for n in sizes]
+    mm32 = [{"n": n, "flops": matmul_flops(torch, torch.float32, n, seconds / 3)} for n in sizes]
     f32 = max(m["flops"] for m in mm32)
-    f16 = measure_matmul(torch, 512, torch.bfloat16, seconds / 3)
-    bw = max(measure_copy(torch, nb, seconds / 2) for nb in (16 << 20, 64 << 20))
+    f16 = matmul_flops(torch, torch.bfloat16, 512, seconds / 3)
+    bw = max(copy_bw(torch, nb, seconds / 2) for nb in (16 << 20, 64 << 20))
     doc = {
         "schema": "smoltrain.calibration/1",
         "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
