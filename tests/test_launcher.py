@@ -81,3 +81,32 @@ def test_stop_kills_all(group, tmp_path):
 def test_missing_log_and_unknown_name(group):
     assert group.log_tail("nobody") == ""
     assert group.dead() == {}
+
+
+def test_detached_start_through_remote(tmp_path):
+    """Without a log dir a local host goes through smolnet.remote: detached, log on the host, stop."""
+    from smolnet.inventory import Host
+
+    g = ProcessGroup(SECRET)
+    log = tmp_path / "agent.log"
+    log.write_text("old error: stale\n")
+    try:
+        g.start(
+            "h",
+            [sys.executable, "-c", WAITER, str(tmp_path / "never")],
+            host=Host("h", "127.0.0.1", "127.0.0.1", local=True),
+            log=str(log),
+            fresh=True,
+        )
+        want = f"got {hashlib.sha256(SECRET).hexdigest()}"
+        wait_for(lambda: g.log_tail("h") == want, "the detached process read the secret")
+        assert "stale" not in log.read_text()  # fresh: the old log is gone
+        pid = g.procs["h"][1].pid
+        assert SECRET not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert g.alive("h") and g.poll("h") is None and g.dead() == {}
+    finally:
+        g.stop()
+    wait_for(
+        lambda: not os.path.exists(f"/proc/{pid}") or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2],
+        "the detached process was stopped",
+    )
