@@ -18,8 +18,9 @@ from itertools import chain
 
 from smolnet import agent_client as control
 from smolnet.inventory import Host
+from smolnet.launcher import ProcessGroup
 from smolnet.probes.request import Endpoint, probe_pmtu, probe_rtt, probe_throughput
-from smolnet.remote import Proc, Remote, RemoteError, connect
+from smolnet.remote import RemoteError
 
 AGENT_START_TIMEOUT = 20.0
 AGENT_LEASE_S = 30.0  # an agent started for a matrix exits when the controller stops renewing
@@ -60,22 +61,20 @@ def run_parallel(jobs: list, timeout: float) -> None:
 
 
 @dataclass
-class Started:
-    remote: Remote
-    proc: Proc
-
-
-@dataclass
 class AgentPool:
     """Agents for a run: reuse one that answers with our secret, else start one and stop it later."""
 
     secret: bytes
-    started: dict[str, Started] = field(default_factory=dict)
+    group: ProcessGroup | None = None  # the agents this run started (never one it merely reused)
     endpoints: dict[str, Endpoint] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     renewer: threading.Thread | None = None
     stopped: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self):
+        if self.group is None:
+            self.group = ProcessGroup(self.secret)  # no log dir: every agent starts through smolnet.remote
 
     def _ping(self, host: Host, connect_timeout: float = 3.0) -> dict:
         return control.call(
@@ -131,17 +130,10 @@ class AgentPool:
             self.errors[host.name] = why
 
     def _start(self, host: Host) -> dict:
-        remote = connect(host)
-        # named per host: sim hosts (and loopback ones) share one /tmp
+        # named per host: sim hosts (and loopback ones) share one /tmp; fresh: old errors are not read as new
         log = f"/tmp/smolnet-agent-{host.name}-{host.agent_port}.log"
-        try:
-            remote.run(["rm", "-f", log], timeout=10.0)  # so old errors are not read as new ones
-            proc = remote.start(self._argv(host), stdin=self.secret + b"\n", log=log)
-        except RemoteError:
-            remote.close()
-            raise
+        self.group.start(host.name, self._argv(host), host=host, log=log, fresh=True)
         with self.lock:
-            self.started[host.name] = Started(remote, proc)
             if self.renewer is None:
                 self.renewer = threading.Thread(target=self._renew, daemon=True)
                 self.renewer.start()
@@ -155,21 +147,20 @@ class AgentPool:
                 last = e
             if time.monotonic() - checked >= 1.0:  # did it die? (a zombie still passes kill -0)
                 checked = time.monotonic()
-                failed = self._start_failure(remote, proc, log)
+                failed = self._start_failure(host.name)
                 if failed:
                     raise control.AgentError(f"agent exited at start: {failed}")
             time.sleep(0.2)
         raise control.AgentError(f"agent did not answer within {AGENT_START_TIMEOUT:g}s: {last}")
 
-    @staticmethod
-    def _start_failure(remote: Remote, proc: Proc, log: str) -> str | None:
+    def _start_failure(self, name: str) -> str | None:
         """The agent's last error line if it gave up, else None."""
         try:
-            tail = remote.run(["tail", "-n", "5", log], timeout=5.0).stdout
-            alive = remote.alive(proc)
+            tail = self.group.log_lines(name, 5)
+            alive = self.group.alive(name)
         except RemoteError:
             return None
-        lines = [ln.strip() for ln in tail.splitlines() if "error" in ln.lower()]
+        lines = [ln for ln in tail if "error" in ln.lower()]
         if lines:
             return lines[-1].split("error: ", 1)[-1]
         return None if alive else "process exited"
@@ -177,9 +168,7 @@ class AgentPool:
     def _renew(self) -> None:
         """Renew the lease of every agent this run started, until stop_all."""
         while not self.stopped.wait(AGENT_LEASE_S / 4):
-            with self.lock:
-                hosts = [s for s in self.started]
-            for name in hosts:
+            for name in self.group.names():
                 ep = self.endpoints.get(name)
                 if ep is None:
                     continue
@@ -207,22 +196,7 @@ class AgentPool:
     def stop_all(self) -> None:
         """Stop every agent this run started (never one it merely reused)."""
         self.stopped.set()
-
-        def stop(name: str, s: Started) -> None:
-            try:
-                s.remote.stop(s.proc)
-            except (RemoteError, OSError):
-                pass
-            finally:
-                try:
-                    s.remote.close()
-                except Exception:
-                    pass
-
-        with self.lock:
-            items = list(self.started.items())
-            self.started.clear()
-        run_parallel([lambda n=n, s=s: stop(n, s) for n, s in items], 30.0)
+        self.group.stop()
 
 
 def host_entries(hosts: list[Host], pool: AgentPool) -> list[dict]:

@@ -42,6 +42,7 @@ TIERS = {
         "test_comm_failure.py",
         "test_inventory.py",
         "test_lint_gates.py",
+        "test_launcher.py",
         "test_matrix.py",
         "test_plan_local.py",
         "test_run.py",

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import secrets
-import subprocess
 import sys
 import threading
 import time
@@ -203,39 +202,33 @@ def _parse_result(outputs: list[tuple[int, str, str]]) -> dict:
 
 
 def _run_local(args, nbytes: int) -> dict:
+    import tempfile
+
+    from smolnet.launcher import ProcessGroup
     from smoltrain.comm.group import free_port_base
 
     n = args.local
     port = args.port or free_port_base(n)
     secret = secrets.token_hex(32).encode()  # loopback group: a fresh secret for this run only
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    procs = [
-        subprocess.Popen(
-            _rank_argv([sys.executable], args, nbytes, r, n, "127.0.0.1", port, None),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=env,
-        )
-        for r in range(n)
-    ]
     deadline = args.timeout * 2 + 30 + args.iters * 5
-    outputs: list = [None] * n
-
-    def wait(r, p):
+    with tempfile.TemporaryDirectory(prefix="smoltrain-bench-") as log_dir:
+        group = ProcessGroup(secret, log_dir)
         try:
-            out, err = p.communicate(secret + b"\n", timeout=deadline)
-            outputs[r] = (p.returncode, out.decode(errors="replace"), err.decode(errors="replace"))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.communicate()
-            outputs[r] = (124, "", f"timed out after {deadline:g}s")
-
-    threads = [threading.Thread(target=wait, args=(r, p), daemon=True) for r, p in enumerate(procs)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+            for r in range(n):
+                group.start(
+                    f"rank{r}", _rank_argv([sys.executable], args, nbytes, r, n, "127.0.0.1", port, None), env=env
+                )
+            late = group.wait(deadline)
+        finally:
+            group.stop()
+        outputs = []
+        for r in range(n):  # a rank's log holds its stdout and stderr; _parse_result reads both from it
+            text = group.log_text(f"rank{r}")
+            if f"rank{r}" in late:
+                outputs.append((124, "", f"timed out after {deadline:g}s"))
+            else:
+                outputs.append((group.poll(f"rank{r}"), text, text))
     return _parse_result(outputs)
 
 

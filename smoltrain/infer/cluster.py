@@ -8,17 +8,15 @@ dies or goes silent turns into a `RankDied` with its one-line reason, never a ha
 
 from __future__ import annotations
 
-import os
 import queue
 import socket
-import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 from smolnet import wire
 from smolnet.errors import SmolError
+from smolnet.launcher import ProcessGroup
 from smoltrain.infer.config import InferConfig
 from smoltrain.infer.engine import Request
 
@@ -42,7 +40,7 @@ class Cluster:
         self.cfg, self.placements, self.secret, self.log_dir = cfg, placements, secret, log_dir
         self.bind, self.control_addr = bind, control_addr
         self.world = cfg.world_size
-        self.procs: list = []
+        self.group = ProcessGroup(secret, log_dir)  # the ranks, started by _launch
         self.socks: dict[int, socket.socket] = {}
         self.messages: queue.Queue = queue.Queue()
         self.dead: str | None = None
@@ -91,52 +89,21 @@ class Cluster:
     def _launch(self, port: int) -> None:
         for r, p in enumerate(self.placements):
             argv = ["-m", "smoltrain.infer.worker", "--control", f"{self.control_addr}:{port}", "--rank", str(r)]
-            if p.host is None or p.host.local:
-                log = open(os.path.join(self.log_dir, f"{p.name}.log"), "wb")  # noqa: SIM115 (the worker writes it)
-                python = sys.executable if p.host is None else p.host.python
-                proc = subprocess.Popen(
-                    [python, *argv], stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-                )
-                proc.stdin.write(self.secret + b"\n")
-                proc.stdin.close()
-                self.procs.append(proc)
-            else:
-                from smolnet.remote import connect
+            python = sys.executable if p.host is None else p.host.python
+            self.group.start(p.name, [python, *argv], host=p.host, log=f"/tmp/smoltrain-infer-{p.name}.log")
 
-                remote = connect(p.host)
-                self.procs.append(
-                    (
-                        remote,
-                        remote.start(
-                            [p.host.python, *argv], stdin=self.secret + b"\n", log=f"/tmp/smoltrain-infer-{p.name}.log"
-                        ),
-                    )
-                )
+    @property
+    def procs(self) -> list:
+        """The ranks started so far, in rank order: Popen (local) or (Remote, Proc)."""
+        return list(self.group.procs.values())
 
     def _check_procs(self) -> None:
-        for r, proc in enumerate(self.procs):
-            if isinstance(proc, subprocess.Popen) and proc.poll() not in (None, 0):
-                raise RankDied(
-                    f"{self.cfg.names[r]}: exited with status {proc.returncode} ({self.log_tail(r) or 'no log'})"
-                )
+        for name, status in self.group.dead().items():  # the first rank that died
+            r = self.group.names().index(name)
+            raise RankDied(f"{self.cfg.names[r]}: exited with status {status} ({self.log_tail(r) or 'no log'})")
 
     def log_tail(self, r: int) -> str:
-        proc = self.procs[r] if r < len(self.procs) else None
-        if isinstance(proc, tuple):
-            remote, rproc = proc
-            try:
-                return remote.run(["tail", "-n", "1", rproc.log], timeout=5.0).stdout.strip()[:200]
-            except Exception:
-                return ""
-        try:
-            lines = [
-                ln
-                for ln in Path(self.log_dir, f"{self.placements[r].name}.log").read_text(errors="replace").splitlines()
-                if ln.strip()
-            ]
-        except OSError:
-            return ""
-        return lines[-1][:200] if lines else ""
+        return self.group.log_tail(self.placements[r].name) if r < len(self.placements) else ""
 
     def _read(self, rank: int, sock: socket.socket) -> None:
         while True:
@@ -204,19 +171,7 @@ class Cluster:
                 wire.send_frame(s, MSG, {"type": "quit"}, timeout=2.0)
             except Exception:
                 pass
-        for proc in self.procs:
-            try:
-                if isinstance(proc, subprocess.Popen):
-                    try:
-                        proc.wait(timeout=10)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                        proc.wait(timeout=5)
-                else:
-                    remote, rproc = proc
-                    remote.stop(rproc)
-                    remote.close()
-            except Exception:  # best effort: never mask the real failure
-                pass
+        self.group.wait(timeout=10)  # the ranks quit by themselves; stop kills what did not
+        self.group.stop()
         for s in self.socks.values():
             s.close()

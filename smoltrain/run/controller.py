@@ -14,7 +14,6 @@ import math
 import os
 import queue
 import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from smolnet.errors import SmolError, UsageError
 from smolnet.files import write_json_atomic
+from smolnet.launcher import ProcessGroup
 from smoltrain import registry
 from smoltrain.run import blame, checkpoint
 from smoltrain.run.channel import ControlServer
@@ -66,7 +66,7 @@ class Controller:
         self.strategy = cfg.strategy
         self.info = registry.get(cfg.strategy)
         self.joined = 0
-        self.procs: dict[str, object] = {}  # name -> Popen (local) or (Remote, Proc)
+        self.group = ProcessGroup(secret, log_dir)  # the workers, started by start_workers
         self.connected: dict[str, dict] = {}  # name -> hello
         self.finished: set[str] = set()
         self.closed: set[str] = set()
@@ -102,54 +102,19 @@ class Controller:
     def start_workers(self, control_addr: str, port: int) -> None:
         for r, p in enumerate(self.placements):
             argv = ["-m", "smoltrain", "worker", "--control", f"{control_addr}:{port}", "--rank", str(r)]
-            if p.host is None or p.host.local:
-                log = open(os.path.join(self.log_dir, f"{p.name}.log"), "wb")  # noqa: SIM115 (the worker writes it)
-                python = sys.executable if p.host is None else p.host.python
-                proc = subprocess.Popen(
-                    [python, *argv], stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-                )
-                proc.stdin.write(self.secret + b"\n")
-                proc.stdin.close()
-                self.procs[p.name] = proc
-            else:
-                from smolnet.remote import connect
+            python = sys.executable if p.host is None else p.host.python
+            self.group.start(p.name, [python, *argv], host=p.host, log=f"/tmp/smoltrain-{p.name}.log")
 
-                remote = connect(p.host)
-                proc = remote.start(
-                    [p.host.python, *argv], stdin=self.secret + b"\n", log=f"/tmp/smoltrain-{p.name}.log"
-                )
-                self.procs[p.name] = (remote, proc)
+    @property
+    def procs(self) -> dict[str, object]:
+        """name -> Popen (local) or (Remote, Proc): the workers this controller started."""
+        return self.group.procs
 
     def stop_workers(self) -> None:
-        for name, proc in self.procs.items():
-            try:
-                if isinstance(proc, subprocess.Popen):
-                    if proc.poll() is None:
-                        proc.kill()
-                    proc.wait(timeout=10)
-                else:
-                    remote, rproc = proc
-                    if name not in self.finished:
-                        remote.stop(rproc)
-                    remote.close()
-            except Exception:  # best effort: never mask the real failure
-                pass
+        self.group.stop(spare=self.finished)
 
     def log_tail(self, name: str) -> str:
-        proc = self.procs.get(name)
-        if isinstance(proc, tuple):  # a worker on another host: its log is there
-            remote, rproc = proc
-            try:
-                res = remote.run(["tail", "-n", "1", rproc.log], timeout=5.0)
-                return res.stdout.strip()[:200]
-            except Exception:
-                return ""
-        path = os.path.join(self.log_dir, f"{name}.log")
-        try:
-            lines = [ln for ln in Path(path).read_text(errors="replace").splitlines() if ln.strip()]
-        except OSError:
-            return ""
-        return lines[-1][:200] if lines else ""
+        return self.group.log_tail(name)
 
     # --- the message loop ---
     def handle(self, who: str | None, msg: dict, progress) -> None:
@@ -225,11 +190,9 @@ class Controller:
         ) <= set(self.connected)
 
     def check_processes(self) -> None:
-        for name, proc in self.procs.items():
-            if isinstance(proc, subprocess.Popen) and proc.poll() not in (None, 0) and name not in self.connected:
-                raise SmolError(
-                    f"{name}: worker exited with status {proc.returncode} ({self.log_tail(name) or 'no log'})"
-                )
+        for name, status in self.group.dead().items():
+            if name not in self.connected:
+                raise SmolError(f"{name}: worker exited with status {status} ({self.log_tail(name) or 'no log'})")
 
     def run(self, bind: str, control_addr: str, connect_timeout: float, idle_timeout: float) -> dict:
         server = ControlServer(
@@ -286,14 +249,9 @@ class Controller:
             raise
         finally:
             server.close()
-        for name, proc in self.procs.items():
-            if isinstance(proc, subprocess.Popen):
-                if name in self.left:  # dropped, perhaps stalled: it will not finish by itself
-                    proc.kill()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+        for name in self.left:  # dropped, perhaps stalled: it will not finish by itself
+            self.group.kill(name)
+        self.group.wait(timeout=30)  # the others finish by themselves; stop_workers kills the rest
         self.stop_workers()
         return self.report()
 
