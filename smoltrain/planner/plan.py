@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 
 from smolnet.errors import UsageError
+from smoltrain import registry
 from smoltrain.models.spec import ModelSpec
 from smoltrain.planner import capacity, timing
 from smoltrain.planner.devices import LINK_CLASSES, DeviceProfile, get_device, load_calibration
@@ -17,7 +18,6 @@ from smoltrain.planner.links import Link, LinkModel, from_class, from_report
 from smoltrain.planner.traffic import Traffic, bytes_per_token, dtype_bytes, traffic
 
 PLAN_SCHEMA = "smoltrain.plan/1"
-REPLICATED_INFER = ("dp", "syncps", "edp")
 
 
 @dataclass
@@ -120,8 +120,9 @@ def make_plan(
 ) -> dict:
     if mode == "infer":
         batch, microbatches = 1, 1  # the contract's bytes per token are for batch-1 decode
-    if strategy != "pp":
-        microbatches = 1  # only pp cuts the batch into microbatches (as smoltrain run does)
+    info = registry.REGISTRY.get(strategy)  # an unknown name is refused by traffic() below
+    if info is None or not info.microbatched:
+        microbatches = 1  # only a pipeline cuts the batch into microbatches (as smoltrain run does)
     tr: Traffic = traffic(strategy, mode, model, world, dtype, batch, seq, microbatches)
     ranks = ranks or resolve_ranks(world)
     names = [r.name for r in ranks]
@@ -145,7 +146,7 @@ def make_plan(
         if rk.measured and train:  # timed steps hold the memory traffic already, plus a fixed cost
             # every microbatch runs all of the stage's operations: a pipeline pays the fixed cost m times
             t_c = t_fl + rk.fixed_s * capacity.fixed_share(w, model, strategy) * (
-                microbatches if strategy == "pp" else 1
+                microbatches if info.microbatched else 1
             )
         per_rank.append(
             {
@@ -168,7 +169,7 @@ def make_plan(
     link_s = timing.link_seconds(tr, names, lm)
     down = [(s, d) for (s, d) in link_b if not lm.get(names[s], names[d]).up]
     bubble = 0.0
-    if strategy in ("pp", "mp") and world > 1:
+    if info.splits == "layers" and world > 1:
         stage = [p["compute_s"] for p in per_rank]
         if train:
             hop = lambda s, d: lm.get(names[s], names[d])  # noqa: E731
@@ -193,7 +194,7 @@ def make_plan(
     else:
         slowest = max(per_rank, key=lambda p: p["compute_s"])
         compute_s = slowest["compute_s"]
-        if train and strategy in ("syncps", "edp") and world > 1:  # the server aggregates and updates
+        if train and info.parameter_server and world > 1:  # the server aggregates and updates
             compute_s += capacity.server_seconds(model, world, ranks[0].device.mem_bw)
         cc = timing.comm_cost(tr, names, lm)
         comm_s = cc.total_s
@@ -209,7 +210,7 @@ def make_plan(
     step_s = compute_s + comm_s
     finite = math.isfinite(step_s)
     tokens_step = batch * seq if train else 1
-    if not train and strategy in REPLICATED_INFER:
+    if not train and info.replicated_infer:  # replicas serve their own streams
         tps = sum(1 / p["compute_s"] for p in per_rank if p["compute_s"] > 0)
     else:
         tps = tokens_step / step_s if finite and step_s > 0 else 0.0
@@ -319,7 +320,7 @@ def _bottleneck(tr, per_rank, names, lm, link_b, link_s, compute_s, comm_s, cc, 
     p = max(per_rank, key=lambda p: p["compute_s"])
     what = "FLOPs" if p["bound"] == "compute" else "memory traffic"
     what += " per step" if tr.mode == "train" else " per token"
-    if tr.strategy in ("pp", "mp") and tr.world > 1:
+    if registry.get(tr.strategy).splits == "layers" and tr.world > 1:
         how = (
             "decode runs the stages one after another"
             if tr.mode == "infer"
@@ -382,11 +383,12 @@ def plan_for_run(
 def busy_ranks(strategy: str, world: int, microbatches: int = 1, mode: str = "train") -> int:
     """How many ranks compute at the same time: a pipeline keeps at most min(m, p) busy, and
     mp (or any pipeline in decode) one."""
-    if strategy == "mp" or (strategy == "pp" and mode == "infer"):
+    info = registry.REGISTRY.get(strategy)
+    if info is None or info.splits != "layers":
+        return world
+    if not info.microbatched or mode == "infer":
         return 1
-    if strategy == "pp":
-        return min(world, microbatches)
-    return world
+    return min(world, microbatches)
 
 
 def share_machine(ranks: list[Rank], cores: int | None = None, busy: int | None = None) -> list[Rank]:
