@@ -25,6 +25,10 @@ class StrategyInfo:
     replicated_infer: bool = False  # batch-1 decode runs on one replica, nothing crosses the links
     module: str = ""  # smoltrain.strategies.<module> holds the algorithm
     topology: str = "ring"  # how its transfers run over rank numbers: ring, chain, star (placement order)
+    traffic: str = "ring_allreduce"  # the planner's traffic model (smoltrain.planner.traffic.MODELS)
+    microbatched: bool = False  # cuts the batch into microbatches that flow through the stages (pipelining)
+    shards_params: bool = False  # parameters, gradients and optimizer state are sharded over the ranks (ZeRO-3)
+    even_split: bool = False  # the demo runs it only where its split (layers, heads) divides evenly over the world
 
     @property
     def elastic(self) -> bool:
@@ -52,6 +56,8 @@ _ALL = (
         "fully sharded data parallel (ZeRO-3): gather parameters per unit, reduce-scatter gradients",
         loss_from="all",
         module="fsdp",
+        traffic="sharded_gather",
+        shards_params=True,
     ),
     StrategyInfo(
         "syncps",
@@ -60,6 +66,7 @@ _ALL = (
         replicated_infer=True,
         module="syncps",
         topology="star",
+        traffic="parameter_server",
     ),
     StrategyInfo(
         "edp",
@@ -70,6 +77,7 @@ _ALL = (
         replicated_infer=True,
         module="edp",
         topology="star",
+        traffic="parameter_server",
     ),
     StrategyInfo(
         "mp",
@@ -77,6 +85,7 @@ _ALL = (
         splits="layers",
         module="mp",
         topology="chain",
+        traffic="layer_chain",
     ),
     StrategyInfo(
         "pp",
@@ -84,18 +93,31 @@ _ALL = (
         splits="layers",
         module="pp",
         topology="chain",
+        traffic="layer_chain",
+        microbatched=True,
+        even_split=True,
     ),
     StrategyInfo(
         "tp",
         "tensor parallel (Megatron): heads and MLP columns split, 2 all-reduces per layer",
         splits="heads",
         module="tp",
+        traffic="tensor_allreduce",
+        even_split=True,
     ),
     StrategyInfo(
-        "ep", "expert parallel: MoE experts spread over ranks, all-to-all per MoE layer", trains=False, splits="experts"
+        "ep",
+        "expert parallel: MoE experts spread over ranks, all-to-all per MoE layer",
+        trains=False,
+        splits="experts",
+        traffic="expert_all_to_all",
     ),
     StrategyInfo(
-        "sp", "sequence (ring) parallel: the sequence split, K/V passed around a ring", trains=False, splits="sequence"
+        "sp",
+        "sequence (ring) parallel: the sequence split, K/V passed around a ring",
+        trains=False,
+        splits="sequence",
+        traffic="ring_attention",
     ),
 )
 REGISTRY: dict[str, StrategyInfo] = {s.name: s for s in _ALL}

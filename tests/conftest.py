@@ -33,6 +33,7 @@ TIERS = {
         "test_placement.py",
         "test_rank_timings.py",
         "test_calibrate_cluster.py",
+        "test_registry.py",
     ],
     "process": [
         "test_agent.py",

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from smolnet.errors import SmolError
+from smoltrain import registry
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -239,11 +240,12 @@ def run(args) -> int:
 
 def pick_strategies(doc, world: int, layers: int = 6, heads: int = 6) -> list[str]:
     """The strategy the plan ranks best that `run` can split tiny over, plus one it calls link-bound."""
-    runnable = {"dp", "fsdp", "syncps", "mp"}
-    if layers % max(world, 1) == 0:
-        runnable.add("pp")
-    if heads % max(world, 1) == 0:
-        runnable.add("tp")
+    size = {"layers": layers, "heads": heads}
+    runnable = {  # trains in lockstep, and splits tiny evenly where it must
+        s.name
+        for s in registry.REGISTRY.values()
+        if s.trains and s.synchronous and not (s.even_split and size.get(s.splits, 0) % max(world, 1))
+    }
     plans = doc.get("plans", doc) if isinstance(doc, dict) else doc
     plans = [p for p in plans if p.get("strategy") in runnable]
     if not plans:

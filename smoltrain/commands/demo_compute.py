@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from smoltrain import registry
+
 MODEL = "tiny8"
-STRATEGIES = ("dp", "fsdp", "syncps", "mp", "pp", "tp")
+STRATEGIES = tuple(s.name for s in registry.REGISTRY.values() if s.trains and s.synchronous)  # lockstep trainers
 QUICK = ("dp", "pp", "tp", "fsdp")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from smoltrain import registry
 from smoltrain.models.spec import ModelSpec
 from smoltrain.planner.traffic import dtype_bytes, expert_params, split_layers
 
@@ -74,13 +75,15 @@ def layout(
     kv = 0 if train else seq
     head = _head(model)
     full_matmul = L * lp_active + head
-    if strategy in ("dp", "syncps", "edp", "sp", "fsdp"):
+    info = registry.get(strategy)
+    by_seq = info.splits == "sequence"
+    if info.splits in ("batch", "sequence"):
         toks = toks_all / N if train else 1
         out = []
+        fs = info.shards_params
         for r in range(N):
-            owned = P / N if strategy == "fsdp" else (P if strategy in ("dp", "sp") or r == 0 or not train else 0)
-            held = P / N if strategy == "fsdp" else P
-            fs = strategy == "fsdp"
+            owned = P / N if fs else (P if not info.parameter_server or r == 0 or not train else 0)
+            held = P / N if fs else P
             out.append(
                 RankWork(
                     L,
@@ -88,19 +91,19 @@ def layout(
                     owned,
                     full_matmul,
                     toks,
-                    kv_positions=kv / N if strategy == "sp" else kv,
+                    kv_positions=kv / N if by_seq else kv,
                     gathered=_largest_unit(model) if fs else 0.0,
                     recompute=fs and train,
                     saved_only=fs and train,
                 )
             )
-            if strategy == "sp" and not train:
+            if by_seq and not train:
                 out[-1].tokens = 1 / N  # each rank attends over its share; matmuls split by position
         return out
-    if strategy == "tp":
+    if info.splits == "heads":
         held = L * lp / N + model.embedding_params()
         return [RankWork(L, held, held, L * lp_active / N + head, toks_all, 1 / N, kv) for _ in range(N)]
-    if strategy in ("pp", "mp"):
+    if info.splits == "layers":
         out = []
         for r, nl in enumerate(split_layers(L, N)):
             held = nl * lp
@@ -110,12 +113,12 @@ def layout(
             if r == N - 1:
                 held += 2 * model.hidden + (head if (not model.tied_embeddings or N > 1) else 0)
                 mm += head
-            m = max(1, microbatches) if strategy == "pp" and train else 1
+            m = max(1, microbatches) if info.microbatched and train else 1
             # 1F1B: stage r holds at most min(m, N - r) microbatches' activations (<= p)
             live = toks_all / m * min(m, N - r) if m > 1 else 0.0
             out.append(RankWork(nl, held, held, mm, toks_all, kv_positions=kv, logits=r == N - 1, in_flight=live))
         return out
-    if strategy == "ep":
+    if info.splits == "experts":
         ex = expert_params(model)
         held = P - ex + ex / N
         active = model.active_params() - model.embedding_params() + head
@@ -156,7 +159,7 @@ def memory_traffic(w: RankWork, model: ModelSpec, mode: str, dtype: str, batch: 
 def _activations(w: RankWork, model: ModelSpec, a: int, seq: int, strategy: str) -> float:
     h, heads = model.hidden, model.heads
     per_token = h * (34 + 5 * heads * seq / h)
-    if strategy == "tp":
+    if registry.get(strategy).splits == "heads":
         t = 1 / w.attn_share
         per_token = h * (10 + 24 / t + 5 * heads * seq / (h * t))
     toks = w.in_flight or w.tokens
@@ -187,7 +190,7 @@ def fixed_share(w: RankWork, model: ModelSpec, strategy: str) -> float:
     """Share of a whole-model step's fixed cost (per-operation overhead, optimizer loop) a
     rank pays: a pipeline stage runs its layers' operations only, every other rank all of
     them (tp narrower, dp/fsdp on fewer tokens, but as many operations)."""
-    if strategy in ("pp", "mp"):
+    if registry.get(strategy).splits == "layers":
         return (w.layers + (1 if w.matmul_params > w.layers * model.layer_params() else 0)) / (model.layers + 1)
     return 1.0
 

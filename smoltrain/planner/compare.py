@@ -154,7 +154,7 @@ def per_rank(plan: dict, run: dict) -> dict:
 def render(con, cmp: dict) -> None:
     from rich.table import Table
 
-    from smoltrain.planner.plan import human_bytes, human_s
+    from smoltrain.planner.bottleneck import human_bytes, human_s
 
     t = Table(title=f"{cmp['strategy']}: predicted vs measured per step ({cmp['steps']} steps)", title_justify="left")
     for c in ("src", "dst", "predicted", "measured", "measured/predicted"):
@@ -181,7 +181,7 @@ def render(con, cmp: dict) -> None:
         )
     con.print(t)
     if cmp.get("ranks"):
-        from smoltrain.planner.plan import human_s as hs
+        from smoltrain.planner.bottleneck import human_s as hs
 
         rt = Table(title="per rank: predicted vs measured (median after warm-up)", title_justify="left")
         for c in ("rank", "host", "compute", "comm", "wait"):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from smolnet.errors import UsageError
 from smolnet.files import read_json
-from smoltrain.planner.devices import get_link_class
+from smoltrain.planner.devices import LINK_CLASSES, get_link_class
 
 LINKS_SCHEMA = "smolnet.links/1"
 
@@ -139,3 +139,34 @@ def find_report(hosts: list[str], paths=("reports/links.json",)) -> dict | None:
         if set(hosts) <= set(report_hosts(doc)) and newer:
             best = doc
     return best
+
+
+def link_model(names: list[str], hosts=None, links: dict | None = None, link_class: str | None = None) -> LinkModel:
+    """Measured links first, then a named class, then the inventory's rated speeds."""
+    if links is not None and link_class is not None:
+        raise UsageError("give either a links report or a link class, not both")
+    if links is not None:
+        return from_report(links, names)
+    if link_class is not None:
+        return from_class(link_class)
+    if hosts is None or all(getattr(h, "local", False) for h in hosts):
+        lm = from_class("loopback")
+        lm.source["assumed"] = "no links report or link class; ranks on this machine"
+        return lm
+    rates = [h.link_rate_mbit for h in hosts if getattr(h, "link_rate_mbit", None)]
+    if rates:
+        lc = LINK_CLASSES["1gbe"]
+        good = min(rates) * lc.goodput_mbit / lc.rated_mbit
+        return LinkModel(
+            source={
+                "kind": "inventory",
+                "rated_mbit": min(rates),
+                "goodput_mbit": good,
+                "rtt_us": lc.rtt_us,
+                "assumed": "link_rate_mbit from the inventory",
+            },
+            default=Link(good, lc.rtt_us),
+        )
+    lm = from_class("1gbe")
+    lm.source["assumed"] = "no links report, link class or link_rate_mbit; 1 GbE assumed"
+    return lm

@@ -75,7 +75,7 @@ def choose(
 
 def section(strategy: str, mode: str, model, hosts, names, compute_doc, batch, seq, microbatches=1, lm=None) -> dict:
     """The plan's `placement`: the chosen split, why, and its predicted step next to even."""
-    mb = microbatches if strategy == "pp" else 1
+    mb = microbatches if registry.get(strategy).microbatched else 1
     chosen, speeds = choose(strategy, mode, model, hosts, names, compute_doc, batch, seq, mb, lm)
     ls = link_fn(lm)
     out = chosen.to_dict()
@@ -145,7 +145,7 @@ def for_run(
         from smoltrain.planner.plan import link_model
 
         lm = link_model(names, hosts, find_report(names))
-    mb = microbatches if strategy == "pp" else 1
+    mb = microbatches if registry.get(strategy).microbatched else 1
     placement, _ = choose(strategy, default_mode(mode_arg, compute), model, hosts, names, compute, batch, seq, mb, lm)
     return placement.to_dict()
 

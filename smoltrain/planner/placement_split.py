@@ -50,7 +50,7 @@ def _zero(link_s):
 # --- dp, fsdp, syncps, edp ---
 def _model_bytes(strategy: str, model: ModelSpec, n: int) -> float:
     p = model.params()
-    if strategy == "fsdp":
+    if registry.get(strategy).shards_params:
         return p * TRAIN_BYTES_PER_PARAM / n + 2 * 4 * max(model.layer_params(), model.vocab * model.hidden)
     if registry.get(strategy).parameter_server:
         return p * (TRAIN_BYTES_PER_PARAM + 8)  # the server's master copy and AdamW, and a worker copy
@@ -158,7 +158,7 @@ def place_layers(strategy, mode, model, names, speeds, batch, seq, microbatches,
         raise PlacementError(f"{strategy}: no host has memory for one layer of {model.name} ({excluded[0]['why']})")
     if len(kept) > model.layers:
         raise PlacementError(f"{strategy}: {model.name} has {model.layers} layers, fewer than {len(kept)} ranks")
-    objective = "sum" if strategy == "mp" else "max"
+    objective = "max" if registry.get(strategy).microbatched else "sum"  # a pipeline overlaps its stages
     if mode == "even":
         order, counts = kept, even_counts(model.layers, len(kept))
         for r, (n, c) in enumerate(zip(order, counts)):
@@ -279,13 +279,14 @@ def predict(
     ls, N, tokens = _zero(link_s), p.world, batch * seq
     sp = [speeds[n] for n in p.order]
     P4 = 4 * model.params()
-    topo = registry.get(p.strategy).topology
+    info = registry.get(p.strategy)
+    topo = info.topology
     if p.layers is not None:
         act = tokens * model.hidden * 4
         stage = [_stage_s(model, s, hi - lo, r == N - 1, tokens) for r, (s, (lo, hi)) in enumerate(zip(sp, p.layers))]
         hops = [_hops(p.order, r, link_s, act) for r in range(N)]
         t = [a + b for a, b in zip(stage, hops)]
-        if p.strategy == "mp" or N == 1:
+        if not info.microbatched or N == 1:
             step, comm = sum(t), sum(hops)
         else:
             m = max(1, microbatches)
@@ -304,7 +305,7 @@ def predict(
 
             counts = counts_from_shares(batch, p.shares) if p.shares else even_counts(batch, N)
             compute = [_rate(s, c * seq) for s, c in zip(sp, counts)]
-            msgs = {"ring": 2 * (N - 1), "star": 1}.get(topo, 2 * (N - 1)) * (1.5 if p.strategy == "fsdp" else 1)
+            msgs = {"ring": 2 * (N - 1), "star": 1}.get(topo, 2 * (N - 1)) * (1.5 if info.shards_params else 1)
             nbytes = P4 / N if topo == "ring" else P4
         if N < 2:
             comm = 0.0

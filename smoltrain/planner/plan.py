@@ -10,14 +10,15 @@ import os
 from dataclasses import dataclass
 
 from smolnet.errors import UsageError
+from smoltrain import registry
 from smoltrain.models.spec import ModelSpec
 from smoltrain.planner import capacity, timing
+from smoltrain.planner.bottleneck import bottleneck, human_bytes
 from smoltrain.planner.devices import LINK_CLASSES, DeviceProfile, get_device, load_calibration
-from smoltrain.planner.links import Link, LinkModel, from_class, from_report
+from smoltrain.planner.links import LinkModel, from_class, link_model
 from smoltrain.planner.traffic import Traffic, bytes_per_token, dtype_bytes, traffic
 
 PLAN_SCHEMA = "smoltrain.plan/1"
-REPLICATED_INFER = ("dp", "syncps", "edp")
 
 
 @dataclass
@@ -58,52 +59,6 @@ def resolve_ranks(world: int, hosts=None, calibration=None) -> list[Rank]:
     return out
 
 
-def link_model(names: list[str], hosts=None, links: dict | None = None, link_class: str | None = None) -> LinkModel:
-    """Measured links first, then a named class, then the inventory's rated speeds."""
-    if links is not None and link_class is not None:
-        raise UsageError("give either a links report or a link class, not both")
-    if links is not None:
-        return from_report(links, names)
-    if link_class is not None:
-        return from_class(link_class)
-    if hosts is None or all(getattr(h, "local", False) for h in hosts):
-        lm = from_class("loopback")
-        lm.source["assumed"] = "no links report or link class; ranks on this machine"
-        return lm
-    rates = [h.link_rate_mbit for h in hosts if getattr(h, "link_rate_mbit", None)]
-    if rates:
-        lc = LINK_CLASSES["1gbe"]
-        good = min(rates) * lc.goodput_mbit / lc.rated_mbit
-        return LinkModel(
-            source={
-                "kind": "inventory",
-                "rated_mbit": min(rates),
-                "goodput_mbit": good,
-                "rtt_us": lc.rtt_us,
-                "assumed": "link_rate_mbit from the inventory",
-            },
-            default=Link(good, lc.rtt_us),
-        )
-    lm = from_class("1gbe")
-    lm.source["assumed"] = "no links report, link class or link_rate_mbit; 1 GbE assumed"
-    return lm
-
-
-def human_bytes(n: float) -> str:
-    for unit, k in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= k:
-            return f"{n / k:.3g} {unit}"
-    return f"{n:.0f} B"
-
-
-def human_s(s: float) -> str:
-    if s >= 1:
-        return f"{s:.3g} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.3g} ms"
-    return f"{s * 1e6:.3g} us"
-
-
 def make_plan(
     strategy: str,
     model: ModelSpec,
@@ -120,8 +75,9 @@ def make_plan(
 ) -> dict:
     if mode == "infer":
         batch, microbatches = 1, 1  # the contract's bytes per token are for batch-1 decode
-    if strategy != "pp":
-        microbatches = 1  # only pp cuts the batch into microbatches (as smoltrain run does)
+    info = registry.REGISTRY.get(strategy)  # an unknown name is refused by traffic() below
+    if info is None or not info.microbatched:
+        microbatches = 1  # only a pipeline cuts the batch into microbatches (as smoltrain run does)
     tr: Traffic = traffic(strategy, mode, model, world, dtype, batch, seq, microbatches)
     ranks = ranks or resolve_ranks(world)
     names = [r.name for r in ranks]
@@ -145,7 +101,7 @@ def make_plan(
         if rk.measured and train:  # timed steps hold the memory traffic already, plus a fixed cost
             # every microbatch runs all of the stage's operations: a pipeline pays the fixed cost m times
             t_c = t_fl + rk.fixed_s * capacity.fixed_share(w, model, strategy) * (
-                microbatches if strategy == "pp" else 1
+                microbatches if info.microbatched else 1
             )
         per_rank.append(
             {
@@ -168,7 +124,7 @@ def make_plan(
     link_s = timing.link_seconds(tr, names, lm)
     down = [(s, d) for (s, d) in link_b if not lm.get(names[s], names[d]).up]
     bubble = 0.0
-    if strategy in ("pp", "mp") and world > 1:
+    if info.splits == "layers" and world > 1:
         stage = [p["compute_s"] for p in per_rank]
         if train:
             hop = lambda s, d: lm.get(names[s], names[d])  # noqa: E731
@@ -193,7 +149,7 @@ def make_plan(
     else:
         slowest = max(per_rank, key=lambda p: p["compute_s"])
         compute_s = slowest["compute_s"]
-        if train and strategy in ("syncps", "edp") and world > 1:  # the server aggregates and updates
+        if train and info.parameter_server and world > 1:  # the server aggregates and updates
             compute_s += capacity.server_seconds(model, world, ranks[0].device.mem_bw)
         cc = timing.comm_cost(tr, names, lm)
         comm_s = cc.total_s
@@ -209,13 +165,13 @@ def make_plan(
     step_s = compute_s + comm_s
     finite = math.isfinite(step_s)
     tokens_step = batch * seq if train else 1
-    if not train and strategy in REPLICATED_INFER:
+    if not train and info.replicated_infer:  # replicas serve their own streams
         tps = sum(1 / p["compute_s"] for p in per_rank if p["compute_s"] > 0)
     else:
         tps = tokens_step / step_s if finite and step_s > 0 else 0.0
 
     # bottleneck, in words
-    bn, where = _bottleneck(tr, per_rank, names, lm, link_b, link_s, compute_s, comm_s, cc, down, bubble)
+    bn, where = bottleneck(tr, per_rank, names, lm, link_b, link_s, compute_s, comm_s, cc, down, bubble)
     busiest = tr.rank_bytes()
     links_out = []
     for (s, d), b in sorted(link_b.items()):
@@ -284,58 +240,6 @@ def make_plan(
     return doc
 
 
-def _bottleneck(tr, per_rank, names, lm, link_b, link_s, compute_s, comm_s, cc, down, bubble=0.0):
-    unfit = [p for p in per_rank if not p["fits"]]
-    if unfit:
-        p = max(unfit, key=lambda p: p["memory"]["total"] / max(1, p["memory_available"]))
-        return "capacity", (
-            f"rank {p['rank']} ({p['name']}, {p['device']}) needs "
-            f"{human_bytes(p['memory']['total'])} of {human_bytes(p['memory_available'])} "
-            f"usable memory"
-        )
-    if down:
-        s, d = down[0]
-        return "link", f"link {names[s]} -> {names[d]} is down; the plan cannot run over it"
-    if comm_s > compute_s and link_b:
-        (s, d), sec = max(link_s.items(), key=lambda kv: kv[1])
-        ln = lm.get(names[s], names[d])
-        if cc.alpha_s > (cc.total_s - cc.alpha_s):
-            msgs = tr.link_msgs().get((s, d), 0)
-            return "latency", (
-                f"{msgs} messages per step wait {ln.rtt_us:.0f} us round trips on "
-                f"{names[s]} -> {names[d]}; "
-                f"latency is {human_s(cc.alpha_s)} of {human_s(comm_s)} communication"
-            )
-        lim = cc.limiter if "link" in cc.limiter or "lin" in cc.limiter else f"link {names[s]} -> {names[d]}"
-        if "link " in lim:
-            return "link", (
-                f"{lim} ({ln.rate_mbit or 0:.0f} Mbit/s) carries "
-                f"{human_bytes(link_b[(s, d)])} per step, busy {human_s(sec)} against "
-                f"{human_s(compute_s)} of compute"
-            )
-        return "link", (
-            f"{lim} carries the star's traffic, {human_s(comm_s)} per step against {human_s(compute_s)} of compute"
-        )
-    p = max(per_rank, key=lambda p: p["compute_s"])
-    what = "FLOPs" if p["bound"] == "compute" else "memory traffic"
-    what += " per step" if tr.mode == "train" else " per token"
-    if tr.strategy in ("pp", "mp") and tr.world > 1:
-        how = (
-            "decode runs the stages one after another"
-            if tr.mode == "infer"
-            else f"pipeline bubble {bubble:.0%} of the step"
-        )
-        return p["bound"], (
-            f"{tr.world} stages, slowest rank {p['rank']} ({p['name']}, {p['device']}) "
-            f"with {human_s(p['compute_s'])} of {what}; {how}; "
-            f"communication adds {human_s(comm_s)}"
-        )
-    return p["bound"], (
-        f"rank {p['rank']} ({p['name']}, {p['device']}): {human_s(p['compute_s'])} of "
-        f"{what}; communication adds {human_s(comm_s)}"
-    )
-
-
 def plan_for_run(
     strategy,
     model: ModelSpec,
@@ -382,11 +286,12 @@ def plan_for_run(
 def busy_ranks(strategy: str, world: int, microbatches: int = 1, mode: str = "train") -> int:
     """How many ranks compute at the same time: a pipeline keeps at most min(m, p) busy, and
     mp (or any pipeline in decode) one."""
-    if strategy == "mp" or (strategy == "pp" and mode == "infer"):
+    info = registry.REGISTRY.get(strategy)
+    if info is None or info.splits != "layers":
+        return world
+    if not info.microbatched or mode == "infer":
         return 1
-    if strategy == "pp":
-        return min(world, microbatches)
-    return world
+    return min(world, microbatches)
 
 
 def share_machine(ranks: list[Rank], cores: int | None = None, busy: int | None = None) -> list[Rank]:

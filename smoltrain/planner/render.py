@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from smolnet.files import save_figure_atomic
-from smoltrain.planner.plan import human_bytes, human_s
+from smoltrain.planner.bottleneck import human_bytes, human_s
 
 
 def _s(v) -> str:

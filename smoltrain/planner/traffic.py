@@ -14,7 +14,9 @@ all pairs for ep.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from smolnet.errors import UsageError
 from smoltrain import registry
@@ -143,35 +145,211 @@ def gather_or_scatter(world: int, nbytes: float, what: str) -> list[Phase]:
 
 
 def validate(strategy: str, mode: str, model: ModelSpec, world: int, batch: int, seq: int, microbatches: int) -> None:
-    if strategy not in STRATEGIES:
-        raise UsageError(f"unknown strategy {strategy!r} (one of {', '.join(STRATEGIES)}, or all)")
+    info = registry.REGISTRY.get(strategy)
+    if info is None:
+        raise UsageError(f"unknown strategy {strategy!r} (one of {', '.join(registry.names())}, or all)")
     if mode not in MODES:
         raise UsageError(f"unknown mode {mode!r} (train or infer)")
     for what, v in (("world", world), ("batch", batch), ("seq", seq), ("microbatches", microbatches)):
         if not isinstance(v, int) or v < 1:
             raise UsageError(f"{what} must be a positive integer, got {v!r}")
-    if strategy in ("pp", "mp") and world > model.layers:
+    if info.splits == "layers" and world > model.layers:
         raise UsageError(
             f"{strategy} over {world} ranks needs at least {world} layers; {model.name} has {model.layers}"
         )
-    if strategy == "tp" and world > model.kv_heads:  # uneven splits are the placement's (planner.placement)
+    if info.splits == "heads" and world > model.kv_heads:  # uneven splits are the placement's (planner.placement)
         raise UsageError(
-            f"tp over {world} ranks needs at least one KV head group per rank; "
+            f"{strategy} over {world} ranks needs at least one KV head group per rank; "
             f"{model.name} has {model.heads} heads in {model.kv_heads} groups"
         )
-    if strategy == "ep":
+    if info.splits == "experts":
         if model.experts < 2:
-            raise UsageError(f"ep needs a mixture-of-experts model; {model.name} is dense (try --model mixtral-8x7b)")
+            raise UsageError(
+                f"{strategy} needs a mixture-of-experts model; {model.name} is dense (try --model mixtral-8x7b)"
+            )
         if model.experts % world:
             raise UsageError(
-                f"ep over {world} ranks needs experts divisible by the world; {model.name} has {model.experts}"
+                f"{strategy} over {world} ranks needs experts divisible by the world; {model.name} has {model.experts}"
             )
-    if strategy == "sp" and seq % world:
-        raise UsageError(f"sp over {world} ranks needs seq divisible by the world, got seq {seq}")
-    if mode == "train" and strategy == "pp" and microbatches > batch:
-        raise UsageError(f"pp cannot cut batch {batch} into {microbatches} microbatches")
+    if info.splits == "sequence" and seq % world:
+        raise UsageError(f"{strategy} over {world} ranks needs seq divisible by the world, got seq {seq}")
+    if mode == "train" and info.microbatched and microbatches > batch:
+        raise UsageError(f"{strategy} cannot cut batch {batch} into {microbatches} microbatches")
     if mode == "train" and seq > model.ctx:
         raise UsageError(f"seq {seq} is longer than {model.name}'s context ({model.ctx})")
+
+
+@dataclass(frozen=True)
+class Step:
+    """What a traffic model reads: the strategy's traits and the shape of one step."""
+
+    info: registry.StrategyInfo
+    model: ModelSpec
+    world: int
+    a: int  # bytes per element
+    batch: int
+    seq: int
+    microbatches: int
+
+
+# --- train: one optimizer step ---
+def ring_allreduce_train(tr: Traffic, s: Step) -> None:
+    tr.phases += bucketed_all_reduce(s.world, s.model.params() * s.a, "all-reduce gradients")
+
+
+def sharded_gather_train(tr: Traffic, s: Step) -> None:
+    N, P = s.world, s.model.params()
+    units = fsdp_units(s.model)
+    pad = sum(padded(u, N) for u in units)
+    for what in ("all-gather parameters (forward)", "all-gather parameters (backward)", "reduce-scatter gradients"):
+        for u in units:
+            tr.phases += gather_or_scatter(N, padded(u, N) * s.a, what)
+    if pad != P:
+        tr.notes.append(f"each unit's flat buffer is padded to a multiple of {N}: {pad} elements instead of {P}")
+
+
+def parameter_server_train(tr: Traffic, s: Step) -> None:
+    N, nbytes = s.world, s.model.params() * s.a
+    if N > 1:
+        tr.phases.append(Phase("workers push gradients", [Transfer(r, 0, nbytes) for r in range(1, N)]))
+        tr.phases.append(Phase("server returns parameters", [Transfer(0, r, nbytes) for r in range(1, N)]))
+    tr.notes.append("rank 0 is the parameter server and also a worker; it exchanges with ranks 1..N-1")
+    if s.info.joiners:
+        tr.notes.append(
+            f"{s.info.name}: bytes per step as syncps; workers do not wait for each other, and a "
+            "joiner also pulls the parameters and optimizer state (~3x params) once"
+        )
+
+
+def layer_chain_train(tr: Traffic, s: Step) -> None:
+    N, h, model = s.world, s.model.hidden, s.model
+    m = s.microbatches if s.info.microbatched else 1
+    mb = s.batch * s.seq * h * s.a / m
+    fwd = [Transfer(r, r + 1, mb) for r in range(N - 1)]
+    bwd = [Transfer(r + 1, r, mb) for r in range(N - 1)]
+    if fwd:
+        tr.phases.append(Phase("activations forward", fwd, m))
+        tr.phases.append(Phase("activation gradients backward", bwd, m))
+    if model.tied_embeddings and N > 1:
+        E = model.vocab * h * s.a
+        tr.phases.append(
+            Phase("tied embedding gradient sync (first <-> last stage)", [Transfer(0, N - 1, E), Transfer(N - 1, 0, E)])
+        )
+        tr.notes.append(
+            "tied embeddings: the first and last stages both hold the embedding "
+            "and all-reduce its gradient once per step"
+        )
+
+
+def tensor_allreduce_train(tr: Traffic, s: Step) -> None:
+    # Megatron: 2 all-reduces of b*s*h forward per layer and 2 backward, per microbatch.
+    N, m = s.world, s.microbatches
+    if N > 1:
+        tr.phases.append(
+            _ring(
+                N,
+                s.batch * s.seq * s.model.hidden * s.a / m / N,
+                4 * s.model.layers * m * 2 * (N - 1),
+                "all-reduce activations (2 fwd + 2 bwd per layer)",
+            )
+        )
+    tr.notes.append("embeddings and LM head replicated: nothing else crosses the links")
+
+
+def expert_all_to_all_train(tr: Traffic, s: Step) -> None:
+    N, model = s.world, s.model
+    dense = model.params() - expert_params(model)
+    tr.phases += bucketed_all_reduce(N, dense * s.a, "all-reduce non-expert gradients")
+    per_pair = s.batch * s.seq / N * model.top_k * model.hidden * s.a / N
+    pairs = [Transfer(r, j, per_pair) for r in range(N) for j in range(N) if r != j]
+    if pairs:
+        tr.phases.append(Phase("all-to-all dispatch/combine (2 fwd + 2 bwd per layer)", pairs, 4 * model.layers))
+    tr.notes.append(f"{s.info.name} assumes uniform routing with capacity factor 1; the busiest expert sets the time")
+
+
+def ring_attention_train(tr: Traffic, s: Step) -> None:
+    N, model = s.world, s.model
+    kv = 2 * s.batch * (s.seq // N) * model.kv_dim * s.a
+    if N > 1:
+        tr.phases.append(_ring(N, kv, 3 * (N - 1) * model.layers, "ring attention K,V (fwd) and K,V,dK,dV (bwd)"))
+    tr.phases += bucketed_all_reduce(N, model.params() * s.a, "all-reduce gradients")
+
+
+# --- infer: one generated token, batch 1, KV cache over `seq` positions ---
+def replicated_infer(tr: Traffic, s: Step) -> None:
+    tr.notes.append("inference: every rank serves its own request stream; nothing crosses the links")
+
+
+def sharded_gather_infer(tr: Traffic, s: Step) -> None:
+    tr.phases += gather_or_scatter(s.world, padded(s.model.params(), s.world) * s.a, "all-gather parameters per token")
+
+
+def layer_chain_infer(tr: Traffic, s: Step) -> None:
+    N, h = s.world, s.model.hidden
+    tr.phases += [Phase(f"hidden state stage {r} -> {r + 1}", [Transfer(r, r + 1, h * s.a)]) for r in range(N - 1)]
+    if N > 1:
+        tr.phases.append(Phase("sampled token id back to stage 0", [Transfer(N - 1, 0, TOKEN_ID_BYTES)]))
+        tr.notes.append("the last stage returns the sampled token id to stage 0 as one int64 (8 bytes)")
+
+
+def tensor_allreduce_infer(tr: Traffic, s: Step) -> None:
+    N = s.world
+    if N > 1:
+        hidden = s.model.hidden * s.a / N
+        tr.phases.append(_ring(N, hidden, 2 * s.model.layers * 2 * (N - 1), "all-reduce hidden state (2 per layer)"))
+
+
+def expert_all_to_all_infer(tr: Traffic, s: Step) -> None:
+    N, L = s.world, s.model.layers
+    share = s.model.top_k * s.model.hidden * s.a / N
+    if N > 1:
+        tr.phases.append(Phase("dispatch token to experts", [Transfer(0, j, share) for j in range(1, N)], L))
+        tr.phases.append(Phase("combine expert outputs", [Transfer(j, 0, share) for j in range(1, N)], L))
+    tr.notes.append(f"{s.info.name} decode: rank 0 runs attention for the sequence; experts answer it")
+
+
+def ring_attention_infer(tr: Traffic, s: Step) -> None:
+    N, model = s.world, s.model
+    if N > 1:
+        tr.phases.append(
+            Phase(
+                "ring-attention decode: q and partial (out, lse) around the ring",
+                [Transfer(r, (r + 1) % N, 2 * model.hidden * s.a + model.heads * LSE_BYTES) for r in range(N)],
+                model.layers,
+                serial=True,
+            )
+        )
+        tr.notes.append(
+            f"{s.info.name} decode: the KV cache is split by position; q and the running "
+            "(out, lse) go once around the ring per layer"
+        )
+
+
+class TrafficModel(NamedTuple):
+    train: Callable[[Traffic, Step], None]
+    infer: Callable[[Traffic, Step], None]
+
+
+# A strategy names its model in the registry (StrategyInfo.traffic); the planner looks it up here.
+MODELS: dict[str, TrafficModel] = {
+    "ring_allreduce": TrafficModel(ring_allreduce_train, replicated_infer),
+    "sharded_gather": TrafficModel(sharded_gather_train, sharded_gather_infer),
+    "parameter_server": TrafficModel(parameter_server_train, replicated_infer),
+    "layer_chain": TrafficModel(layer_chain_train, layer_chain_infer),
+    "tensor_allreduce": TrafficModel(tensor_allreduce_train, tensor_allreduce_infer),
+    "expert_all_to_all": TrafficModel(expert_all_to_all_train, expert_all_to_all_infer),
+    "ring_attention": TrafficModel(ring_attention_train, ring_attention_infer),
+}
+
+
+def model_for(info: registry.StrategyInfo, mode: str) -> Callable[[Traffic, Step], None]:
+    """The function that counts this strategy's bytes in `mode` (a replica decodes alone)."""
+    tm = MODELS.get(info.traffic)
+    if tm is None:
+        raise UsageError(f"{info.name}: no traffic model {info.traffic!r} (one of {', '.join(MODELS)})")
+    if mode == "infer":
+        return replicated_infer if info.replicated_infer else tm.infer
+    return tm.train
 
 
 def traffic(
@@ -186,116 +364,9 @@ def traffic(
 ) -> Traffic:
     """Every byte the strategy sends per step (train) or per generated token (infer)."""
     validate(strategy, mode, model, world, batch, seq, microbatches)
-    a = dtype_bytes(dtype)
-    N, h, L, P = world, model.hidden, model.layers, model.params()
-    tr = Traffic(strategy, mode, N)
-    ph = tr.phases
-    if mode == "train":
-        if strategy == "dp":
-            ph += bucketed_all_reduce(N, P * a, "all-reduce gradients")
-        elif strategy == "fsdp":
-            units = fsdp_units(model)
-            pad = sum(padded(u, N) for u in units)
-            for what in (
-                "all-gather parameters (forward)",
-                "all-gather parameters (backward)",
-                "reduce-scatter gradients",
-            ):
-                for u in units:
-                    ph += gather_or_scatter(N, padded(u, N) * a, what)
-            if pad != P:
-                tr.notes.append(
-                    f"each unit's flat buffer is padded to a multiple of {N}: {pad} elements instead of {P}"
-                )
-        elif strategy in ("syncps", "edp"):
-            if N > 1:
-                ph.append(Phase("workers push gradients", [Transfer(r, 0, P * a) for r in range(1, N)]))
-                ph.append(Phase("server returns parameters", [Transfer(0, r, P * a) for r in range(1, N)]))
-            tr.notes.append("rank 0 is the parameter server and also a worker; it exchanges with ranks 1..N-1")
-            if strategy == "edp":
-                tr.notes.append(
-                    "edp: bytes per step as syncps; workers do not wait for each other, and a "
-                    "joiner also pulls the parameters and optimizer state (~3x params) once"
-                )
-        elif strategy in ("mp", "pp"):
-            m = 1 if strategy == "mp" else microbatches
-            mb = batch * seq * h * a / m
-            fwd = [Transfer(r, r + 1, mb) for r in range(N - 1)]
-            bwd = [Transfer(r + 1, r, mb) for r in range(N - 1)]
-            if fwd:
-                ph.append(Phase("activations forward", fwd, m))
-                ph.append(Phase("activation gradients backward", bwd, m))
-            if model.tied_embeddings and N > 1:
-                E = model.vocab * h * a
-                ph.append(
-                    Phase(
-                        "tied embedding gradient sync (first <-> last stage)",
-                        [Transfer(0, N - 1, E), Transfer(N - 1, 0, E)],
-                    )
-                )
-                tr.notes.append(
-                    "tied embeddings: the first and last stages both hold the embedding "
-                    "and all-reduce its gradient once per step"
-                )
-        elif strategy == "tp":
-            # Megatron: 2 all-reduces of b*s*h forward per layer and 2 backward, per microbatch.
-            if N > 1:
-                ph.append(
-                    _ring(
-                        N,
-                        batch * seq * h * a / microbatches / N,
-                        4 * L * microbatches * 2 * (N - 1),
-                        "all-reduce activations (2 fwd + 2 bwd per layer)",
-                    )
-                )
-            tr.notes.append("embeddings and LM head replicated: nothing else crosses the links")
-        elif strategy == "ep":
-            dense = P - expert_params(model)
-            ph += bucketed_all_reduce(N, dense * a, "all-reduce non-expert gradients")
-            per_pair = batch * seq / N * model.top_k * h * a / N
-            pairs = [Transfer(r, j, per_pair) for r in range(N) for j in range(N) if r != j]
-            if pairs:
-                ph.append(Phase("all-to-all dispatch/combine (2 fwd + 2 bwd per layer)", pairs, 4 * L))
-            tr.notes.append("ep assumes uniform routing with capacity factor 1; the busiest expert sets the time")
-        elif strategy == "sp":
-            kv = 2 * batch * (seq // N) * model.kv_dim * a
-            if N > 1:
-                ph.append(_ring(N, kv, 3 * (N - 1) * L, "ring attention K,V (fwd) and K,V,dK,dV (bwd)"))
-            ph += bucketed_all_reduce(N, P * a, "all-reduce gradients")
-    else:  # infer: one generated token, batch 1, KV cache over `seq` positions
-        if strategy in ("dp", "syncps", "edp"):
-            tr.notes.append("inference: every rank serves its own request stream; nothing crosses the links")
-        elif strategy == "fsdp":
-            ph += gather_or_scatter(N, padded(P, N) * a, "all-gather parameters per token")
-        elif strategy in ("mp", "pp"):
-            hops = [Phase(f"hidden state stage {r} -> {r + 1}", [Transfer(r, r + 1, h * a)]) for r in range(N - 1)]
-            ph += hops
-            if N > 1:
-                ph.append(Phase("sampled token id back to stage 0", [Transfer(N - 1, 0, TOKEN_ID_BYTES)]))
-                tr.notes.append("the last stage returns the sampled token id to stage 0 as one int64 (8 bytes)")
-        elif strategy == "tp":
-            if N > 1:
-                ph.append(_ring(N, h * a / N, 2 * L * 2 * (N - 1), "all-reduce hidden state (2 per layer)"))
-        elif strategy == "ep":
-            share = model.top_k * h * a / N
-            if N > 1:
-                ph.append(Phase("dispatch token to experts", [Transfer(0, j, share) for j in range(1, N)], L))
-                ph.append(Phase("combine expert outputs", [Transfer(j, 0, share) for j in range(1, N)], L))
-            tr.notes.append("ep decode: rank 0 runs attention for the sequence; experts answer it")
-        elif strategy == "sp":  # noqa: SIM102 (one branch per strategy reads better)
-            if N > 1:
-                ph.append(
-                    Phase(
-                        "ring-attention decode: q and partial (out, lse) around the ring",
-                        [Transfer(r, (r + 1) % N, 2 * h * a + model.heads * LSE_BYTES) for r in range(N)],
-                        L,
-                        serial=True,
-                    )
-                )
-                tr.notes.append(
-                    "sp decode: the KV cache is split by position; q and the running "
-                    "(out, lse) go once around the ring per layer"
-                )
+    info = registry.get(strategy)
+    tr = Traffic(strategy, mode, world)
+    model_for(info, mode)(tr, Step(info, model, world, dtype_bytes(dtype), batch, seq, microbatches))
     return tr
 
 

@@ -143,21 +143,21 @@ class Strategy(ABC):
 
 def check_world(strategy: str, spec, world: int) -> None:
     """Refuse splits the model cannot take, before any process starts."""
-    registry.get(strategy, trainable=True)
+    info = registry.get(strategy, trainable=True)
     if world < 1:
         raise UsageError("world size must be at least 1")
-    if strategy in ("pp", "mp") and world > spec.layers:
+    if info.splits == "layers" and world > spec.layers:
         raise UsageError(
             f"{strategy}: {spec.layers} layers of {spec.name} do not divide over {world} stages "
             f"(at most one stage per layer)"
         )
-    if strategy == "tp" and (world > spec.kv_heads or world > spec.ffn):
+    if info.splits == "heads" and (world > spec.kv_heads or world > spec.ffn):
         raise UsageError(
-            f"tp: {spec.kv_heads} KV head groups of {spec.name} do not divide over {world} ranks "
+            f"{strategy}: {spec.kv_heads} KV head groups of {spec.name} do not divide over {world} ranks "
             f"(at most one rank per group)"
         )
-    if strategy == "fsdp" and spec.tied_embeddings:
-        raise UsageError(f"fsdp: {spec.name} ties its embeddings across units; use an untied model such as tiny")
+    if info.shards_params and spec.tied_embeddings:
+        raise UsageError(f"{strategy}: {spec.name} ties its embeddings across units; use an untied model such as tiny")
 
 
 def load_strategy(name: str) -> type[Strategy]:
