@@ -34,6 +34,11 @@ def add_arguments(p) -> None:
         action="store_true",
         help="loopback hosts instead of the namespaced sim (no root needed; skips shaping and provisioning)",
     )
+    p.add_argument(
+        "--cpu-limit",
+        metavar="CORES",
+        help="the sim hosts' CPU caps, passed to `smolnet sim up` (default: the home scenario's; 0 = uncapped)",
+    )
 
 
 class Stage:
@@ -99,10 +104,12 @@ def run(args) -> int:
     up = False
     try:
         subprocess.run(sim + ["down", "--name", args.name], cwd=ROOT, capture_output=True, timeout=180)
-        loopback = ["--loopback"] if args.loopback else []
+        sim_opts = ["--loopback"] if args.loopback else []
+        if args.cpu_limit is not None:
+            sim_opts += ["--cpu-limit", args.cpu_limit]
         stage.run(
             "1. cluster: build the sim",
-            sim + ["up", "--name", args.name, "--subnet", args.subnet, "--inventory", str(inv)] + loopback,
+            sim + ["up", "--name", args.name, "--subnet", args.subnet, "--inventory", str(inv)] + sim_opts,
         )
         up = True
         stage.run("   cluster: status", sim + ["status", "--name", args.name])
@@ -151,7 +158,7 @@ def run(args) -> int:
         )
         from smoltrain.commands.demo_compute import compute_stage
 
-        compute_stage(stage, py, inv, out, links, steps, args.quick)
+        compute_md = compute_stage(stage, py, inv, out, links, steps, args.quick)
         plans = out / "plans.json"
         stage.run(
             "5. plan: every strategy on the measured links",
@@ -218,6 +225,9 @@ def run(args) -> int:
         from smoltrain.commands.demo_report import write_report
 
         path = write_report(out, chosen, stage.results)
+        body = compute_md.read_text().split("\n", 1)[1]  # the compute stage's table, under the report's heading
+        with open(path, "a") as f:
+            f.write(f"\n## Measured compute: predicted vs measured step time\n{body}\n")
         from smoltrain.commands.demo_placement import placement_stage
 
         placement_stage(stage, console, py, inv, links, out, steps, path, args.quick)  # even vs auto, into REPORT.md

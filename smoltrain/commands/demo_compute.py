@@ -31,7 +31,7 @@ def compute_stage(stage, py: str, inv: Path, out: Path, links: Path, steps: str,
     for strat in QUICK if quick else STRATEGIES:
         run_json = out / f"compute-run-{strat}.json"
         p = stage.run(
-            f"4c. train {MODEL} with {strat} on the capped hosts",
+            f"4c. train {MODEL} with {strat} across the hosts",
             [
                 py,
                 "-m",

@@ -1,6 +1,6 @@
 """The demo's last act: the model it trained goes on the share and generates across the cluster.
 
-Stages (plain command lines, like the rest of the demo): a short dp run that checkpoints,
+Stages (plain command lines, like the rest of the demo): a short dp run of tiny8 that checkpoints,
 `smoltrain export` of it as a Hugging Face GPT-2 folder onto the model share (the
 inventory's `nfs_mount_dir` when it is mounted here, else a folder beside the report:
 the sim's hosts share this machine's file system), then `smoltrain generate` with pp and
@@ -13,6 +13,10 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+
+from smoltrain.models.spec import get_model
+
+MODEL = "tiny8"  # 8 layers and 4 heads: pp and tp both split over the demo's 4 hosts
 
 
 def model_dir(inv: Path, out: Path) -> Path:
@@ -31,7 +35,7 @@ def generate_stages(stage, py: str, inv: Path, out: Path, steps: str, report: Pa
     gen = out / "generate"  # its own folder: the training sections' run-*.json and PNGs stay as they are
     ck, model = gen / "checkpoints", model_dir(inv, out)
     stage.run(
-        "8. train with checkpoints: dp across the cluster",
+        "10. train with checkpoints: dp across the cluster",
         [
             py,
             "-m",
@@ -41,6 +45,8 @@ def generate_stages(stage, py: str, inv: Path, out: Path, steps: str, report: Pa
             "dp",
             "-i",
             str(inv),
+            "--model",
+            MODEL,
             "--steps",
             steps,
             "--checkpoint-dir",
@@ -53,17 +59,17 @@ def generate_stages(stage, py: str, inv: Path, out: Path, steps: str, report: Pa
         timeout=900,
     )
     stage.run(
-        "9. export: the trained model as a Hugging Face checkpoint on the share",
+        "11. export: the trained model as a Hugging Face checkpoint on the share",
         [py, "-m", "smoltrain", "export", "--checkpoint-dir", str(ck), "--out", str(model)],
     )
     world = len(json.loads((gen / "train.json").read_text()).get("hosts", []))
     rows = []
     for strat in ("pp", "tp"):
-        if strat == "tp" and 6 % max(world, 1):
-            continue  # tiny's 6 heads do not split over this many hosts
+        if strat == "tp" and get_model(MODEL).heads % max(world, 1):
+            continue  # the heads do not split over this many hosts
         rep = gen / f"generate-{strat}.json"
         stage.run(
-            f"10. generate: {strat} across the cluster from the share",
+            f"12. generate: {strat} across the cluster from the share",
             [
                 py,
                 "-m",

@@ -1,8 +1,7 @@
 """Demo stage: placement by measured speed, even vs auto, predicted beside measured.
 
-Needs a compute report of the cluster, so it runs `smoltrain calibrate -i` when this
-smoltrain has it; otherwise it says so loudly and skips (the rest of the demo stands).
-Then, for dp and pp: `plan --placement auto` (the placement and its predicted gain), and
+Reads the compute report the compute stage wrote (`smoltrain calibrate -i`, the same
+hosts a few minutes earlier). Then, for dp and pp: `plan --placement auto` (the placement and its predicted gain), and
 `run --placement even` and `run --placement auto` (the measured gain). REPORT.md gets a
 table of predicted and measured tokens/s and a picture of who got what.
 """
@@ -10,16 +9,10 @@ table of predicted and measured tokens/s and a picture of who got what.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 STRATEGIES = ("dp", "pp")
-
-
-def has_calibrate_inventory(py: str) -> bool:
-    p = subprocess.run([py, "-m", "smoltrain", "calibrate", "--help"], capture_output=True, text=True, timeout=120)
-    return p.returncode == 0 and "--inventory" in p.stdout
 
 
 def work_of(placement: dict) -> list[tuple[str, float, str]]:
@@ -95,24 +88,13 @@ def placement_stage(
     stage, console, py: str, inv: Path, links: Path, out: Path, steps: str, report: Path, quick: bool = False
 ) -> None:
     """Run the stage and append its section to the demo's REPORT.md (--quick: dp only)."""
-    if not has_calibrate_inventory(py):
-        console.print(
-            "[bold red]PLACEMENT STAGE SKIPPED: this smoltrain has no `calibrate -i` (measured compute); "
-            "even vs auto needs measured host speeds[/]"
-        )
-        return
-    compute = out / "compute.json"
-    stage.run(
-        "8. calibrate: measure every host's training speed",
-        [py, "-m", "smoltrain", "calibrate", "-i", str(inv), "--json", str(compute)],
-        timeout=900,
-    )
+    compute = out / "compute.json"  # the compute stage's calibration of these hosts
     rows = []
     for strat in STRATEGIES[:1] if quick else STRATEGIES:
         row = {"strategy": strat}
         plan = out / f"plan-placement-{strat}.json"
         stage.run(
-            f"9. plan: {strat} placed by measured speed",
+            f"8. plan: {strat} placed by measured speed",
             [
                 py,
                 "-m",
@@ -139,7 +121,7 @@ def placement_stage(
         for mode in ("even", "auto"):
             rj = out / f"placement-{strat}-{mode}.json"  # not run-*.json: those are the demo's main runs
             stage.run(
-                f"10. train: {strat} --placement {mode}",
+                f"9. train: {strat} --placement {mode}",
                 [
                     py,
                     "-m",
