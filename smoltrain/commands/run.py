@@ -99,19 +99,9 @@ def run(args) -> int:
         raise UsageError(str(e)) from None
 
     from smoltrain.run.config import RunConfig
-    from smoltrain.run.controller import Controller, Placement, check_usage, plot_losses, route_source, write_json
+    from smoltrain.run.controller import Controller, check_usage, plot_losses, rank_placements, route_source, write_json
 
-    hosts = None
-    if args.local is not None:
-        if args.local < 1:
-            raise UsageError("--local needs at least 1 worker")
-        placements = [Placement(f"rank{r}", "127.0.0.1") for r in range(args.local)]
-    else:
-        from smolnet.inventory import load_inventory
-
-        inv = load_inventory(args.inventory)
-        hosts = [inv.coordinator] + [h for h in inv.hosts if h.name != inv.coordinator.name]
-        placements = [Placement(h.name, h.cluster_ip, h) for h in hosts]
+    placements, hosts = rank_placements(args.local, args.inventory)
     from smoltrain.planner.placement_plan import for_run
 
     placed = for_run(

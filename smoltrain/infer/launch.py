@@ -62,22 +62,10 @@ class Setup:
 
 def resolve(args):
     """(strategy, placements, hosts) from --strategy, --local N / -i INVENTORY."""
-    from smoltrain.run.controller import Placement
+    from smoltrain.run.controller import rank_placements
 
     strategy = args.strategy
-    if args.local is None and not args.inventory:
-        raise UsageError("give --local N or -i INVENTORY")
-    hosts = None
-    if args.local is not None:
-        if args.local < 1:
-            raise UsageError("--local needs at least 1 rank")
-        placements = [Placement(f"rank{r}", "127.0.0.1") for r in range(args.local)]
-    else:
-        from smolnet.inventory import load_inventory
-
-        inv = load_inventory(args.inventory)
-        hosts = [inv.coordinator] + [h for h in inv.hosts if h.name != inv.coordinator.name]
-        placements = [Placement(h.name, h.cluster_ip, h) for h in hosts]
+    placements, hosts = rank_placements(args.local, args.inventory)
     if strategy == "local" and len(placements) > 1:
         placements, hosts = placements[:1], hosts[:1] if hosts else None
     return strategy, placements, hosts

@@ -35,6 +35,22 @@ class Placement:
     host: object = None  # smolnet Host, or None for --local
 
 
+def rank_placements(local: int | None, inventory: str | None) -> tuple[list[Placement], list | None]:
+    """(placements, inventory hosts or None) for `--local N` or `-i INVENTORY`: the coordinator
+    is rank 0, the other hosts follow in inventory order. `run`, `generate` and `serve` share it."""
+    if local is not None:
+        if local < 1:
+            raise UsageError("--local needs at least 1 rank")
+        return [Placement(f"rank{r}", "127.0.0.1") for r in range(local)], None
+    if not inventory:
+        raise UsageError("give --local N or -i INVENTORY")
+    from smolnet.inventory import load_inventory
+
+    inv = load_inventory(inventory)
+    hosts = [inv.coordinator] + [h for h in inv.hosts if h.name != inv.coordinator.name]
+    return [Placement(h.name, h.cluster_ip, h) for h in hosts], hosts
+
+
 def route_source(addr: str) -> str:
     """This machine's address on the route to addr (where workers can reach the controller)."""
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
