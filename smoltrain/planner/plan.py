@@ -41,6 +41,17 @@ def _profile(device: str, calibration) -> DeviceProfile:
     return get_device(device)
 
 
+def host_memory(host, name: str, default: float) -> float:
+    """The inventory's `smol_memory_gb` for this host, else the device profile's memory."""
+    gb = (getattr(host, "vars", None) or {}).get("smol_memory_gb")
+    if gb is None:
+        return default
+    try:
+        return float(gb) * 1e9
+    except (TypeError, ValueError):
+        raise UsageError(f"host {name}: smol_memory_gb must be a number, got {gb!r}") from None
+
+
 def resolve_ranks(world: int, hosts=None, calibration=None) -> list[Rank]:
     if hosts is not None and len(hosts) < world:
         raise UsageError(f"world {world} is larger than the {len(hosts)} hosts of the inventory")
@@ -48,14 +59,7 @@ def resolve_ranks(world: int, hosts=None, calibration=None) -> list[Rank]:
     for r, name in enumerate(rank_names(world, hosts)):
         host = hosts[r] if hosts else None
         prof = _profile(getattr(host, "device", "generic") or "generic", calibration)
-        mem = prof.memory_bytes
-        gb = (getattr(host, "vars", None) or {}).get("smol_memory_gb")
-        if gb is not None:
-            try:
-                mem = float(gb) * 1e9
-            except (TypeError, ValueError):
-                raise UsageError(f"host {name}: smol_memory_gb must be a number, got {gb!r}") from None
-        out.append(Rank(name, prof, mem))
+        out.append(Rank(name, prof, host_memory(host, name, prof.memory_bytes)))
     return out
 
 

@@ -80,13 +80,9 @@ def _nominal(host, model: ModelSpec) -> HostSpeed:
 
     name = _host_name(host)
     dev = get_device(getattr(host, "device", None) or "generic")
-    mem = dev.memory_bytes
-    gb = (getattr(host, "vars", None) or {}).get("smol_memory_gb")
-    if gb is not None:
-        try:
-            mem = float(gb) * 1e9
-        except (TypeError, ValueError):
-            raise UsageError(f"host {name}: smol_memory_gb must be a number, got {gb!r}") from None
+    from smoltrain.planner.plan import host_memory
+
+    mem = host_memory(host, name, dev.memory_bytes)
     return HostSpeed(name, _flop_cost(model) / dev.flops("fp32"), mem, 0.0, "", "nominal")
 
 
