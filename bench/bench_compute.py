@@ -9,7 +9,7 @@ the measured compute (`plan --compare`). Target: measured/predicted within 0.75.
 within 2% on every link. Also: each host's calibrated fp32 FLOP/s against its cap's share of
 an uncapped host's (target within 15%), from a second calibration with `--cpu-limit 0`.
 
-Writes bench/RESULTS-compute.md. Run under the shared benchmark lock:
+Writes bench/out/compute.md (the figures in BENCHMARKS.md came from it). Run under the shared benchmark lock:
     flock /tmp/smol-bench.lock .venv/bin/python bench/bench_compute.py [--steps 8] [--model tiny8]
 """
 
@@ -78,7 +78,7 @@ def main() -> int:
     ap.add_argument("--steps", default="8")
     ap.add_argument("--model", default="tiny8")
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
-    ap.add_argument("--out", default=str(ROOT / "bench" / "RESULTS-compute.md"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "compute.md"))
     a = ap.parse_args()
     d = Path(tempfile.mkdtemp(prefix="cbench-"))
     inv = up(d)
@@ -187,6 +187,7 @@ def main() -> int:
             f"{'yes' if abs(c['ratio'] - 1) <= 0.15 else 'no'} |"
         )
     text = "\n".join(lines) + "\n"
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(text)
     print(text)
     return 0

@@ -10,7 +10,7 @@ the caps, not other load on a shared machine, set the speeds). Each rank's train
 workers are started by this script, each inside its cgroup, against a `--external` run.
 
 Targets (issue 13): dp auto >= 1.5x even, pp auto >= 1.2x even; the plan's predicted gains
-within 25% of the measured ones. Results: bench/RESULTS-place.md.
+within 25% of the measured ones. Results: BENCHMARKS.md, "Placement by measured speed".
 
     sudo .venv/bin/python bench/bench_placement.py [--steps 12] [--fast 0.2] [--slow 0.03]
 """
