@@ -6,7 +6,8 @@ holds a bridge; a controller veth in the root namespace reaches every host. Link
 are shaped with tc tbf and carry per-host and per-switch-port MTUs, so the faults
 smolnet hunts (slow uplinks, jumbo mismatches) are real here, not mocked.
 
-`up` records everything it makes in state.json; `down` removes exactly that.
+`up` records everything it makes in state.json (the making itself is in build.py);
+`down` removes exactly that.
 Without root or namespaces, `up(loopback=True)` gives the same hosts as
 `ansible_connection: local` processes on 127.x addresses so the flow still runs.
 """
@@ -24,11 +25,11 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
-from smolnet.files import write_text_atomic
 from smolnet.sim import cgroup, net
+from smolnet.sim.build import _build, _save, _write_atomic
 from smolnet.sim.inventory import inventory_text, remove_inventory
 from smolnet.sim.net import SimError, SimUnavailable, unavailable_reason
-from smolnet.sim.scenarios import SCENARIOS, HostSpec, path_truth, tcp_goodput_mbit
+from smolnet.sim.scenarios import SCENARIOS, path_truth, tcp_goodput_mbit
 
 __all__ = [
     "up",
@@ -57,8 +58,6 @@ def _state_root() -> Path:
 
 STATE_ROOT = _state_root()
 LOCK_TIMEOUT = 60.0
-SSHD_TIMEOUT = 20.0
-CONTROLLER_MTU = 1500  # management path: SSH must work even to a host with a jumbo mismatch
 NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,9}$")
 
 
@@ -95,13 +94,6 @@ def _lock():
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-_write_atomic = write_text_atomic
-
-
-def _save(st: dict) -> None:
-    _write_atomic(Path(st["state_dir"]) / "state.json", json.dumps(st, indent=2) + "\n")
-
-
 def _load(name: str) -> dict | None:
     p = state_dir(name) / "state.json"
     try:
@@ -110,17 +102,6 @@ def _load(name: str) -> dict | None:
         return None
     except (OSError, ValueError) as e:
         raise SimError(f"{p}: unreadable sim state ({e}); remove {p.parent} by hand") from None
-
-
-def _ed25519_pair(comment: str) -> tuple[str, str]:
-    """(private key in OpenSSH format, public key line); no ssh-keygen process needed."""
-    from cryptography.hazmat.primitives import serialization as ser
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
-    k = Ed25519PrivateKey.generate()
-    priv = k.private_bytes(ser.Encoding.PEM, ser.PrivateFormat.OpenSSH, ser.NoEncryption()).decode()
-    pub = k.public_key().public_bytes(ser.Encoding.OpenSSH, ser.PublicFormat.OpenSSH).decode()
-    return priv, f"{pub} {comment}"
 
 
 def _addresses(subnet: str, n: int) -> tuple[ipaddress.IPv4Network, list[str], str]:
@@ -139,22 +120,6 @@ def _loopback_addresses(net_: ipaddress.IPv4Network, n: int) -> list[str]:
     """127.B.C.i for subnet A.B.C.0: distinct per subnet, so two loopback sims never collide."""
     b, c = net_.network_address.packed[1:3]
     return [f"127.{b}.{c}.{i}" for i in range(1, n + 1)]
-
-
-def _opaque(upper_dir: Path) -> None:
-    """Hide the machine's own /root/.ssh from a host: the controller's keys and known_hosts
-    are not the host's, and a provisioning run must not find (and reuse) them."""
-    try:
-        os.setxattr(upper_dir, "trusted.overlay.opaque", b"y")
-    except OSError as e:
-        raise SimError(
-            f"cannot mark {upper_dir} opaque for overlayfs ({e.strerror}); "
-            f"is {STATE_ROOT} on a filesystem with trusted xattrs?"
-        ) from None
-
-
-def _etc_hosts(host: str, address: str) -> str:
-    return f"127.0.0.1\tlocalhost\n127.0.1.1\t{host}\n{address}\t{host}\n::1\tlocalhost ip6-localhost ip6-loopback\n"
 
 
 # --- up -----------------------------------------------------------------------------------
@@ -261,116 +226,6 @@ def _preflight(st: dict) -> None:
                 raise SimError(f"subnet {sub} overlaps route {dst} on {r.get('dev', '?')}; choose another --subnet")
         except ValueError:
             continue
-
-
-def _build(st: dict, specs: list[HostSpec]) -> None:
-    d = Path(st["state_dir"])
-    sw, prefix, name = st["switch_netns"], st["prefix"], st["name"]
-    ctl_priv, ctl_pub = _ed25519_pair(f"smolnet-sim-{name}-controller")
-    _write_atomic(d / "id_ed25519", ctl_priv, 0o600)
-    _write_atomic(d / "id_ed25519.pub", ctl_pub + "\n")
-    known = []
-
-    net.netns_add(sw)
-    max_port = max([s.port_mtu for s in specs] + [CONTROLLER_MTU])
-    net.ipn(sw, "link", "add", "br0", "mtu", str(max_port), "type", "bridge")
-    net.ipn(sw, "link", "set", "br0", "up")
-    for h, s in zip(st["hosts"], specs):
-        ns, port = h["netns"], f"p{h['index']}"
-        net.netns_add(ns)
-        net.ipn(
-            None,
-            "link",
-            "add",
-            "eth0",
-            "netns",
-            ns,
-            "mtu",
-            str(s.mtu),
-            "type",
-            "veth",
-            "peer",
-            "name",
-            port,
-            "netns",
-            sw,
-            "mtu",
-            str(s.port_mtu),
-        )
-        net.ipn(ns, "addr", "add", f"{h['address']}/{prefix}", "dev", "eth0")
-        net.ipn(sw, "link", "set", port, "master", "br0")
-        net.offloads_off(ns, "eth0")
-        net.offloads_off(sw, port)
-        net.shape(ns, "eth0", s.up_mbit, s.mtu)  # upload: host egress
-        net.shape(sw, port, s.down_mbit, s.port_mtu, burst_ms=25)  # download: switch-port egress
-        net.ipn(sw, "link", "set", port, "up")
-        net.ipn(ns, "link", "set", "eth0", "up")
-        h["port"] = port
-
-        hd = d / "hosts" / s.name
-        for sub in ("etc", "etc.work", "root", "root.work"):
-            (hd / sub).mkdir(parents=True, mode=0o755)
-        _write_atomic(hd / "etc" / "hostname", s.name + "\n")
-        _write_atomic(hd / "etc" / "hosts", _etc_hosts(s.name, h["address"]))
-        (hd / "root").chmod(0o700)
-        (hd / "root" / ".ssh").mkdir(mode=0o700)
-        _opaque(hd / "root" / ".ssh")
-        _write_atomic(hd / "root" / ".ssh" / "authorized_keys", ctl_pub + "\n", 0o600)
-        priv, pub = _ed25519_pair(f"root@{s.name}")
-        _write_atomic(hd / "ssh_host_ed25519_key", priv, 0o600)
-        _write_atomic(hd / "ssh_host_ed25519_key.pub", pub + "\n")
-        known.append(f"{s.name},{h['address']} {' '.join(pub.split()[:2])}")
-        _write_atomic(
-            hd / "sshd_config",
-            net.SSHD_CONFIG.format(
-                host=s.name, address=h["address"], host_key=hd / "ssh_host_ed25519_key", pid_file=hd / "sshd.pid"
-            ),
-        )
-    _write_atomic(d / "known_hosts", "\n".join(known) + "\n")
-
-    ctl = st["controller_iface"]
-    net.ipn(
-        None,
-        "link",
-        "add",
-        ctl,
-        "mtu",
-        str(CONTROLLER_MTU),
-        "type",
-        "veth",
-        "peer",
-        "name",
-        "pc",
-        "netns",
-        sw,
-        "mtu",
-        str(CONTROLLER_MTU),
-    )
-    net.ipn(sw, "link", "set", "pc", "master", "br0")
-    net.ipn(sw, "link", "set", "pc", "up")
-    net.ipn(None, "addr", "add", f"{st['controller']}/{prefix}", "dev", ctl)
-    net.ipn(None, "link", "set", ctl, "up")
-    # Set after the ports join: a bridge follows its smallest port unless told otherwise.
-    net.ipn(sw, "link", "set", "br0", "mtu", str(max_port))
-    for h in st["hosts"]:
-        net.steer_flows(h["netns"], ["eth0"])
-    net.steer_flows(sw, [h["port"] for h in st["hosts"]] + ["pc"])
-    _save(st)
-
-    cg_mount = cgroup.mount_lines() if any(h.get("cpu_cores") for h in st["hosts"]) else []
-    for h in st["hosts"]:
-        hd = d / "hosts" / h["name"]
-        net.start_sshd(h["netns"], h["name"], hd, hd / "sshd.log", cg_mount)
-    deadline = time.monotonic() + SSHD_TIMEOUT
-    for h in st["hosts"]:
-        hd = d / "hosts" / h["name"]
-        h["pid_sshd"] = net.wait_sshd(h["name"], h["address"], hd / "sshd.pid", hd / "sshd.log", deadline)
-        _save(st)
-        if h.get("cpu_cores"):  # sessions are forked by this sshd, so they inherit its cgroup
-            h["cgroup"] = cgroup.path(cgroup.cap_name(name, h["name"]))
-            _save(st)
-            if not cgroup.cap_pid(h["cgroup"], h["cpu_cores"], h["pid_sshd"], SimError, h.get("cpu_required", True)):
-                h["cgroup"] = None
 
 
 # --- down ---------------------------------------------------------------------------------

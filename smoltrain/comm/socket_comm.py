@@ -12,7 +12,7 @@ of the receive it forwards has landed (and been reduced), so sending, receiving 
 reducing overlap, and the thread sleeps in poll() only when nothing can move. One
 thread means no hand-offs between threads, which matters most on small, busy CPUs.
 
-Algorithms and the payload each rank sends (S = buffer bytes, N = world size):
+Algorithms (their schedules are in ring.py) and the payload each rank sends (S = buffer bytes, N = world size):
 - all_reduce: ring reduce-scatter then ring all-gather over N segments. Segment i has
   numel//N elements plus one for i < numel % N. Rank r sends every segment but
   (r+1)%N during reduce-scatter and every segment but (r+2)%N during all-gather:
@@ -21,7 +21,7 @@ Algorithms and the payload each rank sends (S = buffer bytes, N = world size):
 - reduce_scatter / all_gather: ring, (N-1)/N of the full buffer per rank.
 - broadcast: pipelined chain src -> src+1 -> ...; every rank but the last sends S.
 - all_to_all: rank r sends inps[j] to j (j != r).
-- two ranks and at most SMALL_BYTES: one swap of the whole buffer (the same S bytes as
+- two ranks and at most ring.SMALL_BYTES: one swap of the whole buffer (the same S bytes as
   the ring, one round trip instead of two).
 - send/recv: the tensor; barrier: an empty frame to every peer (framing only).
 Framing (header bytes) is counted apart from payload in `counter.framing`.
@@ -41,6 +41,7 @@ import torch
 
 from smolnet import wire
 from smoltrain.comm import rendezvous as rdv
+from smoltrain.comm import ring
 from smoltrain.comm.base import ByteCounter, Comm, CommError
 from smoltrain.comm.exchange import (
     HEADER_SIZE,
@@ -60,26 +61,6 @@ log = logging.getLogger("smoltrain.comm")
 # chunk N-1 times, so there smaller chunks start the next hop sooner: 1 MB.
 CHUNK_BYTES_PAIR = 4 << 20
 CHUNK_BYTES_RING = 1 << 20
-SMALL_BYTES = 64 * 1024
-
-
-def _segments(n: int, parts: int) -> list[tuple[int, int]]:
-    """Element ranges of `parts` nearly equal segments; the first n % parts get one more."""
-    base, extra = divmod(n, parts)
-    out, lo = [], 0
-    for i in range(parts):
-        hi = lo + base + (1 if i < extra else 0)
-        out.append((lo, hi))
-        lo = hi
-    return out
-
-
-def ring_allreduce_bytes(numel: int, elem_size: int, world_size: int, rank: int) -> int:
-    """Payload bytes rank `rank` sends in one ring all-reduce (the uneven-split rule above)."""
-    if world_size == 1 or numel == 0:
-        return 0
-    seg = [hi - lo for lo, hi in _segments(numel, world_size)]
-    return (2 * numel - seg[(rank + 1) % world_size] - seg[(rank + 2) % world_size]) * elem_size
 
 
 class SocketComm(Comm):
@@ -313,11 +294,7 @@ class SocketComm(Comm):
             return
         st = _Staged(tensor, writeback=self.rank != src)
         view = _byte_view(st.flat)
-        n = self.world_size
-        pos = (self.rank - src) % n
-        nxt, prv = (self.rank + 1) % n, (self.rank - 1) % n
-        recvs = [(prv, view, None)] if pos > 0 else []
-        sends = [(nxt, view, 0 if pos > 0 else None)] if pos < n - 1 else []
+        sends, recvs = ring.broadcast_steps(view, self.rank, self.world_size, src)
         self._transfer("broadcast", sends, recvs, st.flat.element_size(), st.flat.dtype)
         st.finish()
 
@@ -331,26 +308,7 @@ class SocketComm(Comm):
         st = _Staged(tensor, writeback=True)
         flat, es = st.flat, st.flat.element_size()
         view = _byte_view(flat)
-        segs = _segments(flat.numel(), n)
-        r = self.rank
-        nxt, prv = (r + 1) % n, (r - 1) % n
-        if n == 2 and len(view) <= SMALL_BYTES:
-            # Two ranks, small buffer: swap whole buffers in one exchange (recursive doubling).
-            # Same bytes as the ring (S each), half the round trips; a+b == b+a, so both
-            # ranks hold bit-identical sums. The copy keeps the outgoing bytes unreduced.
-            sends, recvs = [(nxt, _byte_view(flat.clone()), None)], [(prv, view, flat)]
-        else:
-            sends, recvs = [], []
-            for t in range(n - 1):  # reduce-scatter: rank r ends up owning segment (r+1) % n
-                slo, shi = segs[(r - t) % n]
-                rlo, rhi = segs[(r - t - 1) % n]
-                sends.append((nxt, view[slo * es : shi * es], t - 1 if t else None))
-                recvs.append((prv, view[rlo * es : rhi * es], flat[rlo:rhi]))
-            for t in range(n - 1):  # all-gather: pass the owned segments around
-                slo, shi = segs[(r + 1 - t) % n]
-                rlo, rhi = segs[(r - t) % n]
-                sends.append((nxt, view[slo * es : shi * es], n - 2 + t))
-                recvs.append((prv, view[rlo * es : rhi * es], None))
+        sends, recvs = ring.all_reduce_steps(flat, view, self.rank, n)
         self._transfer("all_reduce", sends, recvs, es, flat.dtype)
         if op == "avg":
             if flat.is_floating_point():
@@ -374,12 +332,7 @@ class SocketComm(Comm):
         if n > 1 and m > 0:
             es = work.element_size()
             view = _byte_view(work)
-            nxt, prv = (r + 1) % n, (r - 1) % n
-            sends, recvs = [], []
-            for t in range(n - 1):  # ends with rank r owning segment r
-                s, g = (r - t - 1) % n, (r - t - 2) % n
-                sends.append((nxt, view[s * m * es : (s + 1) * m * es], t - 1 if t else None))
-                recvs.append((prv, view[g * m * es : (g + 1) * m * es], work[g * m : (g + 1) * m]))
+            sends, recvs = ring.reduce_scatter_steps(work, view, m, r, n)
             self._transfer("reduce_scatter", sends, recvs, es, work.dtype)
         mine = work[r * m : (r + 1) * m]
         if op == "avg":
@@ -403,12 +356,7 @@ class SocketComm(Comm):
         if n > 1 and m > 0:
             es = flat.element_size()
             view = _byte_view(flat)
-            nxt, prv = (r + 1) % n, (r - 1) % n
-            sends, recvs = [], []
-            for t in range(n - 1):
-                s, g = (r - t) % n, (r - t - 1) % n
-                sends.append((nxt, view[s * m * es : (s + 1) * m * es], t - 1 if t else None))
-                recvs.append((prv, view[g * m * es : (g + 1) * m * es], None))
+            sends, recvs = ring.all_gather_steps(view, m, es, r, n)
             self._transfer("all_gather", sends, recvs, es, flat.dtype)
         st.finish()
 
@@ -423,8 +371,7 @@ class SocketComm(Comm):
             return
         ins = [_Staged(t, writeback=False) for t in inps]
         got = [_Staged(t, writeback=True) for t in outs]
-        sends = [((r + k) % n, _byte_view(ins[(r + k) % n].flat), None) for k in range(1, n)]
-        recvs = [((r - k) % n, _byte_view(got[(r - k) % n].flat), None) for k in range(1, n)]
+        sends, recvs = ring.all_to_all_steps([_byte_view(t.flat) for t in ins], [_byte_view(t.flat) for t in got], r)
         self._transfer("all_to_all", sends, recvs, 1, None)
         for j, g in enumerate(got):
             if j != r:
@@ -435,9 +382,7 @@ class SocketComm(Comm):
         if self.world_size == 1:
             return
         n, r = self.world_size, self.rank
-        empty = memoryview(b"")
-        sends = [((r + k) % n, empty, None) for k in range(1, n)]
-        recvs = [((r - k) % n, empty, None) for k in range(1, n)]
+        sends, recvs = ring.barrier_steps(r, n)
         self._transfer("barrier", sends, recvs)
 
     def close(self) -> None:

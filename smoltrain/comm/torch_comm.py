@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from smoltrain.comm.base import ByteCounter, Comm, CommError
-from smoltrain.comm.socket_comm import ring_allreduce_bytes
+from smoltrain.comm.ring import ring_allreduce_bytes
 
 # torch 2.13 renamed these (the old names warn); older releases only have the old ones
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
