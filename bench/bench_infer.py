@@ -42,7 +42,7 @@ def make_model(path: str, hidden: int, layers: int) -> None:
     )
     with torch.device("cpu"):
         model = transformers.LlamaForCausalLM(cfg)
-    model.eval().save_pretrained(path, safe_serialization=True)
+    model.train(False).save_pretrained(path, safe_serialization=True)  # inference mode (no dropout)
 
 
 def generate(model: str, strategy: str, world: int, new: int, out: str, inventory: str | None = None) -> dict:
