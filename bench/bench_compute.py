@@ -39,19 +39,20 @@ def sh(argv, ok=(0, 4), timeout=900):
     return r
 
 
-def up(d: Path, cpu_limit: str | None = None) -> Path:
+def up(d: Path, cpu_limit: str | None = None, name: str = NAME, subnet: str = SUBNET) -> Path:
+    """The home sim, capped (or not: --cpu-limit 0), with its inventory in `d`."""
     inv = d / "sim.yml"
-    sh([PY, "-m", "smolnet", "sim", "down", "--name", NAME])
+    sh([PY, "-m", "smolnet", "sim", "down", "--name", name])
     extra = ["--cpu-limit", cpu_limit] if cpu_limit is not None else []
-    sh([PY, "-m", "smolnet", "sim", "up", "--name", NAME, "--subnet", SUBNET, "--inventory", inv] + extra)
+    sh([PY, "-m", "smolnet", "sim", "up", "--name", name, "--subnet", subnet, "--inventory", inv] + extra)
     # the home laptop's jumbo MTU on a 1500 switch port is a deliberate black hole; set it
     # to what the wire carries, as provisioning does in the demo
-    sh(["ip", "-n", f"smol-{NAME}-laptop", "link", "set", "eth0", "mtu", "1500"])
+    sh(["ip", "-n", f"smol-{name}-laptop", "link", "set", "eth0", "mtu", "1500"])
     return inv
 
 
-def down():
-    sh([PY, "-m", "smolnet", "sim", "down", "--name", NAME])
+def down(name: str = NAME):
+    sh([PY, "-m", "smolnet", "sim", "down", "--name", name])
 
 
 def calibration_check(d: Path, model: str) -> list[dict]:

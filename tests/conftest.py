@@ -31,6 +31,7 @@ TIERS = {
         "test_compute_plan.py",
         "test_planner_formulas.py",
         "test_placement.py",
+        "test_placement_plan.py",
         "test_rank_timings.py",
         "test_calibrate_cluster.py",
         "test_registry.py",

@@ -71,6 +71,54 @@ def _spin(host, seconds: float = 2.0) -> tuple[float | None, int]:
 
 
 @pytest.mark.sim
+def test_period_is_short_and_quota_above_the_kernel_floor():
+    assert cgroup.period_quota(0.15) == (10_000, 1_500)
+    assert cgroup.period_quota(2.0) == (10_000, 20_000)
+    period, quota = cgroup.period_quota(0.05)  # 0.5 ms per 10 ms is under the floor
+    assert quota == 1_000 and quota / period == pytest.approx(0.05)
+
+
+BURSTS = r"""
+import time
+def spin(cpu_s):
+    t0 = time.process_time()
+    while time.process_time() - t0 < cpu_s:
+        pass
+cpu = wall = 0.0
+for _ in range(10):
+    time.sleep(0.05)  # idle, as a pipeline stage waits for its neighbour
+    c0, w0 = time.process_time(), time.perf_counter()
+    spin(0.006)
+    cpu += time.process_time() - c0
+    wall += time.perf_counter() - w0
+print(wall / cpu)
+"""
+
+
+def test_a_capped_host_bursts_no_faster_than_its_cap():
+    """Short bursts after idle time are what a pipeline stage does: with a 100 ms period a 0.2
+    cap ran a 6 ms burst at full speed on quota saved while idle (wall/cpu ~1); with the
+    sim's period it runs at the cap (wall/cpu ~5). Load on the machine only raises it."""
+    import subprocess
+    import sys
+
+    from need import need_cgroup
+
+    need_cgroup()
+    g = cgroup.create("smol-test-burst", 0.2)
+    try:
+        r = subprocess.run(
+            ["sh", "-c", f'echo $$ > {g}/cgroup.procs && exec "$@"', "sh", sys.executable, "-c", BURSTS],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 0, r.stderr
+        assert float(r.stdout) > 2.0, r.stdout
+    finally:
+        assert cgroup.remove(g)
+
+
 @pytest.mark.slow
 def test_capped_hosts_compute_in_the_order_of_their_caps(tmp_path):
     from need import need_cgroup

@@ -12,7 +12,10 @@ import json
 import sys
 from pathlib import Path
 
+from smoltrain.planner.compare import tokens_per_s_after_warmup
+
 STRATEGIES = ("dp", "pp")
+BATCH = "32"  # sequences per step: enough that compute, which placement balances, outweighs the all-reduce
 
 
 def work_of(placement: dict) -> list[tuple[str, float, str]]:
@@ -112,6 +115,8 @@ def placement_stage(
                 "auto",
                 "--microbatches",
                 "4",
+                "--batch",
+                BATCH,
                 "--no-what-if",
                 "--json",
                 str(plan),
@@ -135,6 +140,8 @@ def placement_stage(
                     steps,
                     "--microbatches",
                     "4",
+                    "--batch",
+                    BATCH,
                     "--compute",
                     str(compute),
                     "--placement",
@@ -147,7 +154,7 @@ def placement_stage(
                 timeout=900,
             )
             doc = json.loads(rj.read_text())
-            row[mode] = {"tokens_per_s": doc.get("tokens_per_s") or 0.0, "placement": doc.get("placement") or {}}
+            row[mode] = {"tokens_per_s": tokens_per_s_after_warmup(doc) or 0.0, "placement": doc.get("placement") or {}}
         rows.append(row)
         console.print(
             f"  {strat}: even {row['even']['tokens_per_s']:,.0f} tok/s, auto "

@@ -126,6 +126,12 @@ def run(args) -> int:
         names = run_hosts(run_doc)
         if not is_local_names(names):
             hosts = [_ReportHost(n, None) for n in names]
+    run_placement = ((run_doc or {}).get("config") or {}).get("placement") or (run_doc or {}).get("placement")
+    if run_placement and hosts is not None:  # the run's ranks, in its order
+        by = {h.name: h for h in hosts}
+        hosts = [by[n] for n in run_placement["order"] if n in by] + [
+            h for h in hosts if h.name not in run_placement["order"]
+        ]
     world = args.world or (len(hosts) if hosts else 2)
     if world < 1:
         raise UsageError(f"--world must be positive, got {world}")
@@ -147,6 +153,9 @@ def run(args) -> int:
     compute_doc = placement_plan.load_compute(getattr(args, "compute", None))
     placement_mode = getattr(args, "placement", None)
 
+    def replan_for(strategy):
+        return lambda placement: make_plan(strategy, model, world, ranks=ranks, lm=lm, placement=placement, **kw)
+
     if args.strategy == "all":
         plans, skipped = [], []
         for s in STRATEGIES:
@@ -158,7 +167,7 @@ def run(args) -> int:
             raise UsageError(f"no strategy can run this: {skipped[0]['reason']}")
         render.ranking_table(con, plans, skipped)
         for p in plans:
-            placement_plan.attach(p, placement_mode, compute_doc, model, hosts, lm)
+            placement_plan.attach(p, placement_mode, compute_doc, model, hosts, lm, replan_for(p["strategy"]))
         placed_ranking = placement_plan.ranking(con, plans)
         best = render.rank_plans(plans)[0]
         con.print(
@@ -181,14 +190,18 @@ def run(args) -> int:
         return 0
 
     plan = make_plan(args.strategy, model, world, ranks=ranks, lm=lm, **kw)
+    if run_placement:  # --compare: the run's exact split, not what a fresh choice would be
+        plan = placement_plan.from_run(plan, run_placement, replan_for(args.strategy))
+    else:
+        plan = placement_plan.placed(plan, placement_mode, compute_doc, model, hosts, lm, replan_for(args.strategy))
+    sec = plan.get("placement")
     render.summary(con, plan)
     con.print(f"  compute: {compute_source}; [bold]verdict:[/] {plan['verdict']}")
     render.links_table(con, plan)
     render.memory_table(con, plan)
-    sec = placement_plan.attach(plan, placement_mode, compute_doc, model, hosts, lm)
     if sec is not None and "error" in sec:
         con.print(f"  [bold yellow]placement: {sec['error']}[/]")
-    elif sec is not None:
+    elif sec is not None and not run_placement:
         placement_plan.render(con, sec)
     for n in plan["notes"]:
         con.print(f"  [dim]note: {n}[/]")

@@ -228,6 +228,7 @@ def run(args) -> int:
                 hosts=hosts,
                 links=links,
                 compute=getattr(args, "compute", None),
+                placement=placed,
             )
             console.print(
                 f"plan: {plan['step_s'] * 1e3:.1f} ms/step predicted, bottleneck "

@@ -63,9 +63,17 @@ def _head(model: ModelSpec) -> int:
 
 
 def layout(
-    strategy: str, mode: str, model: ModelSpec, world: int, batch: int, seq: int, microbatches: int = 1
+    strategy: str,
+    mode: str,
+    model: ModelSpec,
+    world: int,
+    batch: int,
+    seq: int,
+    microbatches: int = 1,
+    placement: dict | None = None,
 ) -> list[RankWork]:
-    """Per rank: what it stores, owns and computes, per step (train) or per token (infer)."""
+    """Per rank: what it stores, owns and computes, per step (train) or per token (infer),
+    under the placement's uneven split when one is given (batch shares, layer cuts, heads)."""
     N, L, P = world, model.layers, model.params()
     lp = model.layer_params()
     # MoE: a token multiplies only its top_k experts, in training as in decode
@@ -79,9 +87,12 @@ def layout(
     by_seq = info.splits == "sequence"
     if info.splits in ("batch", "sequence"):
         toks = toks_all / N if train else 1
+        counts = _placed_counts(placement, "shares", batch, N) if train and info.splits == "batch" else None
         out = []
         fs = info.shards_params
         for r in range(N):
+            if counts is not None:
+                toks = counts[r] * seq
             owned = P / N if fs else (P if not info.parameter_server or r == 0 or not train else 0)
             held = P / N if fs else P
             out.append(
@@ -101,11 +112,15 @@ def layout(
                 out[-1].tokens = 1 / N  # each rank attends over its share; matmuls split by position
         return out
     if info.splits == "heads":
-        held = L * lp / N + model.embedding_params()
-        return [RankWork(L, held, held, L * lp_active / N + head, toks_all, 1 / N, kv) for _ in range(N)]
+        out = []
+        for attn, mlp in _head_fractions(placement, model, N):
+            frac = (model.attn_params() * attn + model.mlp_params() * mlp) / (model.attn_params() + model.mlp_params())
+            held = L * lp * frac + model.embedding_params()
+            out.append(RankWork(L, held, held, L * lp_active * frac + head, toks_all, attn, kv))
+        return out
     if info.splits == "layers":
         out = []
-        for r, nl in enumerate(split_layers(L, N)):
+        for r, nl in enumerate(_placed_counts(placement, "layers", L, N) or split_layers(L, N)):
             held = nl * lp
             mm = nl * lp_active
             if r == 0:
@@ -127,6 +142,32 @@ def layout(
         # decode: rank 0 runs attention for the sequence; the experts' share is small
         return [RankWork(L, held, held, active, 1 if r == 0 else 0, kv_positions=kv if r == 0 else 0) for r in range(N)]
     raise ValueError(strategy)
+
+
+def _placed_counts(placement: dict | None, key: str, total: int, world: int) -> list[int] | None:
+    """Sequences (key "shares") or layers ("layers") per rank under the placement; None: even."""
+    if not placement or not placement.get(key):
+        return None
+    if key == "shares":
+        from smoltrain.planner.placement import batch_ranges
+
+        return [hi - lo for lo, hi in batch_ranges(total, placement["shares"], world)]
+    counts = [hi - lo for lo, hi in placement[key]]
+    if len(counts) != world or sum(counts) != total:
+        raise ValueError(f"placement {key} {placement[key]} do not cover {total} over {world} ranks")
+    return counts
+
+
+def _head_fractions(placement: dict | None, model: ModelSpec, world: int) -> list[tuple[float, float]]:
+    """(share of the heads, share of the MLP columns) per tp rank: the placement's, else 1/N."""
+    heads = (placement or {}).get("heads")
+    if not heads:
+        return [(1 / world, 1 / world)] * world
+    ffn = placement.get("ffn") or heads
+    return [
+        ((h1 - h0) / model.heads, (f1 - f0) / (model.ffn if placement.get("ffn") else model.heads))
+        for (h0, h1), (f0, f1) in zip(heads, ffn)
+    ]
 
 
 def _largest_unit(model: ModelSpec) -> float:

@@ -73,10 +73,12 @@ def _median_after_warmup(values: list[float]) -> float | None:
 
 
 def tokens_per_s_after_warmup(run: dict) -> float | None:
+    """Tokens per step over the median step, as step_s is compared: a pipeline's second step
+    can still be warming up (seconds, against a steady 0.2 s), which a mean would count."""
     steps = [s for s in after_warmup(run.get("steps") or []) if s.get("step_s") and s.get("tokens")]
     if not steps:
         return run.get("tokens_per_s")
-    return sum(s["tokens"] for s in steps) / sum(s["step_s"] for s in steps)
+    return statistics.median(s["tokens"] for s in steps) / statistics.median(s["step_s"] for s in steps)
 
 
 def compare(plan: dict, run: dict) -> dict:

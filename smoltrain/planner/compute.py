@@ -153,8 +153,9 @@ def shared_factors(figs: list[HostCompute]) -> list[float]:
     return [min(1.0, cores[f.machine_id] / ask[f.machine_id]) for f in figs]
 
 
-def measured_ranks(ranks: list, figs: list[HostCompute], model: ModelSpec) -> list:
-    """The planner's ranks with measured speed, memory and fixed step cost."""
+def measured_ranks(ranks: list, figs: list[HostCompute], model: ModelSpec, shared: bool = True) -> list:
+    """The planner's ranks with measured speed, memory and fixed step cost (`shared`: ranks
+    on one machine_id already split its cores here, so plan.share_machine leaves them)."""
     from smoltrain.planner.devices import DeviceProfile
 
     out = []
@@ -188,6 +189,7 @@ def measured_ranks(ranks: list, figs: list[HostCompute], model: ModelSpec) -> li
                 fixed_s=fixed / share,
                 measured=True,
                 comm_cpu=cc,
+                shared=shared,
             )
         )
     return out
@@ -225,11 +227,15 @@ def apply(ranks: list, hosts, path: str | None, model: ModelSpec) -> tuple[list,
     if path is None:
         return ranks, "nominal"
     if hosts is None:
+        names = [r.name for r in ranks]
+        named = load_compute(path)
+        if all(n in named for n in names):  # a report of these very ranks (rank0..): theirs
+            return measured_ranks(ranks, [named[n] for n in names], model), "measured"
         f = for_local(path)
         if f is None:
             return ranks, "nominal"
         figs = [replace(f, machine_id=f"{f.machine_id}-{i}") for i in range(len(ranks))]  # shared later
-        return measured_ranks(ranks, figs, model), "measured"
+        return measured_ranks(ranks, figs, model, shared=False), "measured"
     try:
         figs = list(load_compute(path, [r.name for r in ranks]).values())
     except UsageError:

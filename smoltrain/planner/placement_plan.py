@@ -73,19 +73,37 @@ def choose(
     return place(strategy, mode, model, names, speeds, batch, seq, microbatches, link_fn(lm)), speeds
 
 
-def section(strategy: str, mode: str, model, hosts, names, compute_doc, batch, seq, microbatches=1, lm=None) -> dict:
-    """The plan's `placement`: the chosen split, why, and its predicted step next to even."""
+def predicted_of(plan: dict) -> dict:
+    """What the placement section shows of a plan made under one placement."""
+    return {
+        "step_s": plan["step_s"],
+        "tokens_per_s": plan["tokens_per_s"],
+        "compute_s_per_rank": plan["compute_s_per_rank"],
+        "comm_s": plan["comm_s_per_step"],
+    }
+
+
+def section(
+    strategy: str, mode: str, model, hosts, names, compute_doc, batch, seq, microbatches=1, lm=None, replan=None
+) -> dict:
+    """The plan's `placement`: the chosen split, why, and its predicted step next to the other
+    mode's. `replan(placement) -> plan` is the planner under that placement (plan.make_plan), so
+    the figures here are the plan's own; without it (no ranks at hand) the placement's cost
+    model (placement_split.predict) estimates them."""
     mb = microbatches if registry.get(strategy).microbatched else 1
     chosen, speeds = choose(strategy, mode, model, hosts, names, compute_doc, batch, seq, mb, lm)
     ls = link_fn(lm)
+
+    def figures(p: Placement) -> dict:
+        return predicted_of(replan(p.to_dict())) if replan else predict(p, model, speeds, batch, seq, mb, ls)
+
     out = chosen.to_dict()
     out["speed_source"] = source_of(speeds)
     out["speeds"] = [speeds[n].to_dict() for n in names]
-    pred = {chosen.mode: predict(chosen, model, speeds, batch, seq, mb, ls)}
+    pred = {chosen.mode: figures(chosen)}
     other = "even" if chosen.mode == "auto" else "auto"
     try:
-        alt = place(strategy, other, model, names, speeds, batch, seq, mb, ls)
-        pred[other] = predict(alt, model, speeds, batch, seq, mb, ls)
+        pred[other] = figures(place(strategy, other, model, names, speeds, batch, seq, mb, ls))
     except PlacementError as e:
         pred[other] = {"error": str(e)}
     out["predicted"] = pred
@@ -105,6 +123,8 @@ def render(con, sec: dict) -> None:
         p = sec["predicted"].get(m) or {}
         if "error" in p:
             con.print(f"    {m:5s}: cannot place ({p['error']})")
+        elif p and p.get("step_s") is None:
+            con.print(f"    {m:5s}: no step time (a link is down)")
         elif p:
             con.print(f"    {m:5s}: {p['step_s'] * 1e3:8.2f} ms/step predicted, {p['tokens_per_s']:,.0f} tokens/s")
     if sec.get("speedup"):
@@ -150,7 +170,7 @@ def for_run(
     return placement.to_dict()
 
 
-def attach(plan: dict, mode_arg: str | None, compute_doc, model, hosts, lm) -> dict | None:
+def attach(plan: dict, mode_arg: str | None, compute_doc, model, hosts, lm, replan=None) -> dict | None:
     """Add the `placement` section to a train plan of a strategy that splits work (else leave
     it); a placement that cannot fit is recorded as an error, not raised: the plan says why."""
     strategy = plan["strategy"]
@@ -170,11 +190,32 @@ def attach(plan: dict, mode_arg: str | None, compute_doc, model, hosts, lm) -> d
             plan["seq"],
             plan["microbatches"],
             lm,
+            replan,
         )
     except PlacementError as e:
         sec = {"mode": default_mode(mode_arg, compute_doc), "strategy": strategy, "error": str(e)}
     plan["placement"] = sec
     return sec
+
+
+def placed(plan: dict, mode_arg: str | None, compute_doc, model, hosts, lm, replan) -> dict:
+    """The plan remade under the placement it shows (`replan(placement) -> plan`), with that
+    `placement` section: so `plan --placement auto` predicts the run that `run --placement
+    auto` executes, not the even split."""
+    sec = attach(plan, mode_arg, compute_doc, model, hosts, lm, replan)
+    if sec is None or "error" in sec:
+        return plan
+    keep = ("mode", "strategy", "order", "shares", "layers", "heads", "ffn")
+    out = replan({k: sec[k] for k in keep if k in sec})
+    out["placement"] = sec
+    return out
+
+
+def from_run(plan: dict, run_placement: dict, replan) -> dict:
+    """The plan remade under a finished run's placement (plan --compare): its exact split."""
+    out = replan(run_placement)
+    out["placement"] = dict(run_placement, predicted={run_placement.get("mode", "even"): predicted_of(out)})
+    return out
 
 
 def placed_tokens_per_s(plan: dict) -> float:

@@ -29,6 +29,7 @@ class Rank:
     fixed_s: float = 0.0  # measured fixed cost of a whole-model training step (planner/compute.py)
     measured: bool = False  # figures from a compute report, not a device profile
     comm_cpu: dict | None = None  # measured CPU cost of communication on this host (planner/compute.py)
+    shared: bool = False  # speed already shares its machine's cores with the other ranks there
 
 
 def rank_names(world: int, hosts=None) -> list[str]:
@@ -76,7 +77,12 @@ def make_plan(
     lm: LinkModel | None = None,
     overlap: bool = True,
     single: bool = True,
+    placement: dict | None = None,
 ) -> dict:
+    """`placement` (planner.placement's document): who runs which share, in which rank order;
+    the plan then describes exactly the run that executes it (None: the even split)."""
+    if placement and ranks is not None:
+        ranks, world = placed_ranks(ranks, placement), len(placement["order"])
     if mode == "infer":
         batch, microbatches = 1, 1  # the contract's bytes per token are for batch-1 decode
     info = registry.REGISTRY.get(strategy)  # an unknown name is refused by traffic() below
@@ -93,7 +99,7 @@ def make_plan(
     a = dtype_bytes(dtype)
 
     # compute and memory per rank
-    works = capacity.layout(strategy, mode, model, world, batch, seq, microbatches)
+    works = capacity.layout(strategy, mode, model, world, batch, seq, microbatches, placement if train else None)
     per_rank = []
     for r, (w, rk) in enumerate(zip(works, ranks)):
         fl = capacity.flops(w, model, mode, seq)
@@ -233,6 +239,7 @@ def make_plan(
             for ph in tr.phases
         ],
         "link_source": lm.source,
+        "placement_mode": (placement or {}).get("mode", "even"),
         "notes": tr.notes
         + ([] if train else [f"infer: one generated token per step, batch-1 decode, KV cache over {seq} positions"]),
     }
@@ -242,6 +249,15 @@ def make_plan(
         doc["single_host"] = verdict.single_host(make_plan, model, ranks, dtype=dtype, batch=batch, seq=seq, mode=mode)
         doc["verdict"] = verdict.sentence(doc)
     return doc
+
+
+def placed_ranks(ranks: list[Rank], placement: dict) -> list[Rank]:
+    """The ranks in the placement's order (hosts it leaves out dropped)."""
+    by = {r.name: r for r in ranks}
+    missing = [n for n in placement["order"] if n not in by]
+    if missing:
+        raise UsageError(f"placement names {', '.join(missing)}, not among the hosts {', '.join(by)}")
+    return [by[n] for n in placement["order"]]
 
 
 def plan_for_run(
@@ -260,8 +276,10 @@ def plan_for_run(
     calibration=None,
     overlap: bool = True,
     compute: str | None | bool = None,
+    placement: dict | None = None,
 ) -> dict:
-    """The plan `smoltrain run` shows before launching and writes beside what it measured.
+    """The plan `smoltrain run` shows before launching and writes beside what it measured,
+    under the placement the run executes.
 
     Host names are the inventory's, or rank0..rank{N-1} when `hosts` is None (`--local N`).
     `calibration`: a DeviceProfile, a calibration file path, False to ignore, or None to use
@@ -281,7 +299,9 @@ def plan_for_run(
     if hosts is None and world > 1:
         ranks = share_machine(ranks, busy=busy_ranks(strategy, world, microbatches, mode))
     lm = link_model([r.name for r in ranks], hosts[:world] if hosts else None, links, link_class)
-    doc = make_plan(strategy, model, world, dtype, batch, seq, microbatches, mode, ranks, lm, overlap)
+    doc = make_plan(
+        strategy, model, world, dtype, batch, seq, microbatches, mode, ranks, lm, overlap, placement=placement
+    )
     if hosts is None and world > 1:
         doc["notes"].append(f"--local: the {world} ranks share this machine's {os.cpu_count()} cores and its memory")
     return doc
@@ -304,6 +324,8 @@ def share_machine(ranks: list[Rank], cores: int | None = None, busy: int | None 
     from dataclasses import replace
 
     n = len(ranks)
+    if all(r.shared for r in ranks):  # measured per machine_id (planner/compute.py) already
+        return ranks
     f = min(1.0, (cores or os.cpu_count() or 1) / (busy or n))
     return [
         Rank(
