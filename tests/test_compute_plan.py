@@ -135,3 +135,24 @@ def test_default_report_of_other_hosts_falls_back_to_profiles(tmp_path, monkeypa
     assert measured.apply(ranks, [H("a"), H("b")], None, get_model("tiny"))[1] == "nominal"
     with pytest.raises(UsageError, match="no a, b"):
         measured.apply(ranks, [H("a"), H("b")], "reports/compute.json", get_model("tiny"))
+
+
+def test_dp_buckets_overlap_backward_only_with_a_core_to_spare(tmp_path):
+    """A capped host sends on the core it computes on: its all-reduce cannot hide behind
+    backward. An 8-core host keeps a core for the bucket thread, so part of it does."""
+    model = get_model("tiny")
+
+    def plan(cap, cores):
+        hosts = [_host(n, 0.01, 1e-4, machine=n, cap=cap, cores=cores) for n in ("a", "b")]
+        ranks, _ = measured.apply(resolve_ranks(2, [H("a"), H("b")]), [H("a"), H("b")], _report(tmp_path, hosts), model)
+        return ranks, make_plan("dp", model, 2, ranks=ranks, lm=from_class("1gbe"), single=False)
+
+    capped_ranks, capped = plan(0.5, 2)
+    free_ranks, free = plan(None, 8)
+    assert not any(r.comm_core for r in capped_ranks) and all(r.comm_core for r in free_ranks)
+    assert capped["comm_s_per_step"] == pytest.approx(
+        make_plan("dp", model, 2, ranks=capped_ranks, lm=from_class("1gbe"), single=False, overlap=False)[
+            "comm_s_per_step"
+        ]
+    )
+    assert free["comm_s_per_step"] < capped["comm_s_per_step"]

@@ -72,10 +72,11 @@ def _spin(host, seconds: float = 2.0) -> tuple[float | None, int]:
 
 @pytest.mark.sim
 def test_period_is_short_and_quota_above_the_kernel_floor():
-    assert cgroup.period_quota(0.15) == (10_000, 1_500)
-    assert cgroup.period_quota(2.0) == (10_000, 20_000)
-    period, quota = cgroup.period_quota(0.05)  # 0.5 ms per 10 ms is under the floor
-    assert quota == 1_000 and quota / period == pytest.approx(0.05)
+    assert cgroup.period_quota(0.5) == (5_000, 2_500)
+    assert cgroup.period_quota(2.0) == (5_000, 10_000)
+    for cores in (0.15, 0.05):  # 0.75 and 0.25 ms per 5 ms are under the kernel's floor
+        period, quota = cgroup.period_quota(cores)
+        assert quota == 1_000 and quota / period == pytest.approx(cores, rel=1e-3)
 
 
 BURSTS = r"""

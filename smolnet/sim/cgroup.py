@@ -18,15 +18,17 @@ from pathlib import Path
 from smolnet.errors import SmolError
 
 ROOT = Path(os.environ.get("SMOL_CGROUP_ROOT", "/sys/fs/cgroup"))
-PERIOD_US = 10_000  # short: a rank idle between bursts (a pipeline stage) must not run a
-# burst at full speed on quota saved from its idle time; at 100 ms a 0.15 cap let a stage's
-# 10 ms of work run uncapped, and mp/pp measured 2x faster than the cap said
+PERIOD_US = 5_000
 MIN_QUOTA_US = 1_000  # the kernel's floor
 
 
 def period_quota(cores: float) -> tuple[int, int]:
-    """(period, quota) in microseconds for a cap of `cores`: a 10 ms period, longer only
-    where the quota would fall under the kernel's 1 ms floor (caps under 0.1 core)."""
+    """(period, quota) in microseconds for a cap of `cores`: a 5 ms period (longer only where
+    the quota would fall under the kernel's 1 ms floor), so a capped host is slow all the
+    time, as a real Pi is. With the default 100 ms period a rank idle between bursts (a
+    pipeline stage) ran its next burst at full speed on the quota it had saved, and mp/pp
+    measured 2x faster than the cap said; at 1 ms the throttling itself cost a capped host
+    up to a fifth of its share."""
     period = max(PERIOD_US, int(round(MIN_QUOTA_US / cores)))
     return period, max(MIN_QUOTA_US, int(round(cores * period)))
 

@@ -159,7 +159,12 @@ def measured_ranks(ranks: list, figs: list[HostCompute], model: ModelSpec, share
     from smoltrain.planner.devices import DeviceProfile
 
     out = []
+    on_machine = {}
+    for f in figs:
+        on_machine[f.machine_id] = on_machine.get(f.machine_id, 0) + 1
     for rk, f, share in zip(ranks, figs, shared_factors(figs)):
+        # cores this rank can use: its cap, and its part of a machine it shares with other ranks
+        usable = min(f.cpu_limit_cores or f.cores, f.cores / on_machine[f.machine_id])
         fit = f.fit(model)
         f32 = f.flops.get("fp32", 0.0)
         if fit is not None:
@@ -190,6 +195,7 @@ def measured_ranks(ranks: list, figs: list[HostCompute], model: ModelSpec, share
                 measured=True,
                 comm_cpu=cc,
                 shared=shared,
+                comm_core=usable >= 2,  # one for the rank's torch thread, one for its sends
             )
         )
     return out

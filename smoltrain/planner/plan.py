@@ -30,6 +30,7 @@ class Rank:
     measured: bool = False  # figures from a compute report, not a device profile
     comm_cpu: dict | None = None  # measured CPU cost of communication on this host (planner/compute.py)
     shared: bool = False  # speed already shares its machine's cores with the other ranks there
+    comm_core: bool = True  # a core is left for communication while the rank computes
 
 
 def rank_names(world: int, hosts=None) -> list[str]:
@@ -163,7 +164,9 @@ def make_plan(
             compute_s += capacity.server_seconds(model, world, ranks[0].device.mem_bw)
         cc = timing.comm_cost(tr, names, lm)
         comm_s = cc.total_s
-        if overlap and train and cc.overlappable_s > 0:
+        # a ring moves at its slowest member's pace: dp's buckets hide behind backward only where
+        # every rank has a core to spare for them; a capped host sends on the core it computes on
+        if overlap and train and cc.overlappable_s > 0 and all(rk.comm_core for rk in ranks):
             # only the wire's share hides behind backward; the CPU's share competes with it
             wire = timing.comm_cost(tr, names, lm_wire) if lm is not lm_wire else cc
             comm_s = (
@@ -342,6 +345,7 @@ def share_machine(ranks: list[Rank], cores: int | None = None, busy: int | None 
             dict(r.comm_cpu, message_s=r.comm_cpu["message_s"] / f, bytes_s=r.comm_cpu["bytes_s"] * f)
             if r.comm_cpu
             else None,
+            comm_core=r.comm_core and (cores or os.cpu_count() or 1) / n >= 2,
         )
         for r in ranks
     ]
