@@ -100,6 +100,10 @@ def _nominal_step(strat: str, plan: dict, inv: Path, links: Path) -> float | Non
 
     i = load_inventory(str(inv))
     hosts = [i.coordinator] + [h for h in i.hosts if h.name != i.coordinator.name]
+    placement = plan.get("placement")  # the run's own split and rank order
+    if placement:
+        by = {h.name: h for h in hosts}
+        hosts = [by[n] for n in placement["order"]]
     d = plan_for_run(
         strat,
         get_model(plan["model"]["name"]),
@@ -111,6 +115,7 @@ def _nominal_step(strat: str, plan: dict, inv: Path, links: Path) -> float | Non
         links=json.loads(links.read_text()),
         calibration=False,
         compute=False,
+        placement=placement,
     )
     return d["step_s"]
 
