@@ -124,3 +124,20 @@ def test_compare_plans_the_runs_own_placement(tmp_path):
     assert [r["name"] for r in doc["ranks"]] == ["b", "a"]
     assert doc["placement"]["layers"] == [[0, 6], [6, 8]]
     assert doc["placement"]["predicted"]["auto"]["step_s"] == doc["step_s"]
+
+
+def test_verdict_suggests_auto_only_where_the_split_was_even():
+    from smoltrain.planner.verdict import sentence
+
+    doc = {
+        "strategy": "pp",
+        "world_size": 4,
+        "tokens_per_s": 100.0,
+        "bottleneck": "compute",
+        "bottleneck_where": "rank 0",
+        "single_host": {"name": "laptop", "fits": True, "step_s": 0.1, "tokens_per_s": 1000.0},
+        "placement_mode": "even",
+    }
+    assert "--placement auto" in sentence(doc)
+    doc["placement_mode"] = "auto"
+    assert "--placement auto" not in sentence(doc) and "add faster hosts" in sentence(doc)

@@ -72,11 +72,12 @@ def sentence(plan: dict) -> str:
             f"The cluster is no faster than {one['name']} alone ({tps:,.1f} vs {alone:,.1f} tokens/s); "
             f"{what} limits it ({where})."
         )
-    fix = (
-        "use faster links"
-        if plan.get("bottleneck") in ("link", "latency")
-        else "give the slowest host less work (--placement auto)"
-    )
+    if plan.get("bottleneck") in ("link", "latency"):
+        fix = "use faster links"
+    elif plan.get("placement_mode") == "auto":  # already split by speed: the hosts are too slow
+        fix = "add faster hosts"
+    else:
+        fix = "give the slowest host less work (--placement auto)"
     return (
         f"The cluster is slower than {one['name']} alone ({tps:,.1f} vs {alone:,.1f} tokens/s, {ratio:.2g}x): "
         f"{what} limits it ({where}); train on {one['name']} alone or {fix}."
