@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from computetools import write_compute
 
 from smoltrain.models.spec import get_model
 from smoltrain.planner.placement import (
@@ -164,24 +165,7 @@ def test_validate_refuses_a_placement_the_run_cannot_execute():
 
 
 def _compute_file(tmp_path, fast="rank0", names=("rank0", "rank1", "rank2")):
-    hosts = [
-        {
-            "name": n,
-            "machine_id": n,
-            "cores": 1,
-            "cpu_limit_cores": 1,
-            "flops": {"fp32": 1e10},
-            "mem_bw_bytes_s": 1e10,
-            "usable_memory_bytes": 4e9,
-            "train_step": [
-                {"model": "tiny", "batch": b, "seq": 64, "seconds": b * (0.01 if n == fast else 0.03)} for b in (2, 8)
-            ],
-        }
-        for n in names
-    ]
-    path = tmp_path / "compute.json"
-    path.write_text(json.dumps({"schema": "smoltrain.compute/1", "created": "x", "hosts": hosts}))
-    return path
+    return write_compute(tmp_path / "compute.json", names, fast)
 
 
 def test_plan_shows_the_placement_next_to_even(tmp_path, capsys):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from computetools import write_compute
 
 from smoltrain.models.spec import get_model
 from smoltrain.planner import capacity
@@ -69,25 +70,8 @@ def test_plan_is_made_in_the_placement_order_and_split():
 
 
 def _compute(tmp_path, fast="rank0"):
-    hosts = [
-        {
-            "name": n,
-            "machine_id": n,
-            "cores": 1,
-            "cpu_limit_cores": 1,
-            "flops": {"fp32": 1e10},
-            "mem_bw_bytes_s": 1e10,
-            "usable_memory_bytes": 4e9,
-            "train_step": [
-                {"model": "tiny8", "batch": b, "seq": 64, "seconds": 0.002 + b * (0.01 if n == fast else 0.04)}
-                for b in (2, 8)
-            ],
-        }
-        for n in ("rank0", "rank1", "rank2")
-    ]
-    p = tmp_path / "compute.json"
-    p.write_text(json.dumps({"schema": "smoltrain.compute/1", "created": "x", "hosts": hosts}))
-    return p
+    names = ("rank0", "rank1", "rank2")
+    return write_compute(tmp_path / "compute.json", names, fast, model="tiny8", fixed=0.002, slow=0.04)
 
 
 @pytest.mark.parametrize("strategy", ["dp", "pp"])

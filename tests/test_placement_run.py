@@ -17,6 +17,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from computetools import compute_doc as tools_compute_doc
 
 BATCH, SEQ, STEPS = 6, 32, 4
 REL_TOL = 1e-5
@@ -50,24 +51,7 @@ RUNS = {
 
 
 def compute_doc(names, fast="rank0"):
-    hosts = []
-    for n in names:
-        per_seq = 0.01 if n == fast else 0.03
-        hosts.append(
-            {
-                "name": n,
-                "machine_id": "m",
-                "cores": 1,
-                "cpu_limit_cores": 1,
-                "flops": {"fp32": 1e10},
-                "mem_bw_bytes_s": 1e10,
-                "usable_memory_bytes": 4e9,
-                "train_step": [
-                    {"model": "tiny", "batch": b, "seq": SEQ, "seconds": 0.002 + b * per_seq} for b in (2, 8)
-                ],
-            }
-        )
-    return {"schema": "smoltrain.compute/1", "created": "2026-12-03T00:00:00Z", "hosts": hosts}
+    return tools_compute_doc(names, fast, seq=SEQ, fixed=0.002, machine_id="m")
 
 
 def run_cli(args, timeout=300):

@@ -16,6 +16,7 @@ import pytest
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
+from computetools import write_compute  # noqa: E402
 from need import sim_up  # noqa: E402
 
 from smolnet.sim import cluster as sim  # noqa: E402
@@ -40,22 +41,7 @@ def test_pp_auto_placement_on_the_sim_reorders_and_matches_local_1(three):
     st, inv, d = three
     names = [h["name"] for h in st["hosts"]]
     fast = names[-1]
-    hosts = [
-        {
-            "name": n,
-            "machine_id": n,
-            "cores": 1,
-            "cpu_limit_cores": 1,
-            "flops": {"fp32": 1e10},
-            "mem_bw_bytes_s": 1e10,
-            "usable_memory_bytes": 4e9,
-            "train_step": [
-                {"model": "tiny", "batch": b, "seq": 32, "seconds": b * (0.01 if n == fast else 0.03)} for b in (2, 8)
-            ],
-        }
-        for n in names
-    ]
-    (d / "compute.json").write_text(json.dumps({"schema": "smoltrain.compute/1", "created": "x", "hosts": hosts}))
+    write_compute(d / "compute.json", names, fast, seq=32)
     common = ["--steps", "3", "--batch", "6", "--seq", "32", "--seed", "5", "--microbatches", "2", "--out", str(d)]
     p = run_cli(
         [
