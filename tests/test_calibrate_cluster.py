@@ -25,6 +25,7 @@ def test_unreachable_host_is_reported_and_the_rest_measured():
         assert h["status"] == "ok" and h["flops"]["fp32"] > 0 and h["mem_bw_bytes_s"] > 0
         assert [s["batch"] for s in h["train_step"]] == [2, 8]
         assert all(s["seconds"] > 0 and s["model"] == "tiny" for s in h["train_step"])
+        assert all(0 < s["optimizer_seconds"] < s["seconds"] for s in h["train_step"])
         assert h["cores"] >= 1 and h["usable_memory_bytes"] > 0 and "cpu_limit_cores" in h
     assert a["machine_id"] == b["machine_id"]  # one machine: measured one after another
     order = [n for n, w in seen if w == "measuring"]

@@ -156,3 +156,27 @@ def test_dp_buckets_overlap_backward_only_with_a_core_to_spare(tmp_path):
         ]
     )
     assert free["comm_s_per_step"] < capped["comm_s_per_step"]
+
+
+def test_the_optimizer_is_paid_once_per_step_not_per_microbatch(tmp_path):
+    """The fixed cost holds the AdamW update; a pipeline repeats its passes per microbatch
+    but updates once, so the measured optimizer time comes off the repeated part."""
+    model = get_model("tiny")
+
+    def plans(opt_s):
+        hosts = []
+        for n in ("a", "b"):
+            h = _host(n, 0.02, 1e-4, machine=n, cores=8)
+            for s in h["train_step"]:
+                s["optimizer_seconds"] = opt_s
+            hosts.append(h)
+        path = _report(tmp_path, hosts)
+        assert measured.load_compute(path)["a"].optimizer_s(model) == opt_s
+        ranks, _ = measured.apply(resolve_ranks(2, [H("a"), H("b")]), [H("a"), H("b")], path, model)
+        kw = dict(ranks=ranks, lm=from_class("1gbe"), single=False)
+        return make_plan("pp", model, 2, microbatches=4, **kw), make_plan("dp", model, 2, **kw)
+
+    pp0, dp0 = plans(0.0)
+    pp1, dp1 = plans(0.015)
+    assert all(a < b for a, b in zip(pp1["compute_s_per_rank"], pp0["compute_s_per_rank"]))
+    assert dp1["compute_s_per_rank"] == pytest.approx(dp0["compute_s_per_rank"])  # one pass, owns it all

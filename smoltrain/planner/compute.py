@@ -58,6 +58,21 @@ class HostCompute:
             fixed *= model.layers / cal.layers
         return fixed, per, a["seq"]
 
+    def optimizer_s(self, model: ModelSpec) -> float:
+        """Seconds of the whole model's AdamW update (part of the fixed cost, paid once per
+        step); another model's scaled by parameters; 0 where the report has none."""
+        steps = [s for s in self.train_step if isinstance(s.get("optimizer_seconds"), (int, float))]
+        mine = [s for s in steps if s.get("model") == model.name]
+        if mine:
+            return sorted(s["optimizer_seconds"] for s in mine)[len(mine) // 2]
+        if not steps:
+            return 0.0
+        try:
+            cal = get_model(steps[0]["model"])
+        except Exception:
+            return 0.0
+        return steps[0]["optimizer_seconds"] * model.params() / cal.params()
+
 
 def train_flops_per_token(model: ModelSpec, seq: int) -> float:
     """The planner's count for one token of a whole-model training step (capacity.flops)."""
@@ -192,6 +207,7 @@ def measured_ranks(ranks: list, figs: list[HostCompute], model: ModelSpec, share
                 device=prof,
                 memory_bytes=f.usable_memory or rk.memory_bytes,
                 fixed_s=fixed / share,
+                optimizer_s=min(fixed, f.optimizer_s(model)) / share,
                 measured=True,
                 comm_cpu=cc,
                 shared=shared,

@@ -31,6 +31,7 @@ class Rank:
     comm_cpu: dict | None = None  # measured CPU cost of communication on this host (planner/compute.py)
     shared: bool = False  # speed already shares its machine's cores with the other ranks there
     comm_core: bool = True  # a core is left for communication while the rank computes
+    optimizer_s: float = 0.0  # of fixed_s: the whole model's AdamW update, once per step
 
 
 def rank_names(world: int, hosts=None) -> list[str]:
@@ -110,9 +111,13 @@ def make_plan(
         mem = capacity.memory(w, model, mode, dtype, seq, strategy)
         t_c = max(t_fl, t_mem)
         if rk.measured and train:  # timed steps hold the memory traffic already, plus a fixed cost
-            # every microbatch runs all of the stage's operations: a pipeline pays the fixed cost m times
-            t_c = t_fl + rk.fixed_s * capacity.fixed_share(w, model, strategy) * (
-                microbatches if info.microbatched else 1
+            # every microbatch runs all of the stage's operations: a pipeline pays the per-pass
+            # fixed cost m times; the AdamW update once, for the parameters the rank owns
+            passes = (rk.fixed_s - rk.optimizer_s) * capacity.fixed_share(w, model, strategy)
+            t_c = (
+                t_fl
+                + passes * (microbatches if info.microbatched else 1)
+                + rk.optimizer_s * w.params_owned / model.params()
             )
         per_rank.append(
             {
@@ -346,6 +351,7 @@ def share_machine(ranks: list[Rank], cores: int | None = None, busy: int | None 
             if r.comm_cpu
             else None,
             comm_core=r.comm_core and (cores or os.cpu_count() or 1) / n >= 2,
+            optimizer_s=r.optimizer_s / f,
         )
         for r in ranks
     ]
