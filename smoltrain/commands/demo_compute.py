@@ -102,8 +102,9 @@ def _nominal_step(strat: str, plan: dict, inv: Path, links: Path) -> float | Non
     hosts = [i.coordinator] + [h for h in i.hosts if h.name != i.coordinator.name]
     placement = plan.get("placement")  # the run's own split and rank order
     if placement:
-        by = {h.name: h for h in hosts}
-        hosts = [by[n] for n in placement["order"]]
+        from smoltrain.planner.plan import in_placement_order
+
+        hosts = in_placement_order(hosts, placement)
     d = plan_for_run(
         strat,
         get_model(plan["model"]["name"]),

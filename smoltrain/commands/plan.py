@@ -128,10 +128,9 @@ def run(args) -> int:
             hosts = [_ReportHost(n, None) for n in names]
     run_placement = ((run_doc or {}).get("config") or {}).get("placement") or (run_doc or {}).get("placement")
     if run_placement and hosts is not None:  # the run's ranks, in its order
-        by = {h.name: h for h in hosts}
-        hosts = [by[n] for n in run_placement["order"] if n in by] + [
-            h for h in hosts if h.name not in run_placement["order"]
-        ]
+        from smoltrain.planner.plan import in_placement_order
+
+        hosts = in_placement_order(hosts, run_placement)
     world = args.world or (len(hosts) if hosts else 2)
     if world < 1:
         raise UsageError(f"--world must be positive, got {world}")

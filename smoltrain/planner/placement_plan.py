@@ -14,7 +14,6 @@ from smolnet.errors import UsageError
 from smoltrain import registry
 from smoltrain.planner import compute
 from smoltrain.planner.placement import MODES, Placement, PlacementError, place
-from smoltrain.planner.placement_split import predict
 from smoltrain.planner.speeds import host_speeds, source_of
 
 
@@ -83,19 +82,16 @@ def predicted_of(plan: dict) -> dict:
     }
 
 
-def section(
-    strategy: str, mode: str, model, hosts, names, compute_doc, batch, seq, microbatches=1, lm=None, replan=None
-) -> dict:
+def section(strategy: str, mode: str, model, hosts, names, compute_doc, batch, seq, microbatches, lm, replan) -> dict:
     """The plan's `placement`: the chosen split, why, and its predicted step next to the other
-    mode's. `replan(placement) -> plan` is the planner under that placement (plan.make_plan), so
-    the figures here are the plan's own; without it (no ranks at hand) the placement's cost
-    model (placement_split.predict) estimates them."""
+    mode's. `replan(placement) -> plan` is the planner under that placement (plan.make_plan),
+    so the figures here are the plan's own."""
     mb = microbatches if registry.get(strategy).microbatched else 1
     chosen, speeds = choose(strategy, mode, model, hosts, names, compute_doc, batch, seq, mb, lm)
     ls = link_fn(lm)
 
     def figures(p: Placement) -> dict:
-        return predicted_of(replan(p.to_dict())) if replan else predict(p, model, speeds, batch, seq, mb, ls)
+        return predicted_of(replan(p.to_dict()))
 
     out = chosen.to_dict()
     out["speed_source"] = source_of(speeds)
@@ -170,7 +166,7 @@ def for_run(
     return placement.to_dict()
 
 
-def attach(plan: dict, mode_arg: str | None, compute_doc, model, hosts, lm, replan=None) -> dict | None:
+def attach(plan: dict, mode_arg: str | None, compute_doc, model, hosts, lm, replan) -> dict | None:
     """Add the `placement` section to a train plan of a strategy that splits work (else leave
     it); a placement that cannot fit is recorded as an error, not raised: the plan says why."""
     strategy = plan["strategy"]

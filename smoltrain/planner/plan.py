@@ -259,13 +259,19 @@ def make_plan(
     return doc
 
 
-def placed_ranks(ranks: list[Rank], placement: dict) -> list[Rank]:
-    """The ranks in the placement's order (hosts it leaves out dropped)."""
-    by = {r.name: r for r in ranks}
+def in_placement_order(items: list, placement: dict) -> list:
+    """Ranks or hosts (anything with a .name) in the placement's rank order, then those it
+    leaves out: the first len(order) are the placed run's ranks."""
+    by = {x.name: x for x in items}
     missing = [n for n in placement["order"] if n not in by]
     if missing:
         raise UsageError(f"placement names {', '.join(missing)}, not among the hosts {', '.join(by)}")
-    return [by[n] for n in placement["order"]]
+    return [by[n] for n in placement["order"]] + [x for x in items if x.name not in placement["order"]]
+
+
+def placed_ranks(ranks: list[Rank], placement: dict) -> list[Rank]:
+    """The ranks in the placement's order (hosts it leaves out dropped)."""
+    return in_placement_order(ranks, placement)[: len(placement["order"])]
 
 
 def plan_for_run(
