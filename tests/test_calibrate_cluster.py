@@ -56,3 +56,26 @@ def test_local_writes_a_compute_report(tmp_path):
     assert main(["calibrate", "--local", "--seconds", "0.05", "--model", "none", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["schema"] == COMPUTE_SCHEMA and len(doc["hosts"]) == 1 and doc["hosts"][0]["train_step"] == []
+
+
+def test_kernel_rate_drops_the_warm_up_and_takes_the_median_window(monkeypatch):
+    """One slow window (a VM's first half second) must not decide a kernel's figure, and the
+    fastest window must not either (under a quota it measures the uncapped machine)."""
+    from smoltrain.calibration import probe
+
+    clock = [0.0]
+    monkeypatch.setattr(probe.time, "perf_counter", lambda: clock[0])
+    # seconds per call: slow while warming up, then three windows at 1, 3 and 2 ms a call
+    phases = [(0.05, 0.010), (0.05, 0.001), (0.05, 0.003), (0.05, 0.002)]
+
+    def call():
+        spent = clock[0]
+        for length, per_call in phases:
+            if spent < length:
+                clock[0] += per_call
+                return
+            spent -= length
+        clock[0] += 0.002
+
+    rate = probe.steady_rate(call, 0.1)  # half-windows of 50 ms: one per phase
+    assert abs(rate - 500) < 30, rate  # the median window (2 ms a call), not 1 ms or 10 ms

@@ -4,7 +4,9 @@ Prints one JSON object (a `hosts` entry of `smoltrain.compute/1`, less its name)
 figure is a throughput over a window of many CFS periods, never a best-of: under a CPU
 quota a short operation runs at full speed until the quota is spent and then waits, so the
 fastest sample measures the uncapped machine, while work over a window sees the cap,
-as a training rank does.
+as a training rank does. Kernels are timed as the median of three windows after a warm-up
+one: on a VM, a capped sim host's first matmul window after the communication test ran at
+0.8 of the windows after it, and one slow window must not decide the figure.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ def cores() -> int:
 def rate(fn, window: float) -> float:
     """Calls per second over a window of at least `window` seconds, after one warm-up."""
     fn()
+    return _window(fn, window)
+
+
+def _window(fn, window: float) -> float:
     n, t0 = 0, time.perf_counter()
     while True:
         fn()
@@ -41,16 +47,26 @@ def rate(fn, window: float) -> float:
             return n / el
 
 
+KERNEL_WINDOWS = 3
+
+
+def steady_rate(fn, window: float, windows: int = KERNEL_WINDOWS) -> float:
+    """Calls per second once warm: a half-window run and dropped, then the median of
+    `windows` half-windows (each still dozens of CFS periods)."""
+    _window(fn, window / 2)
+    return sorted(_window(fn, window / 2) for _ in range(windows))[windows // 2]
+
+
 def matmul_flops(torch, dtype, n: int, window: float) -> float:
     a = torch.randn(n, n).to(dtype)
     b = torch.randn(n, n).to(dtype)
-    return 2 * n**3 * rate(lambda: torch.mm(a, b), window)
+    return 2 * n**3 * steady_rate(lambda: torch.mm(a, b), window)
 
 
 def copy_bw(torch, nbytes: int, window: float) -> float:
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
-    return 2 * nbytes * rate(lambda: dst.copy_(src), window)  # read + write
+    return 2 * nbytes * steady_rate(lambda: dst.copy_(src), window)  # read + write
 
 
 def train_seconds(torch, model_name: str, batch: int, seq: int, window: float, optimizer: list | None = None) -> float:
