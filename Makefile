@@ -23,7 +23,7 @@ system-deps:
 	@bash scripts/system-deps.sh
 
 test: system-deps setup
-	$(BIN)/pytest -q -ra
+	$(BIN)/pytest -q -ra --durations=25
 
 # One tier at a time (markers assigned in tests/conftest.py): unit < process < sim < provision.
 test-unit: setup

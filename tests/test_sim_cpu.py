@@ -71,12 +71,14 @@ def _spin(host, seconds: float = 2.0) -> tuple[float | None, int]:
 
 
 @pytest.mark.sim
-def test_period_is_short_and_quota_above_the_kernel_floor():
+def test_period_is_short_and_slices_not_too_short():
     assert cgroup.period_quota(0.5) == (5_000, 2_500)
     assert cgroup.period_quota(2.0) == (5_000, 10_000)
-    for cores in (0.15, 0.05):  # 0.75 and 0.25 ms per 5 ms are under the kernel's floor
+    for cores in (0.15, 0.05):  # 0.75 and 0.25 ms per 5 ms: slices that start cold each time
         period, quota = cgroup.period_quota(cores)
-        assert quota == 1_000 and quota / period == pytest.approx(cores, rel=1e-3)
+        assert quota == 2_500 and quota / period == pytest.approx(cores, rel=1e-3)
+    period, quota = cgroup.period_quota(0.001)  # the kernel takes periods up to 1 s
+    assert period == 1_000_000 and quota == 1_000
 
 
 BURSTS = r"""

@@ -19,18 +19,19 @@ from smolnet.errors import SmolError
 
 ROOT = Path(os.environ.get("SMOL_CGROUP_ROOT", "/sys/fs/cgroup"))
 PERIOD_US = 5_000
-MIN_QUOTA_US = 1_000  # the kernel's floor
+MIN_QUOTA_US = 2_500  # the shortest slice a host runs in (the kernel's floor is 1 ms)
 
 
 def period_quota(cores: float) -> tuple[int, int]:
-    """(period, quota) in microseconds for a cap of `cores`: a 5 ms period (longer only where
-    the quota would fall under the kernel's 1 ms floor), so a capped host is slow all the
-    time, as a real Pi is. With the default 100 ms period a rank idle between bursts (a
-    pipeline stage) ran its next burst at full speed on the quota it had saved, and mp/pp
-    measured 2x faster than the cap said; at 1 ms the throttling itself cost a capped host
-    up to a fifth of its share."""
-    period = max(PERIOD_US, int(round(MIN_QUOTA_US / cores)))
-    return period, max(MIN_QUOTA_US, int(round(cores * period)))
+    """(period, quota) in microseconds for a cap of `cores`: a 5 ms period, longer only where
+    the quota would be under 2.5 ms, so a capped host is slow all the time, as a real Pi
+    is. With the kernel's 100 ms period a rank idle between bursts (a pipeline stage) ran
+    its next burst at full speed on the quota it had saved, and mp/pp measured 2x faster
+    than the cap said. Each slice starts on a cold core (on a VM, a woken vCPU): at 1 ms
+    slices the 0.15-core Pi did 0.67-0.77 of its share's work, at 1.25 ms the Jetson
+    0.88-0.95, at 2.25-3.25 ms the others 0.95-0.99."""
+    period = min(1_000_000, max(PERIOD_US, int(round(MIN_QUOTA_US / cores))))  # kernel max 1 s
+    return period, max(1_000, int(round(cores * period)))
 
 
 class CgroupError(SmolError):
