@@ -110,3 +110,49 @@ def test_compare_excludes_warm_up_steps():
     assert c["step_s"]["measured"] == pytest.approx(0.1)
     assert c["comm_s"]["measured"] == pytest.approx(0.01)
     assert c["tokens_per_s"]["measured"] == pytest.approx(5120.0)
+
+
+def _star(rates: dict[tuple[str, str], float], nic: dict[str, float] | None = None):
+    from smoltrain.planner.links import Link, LinkModel
+
+    return LinkModel({"kind": "test"}, {k: Link(v, 0.0) for k, v in rates.items()}, None, nic_mbit=nic or {})
+
+
+def test_a_fast_nic_measured_against_slow_peers_feeds_several_at_once():
+    """A 2.5 Gbit server showed 1000 Mbit to each 1 Gbit peer: its NIC carries 2500 in all."""
+    names = ["srv", "a", "b"]
+    rates = {(s, d): 1000.0 for s in names for d in names if s != d}
+    lm = _star(rates, {"srv": 2500.0, "a": 1000.0, "b": 1000.0})
+    assert lm.egress_bytes_per_s("srv", names) == pytest.approx(2500e6 / 8)
+    assert lm.ingress_bytes_per_s("a", names) == pytest.approx(1000e6 / 8)
+    assert _star(rates).egress_bytes_per_s("srv", names) == pytest.approx(1000e6 / 8)  # no rated speeds
+    rates[("a", "srv")] = rates[("a", "b")] = 300.0  # a shaped uplink is the host's own limit
+    slow = _star(rates, {"srv": 1000.0, "a": 1000.0, "b": 1000.0})
+    assert slow.egress_bytes_per_s("a", names) == pytest.approx(300e6 / 8)
+    # under a CPU cost model the host's CPU caps what its NIC could do
+    from smoltrain.planner.links import LinkModel
+
+    busy = LinkModel({"kind": "test"}, dict(lm.links), None, wire=lm, cpu_bytes_s={"srv": 100e6})
+    assert busy.egress_bytes_per_s("srv", names) == pytest.approx(100e6)
+
+
+def test_a_servers_gather_starts_as_each_worker_finishes():
+    """syncps on uneven hosts: a fast worker's push on a slow uplink overlaps the slowest
+    worker's compute. Hand-computed: 1 MB pushes; worker a (20 ms compute) pushes at 100 Mbit
+    (80 ms), worker b (100 ms compute) at 800 Mbit (10 ms); the server's downlink (800 Mbit)
+    takes 20 ms for both. The phase ends at max(20+80, 100+10, 20+20) = 110 ms: 10 ms after
+    the slowest compute, where "slowest compute, then the phase" says 80 ms: 70 ms hidden."""
+    from smoltrain.planner import timing
+    from smoltrain.planner.traffic import Phase, Traffic, Transfer
+
+    names = ["srv", "a", "b"]
+    rates = {(s, d): 800.0 for s in names for d in names if s != d}
+    rates[("a", "srv")] = 100.0
+    lm = _star(rates)
+    tr = Traffic("syncps", "train", 3)
+    tr.phases.append(Phase("push", [Transfer(1, 0, 1e6), Transfer(2, 0, 1e6)], after_compute=True))
+    tr.phases.append(Phase("pull", [Transfer(0, 1, 1e6), Transfer(0, 2, 1e6)]))
+    assert timing.staggered_saving(tr, names, lm, [0.05, 0.02, 0.10]) == pytest.approx(0.070)
+    assert timing.staggered_saving(tr, names, lm, [0.10, 0.10, 0.10]) == pytest.approx(0.0)  # even hosts
+    tr.phases[0].after_compute = False
+    assert timing.staggered_saving(tr, names, lm, [0.05, 0.02, 0.10]) == 0.0

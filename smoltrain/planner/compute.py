@@ -239,7 +239,13 @@ def cpu_links(lm, ranks: list):
             if rate and ends:
                 rate = min(rate, min(c["bytes_s"] for c in ends) * 8 / 1e6)
             links[(s, d)] = Link(rate, ln.rtt_us + 2e6 * msg, ln.status)
-    return LinkModel(dict(lm.source, comm_cpu="per-message and per-byte CPU cost of each end (measured)"), links, None)
+    return LinkModel(
+        dict(lm.source, comm_cpu="per-message and per-byte CPU cost of each end (measured)"),
+        links,
+        None,
+        wire=lm,
+        cpu_bytes_s={n: c["bytes_s"] for n, c in cost.items()},
+    )
 
 
 def apply(ranks: list, hosts, path: str | None, model: ModelSpec) -> tuple[list, str]:

@@ -169,6 +169,8 @@ def make_plan(
             compute_s += capacity.server_seconds(model, world, ranks[0].device.mem_bw)
         cc = timing.comm_cost(tr, names, lm)
         comm_s = cc.total_s
+        if train:  # a server's gather starts worker by worker as each one's backward ends
+            comm_s -= timing.staggered_saving(tr, names, lm, [p["compute_s"] for p in per_rank])
         # a ring moves at its slowest member's pace: dp's buckets hide behind backward only where
         # every rank has a core to spare for them; a capped host sends on the core it computes on
         if overlap and train and cc.overlappable_s > 0 and all(rk.comm_core for rk in ranks):

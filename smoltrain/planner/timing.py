@@ -83,6 +83,37 @@ def comm_cost(tr: Traffic, names: list[str], lm: LinkModel, skip: set[int] = fro
     return CommCost(total, alpha, ov, last, limiter, limiter_s)
 
 
+def staggered_saving(tr: Traffic, names: list[str], lm: LinkModel, compute_s: list[float]) -> float:
+    """Seconds an `after_compute` phase (a server's gather) hides on uneven hosts: each worker
+    pushes when its own backward ends, so a fast host's push on a slow uplink overlaps the
+    slowest host's compute. The phase then ends at the latest of (a worker's compute + its
+    transfer) and (the first push + everything through the server's downlink), not at
+    "slowest compute, then the whole phase". Equal compute hides nothing."""
+    saved = 0.0
+    slowest = max(compute_s)
+    for ph in tr.phases:
+        if not ph.after_compute or ph.repeat != 1 or not ph.transfers:
+            continue
+        full = phase_cost(ph, names, lm).seconds
+        ends, alpha, worst = [], 0.0, -1.0
+        for t in ph.transfers:
+            ln = lm.get(names[t.src], names[t.dst])
+            if not ln.up:
+                return 0.0
+            sec = t.msgs * ln.alpha_s + t.nbytes / ln.bytes_per_s
+            ends.append(compute_s[t.src] + sec)
+            if sec > worst:
+                worst, alpha = sec, t.msgs * ln.alpha_s
+        for dst in {t.dst for t in ph.transfers}:
+            into = [t for t in ph.transfers if t.dst == dst]
+            rate = lm.ingress_bytes_per_s(names[dst], list(names)) if len(into) > 1 else 0.0
+            if rate:
+                first = min(compute_s[t.src] for t in into)
+                ends.append(first + sum(t.nbytes for t in into) / rate + alpha)
+        saved += max(0.0, full - max(0.0, max(ends) - slowest))
+    return saved
+
+
 def exposed_overlap(comm_s: float, last_bucket_s: float, backward_s: float) -> float:
     """Buckets start when their gradients are ready; the last one is always exposed."""
     if comm_s <= 0:

@@ -48,6 +48,7 @@ class Phase:
     overlap_backward: bool = False  # dp buckets may hide behind the backward pass
     buckets: int = 1  # gradient buckets the rounds are grouped in
     serial: bool = False  # each transfer waits for the one before (a decode ring)
+    after_compute: bool = False  # each transfer leaves when its own sender finishes computing
 
 
 @dataclass
@@ -211,7 +212,9 @@ def sharded_gather_train(tr: Traffic, s: Step) -> None:
 def parameter_server_train(tr: Traffic, s: Step) -> None:
     N, nbytes = s.world, s.model.params() * s.a
     if N > 1:
-        tr.phases.append(Phase("workers push gradients", [Transfer(r, 0, nbytes) for r in range(1, N)]))
+        tr.phases.append(
+            Phase("workers push gradients", [Transfer(r, 0, nbytes) for r in range(1, N)], after_compute=True)
+        )
         tr.phases.append(Phase("server returns parameters", [Transfer(0, r, nbytes) for r in range(1, N)]))
     tr.notes.append("rank 0 is the parameter server and also a worker; it exchanges with ranks 1..N-1")
     if s.info.joiners:
