@@ -43,6 +43,9 @@ class LinkModel:
     source: dict
     links: dict[tuple[str, str], Link] = field(default_factory=dict)
     default: Link | None = None  # used for every pair when built from a link class
+    nic_mbit: dict[str, float] = field(default_factory=dict)  # each host's rated NIC speed
+    wire: LinkModel | None = None  # links before each host's CPU cost was added
+    cpu_bytes_s: dict[str, float] = field(default_factory=dict)  # bytes/s a host's CPU moves
 
     def get(self, src: str, dst: str) -> Link:
         if (src, dst) in self.links:
@@ -52,10 +55,6 @@ class LinkModel:
         raise UsageError(
             f"links report has no measurement {src} -> {dst} (run `smolnet matrix` again over these hosts)"
         )
-
-    nic_mbit: dict[str, float] = field(default_factory=dict)  # each host's rated NIC speed
-    wire: LinkModel | None = None  # links before each host's CPU cost was added
-    cpu_bytes_s: dict[str, float] = field(default_factory=dict)  # bytes/s a host's CPU moves
 
     def egress_bytes_per_s(self, host: str, peers: list[str]) -> float:
         """A host's own NIC: what it sends to all peers at once (a server's star)."""
