@@ -44,11 +44,18 @@ def test_cli_writes_the_report_and_exits_4_when_a_host_failed(tmp_path, capsys):
       vars: {{smol_python: {sys.executable}}}
 """)
     out = tmp_path / "compute.json"
-    rc = main(["calibrate", "-i", str(inv), "--seconds", "0.05", "--model", "none", "--out", str(out)])
+    rc = main(["calibrate", "-i", str(inv), "--seconds", "0.05", "--model", "none", "--repeat", "2", "--out", str(out)])
     assert rc == 4
     doc = json.loads(out.read_text())
     assert [h["status"] for h in doc["hosts"]] == ["ok", "failed"]
+    assert doc["hosts"][0]["repeats"] == 2 and len(doc["hosts"][0]["fp32_flops_each"]) == 2
     assert "gone" in capsys.readouterr().out
+
+
+def test_repeat_out_of_range_is_one_line_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "c.json"
+    assert main(["calibrate", "--local", "--repeat", "0", "--out", str(out)]) == 2
+    assert "--repeat must be in 1..20" in capsys.readouterr().err and not out.exists()
 
 
 def test_local_writes_a_compute_report(tmp_path):
@@ -79,3 +86,34 @@ def test_kernel_rate_drops_the_warm_up_and_takes_the_median_window(monkeypatch):
 
     rate = probe.steady_rate(call, 0.1)  # half-windows of 50 ms: one per phase
     assert abs(rate - 500) < 30, rate  # the median window (2 ms a call), not 1 ms or 10 ms
+
+
+def test_repeats_take_each_figures_median_round_by_round():
+    """A fake probe whose figures differ per round (the real probe runs in the tests above):
+    each figure is the median of its rounds, and a shared machine's hosts alternate."""
+    rounds = {"a": iter([1.0, 9.0, 3.0]), "b": iter([5.0, 4.0, 6.0])}
+    calls = []
+
+    def fake_probe(h, model, seconds):
+        calls.append(h.name)
+        x = next(rounds[h.name])
+        return {
+            "name": h.name,
+            "status": "ok",
+            "error": None,
+            "flops": {"fp32": x * 1e9, "bf16": 2 * x * 1e9},
+            "mem_bw_bytes_s": 10 * x,
+            "usable_memory_bytes": int(100 * x),
+            "comm_cpu": {"message_s": x, "bytes_s": 1 / x},
+            "train_step": [{"model": "tiny", "batch": 2, "seq": 64, "seconds": x, "optimizer_seconds": x / 10}],
+        }
+
+    doc = calibrate_hosts([_local("a"), _local("b")], "tiny", 0.05, probe=fake_probe, repeats=3)
+    assert calls == ["a", "b", "a", "b", "a", "b"]
+    a, b = doc["hosts"]
+    assert a["flops"] == {"fp32": 3e9, "bf16": 6e9} and a["mem_bw_bytes_s"] == 30
+    assert a["usable_memory_bytes"] == 100  # the least memory any round saw
+    assert a["comm_cpu"] == {"message_s": 3.0, "bytes_s": 1 / 3}
+    assert a["train_step"][0]["seconds"] == 3.0 and a["train_step"][0]["optimizer_seconds"] == 0.3
+    assert a["repeats"] == 3 and a["fp32_flops_each"] == [1e9, 9e9, 3e9]
+    assert b["flops"]["fp32"] == 5e9 and doc["settings"]["repeats"] == 3

@@ -8,6 +8,7 @@ more) and the model share lives in the temporary directory, so nothing outside i
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
@@ -174,10 +175,19 @@ def test_jumbo_mtu_on_the_mismatched_host_is_refused(converged):
     hv = converged["dir"] / "host_vars" / "laptop.yml"
     hv.write_text("mtu: 9000\n")
     try:
+        seen = subprocess.run(
+            [str(BIN / "ansible-inventory"), "-i", converged["inventory"], "--host", "laptop"],
+            cwd=REPO,
+            env=ansible_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert json.loads(seen.stdout)["mtu"] == 9000, seen.stdout + seen.stderr
         p = playbook("-i", converged["inventory"], "playbooks/site.yml", "--tags", "mtu")
     finally:
         hv.write_text("mtu: 1500\n")
-    assert p.returncode != 0
+    assert p.returncode != 0, p.stdout[-8000:]
     assert recap(p.stdout)["laptop"]["failed"] == 1, p.stdout[-4000:]
     assert "MTU error: laptop" in p.stdout and "path to macmini" in p.stdout, p.stdout[-4000:]
     ns = converged["ns"]

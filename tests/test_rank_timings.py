@@ -21,6 +21,25 @@ def test_rank_timings_add_up_to_the_step():
     assert all(r["comm_s"] == pytest.approx(0.02) for r in rows)
 
 
+def test_pipeline_stages_charge_communication_beyond_their_schedule():
+    """mp, 3 stages computing 0.1, 0.2 and 0.3 s one after another in a 0.7 s step: 0.1 s is
+    communication. Every stage also waited inside its receives (the last one for 0.3 s of
+    its predecessors' forward), so the least communication time of any rank, the rule for
+    side-by-side ranks, would call 0.3 s communication."""
+    parts = {0: (0.70, 0.60), 1: (0.62, 0.42), 2: (0.65, 0.35)}
+    rows = rank_timings(parts, 0.70, stages_m=1)
+    assert [r["compute_s"] for r in rows] == pytest.approx([0.1, 0.2, 0.3])
+    assert all(r["comm_s"] == pytest.approx(0.1) for r in rows)
+    assert [r["wait_s"] for r in rows] == pytest.approx([0.5, 0.4, 0.3])
+    assert rank_timings(parts, 0.70)[0]["comm_s"] == pytest.approx(0.35)
+    # pp, 4 microbatches: the critical path is each stage's first slot plus 3 slots of the slowest
+    pp = rank_timings(parts, 0.70, stages_m=4)
+    critical = (0.1 + 0.2 + 0.3) / 4 + 3 * 0.3 / 4
+    assert all(r["comm_s"] == pytest.approx(0.70 - critical) for r in pp)
+    for r in rows + pp:
+        assert r["compute_s"] + r["comm_s"] + r["wait_s"] == pytest.approx(0.70)
+
+
 @pytest.mark.slow
 def test_run_records_per_rank_timings_that_add_up(tmp_path):
     from smoltrain.cli import main

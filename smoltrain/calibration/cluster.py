@@ -4,13 +4,19 @@ Hosts on different machines are measured at the same time; hosts that share a ma
 kernel: the sim, or several ranks on one box) one after another, because each would
 otherwise measure the others' load instead of its own speed. A host that fails is reported
 with its reason and the rest are still measured.
+
+With `repeats` > 1 every host is probed that many times and each figure is the median. On a
+shared machine the rounds go host by host (a, b, c, a, b, c, ...), so a slow spell of the
+machine lands on one probe of several hosts rather than on every probe of one host.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import copy
 import json
 import socket
+import statistics
 from collections.abc import Callable
 from datetime import datetime, timezone
 
@@ -55,12 +61,34 @@ def _failed(name: str, err: str, machine_id: str | None = None) -> dict:
     return {"name": name, "status": "failed", "error": err, "machine_id": machine_id}
 
 
+def median_probe(docs: list[dict]) -> dict:
+    """One host's probes merged: the median of every timed figure, the least usable memory,
+    and each fp32 rate kept (`fp32_flops_each`) so a reader sees the spread."""
+    out = copy.deepcopy(docs[0])
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    for k in out.get("flops") or {}:
+        out["flops"][k] = med([d["flops"][k] for d in docs])
+    out["mem_bw_bytes_s"] = med([d["mem_bw_bytes_s"] for d in docs])
+    out["usable_memory_bytes"] = min(d["usable_memory_bytes"] for d in docs)
+    if all(d.get("comm_cpu") for d in docs):
+        for k in out["comm_cpu"]:
+            out["comm_cpu"][k] = med([d["comm_cpu"][k] for d in docs])
+    for i, st in enumerate(out.get("train_step") or []):
+        for k in ("seconds", "optimizer_seconds"):
+            if k in st:
+                st[k] = med([d["train_step"][i][k] for d in docs])
+    out["repeats"] = len(docs)
+    out["fp32_flops_each"] = [d["flops"]["fp32"] for d in docs]
+    return out
+
+
 def calibrate_hosts(
     hosts: list[Host],
     model: str = "tiny",
     seconds: float = 0.5,
     progress: Progress | None = None,
     probe: Callable = probe_host,
+    repeats: int = 1,
 ) -> dict:
     """Measure `hosts`; the compute report (failed hosts carry status `failed` and `error`)."""
     say = progress or (lambda name, what: None)
@@ -82,16 +110,23 @@ def calibrate_hosts(
             groups.setdefault(ids[h.name], []).append(h)
 
     def one_machine(group: list[Host]) -> None:
-        for h in group:
-            say(h.name, "measuring")
-            try:
-                doc = probe(h, model, seconds)
-                doc["machine_id"] = ids[h.name]
-                results[h.name] = doc
-                say(h.name, "done: " + summary(doc))
-            except RemoteError as e:
-                results[h.name] = _failed(h.name, e.cause, ids[h.name])
-                say(h.name, f"failed: {e.cause}")
+        probes: dict[str, list[dict]] = {h.name: [] for h in group}
+        for n in range(repeats):
+            for h in group:
+                if h.name in results:  # failed in an earlier round
+                    continue
+                say(h.name, "measuring" + (f" ({n + 1} of {repeats})" if repeats > 1 else ""))
+                try:
+                    probes[h.name].append(probe(h, model, seconds))
+                except RemoteError as e:
+                    results[h.name] = _failed(h.name, e.cause, ids[h.name])
+                    say(h.name, f"failed: {e.cause}")
+                    continue
+                if n == repeats - 1:
+                    doc = median_probe(probes[h.name])
+                    doc["machine_id"] = ids[h.name]
+                    results[h.name] = doc
+                    say(h.name, "done: " + summary(doc))
 
     with cf.ThreadPoolExecutor(max(1, len(groups))) as ex:
         list(ex.map(one_machine, groups.values()))
@@ -99,7 +134,7 @@ def calibrate_hosts(
         "schema": COMPUTE_SCHEMA,
         "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "controller": socket.gethostname(),
-        "settings": {"model": model, "seconds": seconds, "threads": 1},
+        "settings": {"model": model, "seconds": seconds, "threads": 1, "repeats": repeats},
         "hosts": [results[h.name] for h in hosts],
     }
 
@@ -119,15 +154,15 @@ def summary(doc: dict) -> str:
     return ", ".join(parts)
 
 
-def local_report(model: str = "tiny", seconds: float = 0.5, name: str | None = None) -> dict:
+def local_report(model: str = "tiny", seconds: float = 0.5, name: str | None = None, repeats: int = 1) -> dict:
     """This machine alone (`calibrate --local`), probed in-process."""
     from smoltrain.calibration.probe import probe as run_probe
 
-    doc = run_probe(model, seconds)
+    doc = median_probe([run_probe(model, seconds) for _ in range(repeats)])
     return {
         "schema": COMPUTE_SCHEMA,
         "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "controller": socket.gethostname(),
-        "settings": {"model": model, "seconds": seconds, "threads": 1},
+        "settings": {"model": model, "seconds": seconds, "threads": 1, "repeats": repeats},
         "hosts": [{"name": name or socket.gethostname(), "status": "ok", "error": None, **doc}],
     }

@@ -8,6 +8,13 @@ from smolnet.files import write_json_atomic
 EXIT_SOME_FAILED = 4
 
 
+def _fp32(h: dict) -> str:
+    """The median rate, and with repeats the range the probes spanned."""
+    each = h.get("fp32_flops_each") or []
+    spread = f" ({min(each) / 1e9:,.1f}-{max(each) / 1e9:,.1f})" if len(each) > 1 else ""
+    return f"{h['flops']['fp32'] / 1e9:,.1f}{spread}"
+
+
 def _table(doc: dict):
     from rich.table import Table
 
@@ -23,7 +30,7 @@ def _table(doc: dict):
         t.add_row(
             h["name"],
             f"{cap:g}" if cap else f"none ({h['cores']} cores)",
-            f"{h['flops']['fp32'] / 1e9:,.1f}",
+            _fp32(h),
             f"{h['flops']['bf16'] / 1e9:,.1f}",
             f"{h['mem_bw_bytes_s'] / 1e9:,.1f}",
             st or "-",
@@ -42,7 +49,7 @@ def run_compute(args, out: str) -> int:
     model = args.model or "tiny"
     if args.local:
         with con.status("measuring this machine: matmul FLOP/s, memory bandwidth, training steps ..."):
-            doc = local_report(model, args.seconds)
+            doc = local_report(model, args.seconds, repeats=args.repeat)
     else:
         from smolnet.inventory import InventoryError, load_inventory
 
@@ -61,7 +68,7 @@ def run_compute(args, out: str) -> int:
                 if what.startswith(("done", "failed")):
                     prog.update(tasks[name], completed=100, total=100)
 
-            doc = calibrate_hosts(hosts, model, args.seconds, say)
+            doc = calibrate_hosts(hosts, model, args.seconds, say, repeats=args.repeat)
         doc["inventory"] = str(args.inventory)
     write_json_atomic(out, doc)
     if args.json and args.json != out:

@@ -32,6 +32,13 @@ def add_arguments(p) -> None:
         f"with -i or --local the compute report, default {DEFAULT_COMPUTE})",
     )
     p.add_argument("--seconds", type=float, default=0.3, help="time per measurement (default 0.3)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with -i or --local: probe every host N times and keep each figure's median (default 1)",
+    )
     p.add_argument("--model", default="tiny", help="model whose training step sets the achieved fraction (none: skip)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=64)
@@ -100,6 +107,8 @@ def run(args) -> int:
 
     if args.seconds <= 0 or args.seconds > 60:
         raise UsageError("--seconds must be in (0, 60]")
+    if not 1 <= args.repeat <= 20:
+        raise UsageError("--repeat must be in 1..20")
     if args.model and args.model != "none":
         try:
             get_model(args.model)

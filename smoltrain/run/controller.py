@@ -320,10 +320,14 @@ class Controller:
         order = {n: i for i, n in enumerate(self.names)}
         from smoltrain.run.timings import rank_timings
 
+        info = self.info
+        stages_m = (self.cfg.microbatches if info.microbatched else 1) if info.splits == "layers" else None
         for row in rows:
             by = self.steps[row["step"]].get("by", {})
             row["ranks"] = rank_timings(
-                {order.get(n, len(order) + i): v for i, (n, v) in enumerate(sorted(by.items()))}, row["step_s"]
+                {order.get(n, len(order) + i): v for i, (n, v) in enumerate(sorted(by.items()))},
+                row["step_s"],
+                stages_m,
             )
         links = sorted(
             self.links.items(),
