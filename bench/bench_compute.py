@@ -220,7 +220,7 @@ def main() -> int:
     ]
     for c in cal:
         lines.append(
-            f"| {c['host']} | {c['cap']:g} | {', '.join(f'{x:.2f}' for x in c['ratios'])} | {c['ratio']:.2f} | "
+            f"| {c['host']} | {c['cap']:.2f} | {', '.join(f'{x:.2f}' for x in c['ratios'])} | {c['ratio']:.2f} | "
             f"{'yes' if abs(c['ratio'] - 1) <= 0.15 else 'no'} |"
         )
     text = "\n".join(lines) + "\n"
