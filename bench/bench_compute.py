@@ -56,28 +56,18 @@ def down(name: str = NAME):
     sh([PY, "-m", "smolnet", "sim", "down", "--name", name])
 
 
+def calibrate(inv: Path, model: str, repeats: int, out: Path) -> None:
+    """Every host's compute, each figure the median of `repeats` probes."""
+    sh([PY, "-m", "smoltrain", "calibrate", "-i", inv, "--model", model, "--repeat", repeats, "--out", out])
+
+
 def calibration_check(d: Path, capped: Path, repeats: int) -> list[dict]:
     """Capped hosts vs the same hosts uncapped: each probe's fp32 rate against the cap, and the
     median the plan used (a VM runs a capped host's work 0.75-0.95 as fast per CPU-second, from
     one process to the next; see BENCHMARKS.md)."""
     inv = up(d, "0")
     try:
-        sh(
-            [
-                PY,
-                "-m",
-                "smoltrain",
-                "calibrate",
-                "-i",
-                inv,
-                "--model",
-                "none",
-                "--repeat",
-                repeats,
-                "--out",
-                d / "uncapped.json",
-            ]
-        )
+        calibrate(inv, "none", repeats, d / "uncapped.json")
     finally:
         down()
     free = {h["name"]: h for h in json.loads((d / "uncapped.json").read_text())["hosts"]}
@@ -106,22 +96,7 @@ def main() -> int:
     rows = []
     try:
         sh([PY, "-m", "smolnet", "matrix", "-i", inv, "--duration", "2", "--out", d])
-        sh(
-            [
-                PY,
-                "-m",
-                "smoltrain",
-                "calibrate",
-                "-i",
-                inv,
-                "--model",
-                a.model,
-                "--repeat",
-                a.repeat,
-                "--out",
-                d / "compute.json",
-            ]
-        )
+        calibrate(inv, a.model, a.repeat, d / "compute.json")
         for s in a.strategies.split(","):
             run = d / f"run-{s}.json"
             r = sh(
