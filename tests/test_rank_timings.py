@@ -41,7 +41,8 @@ def test_pipeline_stages_charge_communication_beyond_their_schedule():
 
 
 @pytest.mark.slow
-def test_run_records_per_rank_timings_that_add_up(tmp_path):
+@pytest.mark.parametrize("strategy", ["dp", "pp"])
+def test_run_records_per_rank_timings_that_add_up(tmp_path, strategy):
     from smoltrain.cli import main
 
     out = tmp_path / "run.json"
@@ -50,7 +51,7 @@ def test_run_records_per_rank_timings_that_add_up(tmp_path):
             [
                 "run",
                 "--strategy",
-                "dp",
+                strategy,
                 "--local",
                 "2",
                 "--steps",
@@ -71,6 +72,7 @@ def test_run_records_per_rank_timings_that_add_up(tmp_path):
         for r in s["ranks"]:
             assert r["compute_s"] + r["comm_s"] + r["wait_s"] == pytest.approx(s["step_s"], rel=1e-6)
             assert r["compute_s"] > 0
+        assert len({r["comm_s"] for r in s["ranks"]}) == 1  # one figure of the step, as planned
 
 
 def test_compare_names_the_rank_and_part_that_missed():
