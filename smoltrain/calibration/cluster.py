@@ -150,7 +150,7 @@ def summary(doc: dict) -> str:
     ]
     if ts:
         parts.append(f"{ts[-1]['model']} step {ts[-1]['seconds'] * 1e3:,.0f} ms @ batch {ts[-1]['batch']}")
-    parts.append(f"cap {cap:g} cores" if cap else f"{doc.get('cores')} cores")
+    parts.append(f"cap {cap:.2f} cores" if cap else f"{doc.get('cores')} cores")
     return ", ".join(parts)
 
 

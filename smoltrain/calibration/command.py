@@ -29,7 +29,7 @@ def _table(doc: dict):
         cap = h.get("cpu_limit_cores")
         t.add_row(
             h["name"],
-            f"{cap:g}" if cap else f"none ({h['cores']} cores)",
+            f"{cap:.2f}" if cap else f"none ({h['cores']} cores)",
             _fp32(h),
             f"{h['flops']['bf16'] / 1e9:,.1f}",
             f"{h['mem_bw_bytes_s'] / 1e9:,.1f}",
