@@ -125,6 +125,28 @@ def test_busy_host_cpu_slows_its_messages_and_bytes():
     assert cpu_links(lm, [Rank("a", get_device("generic"), 1e9)]) is lm  # nothing measured: unchanged
 
 
+def test_a_quota_held_host_pays_its_cpu_and_the_wire_in_turn():
+    """A host under a CPU quota drains nothing while it waits for its next period, so its
+    CPU time and the wire's add up: 1 / (1/117.6 + 1/150) MB/s, not min(117.6, 150)."""
+    from smoltrain.planner.compute import cpu_links
+    from smoltrain.planner.devices import get_device
+    from smoltrain.planner.plan import Rank
+
+    lm = from_class("1gbe")  # 941 Mbit/s: 117.6 MB/s
+    wire = 941e6 / 8
+    capped = {"message_s": 1e-3, "bytes_s": 150e6, "quota": True}
+    free = {"message_s": 1e-4, "bytes_s": 900e6, "quota": False}
+    ranks = [
+        Rank("pi", get_device("generic"), 1e9, comm_cpu=capped),
+        Rank("pc", get_device("generic"), 1e9, comm_cpu=free),
+    ]
+    links = cpu_links(lm, ranks)
+    for ln in (links.get("pi", "pc"), links.get("pc", "pi")):
+        assert ln.bytes_per_s == pytest.approx(1 / (1 / wire + 1 / 150e6))  # 65.9 MB/s
+    unquoted = cpu_links(lm, [Rank("pi", get_device("generic"), 1e9, comm_cpu=dict(capped, quota=False)), ranks[1]])
+    assert unquoted.get("pi", "pc").bytes_per_s == pytest.approx(wire)  # a free CPU overlaps the wire
+
+
 def test_default_report_of_other_hosts_falls_back_to_profiles(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "reports").mkdir()
