@@ -65,7 +65,7 @@ def median_probe(docs: list[dict]) -> dict:
     """One host's probes merged: the median of every timed figure, the least usable memory,
     and each fp32 rate kept (`fp32_flops_each`) so a reader sees the spread."""
     out = copy.deepcopy(docs[0])
-    med = lambda xs: statistics.median(xs)  # noqa: E731
+    med = statistics.median
     for k in out.get("flops") or {}:
         out["flops"][k] = med([d["flops"][k] for d in docs])
     out["mem_bw_bytes_s"] = med([d["mem_bw_bytes_s"] for d in docs])
