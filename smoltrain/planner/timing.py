@@ -24,22 +24,24 @@ class PhaseCost:
     limiter: str  # "link a -> b" or "host a egress" ...
 
 
+def transfer_seconds(t, names: list[str], lm: LinkModel) -> tuple[float, float]:
+    """(latency, whole time) of one transfer on its link: messages x alpha + bytes / goodput."""
+    ln = lm.get(names[t.src], names[t.dst])
+    alpha = t.msgs * ln.alpha_s
+    return alpha, alpha + (t.nbytes / ln.bytes_per_s if ln.up else math.inf)
+
+
 def phase_cost(ph: Phase, names: list[str], lm: LinkModel) -> PhaseCost:
     best, best_alpha, limiter = 0.0, 0.0, ""
     out_b: dict[int, float] = {}
     in_b: dict[int, float] = {}
     if ph.serial:  # hops one after another: the round costs their sum
-        secs = []
-        for t in ph.transfers:
-            ln = lm.get(names[t.src], names[t.dst])
-            secs.append((t.msgs * ln.alpha_s, t.msgs * ln.alpha_s + (t.nbytes / ln.bytes_per_s if ln.up else math.inf)))
+        secs = [transfer_seconds(t, names, lm) for t in ph.transfers]
         return PhaseCost(
             sum(s for _, s in secs) * ph.repeat, sum(a for a, _ in secs) * ph.repeat, f"{len(secs)} hops in series"
         )
     for t in ph.transfers:
-        ln = lm.get(names[t.src], names[t.dst])
-        alpha = t.msgs * ln.alpha_s
-        sec = alpha + (t.nbytes / ln.bytes_per_s if ln.up else math.inf)
+        alpha, sec = transfer_seconds(t, names, lm)
         if sec > best:
             best, best_alpha, limiter = sec, alpha, f"link {names[t.src]} -> {names[t.dst]}"
         out_b[t.src] = out_b.get(t.src, 0.0) + t.nbytes
@@ -97,13 +99,12 @@ def staggered_saving(tr: Traffic, names: list[str], lm: LinkModel, compute_s: li
         full = phase_cost(ph, names, lm).seconds
         ends, alpha, worst = [], 0.0, -1.0
         for t in ph.transfers:
-            ln = lm.get(names[t.src], names[t.dst])
-            if not ln.up:
+            a, sec = transfer_seconds(t, names, lm)
+            if not math.isfinite(sec):  # a link is down
                 return 0.0
-            sec = t.msgs * ln.alpha_s + t.nbytes / ln.bytes_per_s
             ends.append(compute_s[t.src] + sec)
             if sec > worst:
-                worst, alpha = sec, t.msgs * ln.alpha_s
+                worst, alpha = sec, a
         for dst in {t.dst for t in ph.transfers}:
             into = [t for t in ph.transfers if t.dst == dst]
             rate = lm.ingress_bytes_per_s(names[dst], list(names)) if len(into) > 1 else 0.0
