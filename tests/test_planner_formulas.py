@@ -112,6 +112,24 @@ def test_compare_excludes_warm_up_steps():
     assert c["tokens_per_s"]["measured"] == pytest.approx(5120.0)
 
 
+def test_compare_drops_a_pipelines_slow_leading_steps_but_keeps_a_noisy_steady_run():
+    """An 8-step mp run of the bench: two connection steps, two still twice the settled pace."""
+    from smoltrain.planner.compare import after_warmup, compare
+
+    plan = _plan("mp", "tiny", 2)
+    times = [7.2, 7.2, 0.313, 0.312, 0.201, 0.201, 0.171, 0.150]
+    run = {
+        "config": {},
+        "bytes": [],
+        "steps": [{"step": i, "step_s": t, "comm_s": t / 10, "tokens": 512} for i, t in enumerate(times)],
+    }
+    c = compare(plan, run)
+    assert c["step_s"]["measured"] == pytest.approx(0.186)
+    assert c["comm_s"]["measured"] == pytest.approx(0.0186)
+    steady = [{"step_s": t} for t in (5.0, 0.30, 0.44, 0.28, 0.31, 0.29)]
+    assert after_warmup(steady) == steady[1:]  # 0.44 is noise, not warm-up: under 1.5x the settled 0.29
+
+
 def _star(rates: dict[tuple[str, str], float], nic: dict[str, float] | None = None):
     from smoltrain.planner.links import Link, LinkModel
 
