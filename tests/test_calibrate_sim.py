@@ -29,6 +29,9 @@ def test_calibration_ranks_capped_hosts_by_cap(tmp_path):
     slow, fast = doc["hosts"]  # rank order only: on a busy machine an uncapped share shrinks
     assert slow["status"] == fast["status"] == "ok", doc
     assert slow["cpu_limit_cores"] == pytest.approx(0.1) and fast["cpu_limit_cores"] == pytest.approx(0.9)
+    from smolnet.sim.cgroup import period_quota
+
+    assert [slow["cpu_period_s"], fast["cpu_period_s"]] == pytest.approx([period_quota(c)[0] / 1e6 for c in (0.1, 0.9)])
     assert slow["machine_id"] == fast["machine_id"]
     assert fast["flops"]["fp32"] > 1.2 * slow["flops"]["fp32"]
     assert fast["train_step"][-1]["seconds"] * 1.2 < slow["train_step"][-1]["seconds"]

@@ -44,6 +44,7 @@ def test_own_limit_reads_v1_and_v2(tmp_path):
     pc = tmp_path / "pc1"
     pc.write_text("2:cpuacct:/\n1:cpu:/smol-x-a\n0::/\n")
     assert cgroup.own_limit(v1, str(pc)) == pytest.approx(0.25)
+    assert cgroup.own_quota(v1, str(pc)) == (25000, 100000)
     pc.write_text("1:cpu:/\n")
     assert cgroup.own_limit(v1, str(pc)) is None
     v2 = tmp_path / "v2"
@@ -54,6 +55,7 @@ def test_own_limit_reads_v1_and_v2(tmp_path):
     pc.write_text("0::/a/b\n")
     assert cgroup.version(v2) == 2
     assert cgroup.own_limit(v2, str(pc)) == pytest.approx(0.5)  # the parent's cap binds
+    assert cgroup.own_quota(v2, str(pc)) == (50000, 100000)
 
 
 def _spin(host, seconds: float = 2.0) -> tuple[float | None, int]:

@@ -120,22 +120,30 @@ def remove(path: str, timeout: float = 5.0) -> bool:
             time.sleep(0.05)
 
 
-def limit(path: str) -> float | None:
-    """Cores the cgroup at `path` may use; None when unlimited or unreadable."""
+def quota(path: str) -> tuple[int, int] | None:
+    """(quota, period) in microseconds of the cgroup at `path`; None when unlimited or unreadable."""
     d = Path(path)
     try:
         if (d / "cpu.max").exists():
             q, p = (d / "cpu.max").read_text().split()[:2]
-            return None if q == "max" else int(q) / int(p)
+            return None if q == "max" else (int(q), int(p))
         q = int((d / "cpu.cfs_quota_us").read_text())
         p = int((d / "cpu.cfs_period_us").read_text())
-        return None if q < 0 else q / p
+        return None if q < 0 else (q, p)
     except (OSError, ValueError):
         return None
 
 
-def own_limit(root: Path = ROOT, proc_cgroup: str = "/proc/self/cgroup") -> float | None:
-    """The CPU cap this process runs under (the tightest on its cgroup path), or None."""
+def limit(path: str) -> float | None:
+    """Cores the cgroup at `path` may use; None when unlimited or unreadable."""
+    qp = quota(path)
+    return None if qp is None else qp[0] / qp[1]
+
+
+def own_quota(root: Path = ROOT, proc_cgroup: str = "/proc/self/cgroup") -> tuple[int, int] | None:
+    """(quota, period) in microseconds of the tightest CPU cap on this process's cgroup path,
+    or None. The period matters as well as the cap: a host idle for a period starts its next
+    burst on a whole quota at full speed."""
     try:
         lines = Path(proc_cgroup).read_text().splitlines()
     except OSError:
@@ -151,10 +159,16 @@ def own_limit(root: Path = ROOT, proc_cgroup: str = "/proc/self/cgroup") -> floa
             continue
         parts = [p for p in rel.strip("/").split("/") if p]
         for i in range(len(parts), -1, -1):  # every ancestor may cap too
-            lim = limit(str(base.joinpath(*parts[:i])))
-            if lim is not None:
-                best = lim if best is None else min(best, lim)
+            qp = quota(str(base.joinpath(*parts[:i])))
+            if qp is not None and (best is None or qp[0] / qp[1] < best[0] / best[1]):
+                best = qp
     return best
+
+
+def own_limit(root: Path = ROOT, proc_cgroup: str = "/proc/self/cgroup") -> float | None:
+    """The CPU cap this process runs under (the tightest on its cgroup path), or None."""
+    qp = own_quota(root, proc_cgroup)
+    return None if qp is None else qp[0] / qp[1]
 
 
 def _v1_cpu_options(proc_cgroup: str = "/proc/self/cgroup") -> str:

@@ -178,16 +178,18 @@ def probe(model: str | None = "tiny", seconds: float = 0.5, threads: int = 1, se
     w = max(WINDOW_MIN, seconds)
     import torch
 
-    from smolnet.sim.cgroup import own_limit
+    from smolnet.sim.cgroup import own_quota
 
     torch.set_num_threads(threads)
     comm = comm_cpu(torch) if hasattr(os, "fork") else None
     flops = {"fp32": matmul_flops(torch, torch.float32, 384, w), "bf16": matmul_flops(torch, torch.bfloat16, 256, w)}
     flops["fp16"] = flops["bf16"]
+    cap = own_quota()
     doc = {
         "machine_id": machine_id(),
         "cores": cores(),
-        "cpu_limit_cores": own_limit(),
+        "cpu_limit_cores": cap[0] / cap[1] if cap else None,
+        "cpu_period_s": cap[1] / 1e6 if cap else None,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "flops": flops,

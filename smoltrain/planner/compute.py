@@ -31,6 +31,13 @@ class HostCompute:
     usable_memory: float  # bytes
     train_step: list = field(default_factory=list)
     comm_cpu: dict | None = None  # smoltrain comm's CPU cost here: message_s, bytes_s
+    cpu_period_s: float | None = None  # the CFS period of cpu_limit_cores
+
+    def quota(self) -> tuple[float, float] | None:
+        """(quota, period) in seconds of a CFS cap whose period was measured, else None."""
+        if self.cpu_limit_cores and self.cpu_period_s:
+            return self.cpu_limit_cores * self.cpu_period_s, self.cpu_period_s
+        return None
 
     def fit(self, model: ModelSpec) -> tuple[float, float, int] | None:
         """(fixed seconds per step, seconds per token, the timed seq) of the model's training step, from the
@@ -92,6 +99,7 @@ def _host(d: dict, origin: str) -> HostCompute:
             float(d.get("usable_memory_bytes") or 0),
             list(d.get("train_step") or []),
             d.get("comm_cpu") if isinstance(d.get("comm_cpu"), dict) else None,
+            (float(d["cpu_period_s"]) if d.get("cpu_period_s") else None),
         )
     except (KeyError, TypeError, ValueError, AttributeError):
         raise UsageError(f"{origin}: host {d.get('name', '?')!r} lacks flops or mem_bw_bytes_s") from None
@@ -217,9 +225,60 @@ def measured_ranks(ranks: list, figs: list[HostCompute], model: ModelSpec, share
                 comm_cpu=cc,
                 shared=shared,
                 comm_core=usable >= 2,  # one for the rank's torch thread, one for its sends
+                cpu_quota=f.quota() if share >= 1 else None,  # a shared machine has no quota to save
             )
         )
     return out
+
+
+def quota_seconds(t: float, quota: tuple[float, float] | None) -> float:
+    """Wall seconds of a stretch of work that takes `t` at a CFS-capped host's average pace,
+    begun after the host idled at least a period: the period's whole quota runs at full
+    speed, then the cap's pace. Measured in a 2.5 ms / 10 ms cgroup: 7.5 ms of CPU took
+    22.9 ms, not the 30 the pace says; 30.8 ms took 112, not 123."""
+    if not quota:
+        return t
+    q, period = quota
+    return t * q / period if t <= period else t - (period - q)
+
+
+def quota_stages(stage_s: list, optimizer_s: list, hop_f: list, hop_b: list, quotas: list) -> list:
+    """A one-microbatch pipeline's stage times on quota-held hosts. A stage works twice per
+    step, its forward and then its backward and update, idle in between while the others
+    work. A stretch after an idle gap of a period or more starts on a fresh quota. The
+    first stage's backward runs straight into the next step's forward, and the last stage's
+    forward into its backward; each of them is then one stretch."""
+    n = len(stage_s)
+    fwd = [(s - o) / 3 for s, o in zip(stage_s, optimizer_s)]
+    out = []
+    for i in range(n):
+        if not quotas[i]:
+            out.append(stage_s[i])
+            continue
+        period = quotas[i][1]
+        # idle from the forward's end to the backward's start, and from the update to the next forward
+        gap_f = sum(stage_s[i + 1 :]) + sum(hop_f[i:]) + sum(hop_b[i:])
+        gap_b = sum(stage_s[:i]) + sum(hop_f[:i]) + sum(hop_b[:i])
+        if gap_f >= period and gap_b >= period:
+            runs = [fwd[i], stage_s[i] - fwd[i]]
+        elif gap_f >= period or gap_b >= period:
+            runs = [stage_s[i]]
+        else:
+            runs = []
+        out.append(sum(quota_seconds(r, quotas[i]) for r in runs) if runs else stage_s[i])
+    return out
+
+
+def quota_hop_seconds(nbytes: float, wire, ends: list) -> float | None:
+    """A one-microbatch pipeline's hop when an end is held to a quota: the wire's time, plus
+    each quota end's CPU for the message run as a burst on the quota it saved while idle
+    (cpu_links charges the cap's pace, right for a host that is busy all step). None
+    when no end is held to a quota."""
+    held = [r for r in ends if r.cpu_quota and r.comm_cpu]
+    if not held or not wire.up:
+        return None
+    cpu = max(quota_seconds(r.comm_cpu["message_s"] + nbytes / r.comm_cpu["bytes_s"], r.cpu_quota) for r in held)
+    return wire.alpha_s + nbytes / wire.bytes_per_s + cpu
 
 
 def cpu_links(lm, ranks: list):

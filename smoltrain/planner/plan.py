@@ -32,6 +32,7 @@ class Rank:
     shared: bool = False  # speed already shares its machine's cores with the other ranks there
     comm_core: bool = True  # a core is left for communication while the rank computes
     optimizer_s: float = 0.0  # of fixed_s: the whole model's AdamW update, once per step
+    cpu_quota: tuple[float, float] | None = None  # (quota, period) seconds of a measured CFS cap
 
 
 def rank_names(world: int, hosts=None) -> list[str]:
@@ -94,7 +95,7 @@ def make_plan(
     ranks = ranks or resolve_ranks(world)
     names = [r.name for r in ranks]
     lm = lm or from_class("1gbe")
-    from smoltrain.planner.compute import cpu_links
+    from smoltrain.planner.compute import cpu_links, quota_hop_seconds, quota_stages
 
     lm_wire, lm = lm, cpu_links(lm, ranks)  # a busy host's CPU slows its messages (measured compute only)
     train = mode == "train"
@@ -102,7 +103,7 @@ def make_plan(
 
     # compute and memory per rank
     works = capacity.layout(strategy, mode, model, world, batch, seq, microbatches, placement if train else None)
-    per_rank = []
+    per_rank, update_s = [], []
     for r, (w, rk) in enumerate(zip(works, ranks)):
         fl = capacity.flops(w, model, mode, seq)
         mt = capacity.memory_traffic(w, model, mode, dtype, batch, seq, strategy)
@@ -114,11 +115,11 @@ def make_plan(
             # every microbatch runs all of the stage's operations: a pipeline pays the per-pass
             # fixed cost m times; the AdamW update once, for the parameters the rank owns
             passes = (rk.fixed_s - rk.optimizer_s) * capacity.fixed_share(w, model, strategy)
-            t_c = (
-                t_fl
-                + passes * (microbatches if info.microbatched else 1)
-                + rk.optimizer_s * w.params_owned / model.params()
-            )
+            update = rk.optimizer_s * w.params_owned / model.params()
+            t_c = t_fl + passes * (microbatches if info.microbatched else 1) + update
+        else:
+            update = 0.0
+        update_s.append(update)
         per_rank.append(
             {
                 "rank": r,
@@ -143,16 +144,20 @@ def make_plan(
     if info.splits == "layers" and world > 1:
         stage = [p["compute_s"] for p in per_rank]
         if train:
-            hop = lambda s, d: lm.get(names[s], names[d])  # noqa: E731
             mb = batch * seq * model.hidden * a / microbatches
-            hop_f = [
-                hop(r, r + 1).alpha_s + mb / hop(r, r + 1).bytes_per_s if hop(r, r + 1).up else math.inf
-                for r in range(world - 1)
-            ]
-            hop_b = [
-                hop(r + 1, r).alpha_s + mb / hop(r + 1, r).bytes_per_s if hop(r + 1, r).up else math.inf
-                for r in range(world - 1)
-            ]
+            idle = microbatches == 1 and any(rk.cpu_quota for rk in ranks)  # each stage idles between stretches
+
+            def hop(s: int, d: int) -> float:
+                burst = quota_hop_seconds(mb, lm_wire.get(names[s], names[d]), [ranks[s], ranks[d]]) if idle else None
+                ln = lm.get(names[s], names[d])
+                return burst if burst is not None else (ln.alpha_s + mb / ln.bytes_per_s if ln.up else math.inf)
+
+            hop_f = [hop(r, r + 1) for r in range(world - 1)]
+            hop_b = [hop(r + 1, r) for r in range(world - 1)]
+            if idle:
+                stage = quota_stages(stage, update_s, hop_f, hop_b, [rk.cpu_quota for rk in ranks])
+                for p, t in zip(per_rank, stage):
+                    p["compute_s"] = t
             compute_s, comm_s = timing.pipeline(stage, hop_f, hop_b, microbatches, True)
             # the boundary hops are in the schedule; add what else crosses (tied embeddings)
             hops = {i for i, ph in enumerate(tr.phases) if not ph.what.startswith("tied")}
