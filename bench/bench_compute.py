@@ -11,7 +11,7 @@ an uncapped host's (target within 15%): the calibration the plans used (each fig
 median of `--repeat` probes) against one with `--cpu-limit 0`.
 
 Writes bench/out/compute.md (the figures in BENCHMARKS.md came from it). Run under the shared benchmark lock:
-    flock /tmp/smol-bench.lock .venv/bin/python bench/bench_compute.py [--steps 8] [--model tiny8]
+    flock /tmp/smol-bench.lock .venv/bin/python bench/bench_compute.py [--steps 16] [--model tiny8]
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def calibration_check(d: Path, capped: Path, repeats: int) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", default="8")
+    ap.add_argument("--steps", default="16")
     ap.add_argument("--model", default="tiny8")
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--repeat", type=int, default=3, help="probes per host in each calibration (median)")
