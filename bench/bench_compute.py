@@ -130,6 +130,8 @@ def loop_delivery(caps: dict[str, float], windows: int = 6) -> dict[str, float]:
             )
         finally:
             cgroup.remove(cg)
+        if r.returncode != 0:
+            raise SystemExit(f"the plain loop under {host}'s cap failed ({r.returncode}): {r.stderr[-400:]}")
         out[host] = statistics.median(float(x) for x in r.stdout.split()) / (free * cores)
     return out
 
