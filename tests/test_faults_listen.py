@@ -68,6 +68,41 @@ def test_a_silent_connection_does_not_stop_the_group_forming(where):
                 c.close()
 
 
+def test_a_rank_port_held_by_someone_else_moves_and_the_group_still_works():
+    """A listener of another program on rank 1's port (the race a loopback run can lose between
+    choosing ports and binding them): rank 1 listens elsewhere and the table says where."""
+    import torch
+
+    n, port = 3, free_port_base(3)
+    squatter = socket.create_server(("127.0.0.1", data_port(port, 1)))
+    out: dict = {}
+    try:
+        threads = [_rank(r, n, port, out, timeout=20.0) for r in range(n)]
+        for t in threads:
+            t.join(40)
+        errors = {r: x for r, x in out.items() if isinstance(x, Exception)}
+        assert not errors and len(out) == n, errors
+        assert out[0]._where[1] != f"127.0.0.1:{data_port(port, 1)}"
+        sums: dict = {}
+
+        def reduce(r):
+            t = torch.full((5,), float(r + 1))
+            out[r].all_reduce(t)
+            sums[r] = t
+
+        workers = [threading.Thread(target=reduce, args=(r,)) for r in range(n)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(20)
+        assert all(torch.equal(sums[r], torch.full((5,), 6.0)) for r in range(n)), sums
+    finally:
+        squatter.close()
+        for c in out.values():
+            if not isinstance(c, Exception):
+                c.close()
+
+
 def _echo_handler(sock, peer):
     with sock:
         kind, meta, _ = wire.recv_frame(sock, timeout=5.0, max_payload=0)

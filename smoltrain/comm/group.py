@@ -17,12 +17,25 @@ def ports_needed(world_size: int) -> int:
     return world_size + 2
 
 
+def _ephemeral_low(default: int = 32768) -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return default
+
+
 def free_port_base(world_size: int, host: str = "127.0.0.1", tries: int = 200) -> int:
-    """A base port with world_size + 2 free ports after it on host (for --local runs and tests)."""
+    """A base port with world_size + 2 free ports after it on host (for --local runs and tests).
+
+    Chosen below the kernel's ephemeral range where there is room: a port the kernel hands to
+    an outgoing connection between this check and the ranks' bind would otherwise take it."""
     rng = random.Random(os.getpid() ^ int.from_bytes(os.urandom(4), "little"))
     need = ports_needed(world_size)
+    low = _ephemeral_low()
+    top = low if low - need > 21000 else 60000
     for _ in range(tries):
-        base = rng.randrange(20000, 60000 - need)
+        base = rng.randrange(20000, top - need)
         held = []
         try:
             for p in range(base, base + need):

@@ -1,16 +1,18 @@
 """How ranks find each other: one authenticated rendezvous at rank 0, then a full mesh.
 
 Rank 0 listens on `coordinator_addr:port`; every rank r listens for its peers on its
-own address at `port + 1 + r`. Each rank registers its listening address with rank 0,
-which answers with the whole table once every rank has registered (so nobody dials a
-peer that is not listening yet). Then rank i dials every rank j < i and accepts every
-rank j > i. Every connection, rendezvous and mesh alike, passes the cluster-secret
-challenge before a single frame is read from it; a stranger is logged and dropped and
-the wait goes on until the deadline.
+own address at `port + 1 + r` (or any free port, if something else holds that one).
+Each rank registers its listening address with rank 0, which answers with the whole
+table once every rank has registered (so nobody dials a peer that is not listening
+yet). Then rank i dials every rank j < i and accepts every rank j > i. Every
+connection, rendezvous and mesh alike, passes the cluster-secret challenge before a
+single frame is read from it; a stranger is logged and dropped and the wait goes on
+until the deadline.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import queue
 import socket
@@ -45,6 +47,20 @@ def listen(addr: str, port: int, backlog: int = 16) -> socket.socket:
         s = socket.create_server((addr, port), backlog=backlog, reuse_port=False)
     except OSError as e:
         raise CommError(f"cannot listen on {addr}:{port}: {e.strerror or e}") from None
+    return s
+
+
+def listen_data(addr: str, port: int, backlog: int = 16) -> socket.socket:
+    """A rank's listener for its peers: on its own port, or, if something else already holds
+    that port, on any free one. Peers learn the real port from the rendezvous table, so a
+    stranger (or another job) sitting on the port does not stop this one."""
+    try:
+        return socket.create_server((addr, port), backlog=backlog, reuse_port=False)
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise CommError(f"cannot listen on {addr}:{port}: {e.strerror or e}") from None
+    s = listen(addr, 0, backlog)
+    log.warning("%s:%s is taken; listening for peers on %s:%s instead", addr, port, addr, s.getsockname()[1])
     return s
 
 
