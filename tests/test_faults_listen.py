@@ -11,6 +11,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -83,19 +84,15 @@ def test_a_rank_port_held_by_someone_else_moves_and_the_group_still_works():
         errors = {r: x for r, x in out.items() if isinstance(x, Exception)}
         assert not errors and len(out) == n, errors
         assert out[0]._where[1] != f"127.0.0.1:{data_port(port, 1)}"
-        sums: dict = {}
 
         def reduce(r):
             t = torch.full((5,), float(r + 1))
             out[r].all_reduce(t)
-            sums[r] = t
+            return t
 
-        workers = [threading.Thread(target=reduce, args=(r,)) for r in range(n)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join(20)
-        assert all(torch.equal(sums[r], torch.full((5,), 6.0)) for r in range(n)), sums
+        with ThreadPoolExecutor(n) as pool:
+            sums = list(pool.map(reduce, range(n), timeout=20))
+        assert all(torch.equal(t, torch.full((5,), 6.0)) for t in sums), sums
     finally:
         squatter.close()
         for c in out.values():
