@@ -42,22 +42,14 @@ def tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def listen(addr: str, port: int, backlog: int = 16) -> socket.socket:
-    try:
-        s = socket.create_server((addr, port), backlog=backlog, reuse_port=False)
-    except OSError as e:
-        raise CommError(f"cannot listen on {addr}:{port}: {e.strerror or e}") from None
-    return s
-
-
-def listen_data(addr: str, port: int, backlog: int = 16) -> socket.socket:
-    """A rank's listener for its peers: on its own port, or, if something else already holds
-    that port, on any free one. Peers learn the real port from the rendezvous table, so a
-    stranger (or another job) sitting on the port does not stop this one."""
+def listen(addr: str, port: int, backlog: int = 16, or_any: bool = False) -> socket.socket:
+    """A listening socket on addr:port. With or_any, a port that something else already holds
+    gives way to any free one: a rank's peers learn its real port from the rendezvous table,
+    so a stranger (or another job) sitting on the port does not stop this one."""
     try:
         return socket.create_server((addr, port), backlog=backlog, reuse_port=False)
     except OSError as e:
-        if e.errno != errno.EADDRINUSE:
+        if not (or_any and e.errno == errno.EADDRINUSE):
             raise CommError(f"cannot listen on {addr}:{port}: {e.strerror or e}") from None
     s = listen(addr, 0, backlog)
     log.warning("%s:%s is taken; listening for peers on %s:%s instead", addr, port, addr, s.getsockname()[1])

@@ -104,7 +104,7 @@ class SocketComm(Comm):
         self._where = [f"{my_addr}:{my_port}"] * world_size
         if world_size == 1:
             return
-        listener = rdv.listen_data(my_addr, my_port, backlog=max(16, world_size))
+        listener = rdv.listen(my_addr, my_port, backlog=max(16, world_size), or_any=True)
         my_port = listener.getsockname()[1]
         try:
             table = rdv.rendezvous(rank, world_size, coordinator_addr, port, secret, my_addr, my_port, timeout)
