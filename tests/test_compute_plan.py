@@ -9,6 +9,7 @@ import pytest
 from smolnet.errors import UsageError
 from smoltrain.models.spec import get_model
 from smoltrain.planner import compute as measured
+from smoltrain.planner import cpu_quota
 from smoltrain.planner.links import from_class
 from smoltrain.planner.plan import make_plan, resolve_ranks
 
@@ -208,16 +209,16 @@ def test_a_quota_host_runs_a_burst_after_idling_on_its_saved_quota():
     """Hand-computed: a 2.5 ms / 10 ms cap runs 8 ms of paced work in 2 ms (one quota at
     full speed) and 30 ms in 22.5 (a quota, then the pace)."""
     q = (2.5e-3, 10e-3)
-    assert measured.quota_seconds(8e-3, q) == pytest.approx(2e-3)
-    assert measured.quota_seconds(30e-3, q) == pytest.approx(22.5e-3)
-    assert measured.quota_seconds(30e-3, None) == 30e-3
+    assert cpu_quota.quota_seconds(8e-3, q) == pytest.approx(2e-3)
+    assert cpu_quota.quota_seconds(30e-3, q) == pytest.approx(22.5e-3)
+    assert cpu_quota.quota_seconds(30e-3, None) == 30e-3
     # three stages, 1 ms hops: the first and last stages work one stretch per step, the middle two
     ms = 1e-3
-    got = measured.quota_stages([30 * ms, 40 * ms, 50 * ms], [0, 3 * ms, 0], [ms, ms], [ms, ms], [q, q, None])
+    got = cpu_quota.quota_stages([30 * ms, 40 * ms, 50 * ms], [0, 3 * ms, 0], [ms, ms], [ms, ms], [q, q, None])
     fwd1 = (40 - 3) / 3 * ms
     assert got == pytest.approx([22.5 * ms, (fwd1 - 7.5 * ms) + (40 * ms - fwd1 - 7.5 * ms), 50 * ms])
     # stages that never idle a whole period keep the cap's pace
-    assert measured.quota_stages([5 * ms, 5 * ms], [0, 0], [0], [0], [(2.5e-3, 50e-3)] * 2) == [5 * ms, 5 * ms]
+    assert cpu_quota.quota_stages([5 * ms, 5 * ms], [0, 0], [0], [0], [(2.5e-3, 50e-3)] * 2) == [5 * ms, 5 * ms]
 
 
 def test_a_one_microbatch_pipeline_on_quota_hosts_is_planned_in_bursts(tmp_path):
@@ -249,6 +250,6 @@ def test_a_pipeline_hop_from_an_idle_quota_host_pays_its_cpu_as_a_burst():
         "a", get_device("generic"), 1e9, comm_cpu={"message_s": 1e-3, "bytes_s": 100e6}, cpu_quota=(2.5e-3, 10e-3)
     )
     free = Rank("b", get_device("generic"), 1e9, comm_cpu={"message_s": 1e-4, "bytes_s": 900e6})
-    got = measured.quota_hop_seconds(200e3, wire, [held, free])
+    got = cpu_quota.quota_hop_seconds(200e3, wire, [held, free])
     assert got == pytest.approx(wire.alpha_s + 200e3 / wire.bytes_per_s + 3e-3 * 0.25)
-    assert measured.quota_hop_seconds(200e3, wire, [free, free]) is None
+    assert cpu_quota.quota_hop_seconds(200e3, wire, [free, free]) is None

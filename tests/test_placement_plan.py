@@ -95,19 +95,20 @@ def test_plan_auto_predicts_the_placed_run(tmp_path, strategy):
     assert even["step_s"] == pytest.approx(sec["predicted"]["even"]["step_s"])
 
 
-def test_compare_plans_the_runs_own_placement(tmp_path):
-    from smoltrain.planner.placement_plan import from_run
+def test_compare_plans_the_runs_own_placement():
+    """A placement document is planned exactly (plan --compare, generate): its order and cuts."""
+    from smoltrain.planner.links import from_class
+    from smoltrain.planner.request import PlanRequest, Setting, build_plan
 
     ranks = _ranks({"a": 1.0, "b": 3.0})
     pl = {"mode": "auto", "strategy": "pp", "order": ["b", "a"], "layers": [[0, 6], [6, 8]]}
-
-    def replan(p):
-        return make_plan("pp", TINY8, 2, microbatches=4, ranks=ranks, single=False, placement=p)
-
-    doc = from_run(replan(None), pl, replan)
+    req = PlanRequest("pp", TINY8, microbatches=4, placement=pl, single=False)
+    doc = build_plan(req, Setting(TINY8, ranks, from_class("1gbe"), "nominal"))
     assert [r["name"] for r in doc["ranks"]] == ["b", "a"]
     assert doc["placement"]["layers"] == [[0, 6], [6, 8]]
     assert doc["placement"]["predicted"]["auto"]["step_s"] == doc["step_s"]
+    direct = make_plan("pp", TINY8, 2, microbatches=4, ranks=ranks, single=False, placement=pl)
+    assert direct["step_s"] == doc["step_s"]
 
 
 def test_verdict_suggests_auto_only_where_the_split_was_even():

@@ -502,7 +502,7 @@ def test_gpipe_schedule_and_bucket_overlap_arithmetic():
 
 
 def test_star_server_nic_carries_every_worker():
-    d = plan("syncps", world=3, link_class="1gbe")
+    d = plan("syncps", world=3, link_class="1gbe", batch=9)  # 3 sequences each: no worker ends early
     # pushes: 2 workers x P*4 bytes into rank 0's one NIC, then the pulls out of it
     nic = 941e6 / 8
     assert d["comm_s_per_step"] == pytest.approx(2 * (2 * P_TINY * 4 / nic + 100e-6))

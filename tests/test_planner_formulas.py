@@ -112,22 +112,28 @@ def test_compare_excludes_warm_up_steps():
     assert c["tokens_per_s"]["measured"] == pytest.approx(5120.0)
 
 
-def test_compare_drops_a_pipelines_slow_leading_steps_but_keeps_a_noisy_steady_run():
-    """An 8-step mp run of the bench: two connection steps, two still twice the settled pace."""
-    from smoltrain.planner.compare import after_warmup, compare
+def test_compare_leaves_out_a_fixed_warm_up_whatever_the_times():
+    """CONTRACT section 6: the first max(2, steps // 4) steps, or --warmup N, for every run
+    alike. An 8-step run leaves out 2 whether its first steps were slow (a pipeline opening
+    connections) or not, and keeps a slow step after them: median of the last 6."""
+    from smoltrain.planner.compare import compare, warmup_steps
 
     plan = _plan("mp", "tiny", 2)
-    times = [7.2, 7.2, 0.313, 0.312, 0.201, 0.201, 0.171, 0.150]
-    run = {
-        "config": {},
-        "bytes": [],
-        "steps": [{"step": i, "step_s": t, "comm_s": t / 10, "tokens": 512} for i, t in enumerate(times)],
-    }
-    c = compare(plan, run)
-    assert c["step_s"]["measured"] == pytest.approx(0.186)
-    assert c["comm_s"]["measured"] == pytest.approx(0.0186)
-    steady = [{"step_s": t} for t in (5.0, 0.30, 0.44, 0.28, 0.31, 0.29)]
-    assert after_warmup(steady) == steady[1:]  # 0.44 is noise, not warm-up: under 1.5x the settled 0.29
+
+    def run(times):
+        return {
+            "config": {},
+            "bytes": [],
+            "steps": [{"step": i, "step_s": t, "comm_s": t / 10, "tokens": 512} for i, t in enumerate(times)],
+        }
+
+    slow = compare(plan, run([7.2, 7.2, 0.313, 0.312, 0.201, 0.201, 0.171, 0.150]))
+    steady = compare(plan, run([0.2] * 8))
+    assert slow["warmup_steps"] == steady["warmup_steps"] == 2 and slow["steps_used"] == steady["steps_used"] == 6
+    # median of 0.313, 0.312, 0.201, 0.201, 0.171, 0.150: (0.201 + 0.201) / 2
+    assert slow["step_s"]["measured"] == pytest.approx(0.201)
+    assert compare(plan, run([0.2] * 8), warmup=5)["steps_used"] == 3
+    assert [warmup_steps(n) for n in (1, 2, 3, 8, 12, 40)] == [0, 1, 2, 2, 3, 10]  # never every step
 
 
 def _star(rates: dict[tuple[str, str], float], nic: dict[str, float] | None = None):

@@ -39,6 +39,18 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--chart", metavar="PNG", help="bytes per token and step time split, per strategy")
     p.add_argument("--compare", metavar="RUN.json", help="predicted vs measured for a smoltrain run report")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        metavar="N",
+        help="--compare: leave out the first N steps (default max(2, a quarter of the steps), for every strategy)",
+    )
+    p.add_argument(
+        "--local",
+        type=int,
+        metavar="N",
+        help="N ranks on this machine, sharing its cores (what `run --local N` plans)",
+    )
     p.add_argument("--no-what-if", action="store_true", help="skip the table over link classes")
     p.add_argument(
         "--placement",
@@ -79,22 +91,57 @@ def _hosts(args, links_doc):
     return None
 
 
+def request(args, run_doc=None):
+    """The PlanRequest these arguments describe (a run's own, with --compare)."""
+    from smoltrain.planner.links import read_report
+    from smoltrain.planner.request import PlanRequest
+
+    if args.link_class:
+        from smoltrain.planner.devices import get_link_class
+
+        get_link_class(args.link_class)
+    if args.local is not None and (args.inventory or args.world):
+        raise UsageError("give --local N, or -i INVENTORY / --world N, not both")
+    links_doc = read_report(args.links) if args.links else None
+    hosts = _hosts(args, links_doc)
+    local = args.local is not None
+    placement = args.placement
+    if run_doc is not None:
+        from smoltrain.planner.compare import is_local_names, run_hosts
+
+        names = run_hosts(run_doc)
+        local = is_local_names(names)
+        if hosts is None and not local:
+            hosts = [_ReportHost(n, None) for n in names]
+        placement = (run_doc.get("config") or {}).get("placement") or run_doc.get("placement") or placement
+    world = args.local if local and args.local else args.world
+    return PlanRequest(
+        args.strategy,
+        args.model,
+        mode=args.mode,
+        world=world,
+        dtype=args.dtype,
+        batch=args.batch,
+        seq=args.seq,
+        microbatches=args.microbatches,
+        placement=placement,
+        hosts=hosts,
+        links=links_doc,
+        link_class=args.link_class,
+        compute=getattr(args, "compute", None),
+        calibration=args.calibration or None,
+        local=local,
+    )
+
+
 def run(args) -> int:
+    from dataclasses import replace
+
     from rich.console import Console
 
-    from smoltrain.models.spec import ModelSpecError, get_model
-    from smoltrain.planner import STRATEGIES, render
-    from smoltrain.planner.devices import get_link_class, load_calibration
-    from smoltrain.planner.links import read_report
-    from smoltrain.planner.plan import (
-        busy_ranks,
-        link_model,
-        make_plan,
-        resolve_ranks,
-        share_machine,
-        what_if,
-        what_if_sentence,
-    )
+    from smoltrain.planner import STRATEGIES, placement_plan, render
+    from smoltrain.planner.plan import what_if, what_if_sentence
+    from smoltrain.planner.request import build_plan, resolve
 
     con = Console()
     run_doc = None
@@ -108,78 +155,41 @@ def run(args) -> int:
             raise UsageError(f"--strategy {args.strategy} differs from the run's {req['strategy']}")
         args.model, args.world, args.dtype = req["model"], req["world"], req["dtype"]
         args.batch, args.seq, args.microbatches, args.mode = req["batch"], req["seq"], req["microbatches"], "train"
+    elif args.warmup is not None:
+        raise UsageError("--warmup applies to --compare RUN.json")
     if not args.strategy:
         raise UsageError("--strategy is required (dp, fsdp, syncps, edp, mp, pp, tp, ep, sp or all)")
     if args.strategy != "all" and args.strategy not in STRATEGIES:
         raise UsageError(f"unknown strategy {args.strategy!r} (one of {', '.join(STRATEGIES)}, or all)")
-    try:
-        model = get_model(args.model)
-    except ModelSpecError as e:
-        raise UsageError(str(e)) from None
-    if args.link_class:
-        get_link_class(args.link_class)
-    links_doc = read_report(args.links) if args.links else None
-    hosts = _hosts(args, links_doc)
-    if run_doc is not None and hosts is None:
-        from smoltrain.planner.compare import is_local_names, run_hosts
-
-        names = run_hosts(run_doc)
-        if not is_local_names(names):
-            hosts = [_ReportHost(n, None) for n in names]
-    run_placement = ((run_doc or {}).get("config") or {}).get("placement") or (run_doc or {}).get("placement")
-    if run_placement and hosts is not None:  # the run's ranks, in its order
-        from smoltrain.planner.plan import in_placement_order
-
-        hosts = in_placement_order(hosts, run_placement)
-    world = args.world or (len(hosts) if hosts else 2)
-    if world < 1:
-        raise UsageError(f"--world must be positive, got {world}")
-    if hosts is not None and world > len(hosts):
-        raise UsageError(f"--world {world} is larger than the {len(hosts)} hosts available")
-    calibration = load_calibration(args.calibration, required=bool(args.calibration))
-    ranks = resolve_ranks(world, hosts, calibration)
-    from smoltrain.planner import compute as measured
-
-    ranks, compute_source = measured.apply(
-        ranks, hosts[:world] if hosts else None, getattr(args, "compute", None), model
-    )
-    if run_doc is not None and hosts is None and world > 1:  # a --local run: ranks share this machine
-        ranks = share_machine(ranks, busy=busy_ranks(args.strategy, world, args.microbatches, args.mode))
-    lm = link_model([r.name for r in ranks], hosts[:world] if hosts else None, links_doc, args.link_class)
-    kw = dict(dtype=args.dtype, batch=args.batch, seq=args.seq, microbatches=args.microbatches, mode=args.mode)
-    from smoltrain.planner import placement_plan
-
-    compute_doc = placement_plan.load_compute(getattr(args, "compute", None))
-    placement_mode = getattr(args, "placement", None)
-
-    def replan_for(strategy):
-        return lambda placement: make_plan(strategy, model, world, ranks=ranks, lm=lm, placement=placement, **kw)
+    req = request(args, run_doc)
+    setting = resolve(req)
 
     if args.strategy == "all":
         plans, skipped = [], []
         for s in STRATEGIES:
             try:
-                plans.append(make_plan(s, model, world, ranks=ranks, lm=lm, **kw))
+                plans.append(build_plan(replace(req, strategy=s), setting))
             except UsageError as e:
                 skipped.append({"strategy": s, "reason": str(e)})
         if not plans:
             raise UsageError(f"no strategy can run this: {skipped[0]['reason']}")
         render.ranking_table(con, plans, skipped)
         for p in plans:
-            placement_plan.attach(p, placement_mode, compute_doc, model, hosts, lm, replan_for(p["strategy"]))
-        placed_ranking = placement_plan.ranking(con, plans)
+            if (p.get("placement") or {}).get("error"):
+                con.print(f"  [yellow]{p['strategy']}: placement: {p['placement']['error']}[/]")
         best = render.rank_plans(plans)[0]
         con.print(
             f"  best here: [bold]{best['strategy']}[/], {best['tokens_per_s']:,.1f} tokens/s, "
-            f"bottleneck {best['bottleneck']}"
+            f"bottleneck {best['bottleneck']} (each under its {best.get('placement_mode', 'even')} placement)"
         )
+        ranking = [p["strategy"] for p in render.rank_plans(plans)]
         if args.json:
             _write_json(
                 args.json,
                 {
                     "schema": "smoltrain.plans/1",
-                    "ranking": [p["strategy"] for p in render.rank_plans(plans)],
-                    "ranking_placed": placed_ranking,
+                    "ranking": ranking,
+                    "ranking_placed": ranking,  # every plan is already made under its placement
                     "plans": plans,
                     "skipped": skipped,
                 },
@@ -188,24 +198,23 @@ def run(args) -> int:
             render.chart(plans, args.chart)
         return 0
 
-    plan = make_plan(args.strategy, model, world, ranks=ranks, lm=lm, **kw)
-    if run_placement:  # --compare: the run's exact split, not what a fresh choice would be
-        plan = placement_plan.from_run(plan, run_placement, replan_for(args.strategy))
-    else:
-        plan = placement_plan.placed(plan, placement_mode, compute_doc, model, hosts, lm, replan_for(args.strategy))
+    plan = build_plan(req, setting)
     sec = plan.get("placement")
     render.summary(con, plan)
-    con.print(f"  compute: {compute_source}; [bold]verdict:[/] {plan['verdict']}")
+    con.print(f"  compute: {plan['compute_source']}; [bold]verdict:[/] {plan['verdict']}")
     render.links_table(con, plan)
     render.memory_table(con, plan)
     if sec is not None and "error" in sec:
         con.print(f"  [bold yellow]placement: {sec['error']}[/]")
-    elif sec is not None and not run_placement:
+    elif sec is not None and run_doc is None:
         placement_plan.render(con, sec)
     for n in plan["notes"]:
         con.print(f"  [dim]note: {n}[/]")
     if not args.no_what_if:
-        rows = what_if(args.strategy, model, world, ranks, **kw)
+        kw = dict(dtype=req.dtype, batch=req.batch, seq=req.seq, microbatches=req.microbatches, mode=req.mode)
+        if sec is not None and "order" in sec:
+            kw["placement"] = placement_plan.place_dict(sec)
+        rows = what_if(args.strategy, setting.model, len(setting.ranks), setting.ranks, **kw)
         plan["what_if"] = rows
         render.what_if_table(con, rows, what_if_sentence(plan, rows))
     out = plan
@@ -213,7 +222,7 @@ def run(args) -> int:
         from smoltrain.planner.compare import compare
         from smoltrain.planner.compare import render as render_cmp
 
-        out = compare(plan, run_doc)
+        out = compare(plan, run_doc, args.warmup)
         render_cmp(con, out)
     if args.json:
         _write_json(args.json, out)

@@ -102,29 +102,6 @@ def run(args) -> int:
     from smoltrain.run.controller import Controller, check_usage, plot_losses, rank_placements, route_source, write_json
 
     placements, hosts = rank_placements(args.local, args.inventory)
-    from smoltrain.planner.placement_plan import for_run
-
-    placed = for_run(
-        args.strategy,
-        args.placement,
-        args.compute,
-        spec,
-        [p.name for p in placements],
-        hosts,
-        args.batch,
-        args.seq,
-        args.microbatches,
-        legacy_shares=args.shares,
-    )
-    if placed is not None:  # rank r runs on placed["order"][r]; hosts the placement leaves out get no rank
-        by_name = {p.name: p for p in placements}
-        placements = [by_name[n] for n in placed["order"]]
-        hosts = [p.host for p in placements] if hosts is not None else None
-        for line in placed.get("why") or []:
-            console.print(f"placement {placed['mode']}: {line}")
-        for e in placed.get("excluded") or []:
-            console.print(f"[bold yellow]placement: {e['name']} gets nothing: {e['why']}")
-    world = len(placements)
     data = os.path.abspath(args.data) if args.data else None
     cfg = RunConfig(
         strategy=args.strategy,
@@ -151,9 +128,23 @@ def run(args) -> int:
         heartbeat_s=args.heartbeat,
         keep_checkpoints=args.keep_checkpoints,
         integrity=args.integrity,
-        placement=placed,
     )
-    check_usage(cfg)
+    check_usage(cfg)  # what the strategy or the model cannot take, before the planner looks
+    from smoltrain.run.planning import plan_run
+
+    planned = plan_run(args, spec, [p.name for p in placements], hosts, console)
+    placed = planned.placement
+    if placed is not None:  # rank r runs on placed["order"][r]; hosts the placement leaves out get no rank
+        by_name = {p.name: p for p in placements}
+        placements = [by_name[n] for n in placed["order"]]
+        hosts = [p.host for p in placements] if hosts is not None else None
+        cfg = cfg.replace(
+            names=tuple(p.name for p in placements),
+            devices=tuple(p.host.torch_device if p.host else args.device for p in placements),
+            placement=placed,
+        )
+        check_usage(cfg)
+    world = len(placements)
 
     from smoltrain.models.data import corpus_digest, load_corpus
 
@@ -201,47 +192,7 @@ def run(args) -> int:
         )
         return 0
 
-    plan = None
-    try:
-        from smoltrain.planner import plan_for_run
-    except ImportError:
-        plan_for_run = None
-    if plan_for_run is not None:
-        links = None
-        if args.links:
-            links = preflight.load_links(args.links)
-        elif hosts is not None:
-            from smoltrain.planner.links import find_report
-
-            links = find_report([h.name for h in hosts])  # the latest matrix of these hosts, if any
-            if links:
-                console.print("plan: using reports/links.json (measured links of these hosts)")
-        try:
-            plan = plan_for_run(
-                strategy=args.strategy,
-                model=spec,
-                world=world,
-                dtype="fp32",
-                batch=args.batch,
-                seq=args.seq,
-                microbatches=args.microbatches,
-                hosts=hosts,
-                links=links,
-                compute=getattr(args, "compute", None),
-                placement=placed,
-            )
-            console.print(
-                f"plan: {plan['step_s'] * 1e3:.1f} ms/step predicted, bottleneck "
-                f"{plan['bottleneck']} ({plan.get('bottleneck_where')}), "
-                f"{plan['bytes_per_step'] / 1e6:.2f} MB/step on the busiest rank"
-            )
-            if plan["bottleneck"] == "capacity":
-                console.print(f"[bold yellow]warning: the model does not fit: {plan.get('bottleneck_where')}")
-            elif plan["bottleneck"] in ("link", "latency"):
-                console.print(f"[bold yellow]warning: communication will dominate: {plan.get('bottleneck_where')}")
-        except Exception as e:  # the plan is advice; never block a run on it
-            console.print(f"plan unavailable: {e}")
-
+    plan = planned.plan
     if args.secret_file or hosts is not None or info.joiners or args.external:
         secret = ensure_secret(
             args.secret_file or (hosts[0].secret_file if hosts else None)
@@ -262,9 +213,9 @@ def run(args) -> int:
     try:
         doc = ctl.run(bind, control_addr, connect_timeout=max(60.0, args.timeout), idle_timeout=args.timeout)
     except (Exception, KeyboardInterrupt) as e:  # the report survives failure and Ctrl-C (exit 1, 130)
-        preflight.write_report(args.json, ctl, e, plan)
+        preflight.write_report(args.json, ctl, e, plan, plan_error=planned.error)
         raise
-    doc = preflight.write_report(None, ctl, None, doc=doc)
+    doc = preflight.write_report(None, ctl, None, doc=doc, plan_error=planned.error)
     import shutil
 
     shutil.rmtree(log_dir, ignore_errors=True)  # kept only when the run failed

@@ -18,6 +18,11 @@ ADAM_BYTES = 8  # two fp32 moments per owned parameter
 MASTER_BYTES = 4  # fp32 master weights when training in bf16/fp16
 OPT_TRAFFIC = 28  # Adam step: read p, g, m, v and write p, m, v (fp32)
 HEADROOM = 0.9  # share of device memory a training process can count on
+# strategies/parameter_server.py, in fp32: a worker keeps the received parameters and its flat
+# gradient beside its model; the server (rank 0) a master copy, the AdamW moments, the gradient
+# sum, one receive buffer reused for every member, and the update's sqrt(v) temporary
+PS_WORKER_COPIES = 2
+PS_SERVER_BUFFERS = 3
 
 
 @dataclass
@@ -34,6 +39,8 @@ class RankWork:
     recompute: bool = False  # reruns each unit's forward in backward (fsdp)
     saved_only: bool = False  # keeps only each unit's input activation (fsdp)
     in_flight: float = 0.0  # tokens whose activations are held at once (0: all of `tokens`)
+    served: float = 0.0  # parameters this rank serves to workers (a parameter server's rank 0)
+    wire_copies: int = 0  # flat fp32 copies of the parameters a worker keeps for the wire
 
 
 @dataclass
@@ -43,10 +50,11 @@ class Memory:
     optimizer: float
     activations: float
     kv_cache: float
+    buffers: float = 0.0  # communication buffers (a parameter server's sums and receive buffers)
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations + self.kv_cache
+        return self.weights + self.grads + self.optimizer + self.activations + self.kv_cache + self.buffers
 
     def to_dict(self) -> dict:
         d = {k: int(v) for k, v in asdict(self).items()}
@@ -95,6 +103,7 @@ def layout(
                 toks = counts[r] * seq
             owned = P / N if fs else (P if not info.parameter_server or r == 0 or not train else 0)
             held = P / N if fs else P
+            ps = info.parameter_server and train
             out.append(
                 RankWork(
                     L,
@@ -106,33 +115,21 @@ def layout(
                     gathered=_largest_unit(model) if fs else 0.0,
                     recompute=fs and train,
                     saved_only=fs and train,
+                    served=P if ps and r == 0 else 0.0,
+                    wire_copies=PS_WORKER_COPIES if ps else 0,
                 )
             )
             if by_seq and not train:
                 out[-1].tokens = 1 / N  # each rank attends over its share; matmuls split by position
         return out
     if info.splits == "heads":
-        out = []
-        for attn, mlp in _head_fractions(placement, model, N):
-            frac = (model.attn_params() * attn + model.mlp_params() * mlp) / (model.attn_params() + model.mlp_params())
-            held = L * lp * frac + model.embedding_params()
-            out.append(RankWork(L, held, held, L * lp_active * frac + head, toks_all, attn, kv))
-        return out
+        return [heads_work(model, attn, mlp, mode, batch, seq) for attn, mlp in _head_fractions(placement, model, N)]
     if info.splits == "layers":
-        out = []
-        for r, nl in enumerate(_placed_counts(placement, "layers", L, N) or split_layers(L, N)):
-            held = nl * lp
-            mm = nl * lp_active
-            if r == 0:
-                held += _emb_in(model)
-            if r == N - 1:
-                held += 2 * model.hidden + (head if (not model.tied_embeddings or N > 1) else 0)
-                mm += head
-            m = max(1, microbatches) if info.microbatched and train else 1
-            # 1F1B: stage r holds at most min(m, N - r) microbatches' activations (<= p)
-            live = toks_all / m * min(m, N - r) if m > 1 else 0.0
-            out.append(RankWork(nl, held, held, mm, toks_all, kv_positions=kv, logits=r == N - 1, in_flight=live))
-        return out
+        counts = _placed_counts(placement, "layers", L, N) or split_layers(L, N)
+        return [
+            stage_work(model, r, N, nl, mode, batch, seq, microbatches, info.microbatched)
+            for r, nl in enumerate(counts)
+        ]
     if info.splits == "experts":
         ex = expert_params(model)
         held = P - ex + ex / N
@@ -142,6 +139,44 @@ def layout(
         # decode: rank 0 runs attention for the sequence; the experts' share is small
         return [RankWork(L, held, held, active, 1 if r == 0 else 0, kv_positions=kv if r == 0 else 0) for r in range(N)]
     raise ValueError(strategy)
+
+
+def _active_layer_params(model: ModelSpec) -> float:
+    """Parameters a token multiplies per layer (MoE: only its top_k experts)."""
+    if model.experts == 1:
+        return model.layer_params()
+    return (model.active_params() - model.embedding_params()) / model.layers
+
+
+def heads_work(model: ModelSpec, attn: float, mlp: float, mode: str, batch: int, seq: int) -> RankWork:
+    """A tp rank computing `attn` of the heads and `mlp` of the MLP columns of every layer; the
+    embeddings and the head are replicated (the model's own: no learned positions on a rotary
+    model, a tied head once)."""
+    L, train = model.layers, mode == "train"
+    frac = (model.attn_params() * attn + model.mlp_params() * mlp) / (model.attn_params() + model.mlp_params())
+    held = L * model.layer_params() * frac + model.embedding_params()
+    mm = L * _active_layer_params(model) * frac + _head(model)
+    return RankWork(L, held, held, mm, batch * seq if train else 1, attn, 0 if train else seq)
+
+
+def stage_work(
+    model: ModelSpec, r: int, N: int, nl: int, mode: str, batch: int, seq: int, microbatches: int, microbatched: bool
+) -> RankWork:
+    """Stage r of N holding `nl` layers: the first also the input embeddings, the last the
+    final norm, the head and the logits."""
+    train = mode == "train"
+    toks_all = batch * seq if train else 1
+    held = nl * model.layer_params()
+    mm = nl * _active_layer_params(model)
+    if r == 0:
+        held += _emb_in(model)
+    if r == N - 1:
+        held += 2 * model.hidden + (_head(model) if (not model.tied_embeddings or N > 1) else 0)
+        mm += _head(model)
+    m = max(1, microbatches) if microbatched and train else 1
+    # 1F1B: stage r holds at most min(m, N - r) microbatches' activations (<= p)
+    live = toks_all / m * min(m, N - r) if m > 1 else 0.0
+    return RankWork(nl, held, held, mm, toks_all, kv_positions=0 if train else seq, logits=r == N - 1, in_flight=live)
 
 
 def _placed_counts(placement: dict | None, key: str, total: int, world: int) -> list[int] | None:
@@ -215,15 +250,16 @@ def memory(w: RankWork, model: ModelSpec, mode: str, dtype: str, seq: int, strat
     kv = 2 * w.layers * model.kv_dim * w.kv_positions * a * w.attn_share
     if mode == "infer":
         return Memory(w.params_held * a + w.gathered * a, 0, 0, 0, kv)
-    master = MASTER_BYTES if a < 4 else 0
+    master = MASTER_BYTES if a < 4 and not w.served else 0  # a server's master copy is its weights
     # fsdp: the shard's gradient plus one gathered unit's full gradient before its reduce-scatter
     grads_full = w.params_held + w.gathered
     return Memory(
-        weights=w.params_held * a + w.gathered * a,
+        weights=w.params_held * a + w.gathered * a + w.served * 4,
         grads=grads_full * a,
         optimizer=w.params_owned * (ADAM_BYTES + master),
         activations=_activations(w, model, a, seq, strategy),
         kv_cache=0,
+        buffers=(w.wire_copies * w.params_held + PS_SERVER_BUFFERS * w.served) * 4,
     )
 
 

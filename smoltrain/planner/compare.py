@@ -1,10 +1,12 @@
 """Predicted against measured: the plan for a finished `smoltrain run`, link by link.
 
 Measured bytes are the transport's payload counters summed over the run, divided by the
-number of steps; step time, communication time and tokens/s are taken over the steps after
-the warm-up (the first WARMUP_STEPS: allocator, thread pools and first connections, and any
-step right after them still WARMUP_SLOW times the run's settled pace), which no
-steady-state prediction describes.
+number of steps. Step time, communication time and tokens/s are medians over the steps after
+a warm-up fixed before looking at the times (CONTRACT.md section 6): the first `--warmup N`
+steps, by default max(2, a quarter of the steps), the same rule for every strategy, and never
+all of them (at least the last step is used). No step is dropped for being slow: a slow step
+after the warm-up is part of what the run measured. The compare says what it left out
+(`warmup_steps`, `steps_used`).
 """
 
 from __future__ import annotations
@@ -19,8 +21,7 @@ from smolnet.files import read_json
 RUN_SCHEMA = "smoltrain.run/1"
 COMPARE_SCHEMA = "smoltrain.compare/1"
 TOLERANCE = 0.02
-WARMUP_STEPS = 1
-WARMUP_SLOW = 1.5  # a leading step this many times the second half's median is still warming up
+MIN_WARMUP = 2  # steps: allocator, thread pools, first connections
 
 
 def read_run(path: str) -> dict:
@@ -64,41 +65,38 @@ def measured_steps(run: dict) -> int:
     return len(steps) or int(run.get("config", {}).get("steps") or 1)
 
 
-def after_warmup(steps: list) -> list:
-    """The steps a prediction describes: all but the warm-up, when any remain. A pipeline's
-    first two steps open every connection and take seconds against a settled 0.15 s, and
-    its third can still take twice that: leading steps slower than WARMUP_SLOW x the median
-    of the run's second half are warm-up too (measured: an 8-step mp run read 201 ms where
-    it settled at 150-170)."""
-    rest = steps[WARMUP_STEPS:] if len(steps) > WARMUP_STEPS else list(steps)
-    later = [s.get("step_s") for s in rest[len(rest) // 2 :]]
-    later = [t for t in later if isinstance(t, (int, float))]
-    if not later:
-        return rest
-    settled = statistics.median(later)
-    first = 0
-    while first < len(rest) - 1 and (rest[first].get("step_s") or 0.0) > WARMUP_SLOW * settled:
-        first += 1
-    return rest[first:]
+def warmup_steps(steps: int, warmup: int | None = None) -> int:
+    """How many leading steps the compare leaves out: `warmup` when given, else max(2, a
+    quarter of the steps); always fewer than the run has."""
+    if warmup is not None and warmup < 0:
+        raise UsageError(f"--warmup must be 0 or more, got {warmup}")
+    w = max(MIN_WARMUP, steps // 4) if warmup is None else warmup
+    return max(0, min(w, steps - 1))
 
 
-def _median_after_warmup(run: dict, key: str) -> float | None:
-    vals = [s.get(key) for s in after_warmup(run.get("steps") or [])]
+def after_warmup(steps: list, warmup: int | None = None) -> list:
+    """The steps a prediction describes: all but the warm-up (warmup_steps)."""
+    return list(steps)[warmup_steps(len(steps), warmup) :]
+
+
+def _median_after_warmup(run: dict, key: str, warmup: int | None = None) -> float | None:
+    vals = [s.get(key) for s in after_warmup(run.get("steps") or [], warmup)]
     vals = [v for v in vals if isinstance(v, (int, float))]
     return statistics.median(vals) if vals else None
 
 
-def tokens_per_s_after_warmup(run: dict) -> float | None:
-    """Tokens per step over the median step, as step_s is compared: a pipeline's second step
-    can still be warming up (seconds, against a steady 0.2 s), which a mean would count."""
-    steps = [s for s in after_warmup(run.get("steps") or []) if s.get("step_s") and s.get("tokens")]
+def tokens_per_s_after_warmup(run: dict, warmup: int | None = None) -> float | None:
+    """Tokens per step over the median step after the warm-up, as step_s is compared."""
+    steps = [s for s in after_warmup(run.get("steps") or [], warmup) if s.get("step_s") and s.get("tokens")]
     if not steps:
         return run.get("tokens_per_s")
     return statistics.median(s["tokens"] for s in steps) / statistics.median(s["step_s"] for s in steps)
 
 
-def compare(plan: dict, run: dict) -> dict:
+def compare(plan: dict, run: dict, warmup: int | None = None) -> dict:
     steps = measured_steps(run)
+    recorded = len(run.get("steps") or [])
+    left_out = warmup_steps(recorded, warmup)
     measured: dict[tuple[str, str], float] = {}
     for b in run.get("bytes") or []:
         key = (b["src"], b["dst"])
@@ -118,19 +116,22 @@ def compare(plan: dict, run: dict) -> dict:
                 "within_2pct": ratio is not None and abs(ratio - 1) <= TOLERANCE,
             }
         )
-    step_m = _median_after_warmup(run, "step_s")
-    comm_m = _median_after_warmup(run, "comm_s")
+    step_m = _median_after_warmup(run, "step_s", warmup)
+    comm_m = _median_after_warmup(run, "comm_s", warmup)
     return {
         "schema": COMPARE_SCHEMA,
         "strategy": plan["strategy"],
         "world_size": plan["world_size"],
         "steps": steps,
+        "warmup_steps": left_out,
+        "steps_used": recorded - left_out,
+        "warmup_rule": "the first --warmup steps" if warmup is not None else f"max({MIN_WARMUP}, steps // 4)",
         "links": rows,
         "bytes_within_2pct": all(r["within_2pct"] for r in rows),
         "step_s": {"predicted": plan["step_s"], "measured": step_m},
         "comm_s": {"predicted": plan["comm_s_per_step"], "measured": comm_m},
-        "tokens_per_s": {"predicted": plan["tokens_per_s"], "measured": tokens_per_s_after_warmup(run)},
-        **per_rank(plan, run),
+        "tokens_per_s": {"predicted": plan["tokens_per_s"], "measured": tokens_per_s_after_warmup(run, warmup)},
+        **per_rank(plan, run, warmup),
         "plan": plan,
     }
 
@@ -138,10 +139,10 @@ def compare(plan: dict, run: dict) -> dict:
 MISS = 0.25  # a per-rank figure further than this from its prediction "missed"
 
 
-def per_rank(plan: dict, run: dict) -> dict:
+def per_rank(plan: dict, run: dict, warmup: int | None = None) -> dict:
     """Compute and communication per rank, predicted vs measured (median after warm-up),
     and which of them missed by more than MISS, so a wrong step time has a named cause."""
-    steps = after_warmup([s for s in run.get("steps") or [] if s.get("ranks")])
+    steps = [s for s in after_warmup(run.get("steps") or [], warmup) if s.get("ranks")]
     if not steps:
         return {"ranks": [], "missed": []}
     names = [r.get("name", f"rank{i}") for i, r in enumerate(plan.get("ranks") or [])]
@@ -174,7 +175,12 @@ def render(con, cmp: dict) -> None:
 
     from smoltrain.planner.bottleneck import human_bytes, human_s
 
-    t = Table(title=f"{cmp['strategy']}: predicted vs measured per step ({cmp['steps']} steps)", title_justify="left")
+    used = cmp.get("steps_used", cmp["steps"])
+    t = Table(
+        title=f"{cmp['strategy']}: predicted vs measured per step (bytes over {cmp['steps']} steps; times: median of "
+        f"{used} after a warm-up of {cmp.get('warmup_steps', 0)})",
+        title_justify="left",
+    )
     for c in ("src", "dst", "predicted", "measured", "measured/predicted"):
         t.add_column(c)
     for r in cmp["links"]:

@@ -231,63 +231,12 @@ def measured_ranks(ranks: list, figs: list[HostCompute], model: ModelSpec, share
     return out
 
 
-def quota_seconds(t: float, quota: tuple[float, float] | None) -> float:
-    """Wall seconds of a stretch of work that takes `t` at a CFS-capped host's average pace,
-    begun after the host idled at least a period: the period's whole quota runs at full
-    speed, then the cap's pace. Measured in a 2.5 ms / 10 ms cgroup: 7.5 ms of CPU took
-    22.9 ms, not the 30 the pace says; 30.8 ms took 112, not 123."""
-    if not quota:
-        return t
-    q, period = quota
-    return t * q / period if t <= period else t - (period - q)
-
-
-def quota_stages(stage_s: list, optimizer_s: list, hop_f: list, hop_b: list, quotas: list) -> list:
-    """A one-microbatch pipeline's stage times on quota-held hosts. A stage works twice per
-    step, its forward and then its backward and update, idle in between while the others
-    work. A stretch after an idle gap of a period or more starts on a fresh quota. The
-    first stage's backward runs straight into the next step's forward, and the last stage's
-    forward into its backward; each of them is then one stretch."""
-    n = len(stage_s)
-    fwd = [(s - o) / 3 for s, o in zip(stage_s, optimizer_s)]
-    out = []
-    for i in range(n):
-        if not quotas[i]:
-            out.append(stage_s[i])
-            continue
-        period = quotas[i][1]
-        # idle from the forward's end to the backward's start, and from the update to the next forward
-        gap_f = sum(stage_s[i + 1 :]) + sum(hop_f[i:]) + sum(hop_b[i:])
-        gap_b = sum(stage_s[:i]) + sum(hop_f[:i]) + sum(hop_b[:i])
-        if gap_f >= period and gap_b >= period:
-            runs = [fwd[i], stage_s[i] - fwd[i]]
-        elif gap_f >= period or gap_b >= period:
-            runs = [stage_s[i]]
-        else:
-            runs = []
-        out.append(sum(quota_seconds(r, quotas[i]) for r in runs) if runs else stage_s[i])
-    return out
-
-
-def quota_hop_seconds(nbytes: float, wire, ends: list) -> float | None:
-    """A one-microbatch pipeline's hop when an end is held to a quota: the wire's time, plus
-    each quota end's CPU for the message run as a burst on the quota it saved while idle
-    (cpu_links charges the cap's pace, right for a host that is busy all step). None
-    when no end is held to a quota."""
-    held = [r for r in ends if r.cpu_quota and r.comm_cpu]
-    if not held or not wire.up:
-        return None
-    cpu = max(quota_seconds(r.comm_cpu["message_s"] + nbytes / r.comm_cpu["bytes_s"], r.cpu_quota) for r in held)
-    return wire.alpha_s + nbytes / wire.bytes_per_s + cpu
-
-
 def cpu_links(lm, ranks: list):
     """Links as a busy host sees them: each message also costs the slower end's measured
     per-message CPU time, and bytes go no faster than either end's CPU moves them. On a
     capped Pi-class host this, not the wire, is what a ring of small all-reduces waits for.
-    An end held to a CPU quota pays its CPU time and the wire's one after the other: once
-    its quota is spent nothing drains its socket until the next period (measured on the
-    sim: a 0.15-core host moved 62-81 MB/s over a 119 MB/s wire with CPU for 143)."""
+    An end held to a CPU quota pays its CPU time and the wire's in turn (cpu_quota.py)."""
+    from smoltrain.planner.cpu_quota import in_turn_mbit
     from smoltrain.planner.links import Link, LinkModel
 
     cost = {r.name: r.comm_cpu for r in ranks if getattr(r, "comm_cpu", None)}
@@ -306,9 +255,7 @@ def cpu_links(lm, ranks: list):
             if rate and ends:
                 wire = rate
                 rate = min(rate, min(c["bytes_s"] for c in ends) * 8 / 1e6)
-                capped = [c["bytes_s"] * 8 / 1e6 for c in ends if c.get("quota")]
-                if capped:
-                    rate = min(rate, 1 / (1 / wire + 1 / min(capped)))
+                rate = in_turn_mbit(rate, wire, [c["bytes_s"] * 8 / 1e6 for c in ends if c.get("quota")])
             links[(s, d)] = Link(rate, ln.rtt_us + 2e6 * msg, ln.status)
     return LinkModel(
         dict(lm.source, comm_cpu="per-message and per-byte CPU cost of each end (measured)"),

@@ -1,28 +1,25 @@
-"""Placement: who gets how much of the work, shared by `plan` and `run`.
+"""Placement, the document and its arithmetic: who gets how much of the work, in which rank order.
 
 One document decides it, and the run executes exactly that document:
   {mode, strategy, order (host names by rank), shares (per rank, sum 1) | layers (per rank
    [first, last+1]) | heads + ffn (tp: per rank [first, last+1]), excluded, why}
 
-- batch strategies (dp, fsdp, syncps, edp): whole sequences per rank, as many as keep the
-  slowest rank's time lowest (greedy on `fixed + n * seq * s_per_token`, which is optimal for
-  a minimax of increasing costs); each rank holds the model and at least one sequence.
-- layer strategies (mp, pp): contiguous layer counts by dynamic programming over the rank
-  order, minimising the slowest stage (pp) or the sum of stages (mp: one stage runs at a
-  time), a stage being its compute plus its boundary transfers, within its memory.
-- tp: whole KV groups (so grouped-query attention stays intact) by speed, at least one per
-  rank; the MLP columns follow the same proportions.
-`even` splits as evenly as the shapes allow (6 layers over 4 stages: 2,2,1,1) in the given
-order; `auto` splits by speed and searches the rank order (placement_search). A host with no
-memory for the least piece of work gets none, and `excluded` says why; a model that does not
-fit at all is refused (PlacementError) before anything starts.
+Here: the document and its checks, the integer splits (even counts, a greedy minimax split,
+shares back to counts) and the rank-order search. A strategy's transfers follow a topology
+of rank numbers: a ring (rank r sends to r+1, the last back to 0), a chain (neighbours both
+ways) or a star (rank 0 serves every other rank). An order costs (slowest edge, sum of
+edges) for ring and chain; a star's hub serialises its edges, so it costs their sum. A down
+link costs infinity, so an order that avoids it wins wherever one exists. Up to
+EXHAUSTIVE_MAX hosts every order is scored; beyond, a greedy walk from each start host, then
+2-opt swaps. The first order of the input wins ties, so equal links keep the inventory's.
 
-Torch-free: speeds come in as `HostSpeed`s (planner.speeds), links as a function
-`link_s(src, dst, nbytes) -> seconds` (None: free, as on one machine).
+Which split is best is the plan's to say: placement_plan.py searches with the plan's own
+cost model (rank_time and make_plan). This module imports nothing of the planner's.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -31,8 +28,7 @@ from smoltrain import registry
 from smoltrain.models.spec import ModelSpec
 
 MODES = ("even", "auto")
-TRAIN_BYTES_PER_PARAM = 16  # fp32 weight, gradient and two AdamW moments
-HEADROOM = 0.9  # as planner.capacity: 10% stays for the OS
+EXHAUSTIVE_MAX = 8  # hosts up to which every rank order is scored
 
 
 class PlacementError(UsageError):
@@ -159,65 +155,6 @@ def batch_ranges(batch: int, shares: list[float] | None, world: int) -> list[tup
     return [tuple(r) for r in ranges(counts)]
 
 
-# --- memory, per rank (bytes), for training in fp32 ---
-def act_bytes_per_layer(model: ModelSpec, tokens: float, seq: int) -> float:
-    """Activations one layer keeps for backward (fp32: twice Korthikanti's 16-bit figure)."""
-    return tokens * model.hidden * 2 * (34 + 5 * model.heads * seq / model.hidden)
-
-
-def _embed_params(model: ModelSpec) -> int:
-    return model.vocab * model.hidden + (model.ctx * model.hidden if model.learned_pos else 0)
-
-
-def _head_params(model: ModelSpec) -> int:
-    return model.vocab * model.hidden + 2 * model.hidden
-
-
-def stage_bytes(model: ModelSpec, n: int, first: bool, last: bool, tokens: float, seq: int) -> float:
-    params = n * model.layer_params() + (_embed_params(model) if first else 0) + (_head_params(model) if last else 0)
-    logits = tokens * model.vocab * 4 * 2 if last else 0
-    return params * TRAIN_BYTES_PER_PARAM + n * act_bytes_per_layer(model, tokens, seq) + logits
-
-
-def usable(speed) -> float:
-    return speed.memory_bytes * HEADROOM
-
-
-def human_bytes(n: float) -> str:
-    for unit, k in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= k:
-            return f"{n / k:.3g} {unit}"
-    return f"{n:.0f} B"
-
-
-def place(
-    strategy: str,
-    mode: str,
-    model: ModelSpec,
-    names: list[str],
-    speeds: dict,
-    batch: int,
-    seq: int,
-    microbatches: int = 1,
-    link_s=None,
-) -> Placement:
-    """The placement of `strategy` over hosts `names` (in their given order for `even`)."""
-    if mode not in MODES:
-        raise UsageError(f"--placement {mode!r}: choose even or auto")
-    splits = registry.get(strategy).splits
-    if not names:
-        raise PlacementError("no hosts to place the work on")
-    from smoltrain.planner import placement_split as split
-
-    if splits == "batch":
-        return split.place_batch(strategy, mode, model, names, speeds, batch, seq, link_s)
-    if splits == "layers":
-        return split.place_layers(strategy, mode, model, names, speeds, batch, seq, microbatches, link_s)
-    if splits == "heads":
-        return split.place_heads(strategy, mode, model, names, speeds, batch, seq, link_s)
-    raise PlacementError(f"{strategy}: placement covers strategies that split the batch, layers or heads")
-
-
 def named_batch_ranges(batch: int, names: list[str], placement: dict | None) -> dict[str, tuple[int, int]]:
     """The parameter server's split over the members present, by name: the placement's counts
     when every placed host is there; otherwise (a leave or a join) the same speeds renormalised,
@@ -274,3 +211,108 @@ def validate(doc: dict, strategy: str, model: ModelSpec, batch: int, world: int)
             f"{ {'batch': 'shares', 'layers': 'layers', 'heads': 'heads'}.get(splits, splits) }"
         )
     return p
+
+
+# --- rank order ---
+def edges(n: int, topology: str) -> list[tuple[int, int]]:
+    """Directed rank pairs that carry the strategy's traffic."""
+    if n < 2:
+        return []
+    if topology == "star":
+        return [(0, r) for r in range(1, n)] + [(r, 0) for r in range(1, n)]
+    pairs = [(r, r + 1) for r in range(n - 1)]
+    if topology == "ring" and n > 2:
+        pairs.append((n - 1, 0))
+    else:
+        pairs += [(r + 1, r) for r in range(n - 1)]
+    return pairs
+
+
+def _table(names: list[str], link_s, nbytes: float) -> dict[tuple[str, str], float]:
+    return {(a, b): link_s(a, b, nbytes) for a in names for b in names if a != b}
+
+
+def order_cost(order, topology: str, table) -> tuple[float, float]:
+    costs = [table[(order[s], order[d])] for s, d in edges(len(order), topology)]
+    if not costs:
+        return (0.0, 0.0)
+    total = sum(costs)
+    return (total, total) if topology == "star" else (max(costs), total)
+
+
+def _greedy(names, topology, table) -> list[list[str]]:
+    """One order per start host: walk to the cheapest next host; then 2-opt swaps."""
+    out = []
+    for start in names:
+        order, left = [start], [n for n in names if n != start]
+        while left:
+            nxt = min(left, key=lambda n: table[(order[-1], n)] + table[(n, order[-1])])
+            order.append(nxt)
+            left.remove(nxt)
+        best = order_cost(order, topology, table)
+        improved = True
+        while improved:
+            improved = False
+            for i, j in itertools.combinations(range(len(order)), 2):
+                cand = list(order)
+                cand[i], cand[j] = cand[j], cand[i]
+                c = order_cost(cand, topology, table)
+                if c < best:
+                    order, best, improved = cand, c, True
+        out.append(order)
+    return out
+
+
+def candidate_orders(names: list[str], topology: str, link_s, nbytes: float, keep: int = 6) -> list[list[str]]:
+    """Up to `keep` distinct orders, cheapest links first; the given order when links are free."""
+    names = list(names)
+    if link_s is None or len(names) < 2:
+        return [names]
+    table = _table(names, link_s, nbytes)
+    if len(names) <= EXHAUSTIVE_MAX:
+        pool = (list(p) for p in itertools.permutations(names))
+    else:
+        pool = iter(_greedy(names, topology, table) + [names])
+    scored = sorted(((order_cost(o, topology, table), i, o) for i, o in enumerate(pool)), key=lambda t: (t[0], t[1]))
+    out, seen = [], set()
+    for _, _, o in scored:
+        if tuple(o) not in seen:
+            seen.add(tuple(o))
+            out.append(o)
+        if len(out) >= keep:
+            break
+    return out
+
+
+def slowest_edge(order: list[str], topology: str, link_s, nbytes: float) -> tuple[str, str, float] | None:
+    """The edge that paces the order (for the plan's words)."""
+    if link_s is None or len(order) < 2:
+        return None
+    s, d = max(edges(len(order), topology), key=lambda e: link_s(order[e[0]], order[e[1]], nbytes))
+    return order[s], order[d], link_s(order[s], order[d], nbytes)
+
+
+def down_edge(order: list[str], topology: str, link_s) -> tuple[str, str] | None:
+    """The first edge of this order whose link is down (infinite time), else None."""
+    if link_s is None:
+        return None
+    for s, d in edges(len(order), topology):
+        if not math.isfinite(link_s(order[s], order[d], 1.0)):
+            return order[s], order[d]
+    return None
+
+
+def avoid_down(names: list[str], topology: str, link_s) -> list[str]:
+    """The given order, or the cheapest one that avoids every down link when the given one
+    crosses one; PlacementError naming the link when no order avoids them all."""
+    names = list(names)
+    bad = down_edge(names, topology, link_s)
+    if bad is None:
+        return names
+    best = candidate_orders(names, topology, link_s, 1.0, keep=1)[0]
+    if down_edge(best, topology, link_s) is not None:
+        raise PlacementError(
+            f"link {bad[0]} -> {bad[1]} is down and no {topology} order of {', '.join(names)} avoids every "
+            "down link (fix it, e.g. `make provision` for an MTU fault, and run `smolnet matrix` again)"
+        )
+    return best

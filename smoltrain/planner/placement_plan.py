@@ -1,46 +1,433 @@
-"""Glue between placement and the commands: which speeds, which links, which mode, and the
-plan's `placement` section (the chosen split, its predicted step next to `even`, the gain).
+"""Placement by the plan's own numbers: the search for a split and a rank order, and the plan's
+`placement` section (the chosen split, why, its predicted step next to the other mode's).
 
-`plan` and `run` both call `choose`, so the run executes the placement the plan showed.
+Every candidate piece of work (a batch share, a layer cut, a slice of heads) is costed by
+rank_time, the plan's compute model, in the dtype that runs, and every hop on the links the
+plan uses (CPU-adjusted, compute.cpu_links). Candidates are then judged by the whole plan
+(plan.make_plan): the split and order whose plan predicts the shortest step win, so what
+placement chose and what the plan reports are one number. `even` keeps the given order
+(unless it crosses a down link) and splits as evenly as the shapes allow; `auto` splits by
+speed within each host's memory and searches the order:
+
+- batch (dp, fsdp, syncps, edp): whole sequences per rank, greedy on the rank's compute
+  for c sequences (optimal for a minimax of increasing costs), at least one each;
+- layers (mp, pp): contiguous layer counts by dynamic programming over the rank order,
+  minimising the slowest stage (a pipeline) or the sum of stages (mp, and any decode: one
+  stage runs at a time), a stage being its compute plus its boundary hops;
+- heads (tp): whole KV groups by speed, at least one per rank; the MLP columns follow.
+A host without memory for the least piece gets none (`excluded` says why); a model that
+fits nowhere is refused (PlacementError) before anything starts.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 
 from smolnet.errors import UsageError
 from smoltrain import registry
-from smoltrain.planner import compute
-from smoltrain.planner.placement import MODES, Placement, PlacementError, place
-from smoltrain.planner.speeds import host_speeds, source_of
+from smoltrain.models.spec import ModelSpec
+from smoltrain.planner import capacity, rank_time
+from smoltrain.planner.bottleneck import human_bytes, human_s
+from smoltrain.planner.placement import (
+    MODES,
+    Placement,
+    PlacementError,
+    avoid_down,
+    candidate_orders,
+    counts_from_shares,
+    even_counts,
+    greedy_counts,
+    ranges,
+    slowest_edge,
+)
+from smoltrain.planner.traffic import dtype_bytes
 
 
-def load_compute(path: str | None) -> dict | None:
-    """The compute report: the given file (required), else reports/compute.json when present."""
-    p = compute.default_path(path)
-    return compute.read_compute(p) if p else None
+def applies(strategy: str, task: str = "train") -> bool:
+    """Strategies whose work placement splits: in training by batch, layers or heads; in
+    decode the layers (a pipeline's stages) and heads (tp's ring order)."""
+    splits = registry.get(strategy).splits
+    return splits in (("batch", "layers", "heads") if task == "train" else ("layers", "heads"))
 
 
-def default_mode(mode: str | None, compute_doc: dict | None) -> str:
-    return mode or ("auto" if compute_doc is not None else "even")
+def default_mode(mode: str | None, measured: bool) -> str:
+    return mode or ("auto" if measured else "even")
 
 
-def link_fn(lm):
-    """`link_s(src, dst, nbytes)` from a planner LinkModel (None: free links)."""
-    if lm is None:
-        return None
+@dataclass
+class Ask:
+    """One placement question: this strategy and shape over these ranks and links."""
 
-    def link_s(a, b, n):
-        ln = lm.get(a, b)
-        return ln.alpha_s + n / ln.bytes_per_s if ln.up else math.inf
+    strategy: str
+    mode: str  # even or auto
+    model: ModelSpec
+    ranks: list  # planner.ranks.Rank, in the given order
+    lm: object  # the links (planner.links.LinkModel)
+    task: str = "train"  # train or infer
+    dtype: str = "fp32"
+    batch: int = 8
+    seq: int = 64
+    microbatches: int = 1
+    overlap: bool = True
 
-    return link_s
+    @property
+    def info(self):
+        return registry.get(self.strategy)
+
+    @property
+    def train(self) -> bool:
+        return self.task == "train"
+
+    @property
+    def passes(self) -> int:
+        return self.microbatches if self.info.microbatched and self.train else 1
+
+    @cached_property
+    def shape(self) -> rank_time.Shape:
+        return rank_time.Shape(
+            self.strategy, self.task, self.model, self.dtype, self.batch if self.train else 1, self.seq, self.passes
+        )
+
+    @cached_property
+    def cpu(self):
+        from smoltrain.planner.compute import cpu_links
+
+        return cpu_links(self.lm, self.ranks)
+
+    def link_s(self, a: str, b: str, nbytes: float) -> float:
+        ln = self.cpu.get(a, b)
+        return ln.alpha_s + nbytes / ln.bytes_per_s if ln.up else math.inf
+
+    def orders(self, names: list[str], topology: str, nbytes: float) -> list[list[str]]:
+        if self.mode == "even" or len(names) < 2:
+            return [avoid_down(names, topology, self.link_s)]
+        got = candidate_orders(names, topology, self.link_s, nbytes)
+        return got + ([names] if names not in got else [])
+
+    def plan(self, placement: dict) -> dict:
+        from smoltrain.planner.plan import make_plan
+
+        return make_plan(
+            self.strategy,
+            self.model,
+            len(placement["order"]),
+            self.dtype,
+            self.batch,
+            self.seq,
+            self.microbatches,
+            self.task,
+            self.ranks,
+            self.lm,
+            self.overlap,
+            single=False,
+            placement=placement,
+        )
+
+    def best(self, candidates: list[dict], excluded: list[dict], describe) -> Placement:
+        """The candidate whose whole plan predicts the shortest step (ties: the first)."""
+        scored = []
+        for i, c in enumerate(candidates):
+            p = self.plan(c)
+            ok = all(r["fits"] for r in p["ranks"])
+            step = float(f"{p['step_s']:.9g}") if p["step_s"] is not None else math.inf  # near-ties: the first
+            scored.append(((not ok, step, i), c, p))
+        (unfit, _, _), c, p = min(scored, key=lambda t: t[0])
+        if unfit:
+            raise PlacementError(f"{self.strategy}: {self.model.name} does not fit: {p['bottleneck_where']}")
+        why = [describe(r, c, i) for i, r in enumerate(p["ranks"])]
+        nbytes = sum(ln["bytes_per_step"] for ln in p["links"]) / max(1, len(p["links"]))
+        return Placement(
+            self.mode,
+            self.strategy,
+            list(c["order"]),
+            shares=c.get("shares"),
+            layers=c.get("layers"),
+            heads=c.get("heads"),
+            ffn=c.get("ffn"),
+            excluded=excluded,
+            why=why + _order_words(c["order"], self.info.topology, self.link_s, nbytes),
+        )
+
+    def fits(self, rk, w: capacity.RankWork) -> bool:
+        return rank_time.fits(rk, rank_time.memory(w, self.shape))
+
+    def need(self, w: capacity.RankWork) -> float:
+        return rank_time.memory(w, self.shape).total
+
+    def seconds(self, rk, w: capacity.RankWork) -> float:
+        return rank_time.seconds(rk, w, self.shape).compute_s
 
 
-def applies(strategy: str) -> bool:
-    return registry.get(strategy).splits in ("batch", "layers", "heads")
+def place(
+    strategy: str,
+    mode: str,
+    model: ModelSpec,
+    ranks: list,
+    lm=None,
+    *,
+    task: str = "train",
+    dtype: str = "fp32",
+    batch: int = 8,
+    seq: int = 64,
+    microbatches: int = 1,
+    overlap: bool = True,
+) -> Placement:
+    """The placement of `strategy` over these ranks (planner.ranks.Rank, in the given order)."""
+    from smoltrain.planner.links import from_class
+
+    return search(
+        Ask(
+            strategy, mode, model, list(ranks), lm or from_class("1gbe"), task, dtype, batch, seq, microbatches, overlap
+        )
+    )
+
+
+def search(a: Ask) -> Placement:
+    if a.mode not in MODES:
+        raise UsageError(f"--placement {a.mode!r}: choose even or auto")
+    if not a.ranks:
+        raise PlacementError("no hosts to place the work on")
+    if not applies(a.strategy, a.task):
+        raise PlacementError(f"{a.strategy}: placement covers strategies that split the batch, layers or heads")
+    return SEARCH[a.info.splits](a)
+
+
+def _kept(a: Ask, least, what: str) -> tuple[list, list[dict]]:
+    """The ranks with memory for the least piece of work, and why the others get none."""
+    excluded = [
+        {
+            "name": rk.name,
+            "why": f"needs {human_bytes(a.need(least))} for {what}, has {human_bytes(rank_time.available(rk))}",
+        }
+        for rk in a.ranks
+        if not a.fits(rk, least)
+    ]
+    out = {e["name"] for e in excluded}
+    kept = [rk for rk in a.ranks if rk.name not in out]
+    if not kept:
+        raise PlacementError(f"{a.strategy}: {a.model.name} fits on no host ({excluded[0]['why']})")
+    return kept, excluded
+
+
+def _cap(a: Ask, rk, piece, top: int) -> int:
+    """The most units (sequences, KV groups) whose piece fits on this rank."""
+    n = 0
+    while n < top and a.fits(rk, piece(n + 1)):
+        n += 1
+    return n
+
+
+def _split(a: Ask, kept: list, piece, total: int, what: str) -> list[list[int]]:
+    """Candidate counts per kept rank: the even split (when it fits) and, for auto, the
+    greedy split by the ranks' compute for each count."""
+    hi = [_cap(a, rk, piece, total) for rk in kept]
+    out = []
+    even = even_counts(total, len(kept))
+    if all(c <= h for c, h in zip(even, hi)):
+        out.append(even)
+    elif a.mode == "even":
+        raise PlacementError(
+            f"{a.strategy}: an even split of {total} {what} does not fit in memory (at most {hi} per rank); "
+            "try --placement auto"
+        )
+    if a.mode == "auto":
+        got = greedy_counts(total, lambda i, c: a.seconds(kept[i], piece(c)), [1] * len(kept), hi)
+        if got is None:
+            raise PlacementError(f"{a.strategy}: {total} {what} do not fit in the hosts' memory (at most {sum(hi)})")
+        out.insert(0, got)
+    return out
+
+
+def _batch(a: Ask) -> Placement:
+    worker = capacity.layout(a.strategy, "train", a.model, len(a.ranks), a.batch, a.seq)[-1]
+
+    def piece(c: int) -> capacity.RankWork:
+        return replace(worker, tokens=c * a.seq)
+
+    kept, excluded = _kept(a, piece(1), "the model and one sequence")
+    if a.batch < len(kept):
+        raise PlacementError(f"{a.strategy}: --batch {a.batch} is smaller than the {len(kept)} ranks sharing it")
+    names = [rk.name for rk in kept]
+    cands = []
+    for counts in _split(a, kept, piece, a.batch, "sequences"):
+        by = dict(zip(names, counts))
+        for order in a.orders(names, a.info.topology, 4 * a.model.params() / len(kept)):
+            cands.append(
+                {"mode": a.mode, "strategy": a.strategy, "order": order, "shares": [by[n] / a.batch for n in order]}
+            )
+
+    def describe(r, c, i):
+        n = counts_from_shares(a.batch, c["shares"])[i]
+        return f"{r['name']}: {n} of {a.batch} sequences ({human_s(r['compute_s'])} of compute)"
+
+    return a.best(cands, excluded, describe)
+
+
+def _cut(a: Ask, order: list, stage, hop_bytes: float) -> list[int] | None:
+    """Best contiguous layer counts for this order (dynamic programming), or None when they
+    cannot fit: the slowest stage (a training pipeline) or the sum of stages (mp, decode)."""
+    N, L = len(order), a.model.layers
+    by = {rk.name: rk for rk in a.ranks}
+    pipelined = a.info.microbatched and a.train
+    best = {0: (0.0, [])}
+    for r, name in enumerate(order):
+        rk = by[name]
+        hop = sum(a.link_s(name, order[j], hop_bytes) for j in (r - 1, r + 1) if 0 <= j < N)
+        nxt = {}
+        for k, (obj, counts) in best.items():
+            for n in range(1, L - k - (N - r - 1) + 1):
+                w = stage(r, n, N)
+                if not a.fits(rk, w):
+                    break
+                if r == N - 1 and k + n != L:
+                    continue
+                t = a.seconds(rk, w) + hop
+                o = max(obj, t) if pipelined else obj + t
+                if k + n not in nxt or o < nxt[k + n][0]:
+                    nxt[k + n] = (o, counts + [n])
+        best = nxt
+    got = best.get(L)
+    return got[1] if got else None
+
+
+def _layers(a: Ask) -> Placement:
+    L = a.model.layers
+
+    def stage(r: int, n: int, N: int) -> capacity.RankWork:
+        return capacity.stage_work(a.model, r, N, n, a.task, a.batch, a.seq, a.microbatches, a.info.microbatched)
+
+    kept, excluded = _kept(a, stage(1, 1, 3), "one layer")
+    if len(kept) > L:
+        raise PlacementError(f"{a.strategy}: {a.model.name} has {L} layers, fewer than {len(kept)} ranks")
+    names = [rk.name for rk in kept]
+    by = {rk.name: rk for rk in kept}
+    tokens = a.batch * a.seq if a.train else 1
+    hop_bytes = tokens * a.model.hidden * dtype_bytes(a.dtype)
+    even = even_counts(L, len(kept))
+    cands = []
+    for order in a.orders(names, "chain", hop_bytes):
+        even_fits = all(a.fits(by[n], stage(r, c, len(order))) for r, (n, c) in enumerate(zip(order, even)))
+        if a.mode == "even" and not even_fits:
+            r, n = next((r, n) for r, n in enumerate(order) if not a.fits(by[n], stage(r, even[r], len(order))))
+            raise PlacementError(
+                f"{a.strategy}: an even cut gives {n} {even[r]} layer(s) needing "
+                f"{human_bytes(a.need(stage(r, even[r], len(order))))}, it has "
+                f"{human_bytes(rank_time.available(by[n]))}; try --placement auto"
+            )
+        cuts = ([even] if even_fits else []) + ([_cut(a, order, stage, hop_bytes)] if a.mode == "auto" else [])
+        for counts in cuts:
+            if counts is not None:
+                cands.append({"mode": a.mode, "strategy": a.strategy, "order": order, "layers": ranges(counts)})
+    if not cands:
+        total = a.need(stage(0, L, 1))
+        raise PlacementError(
+            f"{a.strategy}: {a.model.name} ({human_bytes(total)} at batch {a.batch}) does not fit in the memory "
+            f"of {', '.join(names)}"
+        )
+
+    def describe(r, c, i):
+        lo, hi = c["layers"][i]
+        return f"{r['name']}: layers {lo}..{hi - 1} ({hi - lo} of {L}; {human_s(r['compute_s'])} of compute)"
+
+    return a.best(cands, excluded, describe)
+
+
+def _heads(a: Ask) -> Placement:
+    G, gsize = a.model.kv_heads, a.model.heads // a.model.kv_heads
+
+    def piece(g: int) -> capacity.RankWork:
+        return capacity.heads_work(a.model, g / G, g / G, a.task, a.batch, a.seq)
+
+    kept, excluded = _kept(a, piece(1), f"{gsize} head(s) of every layer")
+    if len(kept) > G:
+        raise PlacementError(
+            f"{a.strategy}: {a.model.name} has {a.model.heads} heads in {G} KV groups, fewer than {len(kept)} ranks"
+        )
+    names = [rk.name for rk in kept]
+    tokens = a.batch * a.seq if a.train else 1
+    cands = []
+    # decode splits the heads evenly (the infer ranks' check_tp); auto still searches the ring order
+    for groups in _split(a if a.train else replace(a, mode="even"), kept, piece, G, "head groups"):
+        by = dict(zip(names, groups))
+        for order in a.orders(names, "ring", tokens * a.model.hidden * dtype_bytes(a.dtype) / len(kept)):
+            heads = [by[n] * gsize for n in order]
+            ffn = counts_from_shares(a.model.ffn, heads)
+            cands.append(
+                {"mode": a.mode, "strategy": a.strategy, "order": order, "heads": ranges(heads), "ffn": ranges(ffn)}
+            )
+
+    def describe(r, c, i):
+        (lo, hi), (f0, f1) = c["heads"][i], c["ffn"][i]
+        return f"{r['name']}: heads {lo}..{hi - 1} and {f1 - f0} MLP columns ({human_s(r['compute_s'])} of compute)"
+
+    return a.best(cands, excluded, describe)
+
+
+SEARCH = {"batch": _batch, "layers": _layers, "heads": _heads}  # by the registry's `splits`
+
+
+def _order_words(order, topology, link_s, nbytes) -> list[str]:
+    e = slowest_edge(order, topology, link_s, nbytes)
+    if e is None or len(order) < 2:
+        return []
+    return [
+        f"rank order {' -> '.join(order)} ({topology}); its slowest hop {e[0]} -> {e[1]} "
+        f"takes {e[2] * 1e3:.2f} ms per {nbytes / 1e6:.2f} MB"
+    ]
+
+
+# --- the plan's `placement` section ---
+KEEP = ("mode", "strategy", "order", "shares", "layers", "heads", "ffn")
+
+
+def predicted_of(plan: dict) -> dict:
+    """What the placement section shows of a plan made under one placement."""
+    return {
+        "step_s": plan["step_s"],
+        "tokens_per_s": plan["tokens_per_s"],
+        "compute_s_per_rank": plan["compute_s_per_rank"],
+        "comm_s": plan["comm_s_per_step"],
+    }
+
+
+def section(a: Ask, chosen: Placement, plan: dict) -> dict:
+    """The plan's `placement`: the chosen split, why, and its predicted step (this very plan)
+    next to the other mode's; each host's speed alone (the single-host verdict's figure)."""
+    from smoltrain.planner import verdict
+
+    out = chosen.to_dict()
+    kinds = {"measured" if rk.measured else "nominal" for rk in a.ranks}
+    out["speed_source"] = kinds.pop() if len(kinds) == 1 else "mixed"
+    kw = dict(dtype=a.dtype, batch=a.shape.batch, seq=a.seq, mode=a.task)
+    out["speeds"] = [
+        {
+            "name": rk.name,
+            "tokens_per_s": verdict.alone(rk, a.model, **kw)["tokens_per_s"],
+            "memory_bytes": rk.memory_bytes,
+            "source": "measured" if rk.measured else "nominal",
+        }
+        for rk in a.ranks
+    ]
+    pred = {chosen.mode: predicted_of(plan)}
+    other = "even" if chosen.mode == "auto" else "auto"
+    try:
+        pred[other] = predicted_of(a.plan(place_dict(search(replace(a, mode=other)))))
+    except PlacementError as e:
+        pred[other] = {"error": str(e)}
+    out["predicted"] = pred
+    ev, au = pred.get("even", {}).get("step_s"), pred.get("auto", {}).get("step_s")
+    out["speedup"] = ev / au if ev and au and math.isfinite(ev) and math.isfinite(au) else None
+    return out
+
+
+def place_dict(p: Placement | dict) -> dict:
+    """The part of a placement the plan and the run execute."""
+    d = p.to_dict() if isinstance(p, Placement) else p
+    return {k: d[k] for k in KEEP if k in d}
 
 
 def read_placement_file(path: str) -> dict:
@@ -55,68 +442,15 @@ def read_placement_file(path: str) -> dict:
     return doc
 
 
-def choose(
-    strategy: str,
-    mode: str,
-    model,
-    hosts,
-    names: list[str],
-    compute_doc,
-    batch: int,
-    seq: int,
-    microbatches: int = 1,
-    lm=None,
-) -> tuple[Placement, dict]:
-    """(placement, speeds by host name) for these hosts (inventory hosts or plain names)."""
-    speeds = host_speeds(compute_doc, hosts if hosts else names, model)
-    return place(strategy, mode, model, names, speeds, batch, seq, microbatches, link_fn(lm)), speeds
-
-
-def predicted_of(plan: dict) -> dict:
-    """What the placement section shows of a plan made under one placement."""
-    return {
-        "step_s": plan["step_s"],
-        "tokens_per_s": plan["tokens_per_s"],
-        "compute_s_per_rank": plan["compute_s_per_rank"],
-        "comm_s": plan["comm_s_per_step"],
-    }
-
-
-def section(strategy: str, mode: str, model, hosts, names, compute_doc, batch, seq, microbatches, lm, replan) -> dict:
-    """The plan's `placement`: the chosen split, why, and its predicted step next to the other
-    mode's. `replan(placement) -> plan` is the planner under that placement (plan.make_plan),
-    so the figures here are the plan's own."""
-    mb = microbatches if registry.get(strategy).microbatched else 1
-    chosen, speeds = choose(strategy, mode, model, hosts, names, compute_doc, batch, seq, mb, lm)
-    ls = link_fn(lm)
-
-    def figures(p: Placement) -> dict:
-        return predicted_of(replan(p.to_dict()))
-
-    out = chosen.to_dict()
-    out["speed_source"] = source_of(speeds)
-    out["speeds"] = [speeds[n].to_dict() for n in names]
-    pred = {chosen.mode: figures(chosen)}
-    other = "even" if chosen.mode == "auto" else "auto"
-    try:
-        pred[other] = figures(place(strategy, other, model, names, speeds, batch, seq, mb, ls))
-    except PlacementError as e:
-        pred[other] = {"error": str(e)}
-    out["predicted"] = pred
-    ev, au = pred.get("even", {}).get("step_s"), pred.get("auto", {}).get("step_s")
-    out["speedup"] = ev / au if ev and au and math.isfinite(ev) and math.isfinite(au) else None
-    return out
-
-
 def render(con, sec: dict) -> None:
     """Who gets what and why, then the predicted step under even and auto."""
-    con.print(f"  [bold]placement {sec['mode']}[/] ({sec['strategy']}, speeds {sec['speed_source']}):")
-    for line in sec["why"]:
+    con.print(f"  [bold]placement {sec['mode']}[/] ({sec['strategy']}, speeds {sec.get('speed_source', '?')}):")
+    for line in sec.get("why") or []:
         con.print(f"    {line}")
     for e in sec.get("excluded") or []:
         con.print(f"    [yellow]{e['name']} gets nothing: {e['why']}[/]")
     for m in MODES:
-        p = sec["predicted"].get(m) or {}
+        p = (sec.get("predicted") or {}).get(m) or {}
         if "error" in p:
             con.print(f"    {m:5s}: cannot place ({p['error']})")
         elif p and p.get("step_s") is None:
@@ -125,114 +459,3 @@ def render(con, sec: dict) -> None:
             con.print(f"    {m:5s}: {p['step_s'] * 1e3:8.2f} ms/step predicted, {p['tokens_per_s']:,.0f} tokens/s")
     if sec.get("speedup"):
         con.print(f"    auto vs even: {sec['speedup']:.2f}x")
-
-
-def for_run(
-    strategy: str,
-    mode_arg: str | None,
-    compute_path: str | None,
-    model,
-    names: list[str],
-    hosts,
-    batch: int,
-    seq: int,
-    microbatches: int,
-    legacy_shares=None,
-) -> dict | None:
-    """The placement `smoltrain run` executes (a dict for RunConfig), or None to keep --shares."""
-    if mode_arg and mode_arg not in MODES:
-        doc = read_placement_file(mode_arg)
-        missing = [n for n in doc["order"] if n not in names]
-        if missing:
-            raise UsageError(
-                f"--placement {mode_arg}: hosts {', '.join(missing)} are not ranks of this run ({', '.join(names)})"
-            )
-        return doc
-    if not applies(strategy):
-        return None
-    if legacy_shares:
-        if mode_arg:
-            raise UsageError("give --placement or --shares, not both")
-        return None
-    compute = load_compute(compute_path)
-    lm = None
-    if hosts is not None:
-        from smoltrain.planner.links import find_report
-        from smoltrain.planner.plan import link_model
-
-        lm = link_model(names, hosts, find_report(names))
-    mb = microbatches if registry.get(strategy).microbatched else 1
-    placement, _ = choose(strategy, default_mode(mode_arg, compute), model, hosts, names, compute, batch, seq, mb, lm)
-    return placement.to_dict()
-
-
-def attach(plan: dict, mode_arg: str | None, compute_doc, model, hosts, lm, replan) -> dict | None:
-    """Add the `placement` section to a train plan of a strategy that splits work (else leave
-    it); a placement that cannot fit is recorded as an error, not raised: the plan says why."""
-    strategy = plan["strategy"]
-    if plan["mode"] != "train" or strategy not in registry.REGISTRY or not applies(strategy):
-        return None
-    world = plan["world_size"]
-    names = [r["name"] for r in plan["ranks"]]
-    try:
-        sec = section(
-            strategy,
-            default_mode(mode_arg, compute_doc),
-            model,
-            hosts[:world] if hosts else None,
-            names,
-            compute_doc,
-            plan["batch"],
-            plan["seq"],
-            plan["microbatches"],
-            lm,
-            replan,
-        )
-    except PlacementError as e:
-        sec = {"mode": default_mode(mode_arg, compute_doc), "strategy": strategy, "error": str(e)}
-    plan["placement"] = sec
-    return sec
-
-
-def placed(plan: dict, mode_arg: str | None, compute_doc, model, hosts, lm, replan) -> dict:
-    """The plan remade under the placement it shows (`replan(placement) -> plan`), with that
-    `placement` section: so `plan --placement auto` predicts the run that `run --placement
-    auto` executes, not the even split."""
-    sec = attach(plan, mode_arg, compute_doc, model, hosts, lm, replan)
-    if sec is None or "error" in sec:
-        return plan
-    keep = ("mode", "strategy", "order", "shares", "layers", "heads", "ffn")
-    out = replan({k: sec[k] for k in keep if k in sec})
-    out["placement"] = sec
-    return out
-
-
-def from_run(plan: dict, run_placement: dict, replan) -> dict:
-    """The plan remade under a finished run's placement (plan --compare): its exact split."""
-    out = replan(run_placement)
-    out["placement"] = dict(run_placement, predicted={run_placement.get("mode", "even"): predicted_of(out)})
-    return out
-
-
-def placed_tokens_per_s(plan: dict) -> float:
-    """The plan's tokens/s under its best placement (the placement's gain over even applied)."""
-    sec = plan.get("placement") or {}
-    pred = sec.get("predicted") or {}
-    steps = [p.get("step_s") for p in pred.values() if p.get("step_s")]
-    even = (pred.get("even") or {}).get("step_s")
-    if not steps or not even:
-        return plan.get("tokens_per_s") or 0.0
-    return (plan.get("tokens_per_s") or 0.0) * even / min(steps)
-
-
-def ranking(con, plans: list[dict]) -> list[str]:
-    """Strategies ranked by tokens/s under their best placement, printed as a short table."""
-    rows = sorted(plans, key=lambda p: -placed_tokens_per_s(p))
-    con.print("  [bold]under the best placement[/] (even vs auto, by measured speed where known):")
-    for p in rows:
-        sec = p.get("placement") or {}
-        gain = sec.get("speedup")
-        best = "auto" if gain and gain > 1.0 else "even"
-        extra = f", auto {gain:.2f}x even" if gain else (f" ({sec['error']})" if sec.get("error") else "")
-        con.print(f"    {p['strategy']:7s} {placed_tokens_per_s(p):>12,.1f} tokens/s  ({best}{extra})")
-    return [p["strategy"] for p in rows]

@@ -1,70 +1,35 @@
 """Build one smoltrain.plan/1 document: traffic per link, time per step, memory per rank and
 the bottleneck, in words. Everything else in the planner (CLI, tables, chart, compare) reads
 these documents.
+
+make_plan is the arithmetic in three parts: each rank's compute and memory for its work
+(rank_time.py), the step time of the strategy's kind of split (steps.py), and the
+document. request.build_plan is the one way commands get there.
 """
 
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import dataclass
 
-from smolnet.errors import UsageError
 from smoltrain import registry
 from smoltrain.models.spec import ModelSpec
-from smoltrain.planner import capacity, timing
+from smoltrain.planner import capacity, rank_time, steps, timing
 from smoltrain.planner.bottleneck import bottleneck, human_bytes
-from smoltrain.planner.devices import LINK_CLASSES, DeviceProfile, get_device, load_calibration
-from smoltrain.planner.links import LinkModel, from_class, link_model
-from smoltrain.planner.traffic import Traffic, bytes_per_token, dtype_bytes, traffic
+from smoltrain.planner.devices import LINK_CLASSES
+from smoltrain.planner.links import LinkModel, from_class, link_model  # noqa: F401
+from smoltrain.planner.ranks import (  # noqa: F401  (public names others import from here)
+    Rank,
+    busy_ranks,
+    host_memory,
+    in_placement_order,
+    placed_ranks,
+    rank_names,
+    resolve_ranks,
+    share_machine,
+)
+from smoltrain.planner.traffic import Traffic, bytes_per_token, traffic
 
 PLAN_SCHEMA = "smoltrain.plan/1"
-
-
-@dataclass
-class Rank:
-    name: str
-    device: DeviceProfile
-    memory_bytes: float
-    fixed_s: float = 0.0  # measured fixed cost of a whole-model training step (planner/compute.py)
-    measured: bool = False  # figures from a compute report, not a device profile
-    comm_cpu: dict | None = None  # measured CPU cost of communication on this host (planner/compute.py)
-    shared: bool = False  # speed already shares its machine's cores with the other ranks there
-    comm_core: bool = True  # a core is left for communication while the rank computes
-    optimizer_s: float = 0.0  # of fixed_s: the whole model's AdamW update, once per step
-    cpu_quota: tuple[float, float] | None = None  # (quota, period) seconds of a measured CFS cap
-
-
-def rank_names(world: int, hosts=None) -> list[str]:
-    return [h.name for h in hosts[:world]] if hosts else [f"rank{r}" for r in range(world)]
-
-
-def _profile(device: str, calibration) -> DeviceProfile:
-    if device == "generic" and calibration is not None:
-        return calibration
-    return get_device(device)
-
-
-def host_memory(host, name: str, default: float) -> float:
-    """The inventory's `smol_memory_gb` for this host, else the device profile's memory."""
-    gb = (getattr(host, "vars", None) or {}).get("smol_memory_gb")
-    if gb is None:
-        return default
-    try:
-        return float(gb) * 1e9
-    except (TypeError, ValueError):
-        raise UsageError(f"host {name}: smol_memory_gb must be a number, got {gb!r}") from None
-
-
-def resolve_ranks(world: int, hosts=None, calibration=None) -> list[Rank]:
-    if hosts is not None and len(hosts) < world:
-        raise UsageError(f"world {world} is larger than the {len(hosts)} hosts of the inventory")
-    out = []
-    for r, name in enumerate(rank_names(world, hosts)):
-        host = hosts[r] if hosts else None
-        prof = _profile(getattr(host, "device", "generic") or "generic", calibration)
-        out.append(Rank(name, prof, host_memory(host, name, prof.memory_bytes)))
-    return out
 
 
 def make_plan(
@@ -82,7 +47,10 @@ def make_plan(
     single: bool = True,
     placement: dict | None = None,
 ) -> dict:
-    """`placement` (planner.placement's document): who runs which share, in which rank order;
+    """The plan of these ranks over these links (the arithmetic; request.build_plan resolves
+    ranks, links and placement from what a command was given, then calls this).
+
+    `placement` (planner.placement's document): who runs which share, in which rank order;
     the plan then describes exactly the run that executes it (None: the even split)."""
     if placement and ranks is not None:
         ranks, world = placed_ranks(ranks, placement), len(placement["order"])
@@ -94,109 +62,62 @@ def make_plan(
     tr: Traffic = traffic(strategy, mode, model, world, dtype, batch, seq, microbatches)
     ranks = ranks or resolve_ranks(world)
     names = [r.name for r in ranks]
-    lm = lm or from_class("1gbe")
-    from smoltrain.planner.compute import cpu_links, quota_hop_seconds, quota_stages
+    wire = lm or from_class("1gbe")
+    from smoltrain.planner.compute import cpu_links
 
-    lm_wire, lm = lm, cpu_links(lm, ranks)  # a busy host's CPU slows its messages (measured compute only)
     train = mode == "train"
-    a = dtype_bytes(dtype)
-
-    # compute and memory per rank
-    works = capacity.layout(strategy, mode, model, world, batch, seq, microbatches, placement if train else None)
-    per_rank, update_s = [], []
-    for r, (w, rk) in enumerate(zip(works, ranks)):
-        fl = capacity.flops(w, model, mode, seq)
-        mt = capacity.memory_traffic(w, model, mode, dtype, batch, seq, strategy)
-        t_fl = fl / rk.device.flops(dtype)
-        t_mem = mt / rk.device.mem_bw
-        mem = capacity.memory(w, model, mode, dtype, seq, strategy)
-        t_c = max(t_fl, t_mem)
-        if rk.measured and train:  # timed steps hold the memory traffic already, plus a fixed cost
-            # every microbatch runs all of the stage's operations: a pipeline pays the per-pass
-            # fixed cost m times; the AdamW update once, for the parameters the rank owns
-            passes = (rk.fixed_s - rk.optimizer_s) * capacity.fixed_share(w, model, strategy)
-            update = rk.optimizer_s * w.params_owned / model.params()
-            t_c = t_fl + passes * (microbatches if info.microbatched else 1) + update
-        else:
-            update = 0.0
-        update_s.append(update)
-        per_rank.append(
-            {
-                "rank": r,
-                "name": rk.name,
-                "device": rk.device.name,
-                "flops_per_step": fl,
-                "memory_traffic_bytes": mt,
-                "compute_s": t_c,
-                "bound": "compute" if t_fl >= t_mem else "memory-bandwidth",
-                "memory": mem.to_dict(),
-                "memory_available": int(rk.memory_bytes * capacity.HEADROOM),
-                "fits": mem.total <= rk.memory_bytes * capacity.HEADROOM,
-            }
+    sh = rank_time.Shape(strategy, mode, model, dtype, batch, seq, microbatches if info.microbatched else 1)
+    works = capacity.layout(strategy, mode, model, world, batch, seq, microbatches, placement)
+    rows = [rank_time.row(r, rk, w, sh) for r, (w, rk) in enumerate(zip(works, ranks))]
+    per_rank = [p for p, _ in rows]
+    lm = cpu_links(wire, ranks)  # a busy host's CPU slows its messages (measured compute only)
+    st = steps.of(
+        steps.Setting(
+            tr,
+            info,
+            model,
+            names,
+            ranks,
+            [t.compute_s for _, t in rows],
+            [t.update_s for _, t in rows],
+            lm,
+            wire,
+            batch,
+            seq,
+            microbatches,
+            dtype,
+            train,
+            overlap,
         )
+    )
+    if st.rank_compute_s is not None:
+        for p, t in zip(per_rank, st.rank_compute_s):
+            p["compute_s"] = t
+    doc = document(tr, info, model, names, ranks, per_rank, st, lm, dtype, batch, seq, microbatches)
+    doc["placement_mode"] = (placement or {}).get("mode", "even")
+    if single:
+        from smoltrain.planner import verdict
 
-    # communication and the step
-    link_b = tr.link_bytes()
-    link_m = tr.link_msgs()
-    link_s = timing.link_seconds(tr, names, lm)
-    down = [(s, d) for (s, d) in link_b if not lm.get(names[s], names[d]).up]
-    bubble = 0.0
-    if info.splits == "layers" and world > 1:
-        stage = [p["compute_s"] for p in per_rank]
-        if train:
-            mb = batch * seq * model.hidden * a / microbatches
-            idle = microbatches == 1 and any(rk.cpu_quota for rk in ranks)  # each stage idles between stretches
+        doc["single_host"] = verdict.single_host(model, ranks, dtype=dtype, batch=batch, seq=seq, mode=mode)
+        doc["verdict"] = verdict.sentence(doc)
+    return doc
 
-            def hop(s: int, d: int) -> float:
-                burst = quota_hop_seconds(mb, lm_wire.get(names[s], names[d]), [ranks[s], ranks[d]]) if idle else None
-                ln = lm.get(names[s], names[d])
-                return burst if burst is not None else (ln.alpha_s + mb / ln.bytes_per_s if ln.up else math.inf)
 
-            hop_f = [hop(r, r + 1) for r in range(world - 1)]
-            hop_b = [hop(r + 1, r) for r in range(world - 1)]
-            if idle:
-                stage = quota_stages(stage, update_s, hop_f, hop_b, [rk.cpu_quota for rk in ranks])
-                for p, t in zip(per_rank, stage):
-                    p["compute_s"] = t
-            compute_s, comm_s = timing.pipeline(stage, hop_f, hop_b, microbatches, True)
-            # the boundary hops are in the schedule; add what else crosses (tied embeddings)
-            hops = {i for i, ph in enumerate(tr.phases) if not ph.what.startswith("tied")}
-            comm_s += timing.comm_cost(tr, names, lm, skip=hops).total_s
-            bubble = (world - 1) / (microbatches + world - 1)
-        else:
-            compute_s = sum(stage)
-            comm_s = timing.comm_cost(tr, names, lm).total_s
-        cc = timing.comm_cost(tr, names, lm)
-    else:
-        slowest = max(per_rank, key=lambda p: p["compute_s"])
-        compute_s = slowest["compute_s"]
-        if train and info.parameter_server and world > 1:  # the server aggregates and updates
-            compute_s += capacity.server_seconds(model, world, ranks[0].device.mem_bw)
-        cc = timing.comm_cost(tr, names, lm)
-        comm_s = cc.total_s
-        if train:  # a server's gather starts worker by worker as each one's backward ends
-            comm_s -= timing.staggered_saving(tr, names, lm, [p["compute_s"] for p in per_rank])
-        # a ring moves at its slowest member's pace: dp's buckets hide behind backward only where
-        # every rank has a core to spare for them; a capped host sends on the core it computes on
-        if overlap and train and cc.overlappable_s > 0 and all(rk.comm_core for rk in ranks):
-            # only the wire's share hides behind backward; the CPU's share competes with it
-            wire = timing.comm_cost(tr, names, lm_wire) if lm is not lm_wire else cc
-            comm_s = (
-                comm_s
-                - cc.overlappable_s
-                + max(0.0, cc.overlappable_s - wire.overlappable_s)
-                + timing.exposed_overlap(wire.overlappable_s, wire.last_bucket_s, 2 / 3 * compute_s)
-            )
-    step_s = compute_s + comm_s
+def document(tr, info, model, names, ranks, per_rank, st, lm, dtype, batch, seq, microbatches) -> dict:
+    """The smoltrain.plan/1 document of one plan: traffic per link, time, memory, bottleneck."""
+    train = tr.mode == "train"
+    step_s = st.compute_s + st.comm_s
     finite = math.isfinite(step_s)
     tokens_step = batch * seq if train else 1
     if not train and info.replicated_infer:  # replicas serve their own streams
         tps = sum(1 / p["compute_s"] for p in per_rank if p["compute_s"] > 0)
     else:
         tps = tokens_step / step_s if finite and step_s > 0 else 0.0
-
-    # bottleneck, in words
-    bn, where = bottleneck(tr, per_rank, names, lm, link_b, link_s, compute_s, comm_s, cc, down, bubble)
+    link_b = tr.link_bytes()
+    link_m = tr.link_msgs()
+    link_s = timing.link_seconds(tr, names, lm)
+    down = [(s, d) for (s, d) in link_b if not lm.get(names[s], names[d]).up]
+    bn, where = bottleneck(tr, per_rank, names, lm, link_b, link_s, st.compute_s, st.comm_s, st.cc, down, st.bubble)
     busiest = tr.rank_bytes()
     links_out = []
     for (s, d), b in sorted(link_b.items()):
@@ -212,10 +133,10 @@ def make_plan(
                 "rtt_us": ln.rtt_us,
             }
         )
-    doc = {
+    return {
         "schema": PLAN_SCHEMA,
-        "strategy": strategy,
-        "mode": mode,
+        "strategy": tr.strategy,
+        "mode": tr.mode,
         "model": {
             "name": model.name,
             "params": model.params(),
@@ -229,7 +150,7 @@ def make_plan(
             "top_k": model.top_k,
             "tied_embeddings": model.tied_embeddings,
         },
-        "world_size": world,
+        "world_size": tr.world,
         "dtype": dtype,
         "batch": batch,
         "seq": seq,
@@ -239,13 +160,13 @@ def make_plan(
         "bytes_per_step": int(round(max(busiest))) if busiest else 0,
         "total_bytes_per_step": int(round(sum(link_b.values()))),
         "links": links_out,
-        "compute_s_per_step": compute_s,
+        "compute_s_per_step": st.compute_s,
         "compute_source": "measured" if ranks and all(rk.measured for rk in ranks) else "nominal",
         "compute_s_per_rank": [p["compute_s"] for p in per_rank],
-        "comm_s_per_step": comm_s if finite else None,
+        "comm_s_per_step": st.comm_s if finite else None,
         "step_s": step_s if finite else None,
         "tokens_per_s": tps,
-        "bubble_fraction": bubble,
+        "bubble_fraction": st.bubble,
         "bottleneck": bn,
         "bottleneck_where": where,
         "ranks": per_rank,
@@ -254,31 +175,9 @@ def make_plan(
             for ph in tr.phases
         ],
         "link_source": lm.source,
-        "placement_mode": (placement or {}).get("mode", "even"),
         "notes": tr.notes
         + ([] if train else [f"infer: one generated token per step, batch-1 decode, KV cache over {seq} positions"]),
     }
-    if single:
-        from smoltrain.planner import verdict
-
-        doc["single_host"] = verdict.single_host(make_plan, model, ranks, dtype=dtype, batch=batch, seq=seq, mode=mode)
-        doc["verdict"] = verdict.sentence(doc)
-    return doc
-
-
-def in_placement_order(items: list, placement: dict) -> list:
-    """Ranks or hosts (anything with a .name) in the placement's rank order, then those it
-    leaves out: the first len(order) are the placed run's ranks."""
-    by = {x.name: x for x in items}
-    missing = [n for n in placement["order"] if n not in by]
-    if missing:
-        raise UsageError(f"placement names {', '.join(missing)}, not among the hosts {', '.join(by)}")
-    return [by[n] for n in placement["order"]] + [x for x in items if x.name not in placement["order"]]
-
-
-def placed_ranks(ranks: list[Rank], placement: dict) -> list[Rank]:
-    """The ranks in the placement's order (hosts it leaves out dropped)."""
-    return in_placement_order(ranks, placement)[: len(placement["order"])]
 
 
 def plan_for_run(
@@ -297,77 +196,34 @@ def plan_for_run(
     calibration=None,
     overlap: bool = True,
     compute: str | None | bool = None,
-    placement: dict | None = None,
+    placement: dict | str | None = None,
 ) -> dict:
-    """The plan `smoltrain run` shows before launching and writes beside what it measured,
-    under the placement the run executes.
-
-    Host names are the inventory's, or rank0..rank{N-1} when `hosts` is None (`--local N`).
+    """The plan of a run (request.build_plan): host names are the inventory's, or
+    rank0..rank{N-1} on this machine when `hosts` is None (`--local N`).
     `calibration`: a DeviceProfile, a calibration file path, False to ignore, or None to use
-    ~/.config/smolcluster/calibration.json for `generic` hosts when it exists.
-    """
-    if isinstance(calibration, (str, os.PathLike)):
-        calibration = load_calibration(str(calibration), required=True)
-    elif calibration is None:
-        calibration = load_calibration(None)
-    elif calibration is False:
-        calibration = None
-    ranks = resolve_ranks(world, hosts, calibration)
-    if compute is not False:  # None: reports/compute.json when it exists (planner/compute.py)
-        from smoltrain.planner import compute as measured
+    ~/.config/smolcluster/calibration.json for `generic` hosts when it exists."""
+    from smoltrain.planner.request import PlanRequest, build_plan
 
-        ranks, _ = measured.apply(ranks, hosts[:world] if hosts else None, compute, model)
-    if hosts is None and world > 1:
-        ranks = share_machine(ranks, busy=busy_ranks(strategy, world, microbatches, mode))
-    lm = link_model([r.name for r in ranks], hosts[:world] if hosts else None, links, link_class)
-    doc = make_plan(
-        strategy, model, world, dtype, batch, seq, microbatches, mode, ranks, lm, overlap, placement=placement
-    )
-    if hosts is None and world > 1:
-        doc["notes"].append(f"--local: the {world} ranks share this machine's {os.cpu_count()} cores and its memory")
-    return doc
-
-
-def busy_ranks(strategy: str, world: int, microbatches: int = 1, mode: str = "train") -> int:
-    """How many ranks compute at the same time: a pipeline keeps at most min(m, p) busy, and
-    mp (or any pipeline in decode) one."""
-    info = registry.REGISTRY.get(strategy)
-    if info is None or info.splits != "layers":
-        return world
-    if not info.microbatched or mode == "infer":
-        return 1
-    return min(world, microbatches)
-
-
-def share_machine(ranks: list[Rank], cores: int | None = None, busy: int | None = None) -> list[Rank]:
-    """Ranks on one machine (--local, or the sim) split its cores: each rank runs one torch
-    thread, so a rank keeps its (one-thread) rate while there is a core for each busy rank."""
-    from dataclasses import replace
-
-    n = len(ranks)
-    if all(r.shared for r in ranks):  # measured per machine_id (planner/compute.py) already
-        return ranks
-    f = min(1.0, (cores or os.cpu_count() or 1) / (busy or n))
-    return [
-        Rank(
-            r.name,
-            replace(
-                r.device,
-                flops_fp32=r.device.flops_fp32 * f,
-                flops_fp16=r.device.flops_fp16 * f,
-                mem_bw=r.device.mem_bw * f,
-            ),
-            r.memory_bytes / n,
-            r.fixed_s / f,
-            r.measured,
-            dict(r.comm_cpu, message_s=r.comm_cpu["message_s"] / f, bytes_s=r.comm_cpu["bytes_s"] * f)
-            if r.comm_cpu
-            else None,
-            comm_core=r.comm_core and (cores or os.cpu_count() or 1) / n >= 2,
-            optimizer_s=r.optimizer_s / f,
+    return build_plan(
+        PlanRequest(
+            strategy,
+            model,
+            mode=mode,
+            world=world,
+            dtype=dtype,
+            batch=batch,
+            seq=seq,
+            microbatches=microbatches,
+            placement=placement if placement is not None else "even",
+            hosts=hosts,
+            links=links,
+            link_class=link_class,
+            compute=compute,
+            calibration=calibration,
+            local=hosts is None,
+            overlap=overlap,
         )
-        for r in ranks
-    ]
+    )
 
 
 WHAT_IF_CLASSES = ("1gbe", "2.5gbe", "10gbe", "tb4", "25gbe", "tb5", "100gbe", "200gbe")  # by goodput

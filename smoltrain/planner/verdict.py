@@ -6,7 +6,10 @@ beats the fastest machine on its own; the plan answers it before anything is run
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+
+from smoltrain import registry
+from smoltrain.planner import capacity, rank_time
 
 WORDS = {
     "capacity": "memory capacity",
@@ -17,22 +20,47 @@ WORDS = {
 }
 
 
-def single_host(make_plan: Callable, model, ranks: list, **kw) -> dict:
-    """The best host alone (one rank, nothing crosses a link): {name, fits, step_s, tokens_per_s}."""
+def _replica() -> str:
+    """The plain replica (a batch split that neither shards nor serves): one host alone."""
+    return next(
+        s.name
+        for s in registry.REGISTRY.values()
+        if s.splits == "batch" and not s.parameter_server and not s.shards_params
+    )
+
+
+def alone(rk, model, *, dtype: str, batch: int, seq: int, mode: str) -> dict:
+    """One host training the whole global batch by itself: in one pass when it fits, else
+    with gradient accumulation (the fewest passes whose share of the batch fits; each pass
+    pays the per-pass costs, the update is paid once)."""
+    sh = rank_time.Shape(_replica(), mode, model, dtype, batch, seq)
+    w = capacity.layout(sh.strategy, mode, model, 1, batch, seq)[0]
+    passes = range(1, batch + 1) if mode == "train" else (1,)
+    for k in passes:
+        per = math.ceil(batch / k)
+        if k > 1 and math.ceil(batch / (k - 1)) == per:
+            continue  # the same share as fewer passes
+        wk = capacity.RankWork(**{**w.__dict__, "in_flight": per * seq if k > 1 else 0.0})
+        mem = rank_time.memory(wk, sh)
+        if rank_time.fits(rk, mem):
+            t = rank_time.seconds(rk, wk, rank_time.Shape(**{**sh.__dict__, "passes": k}))
+            toks = batch * seq if mode == "train" else 1
+            return {"fits": True, "step_s": t.compute_s, "tokens_per_s": toks / t.compute_s, "accumulation": k}
+    mem = rank_time.memory(w, sh)
+    return {"fits": False, "step_s": None, "tokens_per_s": 0.0, "accumulation": None, "memory_needed": mem.total}
+
+
+def single_host(model, ranks: list, **kw) -> dict:
+    """The best host alone (one rank, nothing crosses a link), with gradient accumulation
+    where the global batch does not fit at once: {name, fits, step_s, tokens_per_s,
+    accumulation}."""
     best = None
     seen = set()
     for rk in ranks:
         if rk.name in seen:
             continue
         seen.add(rk.name)
-        d = make_plan("dp", model, 1, ranks=[rk], single=False, **kw)
-        row = {
-            "name": rk.name,
-            "fits": bool(d["ranks"][0]["fits"]),
-            "step_s": d["step_s"],
-            "tokens_per_s": d["tokens_per_s"] if d["ranks"][0]["fits"] else 0.0,
-            "memory_needed": d["ranks"][0]["memory"]["total"],
-        }
+        row = {"name": rk.name, **alone(rk, model, **kw)}
         key = (row["fits"], row["tokens_per_s"], rk.memory_bytes)
         if best is None or key > best[0]:
             best = (key, row)
@@ -62,6 +90,9 @@ def sentence(plan: dict) -> str:
     if alone <= 0:
         return f"{s} on {n} ranks runs {tps:,.1f} tokens/s, limited by {what} ({where})."
     ratio = tps / alone
+    k = one.get("accumulation") or 1
+    if k > 1:  # the host alone needs several passes per step; name it as the host it is
+        one = dict(one, name=f"{one['name']} (accumulating {k} passes per step)")
     if ratio >= 1.05:
         return (
             f"The cluster is {ratio:.2g}x faster than {one['name']} alone ({tps:,.1f} vs {alone:,.1f} tokens/s); "

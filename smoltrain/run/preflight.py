@@ -94,8 +94,11 @@ def status_of(exc: BaseException | None) -> tuple[str, str | None]:
     return "failed", str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
-def write_report(path: str | None, ctl, exc: BaseException | None, plan=None, doc: dict | None = None) -> dict:
-    """The run report with `status` and `error`; for a failed run, every step that finished."""
+def write_report(
+    path: str | None, ctl, exc: BaseException | None, plan=None, doc: dict | None = None, plan_error: str | None = None
+) -> dict:
+    """The run report with `status` and `error`; for a failed run, every step that finished;
+    `plan_error` when the planner failed (the run went on without a prediction)."""
     status, error = status_of(exc)
     if doc is None:
         try:
@@ -107,6 +110,8 @@ def write_report(path: str | None, ctl, exc: BaseException | None, plan=None, do
         doc["blamed"] = getattr(ctl, "blamed", None)
     if plan is not None:
         doc["plan"] = plan
+    if plan_error:
+        doc["plan_error"] = plan_error
     if path:
         try:
             write_json_atomic(path, doc, indent=1)

@@ -150,7 +150,7 @@ class ParameterServer:
             time.sleep(0.02)
         self._admit(start, first=True)
         grad = torch.zeros_like(self.flat)
-        parts = {}
+        buf = torch.empty_like(self.flat)  # one receive buffer, reused for every member (planner/capacity.py)
         for step in range(start, steps):
             self._admit(step, first=False)
             if not self.members:
@@ -169,7 +169,6 @@ class ParameterServer:
             grad.zero_()
             covered, loss = 0, 0.0
             for m in list(self.members):
-                buf = parts.setdefault(m.name, torch.empty_like(self.flat))
                 try:
                     meta = _recv_tensor(m.sock, GRADS, buf, max(0.01, deadline - time.monotonic()), m.session)
                     if meta.get("step") != step:

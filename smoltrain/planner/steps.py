@@ -1,0 +1,134 @@
+"""Step time from the ranks' compute and the traffic: one function per kind of split.
+
+A strategy's kind is its registry trait: `layers` (a chain of stages: mp, or a pipeline
+when microbatched), `server` (a parameter server's star: rank 0 aggregates and updates),
+and `lockstep` for every other split (batch rings, heads, sequence, experts): the slowest
+rank, then the collectives, less what hides behind backward. A new kind registers its
+function with `@step_time("kind")` and names it in `kind_of`, and the plan uses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from smoltrain.models.spec import ModelSpec
+from smoltrain.planner import capacity, cpu_quota, timing
+from smoltrain.planner.links import LinkModel
+from smoltrain.planner.traffic import Traffic, dtype_bytes
+
+
+@dataclass
+class Setting:
+    """What a step-time function reads: the traffic, the ranks and their compute, the links."""
+
+    tr: Traffic
+    info: object  # registry.StrategyInfo
+    model: ModelSpec
+    names: list[str]
+    ranks: list
+    compute_s: list[float]  # per rank, from rank_time
+    update_s: list[float]  # per rank: of compute_s, the measured optimizer update
+    lm: LinkModel  # links as the ranks' CPUs see them (compute.cpu_links)
+    wire: LinkModel  # the links themselves
+    batch: int
+    seq: int
+    microbatches: int
+    dtype: str
+    train: bool
+    overlap: bool = True
+
+    @property
+    def world(self) -> int:
+        return len(self.names)
+
+
+@dataclass
+class StepTime:
+    compute_s: float
+    comm_s: float
+    cc: timing.CommCost
+    bubble: float = 0.0
+    rank_compute_s: list[float] | None = None  # per-rank compute when the kind reshapes it (quota stages)
+    notes: list[str] = field(default_factory=list)
+
+
+STEP_TIME: dict[str, Callable[[Setting], StepTime]] = {}
+
+
+def step_time(kind: str):
+    def register(fn):
+        STEP_TIME[kind] = fn
+        return fn
+
+    return register
+
+
+def kind_of(info) -> str:
+    if info.splits == "layers":
+        return "layers"
+    if info.parameter_server:
+        return "server"
+    return "lockstep"
+
+
+def of(s: Setting) -> StepTime:
+    return STEP_TIME[kind_of(s.info)](s)
+
+
+@step_time("lockstep")
+def lockstep(s: Setting) -> StepTime:
+    """The slowest rank computes, then the collectives run; a ring moves at its slowest
+    member's pace. dp's buckets hide behind backward only where every rank has a core to
+    spare for them (a capped host sends on the core it computes on), and only the wire's
+    share hides: the CPU's share competes with backward."""
+    compute_s = max(s.compute_s)
+    cc = timing.comm_cost(s.tr, s.names, s.lm)
+    comm_s = cc.total_s
+    if s.overlap and s.train and cc.overlappable_s > 0 and all(rk.comm_core for rk in s.ranks):
+        wire = timing.comm_cost(s.tr, s.names, s.wire) if s.lm is not s.wire else cc
+        comm_s = (
+            comm_s
+            - cc.overlappable_s
+            + max(0.0, cc.overlappable_s - wire.overlappable_s)
+            + timing.exposed_overlap(wire.overlappable_s, wire.last_bucket_s, 2 / 3 * compute_s)
+        )
+    return StepTime(compute_s, comm_s, cc)
+
+
+@step_time("server")
+def server(s: Setting) -> StepTime:
+    """A parameter server: the workers compute, rank 0 sums every gradient and updates
+    (memory-bound, capacity.server_seconds) between the last push and the first pull; its
+    gather starts worker by worker as each one's backward ends."""
+    st = lockstep(s)
+    if s.train and s.world > 1:
+        st.compute_s += capacity.server_seconds(s.model, s.world, s.ranks[0].device.mem_bw)
+        st.comm_s -= timing.staggered_saving(s.tr, s.names, s.lm, s.compute_s)
+    return st
+
+
+@step_time("layers")
+def layers(s: Setting) -> StepTime:
+    """A chain of stages. Training: the GPipe schedule over the boundary hops (timing.pipeline),
+    plus whatever else crosses (tied embeddings); a one-microbatch pipeline on CPU-quota hosts
+    runs in bursts (cpu_quota.py). Decode: the stages one after another."""
+    cc = timing.comm_cost(s.tr, s.names, s.lm)
+    if s.world == 1:
+        return StepTime(max(s.compute_s), cc.total_s, cc)
+    stage = list(s.compute_s)
+    if not s.train:
+        return StepTime(sum(stage), cc.total_s, cc)
+    mb = s.batch * s.seq * s.model.hidden * dtype_bytes(s.dtype) / s.microbatches
+    burst = cpu_quota.idles(s.ranks, s.microbatches)
+    hop_f, hop_b = cpu_quota.pipeline_hops(mb, s.names, s.ranks, s.wire, s.lm, burst)
+    reshaped = None
+    if burst:
+        stage = cpu_quota.quota_stages(stage, s.update_s, hop_f, hop_b, [rk.cpu_quota for rk in s.ranks])
+        reshaped = stage
+    compute_s, comm_s = timing.pipeline(stage, hop_f, hop_b, s.microbatches, True)
+    # the boundary hops are in the schedule; add what else crosses (tied embeddings)
+    hops = {i for i, ph in enumerate(s.tr.phases) if not ph.what.startswith("tied")}
+    comm_s += timing.comm_cost(s.tr, s.names, s.lm, skip=hops).total_s
+    bubble = (s.world - 1) / (s.microbatches + s.world - 1)
+    return StepTime(compute_s, comm_s, cc, bubble, reshaped)
