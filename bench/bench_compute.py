@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from smoltrain.commands.demo_compute import _nominal_step  # noqa: E402
+from smoltrain.demo.report import nominal_step as _nominal_step  # noqa: E402
 
 PY = sys.executable
 STRATEGIES = ("dp", "fsdp", "syncps", "edp", "mp", "pp", "tp")

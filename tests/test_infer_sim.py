@@ -70,26 +70,3 @@ def test_generate_across_sim_hosts(cluster, strategy):
     assert doc["hosts"] == names and doc["output_ids"] == want
     assert {(x["src"], x["dst"]) for x in doc["links"]} == {(names[0], names[1]), (names[1], names[0])}
     assert doc["decode"]["bytes_per_token"] == pytest.approx(doc["plan"]["bytes_per_token"], rel=0.02)
-
-
-def test_demo_generate_stages(cluster):
-    """The demo's last act on the sim: train with checkpoints, export to the share, generate with pp and tp."""
-    import io
-
-    from rich.console import Console
-
-    from smoltrain.commands.demo import Stage
-    from smoltrain.commands.demo_generate import generate_stages
-
-    st, inv, d, _, _ = cluster
-    out = d / "demo"
-    out.mkdir()
-    report = out / "REPORT.md"
-    report.write_text("# report\n")
-    stage = Stage(Console(file=io.StringIO()), out)
-    rows = generate_stages(stage, sys.executable, inv, out, "2", report)
-    assert [r["strategy"] for r in rows] == ["pp", "tp"]
-    assert rows[0]["output_ids"] == rows[1]["output_ids"]  # greedy: the split does not change the tokens
-    assert rows[0]["prompt_ids"] == list(b"def main():") and len(rows[0]["output_ids"]) == 32
-    text = report.read_text()
-    assert "Generation across the cluster" in text and "| pp | 2 |" in text and "| tp | 2 |" in text

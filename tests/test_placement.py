@@ -289,22 +289,3 @@ def test_run_config_carries_the_placement_over_the_wire():
     bad["placement"] = [1, 2]
     with pytest.raises(ConfigError, match="placement"):
         RunConfig.from_wire(bad)
-
-
-def test_demo_section_pictures_who_got_what(tmp_path):
-    from smoltrain.commands.demo_placement import markdown, picture, work_of
-
-    even = {"order": ["a", "b", "c"], "layers": [[0, 2], [2, 4], [4, 6]]}
-    auto = {"order": ["c", "a", "b"], "layers": [[0, 4], [4, 5], [5, 6]], "why": ["c: layers 0..3"]}
-    assert work_of(auto)[0] == ("c", 4 / 6, "layers 0..3")
-    rows = [
-        {
-            "strategy": "pp",
-            "even": {"tokens_per_s": 800.0, "placement": even},
-            "auto": {"tokens_per_s": 1300.0, "placement": auto},
-            "plan": {"speedup": 1.5, "predicted": {"even": {"tokens_per_s": 900.0}, "auto": {"tokens_per_s": 1350.0}}},
-        }
-    ]
-    assert picture(rows, tmp_path / "p.png") and (tmp_path / "p.png").stat().st_size > 1000
-    text = "\n".join(markdown(rows, "p.png"))
-    assert "| pp | 900 | 800 | 1,350 | 1,300 | 1.50x | 1.62x |" in text and "](p.png)" in text

@@ -81,9 +81,37 @@ def test_predicted_bytes_match_measured_on_local_runs(runs, strategy):
     for r in cmp["links"]:
         assert r["measured_bytes_per_step"] > 0
         assert r["ratio"] == pytest.approx(1.0, abs=0.02), r
-    if "plan" in run:  # the plan `smoltrain run` showed before launching says the same
-        shown = {(ln["src"], ln["dst"]): ln["bytes_per_step"] for ln in run["plan"]["links"]}
-        assert shown == {(ln["src"], ln["dst"]): ln["bytes_per_step"] for ln in plan["links"]}
+    assert "plan_error" not in run  # the plan `smoltrain run` showed before launching says the same
+    shown = {(ln["src"], ln["dst"]): ln["bytes_per_step"] for ln in run["plan"]["links"]}
+    assert shown == {(ln["src"], ln["dst"]): ln["bytes_per_step"] for ln in plan["links"]}
+
+
+NUMBERS = ("step_s", "compute_s_per_step", "comm_s_per_step", "compute_s_per_rank", "tokens_per_s", "bytes_per_step")
+
+
+@pytest.mark.parametrize("strategy", ["dp", "syncps", "pp", "tp"])
+def test_one_request_gives_one_plan_through_every_entry_point(runs, strategy, tmp_path):
+    """The run's own plan, `plan --local 2` with the run's arguments, `plan --compare` of the
+    run, the placement section's prediction and request.build_plan: the same numbers and the
+    same placement (the demo builds its tables from these same plan and compare documents)."""
+    from smoltrain.cli import main
+    from smoltrain.planner.request import PlanRequest, build_plan
+
+    rc, log, path = runs[strategy]
+    assert rc == 0, log[-2000:]
+    ran = json.loads(path.read_text())["plan"]
+    shape = ["--batch", "8", "--seq", "64", "--microbatches", "2", "--no-what-if"]
+    assert main(["plan", "--strategy", strategy, "--local", "2", *shape, "--json", str(tmp_path / "p.json")]) == 0
+    assert main(["plan", "--compare", str(path), "--no-what-if", "--json", str(tmp_path / "c.json")]) == 0
+    planned = json.loads((tmp_path / "p.json").read_text())
+    compared = json.loads((tmp_path / "c.json").read_text())["plan"]
+    built = build_plan(PlanRequest(strategy, "tiny", world=2, batch=8, seq=64, microbatches=2, local=True))
+    for doc in (planned, compared, built):
+        assert {k: doc[k] for k in NUMBERS} == {k: ran[k] for k in NUMBERS}
+        assert {k: doc["placement"].get(k) for k in ("order", "shares", "layers", "heads")} == {
+            k: ran["placement"].get(k) for k in ("order", "shares", "layers", "heads")
+        }
+    assert planned["placement"]["predicted"]["even"]["step_s"] == ran["step_s"]
 
 
 def test_cli_compare_reads_a_run_report(runs, capsys, tmp_path):

@@ -84,6 +84,40 @@ def test_parameter_server_aggregation_and_update_count():
     assert dp["compute_s_per_step"] == pytest.approx(max(r["compute_s"] for r in dp["ranks"]))
 
 
+def test_parameter_server_rank0_holds_what_the_server_allocates():
+    """strategies/parameter_server.py in fp32, tiny (P = 721,344): every worker keeps its model
+    (4P), its gradients (4P), the received parameters and its flat gradient (8P): 16P. Rank 0
+    is also the server: a master copy (4P), the AdamW moments (8P), the gradient sum, one
+    receive buffer reused for every member and the update's sqrt(v) temporary (12P): 40P in
+    all, the same at any world size (the plan used to say 16P, and the server kept one receive
+    buffer per member: (28 + 4N)P)."""
+    P = 721_344
+    for world in (3, 5):
+        d = _plan("syncps", "tiny", world, batch=10)
+        fixed = [r["memory"]["total"] - r["memory"]["activations"] for r in d["ranks"]]
+        assert fixed[0] == pytest.approx(40 * P, abs=8) and fixed[1] == pytest.approx(16 * P, abs=8)
+        assert d["ranks"][0]["memory"]["buffers"] == pytest.approx(20 * P, abs=8)
+
+
+def test_single_host_accumulates_when_the_global_batch_does_not_fit():
+    """tiny, batch 64 x 64, fp32: weights, gradients and AdamW take 16P = 11.5 MB; activations
+    per token 6 layers x 96 x (34 + 5 x 6 x 64 / 96) x 2 bytes + logits 256 x 4 = 63,232 bytes,
+    259 MB for 4,096 tokens, 129.5 MB for half. A host with 200 MB usable cannot take the
+    batch at once, but can in two passes of 32: the verdict plans that, at the same compute
+    (a nominal host pays no per-pass cost), instead of saying nothing fits."""
+    from smoltrain.planner.verdict import sentence
+
+    rk = resolve_ranks(2)
+    for r in rk:
+        r.memory_bytes = 200e6 / 0.9
+    d = make_plan("dp", get_model("tiny"), 2, batch=64, seq=64, ranks=rk)
+    one = d["single_host"]
+    assert one["fits"] and one["accumulation"] == 2
+    alone = make_plan("dp", get_model("tiny"), 1, batch=64, seq=64, ranks=resolve_ranks(1), single=False)
+    assert one["step_s"] == pytest.approx(alone["step_s"])
+    assert "accumulating 2 passes" in sentence(d) and "does not fit on any single host" not in sentence(d)
+
+
 def test_sp_decode_ring_hops_in_series():
     lm = from_class("1gbe")
     d = _plan("sp", "llama-3.2-1b", 4, mode="infer", seq=4096, lm=lm)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from smolnet.errors import SmolError, UsageError
+from smolnet.errors import UsageError
 from smoltrain import registry
-from smoltrain.commands.demo import pick_strategies
+from smoltrain.demo.flow import runnable
 from smoltrain.models.spec import get_model
 from smoltrain.planner import traffic as traffic_mod
 from smoltrain.planner.plan import busy_ranks, make_plan
@@ -89,21 +89,15 @@ def test_traits_not_names_set_the_plan(monkeypatch):
     assert busy_ranks("pp", 3, 4) == 3 and busy_ranks("pp", 3, 4, "infer") == 1 and busy_ranks("dp", 3) == 3
 
 
-def _demo_runs(world: int, **kw) -> set[str]:
-    out = set()
-    for name in registry.names():
-        try:
-            pick_strategies([{"strategy": name, "step_s": 1.0}], world, **kw)
-        except SmolError:
-            continue
-        out.add(name)
-    return out
+def _demo_runs(world: int, layers: int = 6, heads: int = 6) -> set[str]:
+    return set(runnable(world, layers, heads))
 
 
 def test_the_demo_runs_synchronous_trainers_that_split_tiny_evenly():
     assert _demo_runs(3) == {"dp", "fsdp", "syncps", "mp", "pp", "tp"}  # 6 layers, 6 heads over 3
     assert _demo_runs(4) == {"dp", "fsdp", "syncps", "mp"}  # edp is asynchronous; ep, sp do not train
     assert _demo_runs(4, layers=8) == {"dp", "fsdp", "syncps", "mp", "pp"}
+    assert _demo_runs(4, layers=8, heads=4) == {"dp", "fsdp", "syncps", "mp", "pp", "tp"}  # tiny8, the demo's
 
 
 def test_the_name_scan_catches_a_literal():

@@ -376,3 +376,23 @@ def test_print_torchrun(capsys, secret_file):
     assert len(lines) == 2 and all("-m smoltrain worker --control" in ln for ln in lines)
     assert "--node-rank 1" in lines[1] and secret_file in lines[0]  # the secret travels on stdin, by file
     assert "--external" in out
+
+
+# --- a planner fault does not stop the run, and does not pass in silence ---
+def test_a_run_whose_plan_fails_records_plan_error(tmp_path, secret_file, monkeypatch, capsys):
+    """A bug in the planner (here: it raises) used to leave the report without a plan and
+    without a word; now the run says so and its report carries `plan_error`. The plan of a
+    healthy run is always present (test_plan_local)."""
+    from smoltrain.planner import request
+
+    def broken(req, setting=None):
+        raise ZeroDivisionError("a planner bug")
+
+    monkeypatch.setattr(request, "build_plan", broken)
+    out = tmp_path / "r.json"
+    argv = ["run", "--strategy", "dp", "--local", "2", *SMALL, "--steps", "2", "--secret-file", secret_file]
+    assert main(argv + ["--json", str(out), "--out", str(tmp_path)]) == 0
+    doc = check_any(json.loads(out.read_text()))
+    assert doc["status"] == "complete" and "plan" not in doc
+    assert doc["plan_error"] == "ZeroDivisionError: a planner bug"
+    assert "plan failed: ZeroDivisionError: a planner bug" in capsys.readouterr().out

@@ -91,7 +91,7 @@ def run(args) -> int:
     if mc is not None:
         ids = prompt_ids(args, tok, mc.vocab)
         check_request(ids, args.max_new_tokens, args.temperature, args.top_p, mc.ctx)
-    setup = open_model(args)
+    setup = open_model(args, seq=len(ids) + args.max_new_tokens if mc is not None else None)
     mc = setup.ckpt.config
     try:
         req = Request(
@@ -111,7 +111,9 @@ def run(args) -> int:
     finally:
         setup.runner.close()
     text = setup.tokenizer.decode(stats[0]["output_ids"]) if setup.tokenizer else None
-    plan = report.infer_plan(setup.cfg, mc, len(ids) + args.max_new_tokens, setup.hosts)
+    plan = setup.plan
+    if plan is None:  # one process: the pp plan of one stage, for the record
+        plan = report.decode_plan(args, mc, 1, setup.hosts, len(ids) + args.max_new_tokens)
     doc = report.build(setup.cfg, mc, stats, ids, text, plan)
     d, p = doc["decode"], doc["prefill"]
     line = (

@@ -219,7 +219,8 @@ def run(args) -> int:
     import shutil
 
     shutil.rmtree(log_dir, ignore_errors=True)  # kept only when the run failed
-    doc["placement"] = placed
+    if placed is not None:
+        doc["placement"] = placed
     if plan is not None:
         doc["plan"] = plan
     if args.json:

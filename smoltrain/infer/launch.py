@@ -58,6 +58,7 @@ class Setup:
     tokenizer: object
     hosts: list | None
     log_dir: str | None
+    plan: dict | None = None  # the infer plan whose placement the ranks run
 
 
 def resolve(args):
@@ -71,7 +72,24 @@ def resolve(args):
     return strategy, placements, hosts
 
 
-def open_model(args, timeout: float = 120.0) -> Setup:
+def placed(args, mc, placements, hosts, seq: int):
+    """(plan, placements, hosts, layers): the decode placement of planner.request, the ranks
+    in its order, each pp stage's [first, last)."""
+    from smoltrain.infer.report import decode_plan
+
+    world = len(placements)
+    plan = decode_plan(args, mc, world, hosts, seq)
+    sec = plan.get("placement") or {}
+    if sec.get("order"):
+        by = {p.name: p for p in placements}
+        placements = [by[n] for n in sec["order"]]
+        hosts = [p.host for p in placements] if hosts is not None else None
+    if args.strategy == "pp" and sec.get("layers"):
+        return plan, placements, hosts, [tuple(x) for x in sec["layers"]]
+    return plan, placements, hosts, None
+
+
+def open_model(args, timeout: float = 120.0, seq: int | None = None) -> Setup:
     model_dir = os.path.abspath(args.model)
     if not os.path.isdir(model_dir):
         raise UsageError(
@@ -82,6 +100,7 @@ def open_model(args, timeout: float = 120.0) -> Setup:
         raise UsageError(f"--dtype {args.dtype}: choose from {', '.join(TORCH)}")
     strategy, placements, hosts = resolve(args)
     world = len(placements)
+    plan = None
     try:
         ckpt = Checkpoint(model_dir)
         ckpt.check()
@@ -93,6 +112,9 @@ def open_model(args, timeout: float = 120.0) -> Setup:
             layers = even_layers(mc.layers, world)
         else:
             layers = [(0, mc.layers)] * world
+        if world > 1:  # where each rank runs, and what the plan says of it
+            plan, placements, hosts, cut = placed(args, mc, placements, hosts, seq or min(mc.ctx, 2048))
+            layers = cut or layers
         tok = load_tokenizer(model_dir)
     except CheckpointError as e:
         raise UsageError(str(e)) from None
@@ -106,7 +128,7 @@ def open_model(args, timeout: float = 120.0) -> Setup:
         timeout=args.timeout,
     )
     if world == 1:
-        return Setup(LocalRunner(ckpt, args.dtype), cfg, ckpt, tok, hosts, None)
+        return Setup(LocalRunner(ckpt, args.dtype), cfg, ckpt, tok, hosts, None, plan)
     from smoltrain.infer.cluster import Cluster
     from smoltrain.run.controller import route_source
 
@@ -131,7 +153,7 @@ def open_model(args, timeout: float = 120.0) -> Setup:
     except BaseException:
         cluster.close()
         raise
-    return Setup(cluster, cfg, ckpt, tok, hosts, log_dir)
+    return Setup(cluster, cfg, ckpt, tok, hosts, log_dir, plan)
 
 
 def _replace(cfg: InferConfig, **kw) -> InferConfig:
@@ -151,9 +173,10 @@ def add_placement_arguments(p) -> None:
     p.add_argument("--dtype", choices=tuple(TORCH), help="default: the checkpoint's dtype")
     p.add_argument(
         "--placement",
-        default="even",
         choices=("even", "auto"),
-        help="pp layer split (auto falls back to even for inference)",
+        help="pp layer split and rank order: even, or auto (least sum of stage compute and hops, by measured "
+        "speed; the default when a compute report is available); both route around down links",
     )
+    p.add_argument("--compute", help="compute report, smoltrain.compute/1 (default reports/compute.json if present)")
     p.add_argument("--timeout", type=float, default=120.0, help="give up on a silent rank after this long")
     p.add_argument("--secret-file", help="cluster secret (default: the inventory's smol_secret_file)")

@@ -3,32 +3,40 @@
 from __future__ import annotations
 
 
-def infer_plan(cfg, mc, seq: int, hosts=None) -> dict | None:
-    """The `--mode infer` plan of the same strategy, model, world and placement (advice: never fatal)."""
+def decode_request(args, mc, world: int, hosts, seq: int, placement=None):
+    """The `--mode infer` PlanRequest of a generate or serve: this strategy, checkpoint, world,
+    hosts and links (`plan` builds the same from the same arguments)."""
+    from smoltrain.planner.request import PlanRequest
+
+    return PlanRequest(
+        args.strategy if args.strategy != "local" else "pp",
+        mc.spec(),
+        mode="infer",
+        world=world,
+        dtype=args.dtype or mc.dtype,
+        batch=1,
+        seq=min(seq, mc.ctx),
+        placement=placement if placement is not None else getattr(args, "placement", None),
+        hosts=hosts,
+        compute=getattr(args, "compute", None),
+        local=hosts is None,
+        strict=True,
+    )
+
+
+def decode_plan(args, mc, world: int, hosts, seq: int) -> dict:
+    """The infer plan, placed: the decode placement (`auto`: the sum over stages of compute
+    plus hop time, within memory; a ring or chain that avoids a down link) is what the ranks
+    then run. A placement that cannot be made is refused (PlacementError); a planner fault
+    is recorded as the plan's `error` and the ranks run the even split."""
+    from smoltrain.planner.placement import PlacementError
+    from smoltrain.planner.request import build_plan
+
     try:
-        from smoltrain.planner import plan_for_run
-
-        strategy = cfg.strategy if cfg.strategy != "local" else "pp"
-        dtype = cfg.dtype or mc.dtype
-        links = None
-        if hosts is not None:
-            from smoltrain.planner.links import find_report
-
-            links = find_report([h.name for h in hosts])
-        doc = plan_for_run(
-            strategy=strategy,
-            model=mc.spec(),
-            world=cfg.world_size,
-            dtype=dtype,
-            batch=1,
-            seq=min(seq, mc.ctx),
-            mode="infer",
-            hosts=hosts,
-            links=links,
-        )
-        doc.setdefault("placement", {"mode": "even", "order": list(cfg.names), "layers": [list(x) for x in cfg.layers]})
-        return doc
-    except Exception as e:  # the plan is advice; say why it is missing
+        return build_plan(decode_request(args, mc, world, hosts, seq))
+    except PlacementError:
+        raise
+    except Exception as e:  # say why it is missing; the even split still runs
         return {"error": f"{type(e).__name__}: {e}"}
 
 
@@ -48,7 +56,11 @@ def build(cfg, mc, stats: list[dict], prompt_ids: list[int], text: str | None, p
         "hosts": list(cfg.names),
         "model": {"dir": cfg.model_dir, **mc.to_dict()},
         "dtype": cfg.dtype or mc.dtype,
-        "placement": {"mode": "even", "order": list(cfg.names), "layers": [list(x) for x in cfg.layers]},
+        "placement": {
+            "mode": ((plan or {}).get("placement") or {}).get("mode", "even"),
+            "order": list(cfg.names),
+            "layers": [list(x) for x in cfg.layers],
+        },
         "prompt_ids": list(prompt_ids),
         "output_ids": list(r0["output_ids"]),
         "text": text,

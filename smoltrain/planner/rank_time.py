@@ -15,6 +15,9 @@ from smoltrain.models.spec import ModelSpec
 from smoltrain.planner import capacity
 
 
+DECODE_PASS = 1 / 3  # a forward pass's share of a training pass's fixed cost (backward runs twice its work)
+
+
 @dataclass(frozen=True)
 class Shape:
     """What every rank of one plan shares: the strategy, the mode and the step's shape."""
@@ -47,12 +50,17 @@ def seconds(rk, w: capacity.RankWork, sh: Shape) -> RankTime:
     mt = capacity.memory_traffic(w, model, sh.mode, sh.dtype, sh.batch, sh.seq, sh.strategy)
     t_fl = fl / rk.device.flops(sh.dtype)
     t_mem = mt / rk.device.mem_bw
-    if rk.measured and sh.mode == "train":  # timed steps hold the memory traffic already, plus a fixed cost
-        # every pass runs all of the rank's operations: a pipeline or an accumulating host pays
-        # the per-pass fixed cost each time; the AdamW update once, for the parameters it owns
+    if rk.measured:
+        # the timed steps' fixed cost: what every pass pays whatever its size (operator dispatch,
+        # Python), for the rank's share of the operations
         passes = (rk.fixed_s - rk.optimizer_s) * capacity.fixed_share(w, model, sh.strategy)
-        update = rk.optimizer_s * w.params_owned / model.params()
-        return RankTime(t_fl + passes * sh.passes + update, t_fl, t_mem, update)
+        if sh.mode == "train":  # timed steps hold the memory traffic already
+            # a pipeline or an accumulating host pays the per-pass fixed cost each time; the
+            # AdamW update once, for the parameters the rank owns
+            update = rk.optimizer_s * w.params_owned / model.params()
+            return RankTime(t_fl + passes * sh.passes + update, t_fl, t_mem, update)
+        # decode: one forward pass of one token, a third of a training pass's operations
+        return RankTime(max(t_fl, t_mem) + passes * DECODE_PASS, t_fl, t_mem, 0.0)
     return RankTime(max(t_fl, t_mem), t_fl, t_mem, 0.0)
 
 

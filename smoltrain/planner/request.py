@@ -61,13 +61,13 @@ def model_of(model: ModelSpec | str) -> ModelSpec:
 
 
 def default_links(hosts) -> dict | None:
-    """The newest links report covering these hosts (`smolnet matrix`), for ranks on other
-    machines; None for ranks on this one."""
-    if not hosts or all(getattr(h, "local", False) for h in hosts):
+    """The newest links report covering these hosts (`smolnet matrix` writes reports/links.json),
+    else None (`--local` ranks, or hosts nobody measured)."""
+    if not hosts:
         return None
     from smoltrain.planner.links import find_report
 
-    return find_report([h.name for h in hosts], (os.environ.get("SMOL_LINKS", "reports/links.json"),))
+    return find_report([h.name for h in hosts])
 
 
 def resolve(req: PlanRequest) -> Setting:

@@ -1,0 +1,1 @@
+"""`smoltrain demo`: the orchestration (flow), its stages, the report and its pictures."""
