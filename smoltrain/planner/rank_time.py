@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from smoltrain.models.spec import ModelSpec
 from smoltrain.planner import capacity
 
-
 DECODE_PASS = 1 / 3  # a forward pass's share of a training pass's fixed cost (backward runs twice its work)
 
 
