@@ -178,5 +178,8 @@ def add_placement_arguments(p) -> None:
         "speed; the default when a compute report is available); both route around down links",
     )
     p.add_argument("--compute", help="compute report, smoltrain.compute/1 (default reports/compute.json if present)")
+    p.add_argument(
+        "--links", help="links report the plan and placement read (default reports/links.json when it covers the hosts)"
+    )
     p.add_argument("--timeout", type=float, default=120.0, help="give up on a silent rank after this long")
     p.add_argument("--secret-file", help="cluster secret (default: the inventory's smol_secret_file)")

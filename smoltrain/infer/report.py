@@ -6,8 +6,10 @@ from __future__ import annotations
 def decode_request(args, mc, world: int, hosts, seq: int, placement=None):
     """The `--mode infer` PlanRequest of a generate or serve: this strategy, checkpoint, world,
     hosts and links (`plan` builds the same from the same arguments)."""
+    from smoltrain.planner.links import read_report
     from smoltrain.planner.request import PlanRequest
 
+    links = getattr(args, "links", None)
     return PlanRequest(
         args.strategy if args.strategy != "local" else "pp",
         mc.spec(),
@@ -18,6 +20,7 @@ def decode_request(args, mc, world: int, hosts, seq: int, placement=None):
         seq=min(seq, mc.ctx),
         placement=placement if placement is not None else getattr(args, "placement", None),
         hosts=hosts,
+        links=read_report(links) if links else None,
         compute=getattr(args, "compute", None),
         local=hosts is None,
         strict=True,

@@ -93,6 +93,11 @@ def serve(ctl: Control, rank: int, secret: bytes) -> None:
         dtype=cfg.dtype,
     )
     engine = make_engine(cfg.strategy, stage, comm, rank, world)
+    if comm is not None:  # warm up, as llama.cpp does at load: the first pass over the split pays
+        # allocation, operator dispatch and fresh TCP windows that no later token pays (measured on the
+        # capped sim: a first request decoded at half the pace of the next); its bytes are not a request's
+        engine.generate(Request([0] * 4, 16, 0.0, 1.0, 0, []))
+        comm.counter.reset()
     ctl.send({"type": "ready", "load_s": time.perf_counter() - t0})
     try:
         while True:
