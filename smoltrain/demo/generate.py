@@ -77,7 +77,17 @@ def stages(demo) -> None:
         run(
             f"12. generate: {strat} across the cluster from the share",
             smol(py, "smoltrain", "generate", "--strategy", strat, "-i", demo.inv, "--model", model)
-            + ["--links", demo.links, "--compute", demo.compute, "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS, "--ignore-eos"]
+            + [
+                "--links",
+                demo.links,
+                "--compute",
+                demo.compute,
+                "--prompt",
+                PROMPT,
+                "--max-new-tokens",
+                NEW_TOKENS,
+                "--ignore-eos",
+            ]
             + ["--json", gen / f"generate-{strat}.json"],
             required=False,
         )

@@ -209,7 +209,7 @@ def _kept(a: Ask, least, what: str) -> tuple[list, list[dict]]:
     out = {e["name"] for e in excluded}
     kept = [rk for rk in a.ranks if rk.name not in out]
     if not kept:
-        raise PlacementError(f"{a.strategy}: {a.model.name} fits on no host ({excluded[0]['why']})")
+        raise PlacementError(f"{a.strategy}: no host has memory for {what} of {a.model.name} ({excluded[0]['why']})")
     return kept, excluded
 
 
