@@ -289,3 +289,25 @@ def test_run_config_carries_the_placement_over_the_wire():
     bad["placement"] = [1, 2]
     with pytest.raises(ConfigError, match="placement"):
         RunConfig.from_wire(bad)
+
+
+def test_decode_placement_minimises_the_sum_of_stages_and_closes_the_ring():
+    """Batch-1 decode runs the stages one after another (CONTRACT section 6): auto minimises
+    the sum of stage compute and hops, so a host 4x faster takes every layer but the one each
+    other stage must hold (tiny8: 8 - 3 = 5 of 8), where a training pipeline balances stages.
+    The last stage returns the token to the first, so a down link is avoided around the ring."""
+    rk = ranks(slow1=1, fast=4, slow2=1, slow3=1)
+    kw = dict(task="infer", batch=1, seq=64)
+    tiny8 = get_model("tiny8")
+    p = place("pp", "auto", tiny8, rk, **kw)
+    assert {n: hi - lo for n, (lo, hi) in zip(p.order, p.layers)}["fast"] == 5
+    even = place("pp", "even", tiny8, rk, **kw)
+    plan = {
+        q.mode: make_plan("pp", tiny8, 4, mode="infer", ranks=rk, single=False, placement=place_dict(q))
+        for q in (p, even)
+    }
+    assert plan["auto"]["step_s"] < plan["even"]["step_s"]
+    lm = links([r.name for r in rk])
+    lm.links[("slow3", "slow1")] = Link(None, 100.0, "down")  # the even order's token return
+    back = place("pp", "even", tiny8, rk, lm, **kw).order
+    assert (back[-1], back[0]) != ("slow3", "slow1") and back != ["slow1", "fast", "slow2", "slow3"]

@@ -140,6 +140,7 @@ class Ask:
             raise PlacementError(f"{self.strategy}: {self.model.name} does not fit: {p['bottleneck_where']}")
         why = [describe(r, c, i) for i, r in enumerate(p["ranks"])]
         nbytes = sum(ln["bytes_per_step"] for ln in p["links"]) / max(1, len(p["links"]))
+        topology = self.info.topology if self.train or self.info.splits != "layers" else "ring"
         return Placement(
             self.mode,
             self.strategy,
@@ -149,7 +150,7 @@ class Ask:
             heads=c.get("heads"),
             ffn=c.get("ffn"),
             excluded=excluded,
-            why=why + _order_words(c["order"], self.info.topology, self.link_s, nbytes),
+            why=why + _order_words(c["order"], topology, self.link_s, nbytes),
         )
 
     def fits(self, rk, w: capacity.RankWork) -> bool:
@@ -309,7 +310,8 @@ def _layers(a: Ask) -> Placement:
     hop_bytes = tokens * a.model.hidden * dtype_bytes(a.dtype)
     even = even_counts(L, len(kept))
     cands = []
-    for order in a.orders(names, "chain", hop_bytes):
+    # decode closes the chain: the last stage sends the sampled token back to the first
+    for order in a.orders(names, "chain" if a.train else "ring", hop_bytes):
         even_fits = all(a.fits(by[n], stage(r, c, len(order))) for r, (n, c) in enumerate(zip(order, even)))
         if a.mode == "even" and not even_fits:
             r, n = next((r, n) for r, n in enumerate(order) if not a.fits(by[n], stage(r, even[r], len(order))))
