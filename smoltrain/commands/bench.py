@@ -184,57 +184,66 @@ def _rank_argv(python: list[str], args, nbytes, rank, world, coord, port, addrs)
     return argv
 
 
-def _parse_result(outputs: list[tuple[int, str, str]]) -> dict:
-    """Rank 0's document, or the clearest failure among the ranks."""
-    rc0, out0, _ = outputs[0]
-    for line in out0.splitlines():
+def _parse_result(outputs: list[tuple[int | None, str]]) -> dict:
+    """Rank 0's document, or the clearest failure among the ranks: (exit status, log) per rank."""
+    for line in outputs[0][1].splitlines():
         if line.startswith("SMOLBENCH "):
             try:
                 return json.loads(line[len("SMOLBENCH ") :])
             except ValueError:
                 break
     reasons = []
-    for r, (rc, _out, err) in enumerate(outputs):
-        lines = [ln for ln in err.strip().splitlines() if ln.strip() and "Warning" not in ln and "warn(" not in ln]
-        if rc != 0:
+    for r, (rc, text) in enumerate(outputs):
+        lines = [ln for ln in text.strip().splitlines() if ln.strip() and "Warning" not in ln and "warn(" not in ln]
+        if rc not in (0, None) or (r == 0 and lines):
             reasons.append(f"rank {r} exited {rc}: {lines[-1] if lines else 'no output'}")
     raise SmolError("bench failed: " + ("; ".join(reasons) if reasons else "rank 0 printed no result"))
 
 
-def _run_local(args, nbytes: int) -> dict:
+def _launch(args, nbytes: int, ranks: list, coord: str, port: int, addrs, secret: bytes) -> dict:
+    """Start one rank per (name, host) with the run's launcher (smolnet.launcher.ProcessGroup,
+    as `smoltrain run` and `generate` start theirs: a local child, or over SSH), wait for all
+    of them to end, and read rank 0's result from its log."""
     import tempfile
 
     from smolnet.launcher import ProcessGroup
-    from smoltrain.comm.group import free_port_base
 
-    n = args.local
-    port = args.port or free_port_base(n)
-    secret = secrets.token_hex(32).encode()  # loopback group: a fresh secret for this run only
+    n = len(ranks)
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    deadline = args.timeout * 2 + 30 + args.iters * 5
+    deadline = time.monotonic() + args.timeout * 2 + 30 + args.iters * 5
     with tempfile.TemporaryDirectory(prefix="smoltrain-bench-") as log_dir:
         group = ProcessGroup(secret, log_dir)
         try:
-            for r in range(n):
-                group.start(
-                    f"rank{r}", _rank_argv([sys.executable], args, nbytes, r, n, "127.0.0.1", port, None), env=env
-                )
-            late = group.wait(deadline)
+            for r, (name, host) in enumerate(ranks):
+                python = [sys.executable] if host is None or host.local else host.python.split()
+                argv = _rank_argv(python, args, nbytes, r, n, coord, port, addrs)
+                group.start(name, argv, host=host, log=f"/tmp/smoltrain-bench-{name}.log", env=env, fresh=True)
+            done = threading.Event()
+            running = [name for name, _ in ranks]
+            while running and time.monotonic() < deadline:
+                running = [m for m in running if group.alive(m)]
+                done.wait(0.05 if running else 0)
+            outputs = []
+            for name, _ in ranks:
+                late = name in running
+                text = group.log_text(name) or "\n".join(group.log_lines(name, 200))
+                outputs.append((124 if late else group.poll(name), text + ("\ntimed out" if late else "")))
         finally:
             group.stop()
-        outputs = []
-        for r in range(n):  # a rank's log holds its stdout and stderr; _parse_result reads both from it
-            text = group.log_text(f"rank{r}")
-            if f"rank{r}" in late:
-                outputs.append((124, "", f"timed out after {deadline:g}s"))
-            else:
-                outputs.append((group.poll(f"rank{r}"), text, text))
     return _parse_result(outputs)
+
+
+def _run_local(args, nbytes: int) -> dict:
+    from smoltrain.comm.group import free_port_base
+
+    n = args.local
+    secret = secrets.token_hex(32).encode()  # loopback group: a fresh secret for this run only
+    ranks = [(f"rank{r}", None) for r in range(n)]
+    return _launch(args, nbytes, ranks, "127.0.0.1", args.port or free_port_base(n), None, secret)
 
 
 def _run_inventory(args, nbytes: int) -> dict:
     from smolnet.inventory import load_inventory
-    from smolnet.remote import RemoteError, connect
     from smolnet.secret import ensure_secret
     from smoltrain.comm.group import inventory_group
 
@@ -243,30 +252,8 @@ def _run_inventory(args, nbytes: int) -> dict:
     if not args.hosts and inv.coordinator in hosts:  # rank 0 (the rendezvous) runs on the coordinator
         hosts = [inv.coordinator] + [h for h in hosts if h is not inv.coordinator]
     coord, port, addrs = inventory_group(hosts)
-    port = args.port or port
     secret = ensure_secret(args.secret_file or os.path.expanduser(hosts[0].secret_file))
-    n = len(hosts)
-    outputs: list = [None] * n
-
-    def one(r, h):
-        try:
-            with connect(h) as rem:
-                python = [sys.executable] if h.local else h.python.split()
-                res = rem.run(
-                    _rank_argv(python, args, nbytes, r, n, coord, port, addrs),
-                    timeout=args.timeout * 2 + 30 + args.iters * 5,
-                    stdin=secret + b"\n",
-                )
-                outputs[r] = (res.rc, res.stdout, res.stderr)
-        except RemoteError as e:
-            outputs[r] = (255, "", str(e))
-
-    threads = [threading.Thread(target=one, args=(r, h), daemon=True) for r, h in enumerate(hosts)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return _parse_result(outputs)
+    return _launch(args, nbytes, [(h.name, h) for h in hosts], coord, args.port or port, addrs, secret)
 
 
 def _emit(doc: dict, path: str | None) -> None:
