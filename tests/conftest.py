@@ -100,3 +100,11 @@ def needs_sim():
     from need import need_sim
 
     need_sim()
+
+
+@pytest.fixture(scope="module")
+def secret_file(tmp_path_factory):
+    """A cluster secret file (0600) the module's runs share."""
+    from runtools import write_secret
+
+    return write_secret(tmp_path_factory.mktemp("secret") / "secret")

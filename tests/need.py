@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from contextlib import contextmanager
 
 import pytest
 
@@ -62,3 +63,18 @@ def need_cgroup() -> None:
     if _root():
         pytest.fail(f"no cpu cgroup for the sim's CPU caps: {reason}", pytrace=False)
     pytest.skip(reason)
+
+
+@contextmanager
+def sim_cluster(tmp_path_factory, name: str, **kw):
+    """A module's sim: (state, inventory path, folder), always taken down again. Each module
+    passes its own name and subnet."""
+    from smolnet.sim import cluster as sim
+
+    d = tmp_path_factory.mktemp(name)
+    inv = d / f"{name}.yml"
+    st = sim_up(sim, name=name, inventory=str(inv), **kw)
+    try:
+        yield st, inv, d
+    finally:
+        sim.down(name=name)

@@ -17,23 +17,16 @@ from infer_models import make_checkpoint, reference
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
-from need import sim_up  # noqa: E402
-
-from smolnet.sim import cluster as sim  # noqa: E402
+from need import sim_cluster  # noqa: E402
 
 PROMPT, NEW = [3, 5, 7, 9], 8
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    d = tmp_path_factory.mktemp("i1")
-    inv = d / "i1.yml"
-    path = make_checkpoint(str(d / "llama"), "llama", layers=3)
-    st = sim_up(sim, name="i1", scenario="uniform", hosts=2, subnet="10.44.0.0/24", inventory=str(inv))
-    try:
+    with sim_cluster(tmp_path_factory, "i1", scenario="uniform", hosts=2, subnet="10.44.0.0/24") as (st, inv, d):
+        path = make_checkpoint(str(d / "llama"), "llama", layers=3)
         yield st, inv, d, path, reference(path, PROMPT, NEW)
-    finally:
-        sim.down(name="i1")
 
 
 @pytest.mark.parametrize("strategy", ["pp", "tp"])

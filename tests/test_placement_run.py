@@ -10,14 +10,11 @@ single-process reference within 1e-5 relative, and the report must record the pl
 from __future__ import annotations
 
 import json
-import os
-import secrets
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from computetools import compute_doc as tools_compute_doc
+from runtools import smoltrain, write_secret
 
 BATCH, SEQ, STEPS = 6, 32, 4
 REL_TOL = 1e-5
@@ -54,16 +51,10 @@ def compute_doc(names, fast="rank0"):
     return tools_compute_doc(names, fast, seq=SEQ, fixed=0.002, machine_id="m")
 
 
-def run_cli(args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "smoltrain", *args], capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     d = tmp_path_factory.mktemp("placement")
-    secret = d / "secret"
-    secret.write_text(secrets.token_hex(32))
-    os.chmod(secret, 0o600)
+    secret = write_secret(d / "secret")
 
     def one(name):
         strategy, world, placement, extra = RUNS[name]
@@ -95,7 +86,7 @@ def reports(tmp_path_factory):
         elif placement is not None:
             (d / f"{name}-placement.json").write_text(json.dumps(dict(placement, mode="auto", strategy=strategy)))
             args += ["--placement", str(d / f"{name}-placement.json")]
-        p = run_cli(args)
+        p = smoltrain(*args, timeout=300)
         if p.returncode != 0:
             return RuntimeError(f"{name}: exit {p.returncode}: {p.stdout[-800:]} {p.stderr[-800:]}")
         return json.loads((d / f"{name}.json").read_text())
@@ -135,41 +126,10 @@ def test_unfit_placement_is_refused_before_anything_starts(tmp_path):
     for h in doc["hosts"]:
         h["usable_memory_bytes"] = 1000
     (tmp_path / "c.json").write_text(json.dumps(doc))
-    p = run_cli(
-        [
-            "run",
-            "--strategy",
-            "pp",
-            "--local",
-            "2",
-            "--steps",
-            "1",
-            "--placement",
-            "auto",
-            "--compute",
-            str(tmp_path / "c.json"),
-            "--out",
-            str(tmp_path),
-        ],
-        timeout=60,
-    )
+    pp2 = ["run", "--strategy", "pp", "--local", "2", "--steps", "1", "--out", tmp_path]
+    p = smoltrain(*pp2, "--placement", "auto", "--compute", tmp_path / "c.json", timeout=60)
     assert p.returncode == 2 and "no host has memory" in p.stderr and p.stderr.strip().count("\n") == 0
     bad = {"order": ["rank0", "rank1"], "layers": [[0, 2], [3, 6]]}
     (tmp_path / "p.json").write_text(json.dumps(bad))
-    p = run_cli(
-        [
-            "run",
-            "--strategy",
-            "pp",
-            "--local",
-            "2",
-            "--steps",
-            "1",
-            "--placement",
-            str(tmp_path / "p.json"),
-            "--out",
-            str(tmp_path),
-        ],
-        timeout=60,
-    )
+    p = smoltrain(*pp2, "--placement", tmp_path / "p.json", timeout=60)
     assert p.returncode == 2 and "layers" in p.stderr

@@ -9,32 +9,20 @@ always torn down.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
 from computetools import write_compute  # noqa: E402
-from need import sim_up  # noqa: E402
-
-from smolnet.sim import cluster as sim  # noqa: E402
-
-
-def run_cli(args):
-    return subprocess.run([sys.executable, "-m", "smoltrain", *args], capture_output=True, text=True, timeout=240)
+from need import sim_cluster  # noqa: E402
+from runtools import smoltrain as run_cli  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def three(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pl")
-    inv = d / "pl.yml"
-    st = sim_up(sim, name="pl", scenario="uniform", hosts=3, subnet="10.43.0.0/24", inventory=str(inv))
-    try:
-        yield st, inv, d
-    finally:
-        sim.down(name="pl")
+    with sim_cluster(tmp_path_factory, "pl", scenario="uniform", hosts=3, subnet="10.43.0.0/24") as c:
+        yield c
 
 
 def test_pp_auto_placement_on_the_sim_reorders_and_matches_local_1(three):
@@ -43,22 +31,9 @@ def test_pp_auto_placement_on_the_sim_reorders_and_matches_local_1(three):
     fast = names[-1]
     write_compute(d / "compute.json", names, fast, seq=32)
     common = ["--steps", "3", "--batch", "6", "--seq", "32", "--seed", "5", "--microbatches", "2", "--out", str(d)]
-    p = run_cli(
-        [
-            "run",
-            "--strategy",
-            "pp",
-            "-i",
-            str(inv),
-            "--compute",
-            str(d / "compute.json"),
-            "--json",
-            str(d / "pp.json"),
-            *common,
-        ]
-    )
+    p = run_cli("run", "--strategy", "pp", "-i", inv, "--compute", d / "compute.json", "--json", d / "pp.json", *common)
     assert p.returncode == 0, p.stdout[-1500:] + p.stderr[-1500:]
-    r = run_cli(["run", "--strategy", "dp", "--local", "1", "--json", str(d / "ref.json"), *common])
+    r = run_cli("run", "--strategy", "dp", "--local", "1", "--json", d / "ref.json", *common)
     assert r.returncode == 0, r.stdout[-1500:] + r.stderr[-1500:]
     doc, ref = json.loads((d / "pp.json").read_text()), json.loads((d / "ref.json").read_text())
     pl = doc["placement"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import shutil
 import signal
 import subprocess
@@ -15,25 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
+from runtools import smoltrain
 
 from smoltrain.cli import main
 from smoltrain.schema import check_any
 
 SMALL = ["--batch", "6", "--seq", "32"]
-
-
-@pytest.fixture(scope="module")
-def secret_file(tmp_path_factory):
-    p = tmp_path_factory.mktemp("secret") / "secret"
-    p.write_text(secrets.token_hex(32))
-    os.chmod(p, 0o600)
-    return str(p)
-
-
-def smoltrain(*args, timeout=240, cwd=None):
-    return subprocess.run(
-        [sys.executable, "-m", "smoltrain", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
-    )
 
 
 def one_line_error(capsys, argv) -> tuple[int, str]:
@@ -49,7 +35,7 @@ def test_unknown_strategy(capsys, secret_file):
     assert rc == 2 and "unknown strategy 'zero9'" in err
 
 
-@pytest.mark.parametrize("strategy,world,what", [("pp", 7, "layers"), ("tp", 7, "heads"), ("mp", 7, "layers")])
+@pytest.mark.parametrize("strategy,world,what", [("pp", 7, "layers"), ("tp", 7, "head"), ("mp", 7, "layers")])
 def test_world_size_must_divide_the_model(capsys, secret_file, strategy, world, what):
     rc, err = one_line_error(
         capsys, ["run", "--strategy", strategy, "--local", str(world), "--secret-file", secret_file]

@@ -17,20 +17,13 @@ from smoltrain.schema import check_any
 
 pytestmark = pytest.mark.sim
 
-from need import sim_up  # noqa: E402
-
-from smolnet.sim import cluster as sim  # noqa: E402
+from need import sim_cluster  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def uniform(tmp_path_factory):
-    d = tmp_path_factory.mktemp("r1")
-    inv = d / "r1.yml"
-    st = sim_up(sim, name="r1", scenario="uniform", hosts=2, subnet="10.213.41.0/24", inventory=str(inv))
-    try:
-        yield st, inv, d
-    finally:
-        sim.down(name="r1")
+    with sim_cluster(tmp_path_factory, "r1", scenario="uniform", hosts=2, subnet="10.213.41.0/24") as c:
+        yield c
 
 
 def test_dp_over_ssh_on_the_sim(uniform):
