@@ -207,7 +207,7 @@ def run(args) -> int:
     if sec is not None and "error" in sec:
         con.print(f"  [bold yellow]placement: {sec['error']}[/]")
     elif sec is not None and run_doc is None:
-        placement_plan.render(con, sec)
+        render.placement(con, sec)
     for n in plan["notes"]:
         con.print(f"  [dim]note: {n}[/]")
     if not args.no_what_if:

@@ -20,8 +20,10 @@ cost model (rank_time and make_plan). This module imports nothing of the planner
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from smolnet.errors import UsageError
 from smoltrain import registry
@@ -316,3 +318,15 @@ def avoid_down(names: list[str], topology: str, link_s) -> list[str]:
             "down link (fix it, e.g. `make provision` for an MTU fault, and run `smolnet matrix` again)"
         )
     return best
+
+
+def read_placement_file(path: str) -> dict:
+    """A placement document, or a plan / run report that carries one."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--placement {path}: not a readable placement JSON ({e})") from None
+    if isinstance(doc, dict) and isinstance(doc.get("placement"), dict):
+        doc = doc["placement"]
+    Placement.from_dict(doc)
+    return doc

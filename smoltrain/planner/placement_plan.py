@@ -21,11 +21,9 @@ fits nowhere is refused (PlacementError) before anything starts.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, replace
 from functools import cached_property
-from pathlib import Path
 
 from smolnet.errors import UsageError
 from smoltrain import registry
@@ -430,34 +428,3 @@ def place_dict(p: Placement | dict) -> dict:
     """The part of a placement the plan and the run execute."""
     d = p.to_dict() if isinstance(p, Placement) else p
     return {k: d[k] for k in KEEP if k in d}
-
-
-def read_placement_file(path: str) -> dict:
-    """A placement document, or a plan / run report that carries one."""
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--placement {path}: not a readable placement JSON ({e})") from None
-    if isinstance(doc, dict) and isinstance(doc.get("placement"), dict):
-        doc = doc["placement"]
-    Placement.from_dict(doc)
-    return doc
-
-
-def render(con, sec: dict) -> None:
-    """Who gets what and why, then the predicted step under even and auto."""
-    con.print(f"  [bold]placement {sec['mode']}[/] ({sec['strategy']}, speeds {sec.get('speed_source', '?')}):")
-    for line in sec.get("why") or []:
-        con.print(f"    {line}")
-    for e in sec.get("excluded") or []:
-        con.print(f"    [yellow]{e['name']} gets nothing: {e['why']}[/]")
-    for m in MODES:
-        p = (sec.get("predicted") or {}).get(m) or {}
-        if "error" in p:
-            con.print(f"    {m:5s}: cannot place ({p['error']})")
-        elif p and p.get("step_s") is None:
-            con.print(f"    {m:5s}: no step time (a link is down)")
-        elif p:
-            con.print(f"    {m:5s}: {p['step_s'] * 1e3:8.2f} ms/step predicted, {p['tokens_per_s']:,.0f} tokens/s")
-    if sec.get("speedup"):
-        con.print(f"    auto vs even: {sec['speedup']:.2f}x")

@@ -156,3 +156,22 @@ def chart(plans: list[dict], path: str) -> None:
     fig.suptitle(f"{m['model']['name']} · {m['mode']} · world {m['world_size']} · {m['dtype']}")
     fig.tight_layout()
     save_figure_atomic(fig, path)
+
+
+def placement(con, sec: dict) -> None:
+    """Who gets what and why, then the predicted step under even and auto."""
+    con.print(f"  [bold]placement {sec['mode']}[/] ({sec['strategy']}, speeds {sec.get('speed_source', '?')}):")
+    for line in sec.get("why") or []:
+        con.print(f"    {line}")
+    for e in sec.get("excluded") or []:
+        con.print(f"    [yellow]{e['name']} gets nothing: {e['why']}[/]")
+    for m in ("even", "auto"):
+        p = (sec.get("predicted") or {}).get(m) or {}
+        if "error" in p:
+            con.print(f"    {m:5s}: cannot place ({p['error']})")
+        elif p and p.get("step_s") is None:
+            con.print(f"    {m:5s}: no step time (a link is down)")
+        elif p:
+            con.print(f"    {m:5s}: {p['step_s'] * 1e3:8.2f} ms/step predicted, {p['tokens_per_s']:,.0f} tokens/s")
+    if sec.get("speedup"):
+        con.print(f"    auto vs even: {sec['speedup']:.2f}x")

@@ -27,7 +27,7 @@ class RunPlan:
 
 def request(args, spec, names: list[str], hosts):
     """The PlanRequest of this run (`plan` builds the same from the same arguments)."""
-    from smoltrain.planner.placement_plan import read_placement_file
+    from smoltrain.planner.placement import read_placement_file
     from smoltrain.planner.request import PlanRequest
 
     placement = args.placement
