@@ -79,7 +79,7 @@ def sentence(plan: dict) -> str:
     n, s = plan.get("world_size"), plan.get("strategy")
     if plan.get("bottleneck") == "capacity":
         return f"{s} on {n} ranks does not fit: {where}."
-    if plan.get("step_s") is None and plan.get("bottleneck") == "link":  # a link it needs is down
+    if plan.get("bottleneck") == "link" and "is down" in where:  # a link it needs is down
         return f"{s} on {n} ranks cannot run here: {where}."
     if not one.get("name"):
         return f"{s} on {n} ranks runs {tps:,.1f} tokens/s, limited by {what} ({where})."
