@@ -10,7 +10,7 @@ function with `@step_time("kind")` and names it in `kind_of`, and the plan uses 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from smoltrain.models.spec import ModelSpec
 from smoltrain.planner import capacity, cpu_quota, timing
@@ -50,7 +50,6 @@ class StepTime:
     cc: timing.CommCost
     bubble: float = 0.0
     rank_compute_s: list[float] | None = None  # per-rank compute when the kind reshapes it (quota stages)
-    notes: list[str] = field(default_factory=list)
 
 
 STEP_TIME: dict[str, Callable[[Setting], StepTime]] = {}
