@@ -214,9 +214,11 @@ class Demo:
             if not self.stages.failed:  # a failure outside a stage still fails the demo
                 self.stages.results.append({"stage": "demo", "rc": 1, "seconds": 0, "ok": False, "why": str(e)})
         finally:
-            if self.up and not self.args.keep:
-                subprocess.run(sim + ["down", "--name", self.args.name], cwd=ROOT, capture_output=True, timeout=180)
-        path = report.write(self, trained, placed)
+            try:  # while the sim's inventory is still there (the report plans on its hosts)
+                path = report.write(self, trained, placed)
+            finally:
+                if self.up and not self.args.keep:
+                    subprocess.run(sim + ["down", "--name", self.args.name], cwd=ROOT, capture_output=True, timeout=180)
         failed = self.stages.failed
         if failed:
             self.console.rule(f"[bold red]FAILED: {len(failed)} stage(s)")

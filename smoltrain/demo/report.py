@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from smolnet.errors import UsageError
 from smoltrain.demo import flow, pictures
 from smoltrain.planner.bottleneck import human_bytes, human_s
 
@@ -137,7 +138,10 @@ def runs(demo, trained: list[str], plans: dict) -> list[str]:
         pred, table = c["step_s"]["predicted"], (plans.get(s) or {}).get("step_s")
         if table is None or pred is None or abs(pred - table) > 1e-9 * max(pred, table):
             disagree.append(s)
-        nominal = nominal_step(s, c["plan"], demo.inv, demo.links)
+        try:
+            nominal = nominal_step(s, c["plan"], demo.inv, demo.links)
+        except UsageError:  # the inventory is gone (a demo that failed early): the column stays empty
+            nominal = None
         lines.append(
             f"| {s} | {_ms(table)} | {_ms(pred)} | {_ms(c['step_s']['measured'])} | "
             f"{_ratio(c['step_s']['measured'], pred)} | {_ms(nominal)} | {c['plan']['bottleneck']} | "
