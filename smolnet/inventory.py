@@ -47,6 +47,7 @@ class Host:
     train_port: int = 7700
     secret_file: str = "~/.config/smolcluster/secret"
     torch_device: str = "auto"
+    threads: int | None = None  # smol_threads: torch threads per rank (None: the CPUs the host may use)
     known_hosts_file: str | None = None
     host_key_checking: bool = True
     groups: list[str] = field(default_factory=list)
@@ -207,6 +208,8 @@ def _host(name: str, v: dict) -> Host:
         raise InventoryError(
             f"host {name}: smol_device must be one of {', '.join(TORCH_DEVICES)}, got {torch_device!r}"
         )
+    threads = v.get("smol_threads")
+    threads = None if threads is None or str(threads).strip() == "" else _int(threads, "smol_threads", name, 1, 4096)
     hkc = v.get("smol_host_key_checking", v.get("ansible_host_key_checking", True))
     ssh_args = str(v.get("ansible_ssh_common_args", "")) + " " + str(v.get("ansible_ssh_extra_args", ""))
     if re.search(r"StrictHostKeyChecking[=\s]+[\"']?(no|off)\b", ssh_args, re.IGNORECASE):
@@ -235,6 +238,7 @@ def _host(name: str, v: dict) -> Host:
         train_port=_int(v.get("smol_train_port", 7700), "smol_train_port", name, 1, 65535),
         secret_file=str(v.get("smol_secret_file", "~/.config/smolcluster/secret")),
         torch_device=torch_device,
+        threads=threads,
         known_hosts_file=os.path.expanduser(str(known_hosts)) if known_hosts else None,
         host_key_checking=_bool(hkc),
         groups=list(v.get("group_names", [])),

@@ -112,13 +112,15 @@ def run(args) -> int:
         setup.runner.close()
     text = setup.tokenizer.decode(stats[0]["output_ids"]) if setup.tokenizer else None
     plan = report.infer_plan(setup.cfg, mc, len(ids) + args.max_new_tokens, setup.hosts)
-    doc = report.build(setup.cfg, mc, stats, ids, text, plan)
+    doc = report.build(setup.cfg, mc, stats, ids, text, plan, report.measured_bandwidth(setup.cfg, setup.hosts))
     d, p = doc["decode"], doc["prefill"]
     line = (
         f"{setup.cfg.strategy} on {setup.cfg.world_size} rank(s): ttft {doc['ttft_s'] * 1e3:.1f} ms, "
         f"prefill {p['tokens_per_s'] or 0:,.0f} tok/s, decode {d['tokens_per_s'] or 0:,.1f} tok/s, "
         f"{d['bytes_per_token'] or 0:,.0f} B/token"
     )
+    if d["roofline_tokens_per_s"] and d["tokens_per_s"]:
+        line += f", {d['tokens_per_s'] / d['roofline_tokens_per_s']:.0%} of the memory-bandwidth bound"
     if plan and "bytes_per_token" in plan:
         line += f" (plan: {plan['tokens_per_s']:,.1f} tok/s, {plan['bytes_per_token']:,.0f} B/token)"
     print(line, file=sys.stderr)

@@ -14,6 +14,10 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="tiny", help=MODELS_HELP)
     p.add_argument("--world", type=int, help="ranks (default: inventory hosts, links-report hosts, else 2)")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
+    p.add_argument("--quantize", choices=("int8", "q4"), help="--mode infer: weights at this width (contract §9)")
+    p.add_argument(
+        "--wire-dtype", choices=("fp32", "bf16", "fp16", "int8"), help="--mode infer: hidden states on the wire"
+    )
     p.add_argument("--batch", type=int, default=8, help="global batch in sequences (train)")
     p.add_argument("--seq", type=int, default=64, help="sequence length (train) or context length (infer)")
     p.add_argument("--microbatches", type=int, default=1)
@@ -147,6 +151,8 @@ def run(args) -> int:
         ranks = share_machine(ranks, busy=busy_ranks(args.strategy, world, args.microbatches, args.mode))
     lm = link_model([r.name for r in ranks], hosts[:world] if hosts else None, links_doc, args.link_class)
     kw = dict(dtype=args.dtype, batch=args.batch, seq=args.seq, microbatches=args.microbatches, mode=args.mode)
+    if args.mode == "infer":
+        kw.update(quantize=getattr(args, "quantize", None), wire_dtype=getattr(args, "wire_dtype", None))
     from smoltrain.planner import placement_plan
 
     compute_doc = placement_plan.load_compute(getattr(args, "compute", None))
