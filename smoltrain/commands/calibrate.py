@@ -43,8 +43,9 @@ def add_arguments(p) -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument(
-        "--threads", type=int, default=1, help="torch threads (default 1: smoltrain runs each rank with one thread)"
+        "--threads", type=int, help="torch threads (default: the CPUs this host may use, as a rank runs)"
     )
+    p.add_argument("--device", default="cpu", help="--local: torch device to measure (cpu, cuda, mps, auto)")
     p.add_argument("--json", metavar="FILE", help="also write the profile here")
 
 
@@ -69,12 +70,14 @@ def calibrate(
 
     from smoltrain.calibration.probe import copy_bw, matmul_flops
 
-    if threads:
-        torch.set_num_threads(threads)
+    from smoltrain import host
+
+    host.setup(threads)
     sizes = [256, 512, 1024]
     mm32 = [{"n": n, "flops": matmul_flops(torch, torch.float32, n, seconds / 3)} for n in sizes]
     f32 = max(m["flops"] for m in mm32)
-    f16 = matmul_flops(torch, torch.bfloat16, 512, seconds / 3)
+    f16 = matmul_flops(torch, torch.float16, 512, seconds / 3)
+    bf16 = matmul_flops(torch, torch.bfloat16, 512, seconds / 3)
     bw = max(copy_bw(torch, nb, seconds / 2) for nb in (16 << 20, 64 << 20))
     doc = {
         "schema": "smoltrain.calibration/1",
@@ -85,6 +88,7 @@ def calibrate(
         "cpu_count": os.cpu_count(),
         "flops_fp32": f32,
         "flops_fp16": f16,
+        "flops_bf16": bf16,
         "mem_bw": bw,
         "memory_bytes": psutil.virtual_memory().total,
         "matmul_fp32": mm32,
@@ -126,7 +130,8 @@ def run(args) -> int:
     if args.json:
         write_atomic(args.json, doc)
     con.print(
-        f"matmul fp32 {doc['flops_fp32'] / 1e9:,.1f} GFLOP/s, bf16 {doc['flops_fp16'] / 1e9:,.1f} GFLOP/s, "
+        f"matmul fp32 {doc['flops_fp32'] / 1e9:,.1f} GFLOP/s, bf16 {doc['flops_bf16'] / 1e9:,.1f}, "
+        f"fp16 {doc['flops_fp16'] / 1e9:,.1f} GFLOP/s, "
         f"memory {doc['mem_bw'] / 1e9:,.1f} GB/s, {doc['threads']} threads"
     )
     if "train" in doc:

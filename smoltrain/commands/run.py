@@ -50,6 +50,10 @@ def add_arguments(p) -> None:
     p.add_argument("--external", action="store_true", help="start no workers; wait for them (e.g. from torchrun)")
     p.add_argument("--control-port", type=int, default=0, help="port of the control channel (default: any free)")
     p.add_argument("--device", default="cpu", help="--local: torch device of every worker (cpu, cuda, mps, auto)")
+    p.add_argument(
+        "--dtype", default="fp32", help="fp32, or bf16: bf16 matmuls with fp32 master weights and optimizer state"
+    )
+    p.add_argument("--threads", type=int, help="--local: torch threads per rank (default: this machine's CPUs / ranks)")
     p.add_argument("--data-cap-mb", type=float, default=2.0, help="use at most this much of the corpus")
     p.add_argument(
         "--heartbeat",
@@ -80,6 +84,24 @@ def _shares(text: str | None, hosts) -> list[float] | None:
     return out
 
 
+def machine_settings(args, hosts, world: int) -> dict[str, int]:
+    """Threads per rank name, --dtype and the devices checked here before any worker starts (contract §9)."""
+    from smoltrain import host
+    from smoltrain.run.threads import inventory_threads, local_threads
+
+    if args.dtype not in ("fp32", "bf16"):
+        raise UsageError(f"--dtype {args.dtype}: choose from fp32, bf16 (bf16 keeps fp32 master weights)")
+    if hosts is None:
+        if args.threads is not None and args.threads < 1:
+            raise UsageError(f"--threads must be at least 1, got {args.threads}")
+        host.check_dtype(args.dtype, host.resolve_device(args.device))
+        return {f"rank{r}": n for r, n in enumerate(local_threads(args.threads, world))}
+    for h in hosts:
+        if h.local and h.torch_device != "auto":
+            host.check_dtype(args.dtype, host.resolve_device(h.torch_device))
+    return {h.name: n for h, n in zip(hosts, inventory_threads(hosts))}
+
+
 def run(args) -> int:
     from rich.console import Console
 
@@ -102,6 +124,7 @@ def run(args) -> int:
     from smoltrain.run.controller import Controller, check_usage, plot_losses, rank_placements, route_source, write_json
 
     placements, hosts = rank_placements(args.local, args.inventory)
+    threads = machine_settings(args, hosts, len(placements))
     from smoltrain.planner.placement_plan import for_run
 
     placed = for_run(
@@ -152,6 +175,8 @@ def run(args) -> int:
         keep_checkpoints=args.keep_checkpoints,
         integrity=args.integrity,
         placement=placed,
+        dtype=args.dtype,
+        threads=tuple(threads.get(p.name, 0) for p in placements),
     )
     check_usage(cfg)
 
@@ -221,7 +246,8 @@ def run(args) -> int:
                 strategy=args.strategy,
                 model=spec,
                 world=world,
-                dtype="fp32",
+                dtype="fp32",  # weights, gradients and what crosses the wire; matmuls at --dtype
+                compute_dtype=args.dtype,
                 batch=args.batch,
                 seq=args.seq,
                 microbatches=args.microbatches,

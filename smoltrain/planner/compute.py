@@ -95,7 +95,7 @@ def _host(d: dict, origin: str) -> HostCompute:
             str(d.get("machine_id") or d["name"]),
             int(d.get("cores") or 1),
             (float(d["cpu_limit_cores"]) if d.get("cpu_limit_cores") else None),
-            {k: float(v) for k, v in d["flops"].items()},
+            {k: float(v) for k, v in d["flops"].items() if v is not None},
             float(d["mem_bw_bytes_s"]),
             float(d.get("usable_memory_bytes") or 0),
             list(d.get("train_step") or []),

@@ -184,6 +184,7 @@ def profile_from_calibration(doc: dict, origin: str = "calibration") -> DevicePr
         f32,
         bw,
         f"calibrated on {doc.get('host', '?')} at {doc.get('created', '?')}",
+        float(doc["flops_bf16"]) * eff if doc.get("flops_bf16") else None,
     )
 
 

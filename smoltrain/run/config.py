@@ -55,6 +55,8 @@ class RunConfig:
     keep_checkpoints: int = 3  # newest complete checkpoints kept
     integrity: str = "header"  # frames after the handshake: MAC over "header" or "full" frame
     placement: dict | None = None  # planner.placement document: who gets which share, layers or heads
+    dtype: str = "fp32"  # compute dtype: bf16 runs matmuls in bf16 (autocast), weights and optimizer stay fp32
+    threads: tuple[float, ...] = ()  # torch threads per rank (0: the host's usable CPUs); absent: 1
 
     @property
     def world_size(self) -> int:

@@ -91,6 +91,7 @@ class Controller:
         self.events: list[dict] = []
         self.links: dict[tuple[str, str], int] = {}
         self.state_bytes: dict[str, dict] = {}
+        self.threads: dict[str, int] = {}  # torch threads each rank ran at (its `done` says)
         self.saved: dict[int, set] = {}
         self.sent: dict[str, int] = {}
         self.shown = cfg.start_step - 1
@@ -170,6 +171,8 @@ class Controller:
             for src, dst, n in msg["links"]:
                 self.links[(src, dst)] = self.links.get((src, dst), 0) + int(n)
             self.state_bytes[who] = msg.get("state_bytes", {})
+            if isinstance(msg.get("threads"), int):
+                self.threads[who] = msg["threads"]
         elif kind == "error":
             if self.info.elastic and who != self.names[0]:
                 self.console.log(f"{who} failed: {msg['message']}")
@@ -346,6 +349,7 @@ class Controller:
             "final_loss": rows[-1]["loss"] if rows else None,
             "tokens_per_s": (tokens * len(rows) / total_s) if total_s > 0 else None,
             "state_bytes": self.state_bytes,
+            "threads": self.threads,
         }
 
 

@@ -50,23 +50,26 @@ class Reporter:
     def log(self, message):
         self._send({"type": "log", "message": message})
 
-    def done(self, links, state_bytes):
-        self._send({"type": "done", "links": [list(x) for x in links], "state_bytes": state_bytes})
+    def done(self, links, state_bytes, threads=None):
+        self._send({"type": "done", "links": [list(x) for x in links], "state_bytes": state_bytes, "threads": threads})
 
     def error(self, message, peer=None):
         self._send({"type": "error", "message": message, "peer": peer})
 
 
 def resolve_device(want: str) -> str:
-    """`smol_device`: auto picks cuda, then mps, then cpu."""
-    if want in (None, "", "auto"):
-        if torch.cuda.is_available():
-            return "cuda"
-        mps = getattr(torch.backends, "mps", None)
-        return "mps" if mps is not None and mps.is_available() else "cpu"
-    if want == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("smol_device cuda, but torch sees no CUDA device on this host")
-    return want
+    """`smol_device`: auto picks cuda, then mps, then cpu (smoltrain.host)."""
+    from smoltrain.host import resolve_device as resolve
+
+    return resolve(want)
+
+
+def rank_threads(cfg: RunConfig, rank: int) -> int | None:
+    """This rank's torch threads: the controller's figure (0: the host's usable CPUs); 1 for a
+    controller that sends none (older) and for joiners."""
+    if 0 <= rank < len(cfg.threads):
+        return int(cfg.threads[rank]) or None
+    return 1
 
 
 def checkpoint_due(cfg: RunConfig, completed: int) -> bool:
@@ -108,7 +111,11 @@ def blamed_peer(cfg: RunConfig, e: BaseException) -> str | None:
 
 
 def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, corpus: bytes) -> None:
-    torch.set_num_threads(1)
+    from smoltrain import host
+
+    threads, device = host.setup(
+        rank_threads(cfg, rank), cfg.devices[rank] if 0 <= rank < len(cfg.devices) else "cpu", cfg.dtype
+    )
     torch.manual_seed(cfg.seed)
     if corpus_digest(corpus) != cfg.data_digest:
         raise ValueError("the corpus received from the controller does not match its digest")
@@ -116,7 +123,6 @@ def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, co
     world = cfg.world_size
     info = registry.get(cfg.strategy, trainable=True)
     ps = info.parameter_server
-    device = resolve_device(cfg.devices[rank] if 0 <= rank < len(cfg.devices) else "cpu")
     comm = None
     if not ps and world > 1:
         from smoltrain.comm import make_comm
@@ -171,7 +177,8 @@ def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, co
             if nxt is None:
                 break
             step = nxt
-            loss = strat.train_step(step)
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16"):
+                loss = strat.train_step(step)  # bf16 matmuls; parameters, gradients, AdamW state stay fp32
             if cfg.pace:
                 time.sleep(max(0.0, cfg.pace - (time.perf_counter() - t0)))
             step_s = time.perf_counter() - t0
@@ -184,6 +191,6 @@ def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, co
             step += 1
     finally:
         strat.close()
-    rep.done(strat.link_bytes(), strat.state_bytes())
+    rep.done(strat.link_bytes(), strat.state_bytes(), threads)
     if comm:
         comm.close()
