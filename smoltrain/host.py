@@ -72,7 +72,7 @@ def setup(threads: int | None, device: str | None = "cpu", dtype: str | None = N
 COPY_BYTES = 64 << 20  # per buffer: beyond the last-level cache of the machines people own
 
 
-def copy_bandwidth(window: float = 0.1) -> float:
+def copy_bandwidth(window: float = 0.05) -> float:
     """Bytes/s this process moves through memory (read + write of a copy), at its thread count."""
     import torch
 
