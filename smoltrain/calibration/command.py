@@ -24,7 +24,8 @@ def _table(doc: dict):
         t.add_column(c, no_wrap=True)
     for h in doc["hosts"]:
         if h["status"] != "ok":
-            t.add_row(h["name"], "", "", f"[red]failed: {h['error']}[/]", "", "", "", "", (h.get("machine_id") or "?")[:8])
+            failed = f"[red]failed: {h['error']}[/]"
+            t.add_row(h["name"], "", "", failed, "", "", "", "", (h.get("machine_id") or "?")[:8])
             continue
         st = ", ".join(f"{s['seconds'] * 1e3:,.0f} ({s['batch']})" for s in h["train_step"])
         cap = h.get("cpu_limit_cores")

@@ -42,9 +42,7 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="tiny", help="model whose training step sets the achieved fraction (none: skip)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=64)
-    p.add_argument(
-        "--threads", type=int, help="torch threads (default: the CPUs this host may use, as a rank runs)"
-    )
+    p.add_argument("--threads", type=int, help="torch threads (default: the CPUs this host may use, as a rank runs)")
     p.add_argument("--device", default="cpu", help="--local: torch device to measure (cpu, cuda, mps, auto)")
     p.add_argument("--json", metavar="FILE", help="also write the profile here")
 
@@ -68,9 +66,8 @@ def calibrate(
     import psutil
     import torch
 
-    from smoltrain.calibration.probe import copy_bw, matmul_flops
-
     from smoltrain import host
+    from smoltrain.calibration.probe import copy_bw, matmul_flops
 
     host.setup(threads)
     sizes = [256, 512, 1024]
