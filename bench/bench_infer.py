@@ -4,7 +4,7 @@ decode bytes per token vs the `--mode infer` plan, for pp and tp.
 The model is a random-weight Llama (made with transformers) big enough that compute
 dominates a decode step (default hidden 1024, 8 layers: ~130M parameters, ~0.5 GB
 fp32), so the question is what the transport adds. Every rank and the reference run
-one torch thread (SMOL_INFER_THREADS=1): pp stages run one after another in decode, so
+one torch thread (--threads 1): pp stages run one after another in decode, so
 at best pp matches the reference. Rounds alternate the setups so machine noise hits
 all alike; each figure is the median over rounds.
 
@@ -46,8 +46,8 @@ def make_model(path: str, hidden: int, layers: int) -> None:
 
 
 def generate(model: str, strategy: str, world: int, new: int, out: str, inventory: str | None = None) -> dict:
-    env = dict(os.environ, SMOL_INFER_THREADS="1")
-    where = ["-i", inventory] if inventory else ["--local", str(world)]
+    env = dict(os.environ)
+    where = ["-i", inventory] if inventory else ["--local", str(world), "--threads", "1"]
     r = subprocess.run(
         [
             sys.executable,

@@ -104,8 +104,8 @@ def open_model(args, timeout: float = 120.0) -> Setup:
         names=tuple(p.name for p in placements),
         layers=tuple(layers),
         timeout=args.timeout,
-        quantize=args.quantize,
-        wire_dtype=args.wire_dtype,
+        quantize=getattr(args, "quantize", None),  # callers that build their own args may leave these out
+        wire_dtype=getattr(args, "wire_dtype", None),
         threads=tuple(threads),
         devices=tuple(devices),
     )

@@ -194,6 +194,12 @@ def make_plan(
                 + max(0.0, cc.overlappable_s - wire.overlappable_s)
                 + timing.exposed_overlap(wire.overlappable_s, wire.last_bucket_s, 2 / 3 * compute_s)
             )
+    busy = [rk.name for rk in ranks if not rk.comm_core]
+    if train and cc.overlappable_s > 0 and busy:
+        tr.notes.append(
+            f"{', '.join(busy)}: torch threads take every core, so gradient sends share them and do not "
+            "overlap the backward pass (smol_threads one below the host's cores leaves the transport one)"
+        )
     step_s = compute_s + comm_s
     finite = math.isfinite(step_s)
     tokens_step = batch * seq if train else 1
