@@ -26,23 +26,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def make_model(path: str, hidden: int, layers: int) -> None:
-    import torch
-    import transformers
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from llama_checkpoint import build
 
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=1024,
-        hidden_size=hidden,
-        intermediate_size=int(hidden * 2.75),
-        num_hidden_layers=layers,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=max(1, hidden // 256),
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    with torch.device("cpu"):
-        model = transformers.LlamaForCausalLM(cfg)
-    model.train(False).save_pretrained(path, safe_serialization=True)  # inference mode (no dropout)
+    build(path, hidden, layers, vocab=1024, ctx=512, tokenizer=False)
 
 
 def generate(model: str, strategy: str, world: int, new: int, out: str, inventory: str | None = None) -> dict:

@@ -43,7 +43,15 @@ def train_tokenizer(folder: str, vocab: int) -> None:
     os.remove(os.path.join(folder, "tokenizer.vocab"))
 
 
-def build(folder: str, hidden: int = 1024, layers: int = 12, vocab: int = 8000, init: float = 0.02) -> str:
+def build(
+    folder: str,
+    hidden: int = 1024,
+    layers: int = 12,
+    vocab: int = 8000,
+    init: float = 0.02,
+    ctx: int = 2048,
+    tokenizer: bool = True,
+) -> str:
     """The checkpoint folder (built once; reused when its config.json exists)."""
     if os.path.isfile(os.path.join(folder, "config.json")):
         return folder
@@ -51,7 +59,8 @@ def build(folder: str, hidden: int = 1024, layers: int = 12, vocab: int = 8000, 
     import transformers
 
     os.makedirs(folder, exist_ok=True)
-    train_tokenizer(folder, vocab)
+    if tokenizer:
+        train_tokenizer(folder, vocab)
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         vocab_size=vocab,
@@ -60,16 +69,17 @@ def build(folder: str, hidden: int = 1024, layers: int = 12, vocab: int = 8000, 
         num_hidden_layers=layers,
         num_attention_heads=hidden // 64,
         num_key_value_heads=max(1, hidden // 256),
-        max_position_embeddings=2048,
+        max_position_embeddings=ctx,
         tie_word_embeddings=False,
         initializer_range=init,
         bos_token_id=1,
         eos_token_id=2,
     )
     model = transformers.LlamaForCausalLM(cfg)
-    model.train(False).save_pretrained(folder, safe_serialization=True)
-    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False}, f)
+    model.train(False).save_pretrained(folder, safe_serialization=True)  # inference mode (no dropout)
+    if tokenizer:
+        with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+            json.dump({"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False}, f)
     return folder
 
 

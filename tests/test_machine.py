@@ -23,25 +23,10 @@ NEW = 8
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    import torch
-    import transformers
+    from infer_models import make_checkpoint
 
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        initializer_range=0.3,
-        eos_token_id=2,
-    )
     path = str(tmp_path_factory.mktemp("hf") / "llama64")
-    transformers.LlamaForCausalLM(cfg).train(False).save_pretrained(path, safe_serialization=True)
-    return path
+    return make_checkpoint(path, "llama", layers=2, hidden=64, init=0.3, rope_theta=10000.0)
 
 
 def generate(tmp_path, model, *extra) -> dict:
