@@ -98,7 +98,7 @@ def load_ends(ckpt, first: bool, last: bool, dtype, quantize: str | None = None,
         ln = [ckpt.read(f"ln_f.{k}").to(device, dtype) for k in ("weight", "bias")]
         out["norm"] = _LN(*ln, ckpt.config.eps)
         w = out["embed"] if ckpt.config.tied else ckpt.read("lm_head.weight").to(device)
-        out["head"] = Linear(w, None, dtype, None if ckpt.config.tied else quantize)
+        out["head"] = Linear(w, None, dtype, None if ckpt.config.tied else quantize, pack=not ckpt.config.tied)
     return out
 
 

@@ -176,7 +176,7 @@ def load_ends(ckpt, first: bool, last: bool, dtype, quantize: str | None = None,
     if last:
         out["norm"] = RMSNorm(ckpt.read("model.norm.weight").to(device, dtype), ckpt.config.eps)
         w = out["embed"] if tied else ckpt.read("lm_head.weight").to(device)
-        out["head"] = Linear(w, None, dtype, None if tied else quantize)
+        out["head"] = Linear(w, None, dtype, None if tied else quantize, pack=not tied)
     return out
 
 

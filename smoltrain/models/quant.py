@@ -18,6 +18,10 @@ bytes per weight is more tokens per second. torch's own CPU kernels do the low-b
 
 A quantised layer hands back the caller's dtype. Where no kernel exists (another device)
 the weight is dequantised on the fly: correct, not fast.
+
+Full-width fp32 layers on the CPU go through oneDNN (`mkldnn_linear`, the weight held in
+its own layout): MKL's batch-1 sgemv read 14 GB/s where a copy moves 23 on the machine of
+BENCHMARKS.md (an AMD EPYC, which MKL serves a generic path), oneDNN 18.
 """
 
 from __future__ import annotations
@@ -83,7 +87,10 @@ class Linear:
     Built from the full-width weight as a rank loads it, so no full-width copy outlives
     the load. `nbytes` is what one batch-1 token reads of it (weights, scales, bias)."""
 
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, dtype, quantize: str | None = None):
+    def __init__(
+        self, w: torch.Tensor, bias: torch.Tensor | None, dtype, quantize: str | None = None, pack: bool = True
+    ):
+        """`pack` False: keep a full-width weight as the tensor given (a tied head shares the embedding)."""
         if quantize not in (None, *QUANTIZE):
             raise ValueError(f"unknown quantisation {quantize!r} (one of {', '.join(QUANTIZE)})")
         if quantize == "q4" and w.shape[1] % GROUP:
@@ -94,6 +101,11 @@ class Linear:
         cpu = w.device.type == "cpu"
         if quantize is None:
             self.weight = w.to(dtype).contiguous()
+            self.kernel = (
+                "onednn" if pack and cpu and dtype == torch.float32 and torch.backends.mkldnn.is_available() else None
+            )
+            if self.kernel:
+                self.weight = self.weight.to_mkldnn()
         elif quantize == "int8":
             q, s = quantize_int8(w)
             self.kernel = "fbgemm" if cpu and _fbgemm() else "int8pack" if cpu and _has("_weight_int8pack_mm") else None
@@ -125,7 +137,7 @@ class Linear:
     def dequantized(self) -> torch.Tensor:
         """The weight this layer multiplies by, at fp32 (the reference the kernels are tested against)."""
         if self.kind is None:
-            return self.weight.float()
+            return (self.weight.to_dense() if self.kernel else self.weight).float()
         if self.kind == "int8" and self.kernel == "fbgemm":
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -138,6 +150,9 @@ class Linear:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.q, GROUP, self.scale.float()).t().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind is None and self.kernel:
+            y = torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.weight).to_dense()
+            return y if self.bias is None else y + self.bias
         if self.kind is None:
             return F.linear(x, self.weight, self.bias)
         shape = x.shape
