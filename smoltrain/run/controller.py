@@ -91,7 +91,7 @@ class Controller:
         self.events: list[dict] = []
         self.links: dict[tuple[str, str], int] = {}
         self.state_bytes: dict[str, dict] = {}
-        self.saved: dict[int, set] = {}
+        self.saved: dict[int, dict] = {}  # step -> part -> {"sha256", "bytes"}
         self.sent: dict[str, int] = {}
         self.shown = cfg.start_step - 1
         self.views: blame.Views | None = None  # every rank's view, gathered once something fails
@@ -159,10 +159,10 @@ class Controller:
                 self.left.add(msg["name"])
             self.console.print(f"event: {msg['kind']} {msg['name']} at step {msg['step']}")
         elif kind == "saved":
-            parts = self.saved.setdefault(msg["step"], set())
-            parts.add(msg["part"])
+            parts = self.saved.setdefault(msg["step"], {})
+            parts[msg["part"]] = {"sha256": str(msg["sha256"]), "bytes": int(msg["bytes"])}
             if len(parts) == len(self.info.checkpoint_parts(self.world)):
-                checkpoint.mark_complete(self.cfg.checkpoint_dir, msg["step"], checkpoint.identity(self.cfg))
+                checkpoint.mark_complete(self.cfg.checkpoint_dir, msg["step"], checkpoint.identity(self.cfg), parts)
                 checkpoint.prune(self.cfg.checkpoint_dir, self.cfg.keep_checkpoints)
                 self.events.append({"step": msg["step"], "kind": "checkpoint", "who": "all"})
         elif kind == "done":
