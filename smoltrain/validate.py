@@ -113,11 +113,11 @@ def seconds(hi: float = 86400.0, zero: bool = False) -> _Check:
 # presets: the ranges smolcluster's options share
 COUNT = count(10**6)
 STEPS = count(10**9)
-BATCH = count(1 << 20)  # sequences
+BATCH = count(1 << 16)  # sequences
 SEQ = count(1 << 20)  # tokens; the model's context is checked where the model is known
 TOKENS = count(1 << 20)
 MICROBATCHES = count(4096)
-RANKS = count(1024)  # --local N, --world
+RANKS = count(256)  # --local N, --world: a home cluster, not a datacenter
 THREADS = count(1024)
 SEED = integer(0, 2**32 - 1)
 PORT = integer(0, 65535, want="0 (any free) or 1..65535")

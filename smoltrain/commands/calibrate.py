@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 
 from smolnet.errors import UsageError
 from smolnet.files import write_json_atomic
+from smoltrain import validate
 
 DEFAULT_COMPUTE = "reports/compute.json"
 
@@ -31,19 +32,22 @@ def add_arguments(p) -> None:
         help="where to write the profile (default ~/.config/smolcluster/calibration.json; "
         f"with -i or --local the compute report, default {DEFAULT_COMPUTE})",
     )
-    p.add_argument("--seconds", type=float, default=0.3, help="time per measurement (default 0.3)")
+    p.add_argument("--seconds", type=validate.seconds(3600), default=0.3, help="time per measurement (default 0.3)")
     p.add_argument(
         "--repeat",
-        type=int,
+        type=validate.count(100),
         default=1,
         metavar="N",
         help="with -i or --local: probe every host N times and keep each figure's median (default 1)",
     )
     p.add_argument("--model", default="tiny", help="model whose training step sets the achieved fraction (none: skip)")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=validate.BATCH, default=8)
+    p.add_argument("--seq", type=validate.SEQ, default=64)
     p.add_argument(
-        "--threads", type=int, default=1, help="torch threads (default 1: smoltrain runs each rank with one thread)"
+        "--threads",
+        type=validate.THREADS,
+        default=1,
+        help="torch threads (default 1: smoltrain runs each rank with one thread)",
     )
     p.add_argument("--json", metavar="FILE", help="also write the profile here")
 

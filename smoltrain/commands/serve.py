@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import sys
 
+from smoltrain import validate
+
 
 def add_arguments(p) -> None:
     from smoltrain.infer.launch import add_placement_arguments
 
     add_placement_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=validate.PORT, default=8000)
 
 
 def run(args) -> int:

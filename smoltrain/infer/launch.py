@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass
 
 from smolnet.errors import UsageError
+from smoltrain import validate
 from smoltrain.infer.config import InferConfig
 from smoltrain.models.hf import Checkpoint, CheckpointError, load_tokenizer
 from smoltrain.models.stage import TORCH, check_tp, even_layers
@@ -144,7 +145,9 @@ def add_placement_arguments(p) -> None:
     """Options `generate` and `serve` share (contract §7)."""
     p.add_argument("--strategy", default="pp", choices=("local", "pp", "tp"))
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--local", type=int, metavar="N", help="N ranks on loopback (1: one process, the reference)")
+    where.add_argument(
+        "--local", type=validate.RANKS, metavar="N", help="N ranks on loopback (1: one process, the reference)"
+    )
     where.add_argument("-i", "--inventory", help="one rank per `cluster` host of this inventory")
     p.add_argument("--model", required=True, help="Hugging Face checkpoint folder (same path on every host)")
     p.add_argument("--backend", default="socket", choices=("socket", "torch"))
@@ -155,5 +158,5 @@ def add_placement_arguments(p) -> None:
         choices=("even", "auto"),
         help="pp layer split (auto falls back to even for inference)",
     )
-    p.add_argument("--timeout", type=float, default=120.0, help="give up on a silent rank after this long")
+    p.add_argument("--timeout", type=validate.SECONDS, default=120.0, help="give up on a silent rank after this long")
     p.add_argument("--secret-file", help="cluster secret (default: the inventory's smol_secret_file)")
