@@ -117,7 +117,8 @@ class AuthListener:
                 by_source: dict[str, list[_Pending]] = {}
                 for p in self.pending:
                     by_source.setdefault(p.source, []).append(p)
-                pools = sorted(by_source.values(), key=len, reverse=True)  # the greediest address first
+                # the greediest address first (ties: the one with the oldest stranger)
+                pools = sorted(by_source.values(), key=lambda ps: (-len(ps), min(p.since for p in ps)))
             else:
                 pools = []
             if pools:

@@ -181,6 +181,16 @@ def test_blame_prefers_silence_and_death_over_accusations():
     assert blame.culprit(v)[0] == "rank1"
 
 
+def test_a_stopped_controller_blames_itself_not_the_ranks_that_gave_up_on_it():
+    v = blame.Views(["rank0", "rank1"])
+    v.silent.update({"rank0": 21.0, "rank1": 21.0})  # silent because we were not listening
+    v.died["rank0"] = "no heartbeat from the controller for 5s (cut off or stopped); exiting"
+    assert blame.culprit(v)[0] == "rank0"
+    v.stalled = 20.4
+    who, why = blame.culprit(v)
+    assert who == "controller" and "20.4s" in why and "SIGSTOP" in why
+
+
 def test_controller_waits_for_every_view_before_blaming(tmp_path):
     from smolnet.errors import SmolError
     from smoltrain.run.controller import Controller, Placement

@@ -24,7 +24,7 @@ from smolnet.files import write_json_atomic
 from smolnet.launcher import ProcessGroup
 from smoltrain import registry
 from smoltrain.run import blame, checkpoint
-from smoltrain.run.channel import ControlServer
+from smoltrain.run.channel import ControlServer, dead_after
 from smoltrain.run.config import RunConfig
 
 
@@ -97,6 +97,7 @@ class Controller:
         self.views: blame.Views | None = None  # every rank's view, gathered once something fails
         self.blame_by = 0.0
         self.blamed: str | None = None
+        self.server: ControlServer | None = None  # its heartbeat thread knows if we were stopped
 
     # --- configs handed to workers ---
     def config_for(self, hello: dict) -> tuple[RunConfig, int, str]:
@@ -219,6 +220,7 @@ class Controller:
             corpus=self.corpus,
             heartbeat_s=self.cfg.heartbeat_s,
         )
+        self.server = server
         self.console.print(f"control channel {control_addr}:{server.port}")
         started = time.monotonic()
         try:
@@ -285,8 +287,11 @@ class Controller:
 
     def _decide(self, force: bool = False) -> None:
         v = self.views
+        stalled = self.server.stalled() if self.server is not None else 0.0
+        if stalled > dead_after(self.cfg.heartbeat_s) - self.cfg.heartbeat_s / 2:  # the workers' limit
+            v.stalled = stalled
         alive = {n for n in self.names if n in self.connected and n not in self.finished and n not in self.left}
-        if force or v.died or v.silent or v.complete(alive) or time.monotonic() > self.blame_by:
+        if force or v.stalled or v.died or v.silent or v.complete(alive) or time.monotonic() > self.blame_by:
             who, why = blame.culprit(v)
             self.blamed = who
             raise SmolError(f"{who}: {why}")
