@@ -278,3 +278,20 @@ def test_resume_skips_a_damaged_checkpoint_and_the_report_says_so(tmp_path, caps
     assert [s["step"] for s in b["steps"]] == [2, 3, 4, 5]
     for x, y in zip(a["steps"][2:4], b["steps"][:2]):
         assert abs(x["loss"] - y["loss"]) <= 1e-6 * abs(x["loss"]), (x, y)
+
+
+def test_a_run_refused_before_any_worker_starts_still_writes_its_report(tmp_path, capsys):
+    secret = tmp_path / "secret"
+    secret.write_text(secrets.token_hex(32))
+    secret.chmod(0o600)
+    _save(tmp_path / "ck", 4, _cfg(lr=2e-3))  # another run's checkpoint in the folder
+    report = tmp_path / "r.json"
+    argv = ["run", "--strategy", "dp", "--local", "2", "--batch", "4", "--seq", "32", "--steps", "8"]
+    argv += ["--checkpoint-dir", str(tmp_path / "ck"), "--resume", "--json", str(report)]
+    rc = main([*argv, "--secret-file", str(secret), "--out", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and err.count("\n") == 0 and "belongs to another run" in err, err
+    doc = json.loads(report.read_text())
+    check_any(doc)
+    assert doc["status"] == "failed" and "belongs to another run" in doc["error"]
+    assert doc["steps"] == [] and doc["world_size"] == 2 and doc["hosts"] == ["rank0", "rank1"]
