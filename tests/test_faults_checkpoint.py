@@ -86,7 +86,7 @@ def _damage(kind: str, d: Path) -> str:
         size = part.stat().st_size
         _flip(part)
         assert part.stat().st_size == size
-        return "rank1.safetensors is damaged (sha256 differs"
+        return "rank1.safetensors is damaged: its sha256 differs"
     if kind == "truncated":
         part.write_bytes(part.read_bytes()[:-100])
         return "rank1.safetensors is truncated"
@@ -246,6 +246,8 @@ def test_resume_skips_a_damaged_checkpoint_and_the_report_says_so(tmp_path, caps
         str(tmp_path / "a.json"),
     )
     assert p.returncode == 0, p.stderr + p.stdout
+    a = json.loads((tmp_path / "a.json").read_text())
+    assert a["status"] == "complete" and a["error"] is None  # a run that succeeds says so
     shutil.copytree(ck, dead)
     _flip(ck / "step-000004" / "rank0.safetensors")
 
@@ -266,8 +268,8 @@ def test_resume_skips_a_damaged_checkpoint_and_the_report_says_so(tmp_path, caps
     p = _run(*common, "--steps", "6", "--checkpoint-dir", str(ck), "--resume", "--json", str(tmp_path / "b.json"))
     assert p.returncode == 0, p.stderr + p.stdout
     lines = [x for x in p.stdout.splitlines() if "skipped" in x]
-    assert len(lines) == 1 and "step-000004 (rank0.safetensors is damaged" in lines[0], p.stdout
-    a, b = json.loads((tmp_path / "a.json").read_text()), json.loads((tmp_path / "b.json").read_text())
+    assert len(lines) == 1 and "step-000004 (rank0.safetensors is damaged: its sha256" in lines[0], p.stdout
+    b = json.loads((tmp_path / "b.json").read_text())
     check_any(b)
     resume = [e for e in b["events"] if e["kind"] == "resume"]
     assert resume == [

@@ -119,7 +119,7 @@ def test_export_verifies_the_checkpoint_it_reads(trained, tmp_path, capsys):
     part.write_bytes(bytes(data))
     assert main(["export", "--checkpoint-dir", str(ck), "--out", str(tmp_path / "o")]) == 0
     err = capsys.readouterr().err
-    assert "skipped step-000003 (rank0.safetensors is damaged" in err and "from step 2" in err, err
+    assert "skipped step-000003 (rank0.safetensors is damaged: its sha256" in err and "from step 2" in err, err
     assert json.loads((tmp_path / "o" / "config.json").read_text())["smoltrain"]["step"] == 2
     (ck / "step-000002" / "rank0.safetensors").write_bytes(b"")
     rc = main(["export", "--checkpoint-dir", str(ck), "--out", str(tmp_path / "o2")])

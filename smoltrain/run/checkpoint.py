@@ -210,7 +210,7 @@ def _read_marker(d: Path, step: int) -> dict:
     try:
         text = marker.read_text()
     except OSError as e:
-        raise ValueError(f"complete.json unreadable ({e.strerror or e})") from None
+        raise ValueError(f"complete.json is unreadable: {e.strerror or e}") from None
     if not text.strip():
         raise ValueError("complete.json is empty")
     try:
@@ -250,18 +250,18 @@ def verify(d: Path, meta: dict, parts: list[str], all_here: bool = True) -> str 
             try:
                 load_part(d.parent, meta["step"], part)
             except SmolError:
-                return f"{name} is corrupt (it does not read back)"
+                return f"{name} is corrupt: it does not read back"
             continue
         want = digests[part]
         if size != want["bytes"]:
             how = "truncated" if size < want["bytes"] else "longer than written"
-            return f"{name} is {how} ({size} of {want['bytes']} bytes)"
+            return f"{name} is {how}: {size} of {want['bytes']} bytes"
         h = hashlib.sha256()
         with open(path, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
         if h.hexdigest() != want["sha256"]:
-            return f"{name} is damaged (sha256 differs from complete.json)"
+            return f"{name} is damaged: its sha256 differs from complete.json"
     return None
 
 
