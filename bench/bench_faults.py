@@ -143,10 +143,8 @@ def _legit_client(port: int, secret: bytes) -> bool:
         return False
 
 
-def cell(strategy: str, fault: str, secret_file: str, secret: bytes, tmp: str) -> dict:
-    world = 3 if strategy in ELASTIC else 2
-    report, ck = os.path.join(tmp, "run.json"), os.path.join(tmp, "ck")
-    argv = [
+def _run_argv(strategy: str, world: int, secret_file: str, tmp: str, *extra: str) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "smoltrain",
@@ -159,27 +157,22 @@ def cell(strategy: str, fault: str, secret_file: str, secret: bytes, tmp: str) -
         "4",
         "--seq",
         "32",
-        "--steps",
-        "40",
-        "--pace",
-        "0.15",
-        "--heartbeat",
-        str(HEARTBEAT),
-        "--barrier-timeout",
-        "3",
-        "--timeout",
-        "60",
         "--secret-file",
         secret_file,
-        "--json",
-        report,
-        "--checkpoint-dir",
-        ck,
-        "--checkpoint-every",
-        "2",
         "--out",
         tmp,
+        *extra,
     ]
+
+
+def cell(strategy: str, fault: str, secret_file: str, secret: bytes, tmp: str) -> dict:
+    world = 3 if strategy in ELASTIC else 2
+    report, ck = os.path.join(tmp, "run.json"), os.path.join(tmp, "ck")
+    argv = _run_argv(
+        strategy, world, secret_file, tmp, "--steps", "40", "--pace", "0.15", "--heartbeat", str(HEARTBEAT)
+    )
+    argv += ["--barrier-timeout", "3", "--timeout", "60", "--json", report]
+    argv += ["--checkpoint-dir", ck, "--checkpoint-every", "2"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
     killer = threading.Timer(180, proc.kill)
@@ -262,28 +255,6 @@ def cell(strategy: str, fault: str, secret_file: str, secret: bytes, tmp: str) -
     if fault in ("sigkill", "sigstop"):
         row["right_culprit"] = row["blamed"] == "rank1"
     return row
-
-
-def _run_argv(strategy: str, world: int, secret_file: str, tmp: str, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "smoltrain",
-        "run",
-        "--strategy",
-        strategy,
-        "--local",
-        str(world),
-        "--batch",
-        "4",
-        "--seq",
-        "32",
-        "--secret-file",
-        secret_file,
-        "--out",
-        tmp,
-        *extra,
-    ]
 
 
 def _damage(kind: str, d: Path) -> None:

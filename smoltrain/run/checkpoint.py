@@ -87,10 +87,9 @@ def load_part(root: str | os.PathLike, step: int, part: str, sha256: str | None 
     path = part_path(root, step, part)
     try:
         data = path.read_bytes()
-    except FileNotFoundError:
-        raise SmolError(f"checkpoint {path}: missing") from None
     except OSError as e:
-        raise SmolError(f"checkpoint {path}: unreadable ({e.strerror or e})") from None
+        why = "missing" if isinstance(e, FileNotFoundError) else f"unreadable ({e.strerror or e})"
+        raise SmolError(f"checkpoint {path}: {why}") from None
     if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
         raise SmolError(f"checkpoint {path}: damaged (sha256 differs from complete.json)")
     try:
