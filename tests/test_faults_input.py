@@ -110,6 +110,20 @@ def test_unwritable_json_path_fails_before_the_run(capsys, tmp_path, secret_file
     assert rc == 2 and "--json" in err and "not a folder" in err, err
 
 
+def test_a_control_port_in_use_is_one_line_and_a_failed_report(capsys, tmp_path, secret_file):
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = str(taken.getsockname()[1])
+        argv = ["run", "--strategy", "dp", "--local", "1", "--steps", "1", "--control-port", port]
+        rc, err = one_line_error(
+            capsys, [*argv, "--secret-file", secret_file, "--out", str(tmp_path), "--json", str(tmp_path / "r.json")]
+        )
+    assert rc == 2 and f"--control-port {port}: cannot listen" in err, err
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["status"] == "failed" and "cannot listen" in doc["error"] and doc["steps"] == []
+
+
 def test_world_readable_secret_is_refused(capsys, tmp_path):
     p = tmp_path / "secret"
     p.write_text(secrets.token_hex(32))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from smolnet.errors import UsageError
 from smoltrain import validate
 
 
@@ -27,7 +28,10 @@ def run(args) -> int:
     try:
         mc = setup.ckpt.config
         svc = Service(setup.runner, setup.tokenizer, mc, os.path.basename(setup.cfg.model_dir.rstrip("/")))
-        server = make_server(svc, args.host, args.port)
+        try:
+            server = make_server(svc, args.host, args.port)
+        except OSError as e:  # taken, or not an address of this machine
+            raise UsageError(f"--host {args.host} --port {args.port}: cannot listen: {e.strerror or e}") from None
         host, port = server.server_address[:2]
         print(
             f"serving {svc.model_id} ({setup.cfg.strategy} on {setup.cfg.world_size} rank(s)) at "

@@ -212,14 +212,19 @@ class Controller:
                 raise SmolError(f"{name}: worker exited with status {status} ({self.log_tail(name) or 'no log'})")
 
     def run(self, bind: str, control_addr: str, connect_timeout: float, idle_timeout: float) -> dict:
-        server = ControlServer(
-            bind,
-            self.secret,
-            self.config_for,
-            port=self.cfg.control_port,
-            corpus=self.corpus,
-            heartbeat_s=self.cfg.heartbeat_s,
-        )
+        try:
+            server = ControlServer(
+                bind,
+                self.secret,
+                self.config_for,
+                port=self.cfg.control_port,
+                corpus=self.corpus,
+                heartbeat_s=self.cfg.heartbeat_s,
+            )
+        except OSError as e:  # a --control-port another program holds
+            raise UsageError(
+                f"--control-port {self.cfg.control_port}: cannot listen on {bind}: {e.strerror or e}"
+            ) from None
         self.server = server
         self.console.print(f"control channel {control_addr}:{server.port}")
         started = time.monotonic()
