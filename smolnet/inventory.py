@@ -152,12 +152,16 @@ def _read_with_ansible(path: Path):
     except ImportError:
         raise InventoryError("ansible is not installed here (run 'make setup')") from None
     loader = DataLoader()
-    try:
-        inv = InventoryManager(loader=loader, sources=[str(path)])
-    except Exception as e:  # ansible raises many types; all are one-line errors to us
-        raise InventoryError(f"{path}: cannot parse inventory: {e}") from None
+    with _AnsibleWarnings() as said:
+        try:
+            inv = InventoryManager(loader=loader, sources=[str(path)])
+        except Exception as e:  # ansible raises many types; all are one-line errors to us
+            raise InventoryError(f"{path}: cannot parse inventory: {_one_line(e)}") from None
+        if not inv._inventory.processed_sources:
+            # every plugin failed: Ansible would print ~20 lines of warnings and go on with no hosts
+            raise InventoryError(f"{path}: cannot parse inventory: {said.failure()}")
+    said.replay()  # warnings about an inventory that did parse are worth seeing
     if not inv.get_hosts() and not inv.groups.get("cluster"):
-        # Ansible warns instead of failing on unparseable files; make that an error.
         raise InventoryError(f"{path}: no hosts found (is it a valid Ansible inventory?)")
     vm = VariableManager(loader=loader, inventory=inv)
     groups = {name: [h.name for h in g.get_hosts()] for name, g in inv.groups.items()}
@@ -167,6 +171,53 @@ def _read_with_ansible(path: Path):
         hostvars[h.name] = {k: v[k] for k in v if not k.startswith("ansible_facts")}
         hostvars[h.name]["group_names"] = sorted(g.name for g in h.get_groups() if g.name != "all")
     return groups, hostvars
+
+
+def _one_line(e: BaseException) -> str:
+    """Ansible's message, with the YAML position when there is one, on one line."""
+    text = " ".join(str(e).split())
+    cause = e.__cause__ or e.__context__
+    mark = getattr(cause, "problem_mark", None)
+    if mark is not None:
+        text += f" (line {mark.line + 1}, column {mark.column + 1})"
+    return text
+
+
+class _AnsibleWarnings:
+    """Holds Ansible's warnings while an inventory is read: a file no plugin can parse becomes
+    one line (the YAML plugin's reason, where it is), not a screen of per-plugin warnings."""
+
+    def __enter__(self) -> _AnsibleWarnings:
+        from ansible.utils.display import Display
+
+        self.display, self.held, self.failures = Display(), [], []
+        self.saved = {m: self.display.__dict__.get(m) for m in ("warning", "error_as_warning")}
+        self.display.warning = lambda msg, *a, **k: self.held.append((msg, a, k))
+        self.display.error_as_warning = lambda msg=None, exception=None, *a, **k: self.failures.append((msg, exception))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for m, v in self.saved.items():
+            if v is None:
+                self.display.__dict__.pop(m, None)
+            else:
+                setattr(self.display, m, v)
+
+    def failure(self) -> str:
+        if not self.failures:
+            return "no inventory plugin could read it"
+
+        def rank(f) -> int:  # a YAML syntax error with its position, then the YAML plugin's reason
+            cause = f[1] is not None and (f[1].__cause__ or f[1].__context__)
+            return 0 if getattr(cause, "problem_mark", None) else 1 if "'yaml'" in str(f[0]) else 2
+
+        best = min(self.failures, key=rank)
+        return _one_line(best[1]) if best[1] is not None else str(best[0])
+
+    def replay(self) -> None:
+        for msg, a, k in self.held:
+            if "No inventory was parsed" not in str(msg):
+                self.display.warning(msg, *a, **k)
 
 
 def _host(name: str, v: dict) -> Host:

@@ -134,7 +134,7 @@ def one_line(capsys, argv) -> str:
         (["--quantize", "q3"], "--quantize q3: choose from int8, q4"),
         (["--wire-dtype", "fp8"], "--wire-dtype fp8"),
         (["--threads", "0"], "at least 1"),
-        (["--threads", "4096"], "may use"),
+        (["--threads", "512"], "may use"),
         (["--dtype", "bf16", "--device", "cuda"], "smol_device cuda"),
     ],
 )
@@ -148,7 +148,7 @@ def test_bad_machine_options_refused_before_any_rank(capsys, model, tmp_path, ex
 
 def test_run_refuses_bad_threads_and_dtype(capsys, tmp_path):
     argv = ["run", "--strategy", "dp", "--local", "1", "--steps", "1", "--json", str(tmp_path / "r.json")]
-    assert "may use" in one_line(capsys, [*argv, "--threads", "4096"])
+    assert "may use" in one_line(capsys, [*argv, "--threads", "512"])
     assert "--dtype fp16" in one_line(capsys, [*argv, "--dtype", "fp16"])
     assert not (tmp_path / "r.json").exists()
 

@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 
 from smolnet.errors import UsageError
 from smolnet.files import write_json_atomic
+from smoltrain import validate
 
 DEFAULT_COMPUTE = "reports/compute.json"
 
@@ -31,18 +32,20 @@ def add_arguments(p) -> None:
         help="where to write the profile (default ~/.config/smolcluster/calibration.json; "
         f"with -i or --local the compute report, default {DEFAULT_COMPUTE})",
     )
-    p.add_argument("--seconds", type=float, default=0.3, help="time per measurement (default 0.3)")
+    p.add_argument("--seconds", type=validate.seconds(60), default=0.3, help="time per measurement (default 0.3)")
     p.add_argument(
         "--repeat",
-        type=int,
+        type=validate.count(20),
         default=1,
         metavar="N",
         help="with -i or --local: probe every host N times and keep each figure's median (default 1)",
     )
     p.add_argument("--model", default="tiny", help="model whose training step sets the achieved fraction (none: skip)")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--threads", type=int, help="torch threads (default: the CPUs this host may use, as a rank runs)")
+    p.add_argument("--batch", type=validate.BATCH, default=8)
+    p.add_argument("--seq", type=validate.SEQ, default=64)
+    p.add_argument(
+        "--threads", type=validate.THREADS, help="torch threads (default: the CPUs this host may use, as a rank runs)"
+    )
     p.add_argument("--device", default="cpu", help="--local: torch device to measure (cpu, cuda, mps, auto)")
     p.add_argument("--json", metavar="FILE", help="also write the profile here")
 
@@ -106,10 +109,6 @@ def run(args) -> int:
     from smoltrain.models.spec import ModelSpecError, get_model
     from smoltrain.planner.devices import calibration_path
 
-    if args.seconds <= 0 or args.seconds > 60:
-        raise UsageError("--seconds must be in (0, 60]")
-    if not 1 <= args.repeat <= 20:
-        raise UsageError("--repeat must be in 1..20")
     if args.model and args.model != "none":
         try:
             get_model(args.model)

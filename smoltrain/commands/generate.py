@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from smolnet.errors import SmolError, UsageError
+from smoltrain import validate
 
 
 def add_arguments(p) -> None:
@@ -14,10 +15,10 @@ def add_arguments(p) -> None:
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json)")
     what.add_argument("--prompt-ids", help="prompt as token ids, e.g. 1,2,3")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy, deterministic")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=validate.TOKENS, default=32)
+    p.add_argument("--temperature", type=validate.TEMPERATURE, default=0.0, help="0: greedy, deterministic")
+    p.add_argument("--top-p", type=validate.PROBABILITY, default=1.0)
+    p.add_argument("--seed", type=validate.SEED, default=0)
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--json", help="write the report (smoltrain.generate/1) here")
 
@@ -76,8 +77,6 @@ def run(args) -> int:
 
     if args.strategy == "local" and args.local is None and not args.inventory:
         args.local = 1
-    if args.max_new_tokens < 1:
-        raise UsageError("--max-new-tokens must be at least 1")
     # checks that need only the folder come before any rank starts
     import os
 

@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass
 
 from smolnet.errors import UsageError
+from smoltrain import validate
 from smoltrain.infer.config import InferConfig
 from smoltrain.models.hf import Checkpoint, CheckpointError, load_tokenizer
 from smoltrain.models.stage import TORCH, check_tp, even_layers
@@ -186,14 +187,20 @@ def add_placement_arguments(p) -> None:
     """Options `generate` and `serve` share (contract §7)."""
     p.add_argument("--strategy", default="pp", choices=("local", "pp", "tp"))
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--local", type=int, metavar="N", help="N ranks on loopback (1: one process, the reference)")
+    where.add_argument(
+        "--local", type=validate.RANKS, metavar="N", help="N ranks on loopback (1: one process, the reference)"
+    )
     where.add_argument("-i", "--inventory", help="one rank per `cluster` host of this inventory")
     p.add_argument("--model", required=True, help="Hugging Face checkpoint folder (same path on every host)")
     p.add_argument("--backend", default="socket", choices=("socket", "torch"))
     p.add_argument("--dtype", help="fp32, bf16 or fp16 (default: the checkpoint's dtype)")
     p.add_argument("--quantize", help="weights of every layer: int8 (per channel) or q4 (Q4_0, groups of 32)")
     p.add_argument("--wire-dtype", help="hidden states between ranks: fp32, bf16, fp16 or int8 (default: --dtype)")
-    p.add_argument("--threads", type=int, help="--local: torch threads per rank (default: this machine's CPUs / ranks)")
+    p.add_argument(
+        "--threads",
+        type=validate.THREADS,
+        help="--local: torch threads per rank (default: this machine's CPUs / ranks)",
+    )
     p.add_argument("--device", help="--local: torch device of every rank (cpu, cuda, mps, auto; default cpu)")
     p.add_argument(
         "--placement",
@@ -201,5 +208,5 @@ def add_placement_arguments(p) -> None:
         choices=("even", "auto"),
         help="pp layer split (auto falls back to even for inference)",
     )
-    p.add_argument("--timeout", type=float, default=120.0, help="give up on a silent rank after this long")
+    p.add_argument("--timeout", type=validate.SECONDS, default=120.0, help="give up on a silent rank after this long")
     p.add_argument("--secret-file", help="cluster secret (default: the inventory's smol_secret_file)")

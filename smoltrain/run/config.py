@@ -44,6 +44,7 @@ class RunConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     start_step: int = 0
+    resume_sha256: dict | None = None  # part -> sha256 from complete.json: each rank checks its part
     barrier_timeout: float = 30.0  # syncps/edp: drop a worker this late
     timeout: float = 60.0  # a silent peer
     pace: float = 0.0  # make each step last at least this long (demos)

@@ -44,8 +44,8 @@ class Reporter:
     def event(self, step, kind, who):
         self._send({"type": "event", "step": step, "kind": kind, "name": who})
 
-    def saved(self, step, part):
-        self._send({"type": "saved", "step": step, "part": part})
+    def saved(self, step, part, digest):
+        self._send({"type": "saved", "step": step, "part": part, "sha256": digest["sha256"], "bytes": digest["bytes"]})
 
     def log(self, message):
         self._send({"type": "log", "message": message})
@@ -102,6 +102,11 @@ def worker_main(control_addr: str, control_port: int, secret: bytes, rank: int, 
         client.close()
 
 
+def _sha(cfg: RunConfig, part: str) -> str | None:
+    """The digest complete.json holds for this rank's part (None: a marker from before digests)."""
+    return (cfg.resume_sha256 or {}).get(part)
+
+
 def blamed_peer(cfg: RunConfig, e: BaseException) -> str | None:
     """The name of the rank this rank's transport blames for `e` (CommError.peer), if any."""
     peer = getattr(e, "peer", None)
@@ -145,12 +150,11 @@ def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, co
     server_state, server_saver = None, None
     if ps and rank == 0:
         if start and cfg.checkpoint_dir:
-            server_state = load_part(cfg.checkpoint_dir, start, "server")
+            server_state = load_part(cfg.checkpoint_dir, start, "server", _sha(cfg, "server"))
 
         def server_saver(step, server):
             if checkpoint_due(cfg, step + 1):
-                save_part(cfg.checkpoint_dir, step + 1, "server", server.state_tensors())
-                rep.saved(step + 1, "server")
+                rep.saved(step + 1, "server", save_part(cfg.checkpoint_dir, step + 1, "server", server.state_tensors()))
 
     ctx = Context(
         rank=rank,
@@ -168,7 +172,7 @@ def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, co
     )
     strat = load_strategy(cfg.strategy)(ctx)
     if start and not ps:
-        strat.load_state_tensors(load_part(cfg.checkpoint_dir, start, f"rank{rank}"))
+        strat.load_state_tensors(load_part(cfg.checkpoint_dir, start, f"rank{rank}", _sha(cfg, f"rank{rank}")))
     step = start
     try:
         while True:
@@ -186,8 +190,8 @@ def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, co
             sent = strat.sent_bytes()
             rep.step(step, loss if strat.loss_owner else None, step_s, comm_s, sent)
             if not ps and checkpoint_due(cfg, step + 1):
-                save_part(cfg.checkpoint_dir, step + 1, f"rank{rank}", strat.state_tensors())
-                rep.saved(step + 1, f"rank{rank}")
+                part = f"rank{rank}"
+                rep.saved(step + 1, part, save_part(cfg.checkpoint_dir, step + 1, part, strat.state_tensors()))
             step += 1
     finally:
         strat.close()
