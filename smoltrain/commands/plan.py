@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from smolnet.errors import UsageError
 from smolnet.files import write_json_atomic
+from smoltrain import validate
 
 MODELS_HELP = "tiny, gpt2-124m, llama-3.2-1b, llama-3.1-8b, mixtral-8x7b, or a .json shape"
 
@@ -12,11 +13,15 @@ def add_arguments(p) -> None:
     p.add_argument("--strategy", help="dp, fsdp, syncps, edp, mp, pp, tp, ep, sp, or all (rank them)")
     p.add_argument("--mode", default="train", choices=("train", "infer"))
     p.add_argument("--model", default="tiny", help=MODELS_HELP)
-    p.add_argument("--world", type=int, help="ranks (default: inventory hosts, links-report hosts, else 2)")
+    p.add_argument("--world", type=validate.RANKS, help="ranks (default: inventory hosts, links-report hosts, else 2)")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
-    p.add_argument("--batch", type=int, default=8, help="global batch in sequences (train)")
-    p.add_argument("--seq", type=int, default=64, help="sequence length (train) or context length (infer)")
-    p.add_argument("--microbatches", type=int, default=1)
+    p.add_argument("--quantize", choices=("int8", "q4"), help="--mode infer: weights at this width (contract §9)")
+    p.add_argument(
+        "--wire-dtype", choices=("fp32", "bf16", "fp16", "int8"), help="--mode infer: hidden states on the wire"
+    )
+    p.add_argument("--batch", type=validate.BATCH, default=8, help="global batch in sequences (train)")
+    p.add_argument("--seq", type=validate.SEQ, default=64, help="sequence length (train) or context length (infer)")
+    p.add_argument("--microbatches", type=validate.MICROBATCHES, default=1)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--links", metavar="REPORT.json", help="a smolnet.links/1 report (smolnet matrix)")
     src.add_argument("--link-class", help="1gbe, 2.5gbe, 10gbe, 25gbe, 100gbe, 200gbe, tb4, tb5 (or loopback)")
@@ -41,13 +46,13 @@ def add_arguments(p) -> None:
     p.add_argument("--compare", metavar="RUN.json", help="predicted vs measured for a smoltrain run report")
     p.add_argument(
         "--warmup",
-        type=int,
+        type=validate.count(10**6, lo=0),
         metavar="N",
         help="--compare: leave out the first N steps (default max(2, a quarter of the steps), for every strategy)",
     )
     p.add_argument(
         "--local",
-        type=int,
+        type=validate.RANKS,
         metavar="N",
         help="N ranks on this machine, sharing its cores (what `run --local N` plans)",
     )
@@ -131,6 +136,8 @@ def request(args, run_doc=None):
         compute=getattr(args, "compute", None),
         calibration=args.calibration or None,
         local=local,
+        quantize=getattr(args, "quantize", None) if args.mode == "infer" else None,
+        wire_dtype=getattr(args, "wire_dtype", None) if args.mode == "infer" else None,
     )
 
 

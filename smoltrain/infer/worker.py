@@ -57,13 +57,13 @@ class Control:
 
 
 def serve(ctl: Control, rank: int, secret: bytes) -> None:
-    import torch
 
+    from smoltrain import host
     from smoltrain.models.hf import Checkpoint
     from smoltrain.models.stage import Stage
 
-    torch.set_num_threads(max(1, int(os.environ.get("SMOL_INFER_THREADS", "1"))))
     cfg = ctl.config
+    threads, device = host.setup(cfg.rank_threads(rank), cfg.rank_device(rank), cfg.dtype)
     world = cfg.world_size
     t0 = time.perf_counter()
     comm = None
@@ -91,12 +91,16 @@ def serve(ctl: Control, rank: int, secret: bytes) -> None:
         tp_rank=rank if cfg.strategy == "tp" else 0,
         tp_world=world if cfg.strategy == "tp" else 1,
         dtype=cfg.dtype,
+        quantize=cfg.quantize,
+        device=device,
     )
-    engine = make_engine(cfg.strategy, stage, comm, rank, world)
+    engine = make_engine(cfg.strategy, stage, comm, rank, world, cfg.wire_dtype)
+    machine = host.rank_facts(stage, threads, device)
     if comm is not None:  # warm up, as llama.cpp does at load: the first pass over the split pays
         # allocation, operator dispatch and fresh TCP windows that no later token pays (measured on the
         # capped sim: a first request decoded at half the pace of the next); its bytes are not a request's
-        engine.generate(Request([0] * 4, 16, 0.0, 1.0, 0, []))
+        half = max(1, stage.cfg.ctx // 2)
+        engine.generate(Request([0] * min(4, half), min(16, half), 0.0, 1.0, 0, []))
         comm.counter.reset()
     ctl.send({"type": "ready", "load_s": time.perf_counter() - t0})
     try:
@@ -112,6 +116,7 @@ def serve(ctl: Control, rank: int, secret: bytes) -> None:
                 req, emit=lambda t: ctl.send({"type": "token", "id": t}), cancelled=ctl.cancel.is_set
             )
             stats["links"] = sorted((comm.bytes_sent() if comm else {}).items())
+            stats.update(machine)
             ctl.send({"type": "done", "stats": stats})
     finally:
         if comm is not None:

@@ -71,6 +71,7 @@ class Ask:
     seq: int = 64
     microbatches: int = 1
     overlap: bool = True
+    widths: dict | None = None  # compute_dtype, quantize, wire_dtype (planner.widths), as the plan's
 
     @property
     def info(self):
@@ -86,8 +87,18 @@ class Ask:
 
     @cached_property
     def shape(self) -> rank_time.Shape:
+        w = self.widths or {}
+        batch = self.batch if self.train else 1
         return rank_time.Shape(
-            self.strategy, self.task, self.model, self.dtype, self.batch if self.train else 1, self.seq, self.passes
+            self.strategy,
+            self.task,
+            self.model,
+            self.dtype,
+            batch,
+            self.seq,
+            self.passes,
+            w.get("compute_dtype"),
+            w.get("quantize"),
         )
 
     @cached_property
@@ -123,6 +134,7 @@ class Ask:
             self.overlap,
             single=False,
             placement=placement,
+            **(self.widths or {}),
         )
 
     def best(self, candidates: list[dict], excluded: list[dict], describe) -> Placement:
@@ -402,7 +414,9 @@ def section(a: Ask, chosen: Placement, plan: dict) -> dict:
     out = chosen.to_dict()
     kinds = {"measured" if rk.measured else "nominal" for rk in a.ranks}
     out["speed_source"] = kinds.pop() if len(kinds) == 1 else "mixed"
+    w = a.widths or {}
     kw = dict(dtype=a.dtype, batch=a.shape.batch, seq=a.seq, mode=a.task)
+    kw.update(compute_dtype=w.get("compute_dtype"), quantize=w.get("quantize"))
     out["speeds"] = [
         {
             "name": rk.name,

@@ -46,12 +46,19 @@ def make_plan(
     overlap: bool = True,
     single: bool = True,
     placement: dict | None = None,
+    *,
+    compute_dtype: str | None = None,
+    quantize: str | None = None,
+    wire_dtype: str | None = None,
 ) -> dict:
     """The plan of these ranks over these links (the arithmetic; request.build_plan resolves
     ranks, links and placement from what a command was given, then calls this).
 
     `placement` (planner.placement's document): who runs which share, in which rank order;
-    the plan then describes exactly the run that executes it (None: the even split)."""
+    the plan then describes exactly the run that executes it (None: the even split).
+    `compute_dtype`: the matmuls' dtype where it differs from `dtype`, the bytes' (run --dtype
+    bf16 keeps fp32 weights and gradients); `quantize`, `wire_dtype`: inference weights and
+    activations on the wire (planner.widths)."""
     if placement and ranks is not None:
         ranks, world = placed_ranks(ranks, placement), len(placement["order"])
     if mode == "infer":
@@ -59,14 +66,15 @@ def make_plan(
     info = registry.REGISTRY.get(strategy)  # an unknown name is refused by traffic() below
     if info is None or not info.microbatched:
         microbatches = 1  # only a pipeline cuts the batch into microbatches (as smoltrain run does)
-    tr: Traffic = traffic(strategy, mode, model, world, dtype, batch, seq, microbatches)
+    tr: Traffic = traffic(strategy, mode, model, world, dtype, batch, seq, microbatches, wire=wire_dtype)
     ranks = ranks or resolve_ranks(world)
     names = [r.name for r in ranks]
     wire = lm or from_class("1gbe")
     from smoltrain.planner.compute import cpu_links
 
     train = mode == "train"
-    sh = rank_time.Shape(strategy, mode, model, dtype, batch, seq, microbatches if info.microbatched else 1)
+    passes = microbatches if info.microbatched else 1
+    sh = rank_time.Shape(strategy, mode, model, dtype, batch, seq, passes, compute_dtype, quantize)
     works = capacity.layout(strategy, mode, model, world, batch, seq, microbatches, placement)
     rows = [rank_time.row(r, rk, w, sh) for r, (w, rk) in enumerate(zip(works, ranks))]
     per_rank = [p for p, _ in rows]
@@ -93,12 +101,24 @@ def make_plan(
     if st.rank_compute_s is not None:
         for p, t in zip(per_rank, st.rank_compute_s):
             p["compute_s"] = t
+    busy = [rk.name for rk in ranks if not rk.comm_core]
+    if train and st.cc.overlappable_s > 0 and busy:
+        tr.notes.append(
+            f"{', '.join(busy)}: torch threads take every core, so gradient sends share them and do not "
+            "overlap the backward pass (smol_threads one below the host's cores leaves the transport one)"
+        )
     doc = document(tr, info, model, names, ranks, per_rank, st, lm, dtype, batch, seq, microbatches)
-    doc["placement_mode"] = (placement or {}).get("mode", "even")
+    doc.update(
+        compute_dtype=compute_dtype or dtype,  # the dtype whose FLOP/s the plan assumed
+        quantize=quantize,
+        wire_dtype=(wire_dtype or dtype) if not train else None,
+        placement_mode=(placement or {}).get("mode", "even"),
+    )
     if single:
         from smoltrain.planner import verdict
 
-        doc["single_host"] = verdict.single_host(model, ranks, dtype=dtype, batch=batch, seq=seq, mode=mode)
+        kw = dict(dtype=dtype, batch=batch, seq=seq, mode=mode, compute_dtype=compute_dtype, quantize=quantize)
+        doc["single_host"] = verdict.single_host(model, ranks, **kw)
         doc["verdict"] = verdict.sentence(doc)
     return doc
 
@@ -197,6 +217,7 @@ def plan_for_run(
     overlap: bool = True,
     compute: str | None | bool = None,
     placement: dict | str | None = None,
+    **widths,
 ) -> dict:
     """The plan of a run (request.build_plan): host names are the inventory's, or
     rank0..rank{N-1} on this machine when `hosts` is None (`--local N`).
@@ -222,6 +243,7 @@ def plan_for_run(
             calibration=calibration,
             local=hosts is None,
             overlap=overlap,
+            **widths,
         )
     )
 

@@ -28,6 +28,8 @@ class Shape:
     batch: int
     seq: int
     passes: int = 1  # forward/backward passes per step on each rank (pipeline microbatches, accumulation)
+    compute_dtype: str | None = None  # the matmuls' dtype where it differs from `dtype` (planner.widths)
+    quantize: str | None = None  # inference weights' format (planner.widths)
 
 
 @dataclass
@@ -46,8 +48,8 @@ def seconds(rk, w: capacity.RankWork, sh: Shape) -> RankTime:
     """One rank's compute for its work, per step (train) or per generated token (infer)."""
     model = sh.model
     fl = capacity.flops(w, model, sh.mode, sh.seq)
-    mt = capacity.memory_traffic(w, model, sh.mode, sh.dtype, sh.batch, sh.seq, sh.strategy)
-    t_fl = fl / rk.device.flops(sh.dtype)
+    mt = capacity.memory_traffic(w, model, sh.mode, sh.dtype, sh.batch, sh.seq, sh.strategy, sh.quantize)
+    t_fl = fl / rk.device.flops(sh.compute_dtype or sh.dtype)
     t_mem = mt / rk.device.mem_bw
     if rk.measured:
         # the timed steps' fixed cost: what every pass pays whatever its size (operator dispatch,
@@ -64,7 +66,7 @@ def seconds(rk, w: capacity.RankWork, sh: Shape) -> RankTime:
 
 
 def memory(w: capacity.RankWork, sh: Shape) -> capacity.Memory:
-    return capacity.memory(w, sh.model, sh.mode, sh.dtype, sh.seq, sh.strategy)
+    return capacity.memory(w, sh.model, sh.mode, sh.dtype, sh.seq, sh.strategy, sh.quantize)
 
 
 def fits(rk, mem: capacity.Memory) -> bool:
@@ -86,7 +88,7 @@ def row(r: int, rk, w: capacity.RankWork, sh: Shape) -> tuple[dict, RankTime]:
             "device": rk.device.name,
             "flops_per_step": capacity.flops(w, sh.model, sh.mode, sh.seq),
             "memory_traffic_bytes": capacity.memory_traffic(
-                w, sh.model, sh.mode, sh.dtype, sh.batch, sh.seq, sh.strategy
+                w, sh.model, sh.mode, sh.dtype, sh.batch, sh.seq, sh.strategy, sh.quantize
             ),
             "compute_s": t.compute_s,
             "bound": t.bound,

@@ -39,6 +39,13 @@ class PlanRequest:
     overlap: bool = True  # dp's buckets may hide behind backward
     single: bool = True  # add the single-host verdict
     strict: bool = False  # raise a PlacementError (a run must not start) instead of recording it
+    compute_dtype: str | None = None  # the matmuls' dtype where it differs from `dtype` (planner.widths)
+    quantize: str | None = None  # inference weights' format
+    wire_dtype: str | None = None  # inference activations on the wire
+
+    @property
+    def widths(self) -> dict:
+        return {"compute_dtype": self.compute_dtype, "quantize": self.quantize, "wire_dtype": self.wire_dtype}
 
 
 @dataclass
@@ -120,6 +127,7 @@ def build_plan(req: PlanRequest, setting: Setting | None = None) -> dict:
         lm=st.lm,
         overlap=req.overlap,
         single=req.single,
+        **req.widths,
     )
     world = len(st.ranks)
     if isinstance(req.placement, dict):  # the run's own split and order (plan --compare, generate)
@@ -142,6 +150,7 @@ def build_plan(req: PlanRequest, setting: Setting | None = None) -> dict:
             req.seq,
             req.microbatches,
             req.overlap,
+            req.widths,
         )
         try:
             chosen = placement_plan.search(ask)

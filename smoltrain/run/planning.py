@@ -62,6 +62,7 @@ def request(args, spec, names: list[str], hosts):
         compute=getattr(args, "compute", None),
         local=hosts is None,
         strict=True,
+        compute_dtype=getattr(args, "dtype", None),  # bf16 matmuls; weights, gradients and the wire stay fp32
     )
 
 
