@@ -70,7 +70,7 @@ class Printer:
 
 def run(args) -> int:
     from smoltrain.infer import report
-    from smoltrain.infer.cluster import RankDied
+    from smoltrain.infer.runner import RankDied
     from smoltrain.infer.engine import Request
     from smoltrain.infer.launch import open_model
 

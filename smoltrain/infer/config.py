@@ -21,6 +21,7 @@ class InferConfig:
     port: int = 0
     addrs: tuple[str, ...] = ()
     timeout: float = 60.0
+    max_batch: int = 8  # requests decoded together (KV cache slots on every rank)
 
     @property
     def world_size(self) -> int:

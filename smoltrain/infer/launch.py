@@ -10,44 +10,12 @@ from __future__ import annotations
 import os
 import secrets
 import tempfile
-import threading
 from dataclasses import dataclass
 
 from smolnet.errors import UsageError
 from smoltrain.infer.config import InferConfig
 from smoltrain.models.hf import Checkpoint, CheckpointError, load_tokenizer
 from smoltrain.models.stage import TORCH, check_tp, even_layers
-
-
-class LocalRunner:
-    """`--local 1` / `--strategy local`: one process, no network; the reference."""
-
-    def __init__(self, ckpt: Checkpoint, dtype: str | None):
-        from smoltrain.infer.engine import Engine
-        from smoltrain.models.stage import Stage
-
-        cfg = ckpt.config
-        if os.environ.get("SMOL_INFER_THREADS"):  # as the ranks do (benchmarks compare like with like)
-            import torch
-
-            torch.set_num_threads(int(os.environ["SMOL_INFER_THREADS"]))
-        self.engine = Engine(Stage(ckpt, 0, cfg.layers, True, True, dtype=dtype))
-        self.dead = None
-        self.lock = threading.Lock()
-        self.cancelled = threading.Event()
-
-    def generate(self, req, on_token=lambda t: None, timeout=None) -> list[dict]:
-        with self.lock:
-            self.cancelled.clear()
-            st = self.engine.generate(req, emit=on_token, cancelled=self.cancelled.is_set)
-        st["links"] = []
-        return [st]
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-    def close(self) -> None:
-        pass
 
 
 @dataclass
@@ -104,9 +72,12 @@ def open_model(args, timeout: float = 120.0) -> Setup:
         names=tuple(p.name for p in placements),
         layers=tuple(layers),
         timeout=args.timeout,
+        max_batch=getattr(args, "max_batch", 8),
     )
     if world == 1:
-        return Setup(LocalRunner(ckpt, args.dtype), cfg, ckpt, tok, hosts, None)
+        from smoltrain.infer.runner import LocalRunner
+
+        return Setup(LocalRunner(ckpt, args.dtype, cfg.max_batch), cfg, ckpt, tok, hosts, None)
     from smoltrain.infer.cluster import Cluster
     from smoltrain.run.controller import route_source
 

@@ -169,7 +169,7 @@ class Handler(BaseHTTPRequestHandler):
             self._complete(req, body, chat)
 
     def _complete(self, req: Request, body: dict, chat: bool) -> None:
-        from smoltrain.infer.cluster import RankDied
+        from smoltrain.infer.runner import RankDied
 
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
         stream = bool(body.get("stream"))

@@ -11,28 +11,27 @@ import torch
 import torch.nn.functional as F
 
 from smoltrain.models.hf import GELUS, HFConfig
-from smoltrain.models.llama import KVCache, attend
+from smoltrain.models.llama import KVCache, attend_rows
 
 
 class GPT2Block(torch.nn.Module):
     def __init__(self, cfg: HFConfig, w: dict, heads: int):
         super().__init__()
         self.cfg, self.w, self.heads = cfg, w, heads
-        self.cache: KVCache | None = None
+        self.caches: dict[int, KVCache] = {}
 
-    def reset(self, max_len: int, dtype) -> None:
-        self.cache = KVCache(self.heads, self.cfg.head_dim, max_len, dtype)
+    def open(self, slot: int, max_len: int, dtype) -> None:
+        self.caches[slot] = KVCache(self.heads, self.cfg.head_dim, max_len, dtype)
 
     def _ln(self, x, name):
         return F.layer_norm(x, (x.shape[-1],), self.w[name + ".weight"], self.w[name + ".bias"], self.cfg.eps)
 
-    def forward(self, x, pos: int, reduce):
-        w, hd, T, n = self.w, self.cfg.head_dim, x.shape[1], self.heads
+    def forward(self, x, rows, reduce):
+        w, hd, (B, T), n = self.w, self.cfg.head_dim, x.shape[:2], self.heads
         y = self._ln(x, "ln_1")
         qkv = y @ w["attn.c_attn.weight"] + w["attn.c_attn.bias"]
-        q, k, v = (t.view(1, T, n, hd).transpose(1, 2) for t in qkv.split(n * hd, dim=-1))
-        k, v = self.cache.update(k, v, pos)
-        a = attend(q, k, v, n, n, causal=T > 1).transpose(1, 2).reshape(1, T, n * hd)
+        q, k, v = (t.view(B, T, n, hd).transpose(1, 2) for t in qkv.split(n * hd, dim=-1))
+        a = attend_rows(self.caches, rows, q, k, v, n, n).transpose(1, 2).reshape(B, T, n * hd)
         x = x + (reduce(a @ w["attn.c_proj.weight"]) + w["attn.c_proj.bias"])
         y = self._ln(x, "ln_2")
         m = F.gelu(y @ w["mlp.c_fc.weight"] + w["mlp.c_fc.bias"], approximate=GELUS[self.cfg.act])
@@ -88,6 +87,5 @@ def load_ends(ckpt, first: bool, last: bool, dtype) -> dict:
     return out
 
 
-def embed(ends: dict, ids, pos: int):
-    T = ids.shape[1]
-    return F.embedding(ids, ends["embed"]) + ends["pos"][pos : pos + T]
+def embed(ends: dict, ids, positions):
+    return F.embedding(ids, ends["embed"]) + ends["pos"][positions]

@@ -4,6 +4,11 @@ Written to match `transformers`' LlamaForCausalLM number for number (fp32 norms,
 rotate-half RoPE), so greedy decoding gives the same tokens. Under tp a block holds
 only its ranks' heads and MLP columns (Megatron): the attention output and the MLP
 output are partial sums, finished by `reduce` (an all-reduce; identity alone).
+
+A forward runs a batch of rows (`stage.Rows`): several sequences, one KV cache each (its
+slot), each at its own position. The matrix products take all rows at once (one read of
+the weights for the whole batch); attention runs row by row over that row's own cache,
+exactly as the row would alone.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ def rotate_half(x):
 
 
 class KVCache:
-    """Keys and values of the positions seen so far, for one layer, batch 1."""
+    """Keys and values of the positions seen so far, for one layer and one sequence."""
 
     def __init__(self, kv_heads: int, head_dim: int, max_len: int, dtype):
         self.k = torch.zeros(1, kv_heads, max_len, head_dim, dtype=dtype)
@@ -62,31 +67,50 @@ def attend(q, k, v, heads: int, kv_heads: int, causal: bool):
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
+def attend_rows(caches: dict, rows, q, k, v, heads: int, kv_heads: int):
+    """q, k, v: [rows, heads, T, head_dim]; each row writes its keys and values into its slot's
+    cache and attends over that cache alone (padding rows, slot None, give zeros)."""
+    out = torch.zeros_like(q)
+    for i, (slot, pos) in enumerate(zip(rows.slots, rows.pos)):
+        if slot is None:
+            continue
+        kk, vv = caches[slot].update(k[i : i + 1], v[i : i + 1], pos)
+        out[i] = attend(q[i : i + 1], kk, vv, heads, kv_heads, causal=q.shape[2] > 1)[0]
+    return out
+
+
+def rope_rows(cfg: HFConfig, rows, T: int, dtype):
+    """cos, sin [rows, 1, T, head_dim], each row from its own positions (computed row by row,
+    so a row's figures never depend on the batch it is in)."""
+    cs = [rope(cfg, torch.arange(p, p + T), dtype) for p in rows.pos]
+    return torch.stack([c for c, _ in cs])[:, None], torch.stack([s for _, s in cs])[:, None]
+
+
 class LlamaBlock(torch.nn.Module):
     def __init__(self, cfg: HFConfig, w: dict, heads: int, kv_heads: int):
         super().__init__()
         self.cfg, self.w, self.heads, self.kv_heads = cfg, w, heads, kv_heads
         self.ln1 = RMSNorm(w["input_layernorm.weight"], cfg.eps)
         self.ln2 = RMSNorm(w["post_attention_layernorm.weight"], cfg.eps)
-        self.cache: KVCache | None = None
+        self.caches: dict[int, KVCache] = {}
 
-    def reset(self, max_len: int, dtype) -> None:
-        self.cache = KVCache(self.kv_heads, self.cfg.head_dim, max_len, dtype)
+    def open(self, slot: int, max_len: int, dtype) -> None:
+        """A new sequence in this slot: a fresh cache of max_len positions."""
+        self.caches[slot] = KVCache(self.kv_heads, self.cfg.head_dim, max_len, dtype)
 
     def _lin(self, x, name):
         return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
 
-    def forward(self, x, pos: int, reduce):
-        w, hd, T = self.w, self.cfg.head_dim, x.shape[1]
+    def forward(self, x, rows, reduce):
+        w, hd, (n, T) = self.w, self.cfg.head_dim, x.shape[:2]
         y = self.ln1(x)
-        q = self._lin(y, "self_attn.q_proj").view(1, T, self.heads, hd).transpose(1, 2)
-        k = self._lin(y, "self_attn.k_proj").view(1, T, self.kv_heads, hd).transpose(1, 2)
-        v = self._lin(y, "self_attn.v_proj").view(1, T, self.kv_heads, hd).transpose(1, 2)
-        cos, sin = rope(self.cfg, torch.arange(pos, pos + T), x.dtype)
+        q = self._lin(y, "self_attn.q_proj").view(n, T, self.heads, hd).transpose(1, 2)
+        k = self._lin(y, "self_attn.k_proj").view(n, T, self.kv_heads, hd).transpose(1, 2)
+        v = self._lin(y, "self_attn.v_proj").view(n, T, self.kv_heads, hd).transpose(1, 2)
+        cos, sin = rows.memo("rope", lambda: rope_rows(self.cfg, rows, T, x.dtype))
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        k, v = self.cache.update(k, v, pos)
-        a = attend(q, k, v, self.heads, self.kv_heads, causal=T > 1)
-        a = F.linear(a.transpose(1, 2).reshape(1, T, self.heads * hd), w["self_attn.o_proj.weight"])
+        a = attend_rows(self.caches, rows, q, k, v, self.heads, self.kv_heads)
+        a = F.linear(a.transpose(1, 2).reshape(n, T, self.heads * hd), w["self_attn.o_proj.weight"])
         a = reduce(a)
         if "self_attn.o_proj.bias" in w:
             a = a + w["self_attn.o_proj.bias"]
@@ -149,5 +173,5 @@ def load_ends(ckpt, first: bool, last: bool, dtype) -> dict:
     return out
 
 
-def embed(ends: dict, ids, pos: int):
+def embed(ends: dict, ids, positions):
     return F.embedding(ids, ends["embed"])

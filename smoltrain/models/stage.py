@@ -1,12 +1,20 @@
 """A stage of a Hugging Face model: layers [first, last), the embedding on the first stage,
 the final norm and LM head on the last; under tp, one rank's slice of every layer.
 
-`Stage.forward` takes token ids (first stage) or the previous stage's hidden state and
-returns the hidden state, or the last position's logits on the last stage. The KV cache
-lives in the blocks; `reset` starts a new sequence.
+`Stage.forward` takes token ids (first stage) or the previous stage's hidden state for a
+batch of rows, one sequence each, and returns the hidden state, or each row's last-position
+logits on the last stage. Every sequence has a slot: its own KV cache in each block and
+its own position, kept here; `open` starts a new sequence in a slot.
+
+A row's result does not depend on the other rows in its batch (so a request batched with
+others gets exactly the tokens it gets alone): attention runs row by row, and a decode
+batch of fewer than MIN_ROWS rows is padded to MIN_ROWS, because the CPU's matrix
+multiply takes another code path (another summation order) below 4 rows.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +24,22 @@ from smoltrain.models.hf import Checkpoint, CheckpointError, expected_tensors
 
 ARCH = {"llama": llama, "gpt2": gpt2}
 TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MIN_ROWS = 4
+
+
+@dataclass
+class Rows:
+    """The sequences of one forward: slot and first position per row (None: a padding row)."""
+
+    slots: list
+    pos: list
+    cache: dict = field(default_factory=dict)
+
+    def memo(self, key: str, make):
+        """Something every block would compute the same (RoPE tables): once per forward."""
+        if key not in self.cache:
+            self.cache[key] = make()
+        return self.cache[key]
 
 
 def even_layers(layers: int, world: int) -> list[tuple[int, int]]:
@@ -80,22 +104,36 @@ class Stage(torch.nn.Module):
         self.mod = mod
         self.blocks = [mod.load_block(ckpt, i, tp_rank, tp_world, self.dtype) for i in range(first, last)]
         self.ends = mod.load_ends(ckpt, is_first, is_last, self.dtype)
-        self.pos = 0
+        self.pos: dict[int, int] = {}  # slot -> positions its sequence has so far
 
-    def reset(self, max_len: int) -> None:
+    def open(self, slot: int, max_len: int) -> None:
+        """Start a new sequence of at most max_len positions in this slot (its old one is dropped)."""
         for b in self.blocks:
-            b.reset(max_len, self.dtype)
-        self.pos = 0
+            b.open(slot, max_len, self.dtype)
+        self.pos[slot] = 0
 
     @torch.no_grad()
-    def forward(self, x, reduce=lambda t: t):
-        """x: token ids [1, T] on the first stage, else hidden [1, T, hidden]; returns hidden or logits [vocab]."""
-        pos = self.pos
+    def forward(self, x, slots: list[int], reduce=lambda t: t):
+        """x: token ids [rows, T] on the first stage, else hidden [rows, T, hidden], row i continuing
+        the sequence in slots[i]; returns hidden [rows, T, hidden] or logits [rows, vocab]."""
+        n, T = x.shape[0], x.shape[1]
+        pad = MIN_ROWS - n if T == 1 and n < MIN_ROWS else 0
+        if pad:
+            x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
+        rows = Rows(list(slots) + [None] * pad, [self.pos[s] for s in slots] + [0] * pad)
+        if pad:  # the padding rows' partial sums need not cross the wire
+            full = reduce
+
+            def reduce(t):
+                return torch.cat([full(t[:n]), t[n:]])
+
         if self.is_first:
-            x = self.mod.embed(self.ends, x, pos)
+            positions = torch.tensor(rows.pos)[:, None] + torch.arange(T)[None, :]
+            x = self.mod.embed(self.ends, x, positions)
         for b in self.blocks:
-            x = b(x, pos, reduce)
-        self.pos = pos + x.shape[1]
+            x = b(x, rows, reduce)
+        for s in slots:
+            self.pos[s] += T
         if self.is_last:
-            return F.linear(self.ends["norm"](x[:, -1:]), self.ends["head"]).view(-1).float()
-        return x
+            return F.linear(self.ends["norm"](x[:, -1:]), self.ends["head"]).view(x.shape[0], -1)[:n].float()
+        return x[:n]

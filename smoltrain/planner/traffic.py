@@ -27,6 +27,7 @@ MODES = ("train", "infer")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 BUCKET_BYTES = 1e6  # smoltrain's dp bucket size (bucket_mb=1.0)
 TOKEN_ID_BYTES = 8  # the sampled token id returns to stage 0 as one int64
+STEP_HEADER_BYTES = 32  # each decode step starts with rank 0's header: 4 int64 (smoltrain/infer/batching.py)
 LSE_BYTES = 4  # ring-attention decode carries one fp32 log-sum-exp per head
 
 
@@ -289,8 +290,10 @@ def sharded_gather_infer(tr: Traffic, s: Step) -> None:
 
 def layer_chain_infer(tr: Traffic, s: Step) -> None:
     N, h = s.world, s.model.hidden
-    tr.phases += [Phase(f"hidden state stage {r} -> {r + 1}", [Transfer(r, r + 1, h * s.a)]) for r in range(N - 1)]
+    hop = h * s.a + STEP_HEADER_BYTES
+    tr.phases += [Phase(f"hidden state stage {r} -> {r + 1}", [Transfer(r, r + 1, hop)]) for r in range(N - 1)]
     if N > 1:
+        tr.notes.append(f"each hop also carries the step's {STEP_HEADER_BYTES}-byte header")
         tr.phases.append(Phase("sampled token id back to stage 0", [Transfer(N - 1, 0, TOKEN_ID_BYTES)]))
         tr.notes.append("the last stage returns the sampled token id to stage 0 as one int64 (8 bytes)")
 
@@ -299,6 +302,8 @@ def tensor_allreduce_infer(tr: Traffic, s: Step) -> None:
     N = s.world
     if N > 1:
         hidden = s.model.hidden * s.a / N
+        chain = [Transfer(r, r + 1, STEP_HEADER_BYTES) for r in range(N - 1)]
+        tr.phases.append(Phase("step header from rank 0 (broadcast)", chain, serial=True))
         tr.phases.append(_ring(N, hidden, 2 * s.model.layers * 2 * (N - 1), "all-reduce hidden state (2 per layer)"))
 
 

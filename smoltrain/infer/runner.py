@@ -1,0 +1,139 @@
+"""What `generate` and `serve` drive: a model that takes requests and calls back with tokens.
+
+A Runner takes requests at any time (`submit`), calls `on_token(id)` for each new token
+and `on_done(reason, stats, error)` once at the end; `cancel` ends a request early. The
+one-process reference (`LocalRunner`, here) batches in a thread of its own; a Cluster
+of ranks (cluster.py) batches on its rank 0. Either way, a failure ends every open
+request with the one-line reason, and every later submit raises RankDied.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import replace
+
+from smolnet.errors import SmolError
+
+
+class RankDied(SmolError):
+    """A rank exited, failed or went silent; the model cannot serve until restarted."""
+
+
+class Runner:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.handles: dict[int, tuple] = {}
+        self.next_rid = 1
+        self.dead: str | None = None
+
+    @property
+    def load(self) -> int:
+        """Requests submitted and not yet done."""
+        return len(self.handles)
+
+    def submit(self, req, on_token, on_done) -> int:
+        with self.lock:
+            if self.dead:
+                raise RankDied(self.dead)
+            rid = self.next_rid
+            self.next_rid += 1
+            self.handles[rid] = (on_token, on_done)
+        self._admit(replace(req, rid=rid))
+        return rid
+
+    def _tokens(self, items) -> None:
+        for rid, tok in items:
+            h = self.handles.get(int(rid))
+            if h is not None:
+                h[0](int(tok))
+
+    def _done(self, rid: int, reason: str, stats: dict) -> None:
+        with self.lock:
+            h = self.handles.pop(int(rid), None)
+        if h is not None:
+            h[1](reason, stats, None)
+
+    def _fail(self, why: str) -> None:
+        with self.lock:
+            self.dead = self.dead or why
+            handles, self.handles = self.handles, {}
+        for _, on_done in handles.values():
+            on_done(None, None, self.dead)
+
+    def generate(self, req, on_token=lambda t: None) -> list[dict]:
+        """One request, start to end, then every rank's counters: the stats `generate` reports
+        (the counters cover the whole life of the ranks, which `generate` spends on this request)."""
+        ended, box = threading.Event(), {}
+
+        def on_done(reason, stats, error):
+            box.update(reason=reason, stats=stats, error=error)
+            ended.set()
+
+        self.submit(req, on_token, on_done)
+        ended.wait()
+        if box["error"]:
+            raise RankDied(box["error"])
+        out = []
+        for r, st in enumerate(self.stats()):
+            c = st["stats"]
+            d = {"rank": r, "links": st["links"]}
+            d.update({k: c[k] for k in ("decode_bytes", "prefill_bytes", "decode_cpu_s")})
+            if r == 0:
+                d.update(box["stats"])
+            out.append(d)
+        return out
+
+    # what each runner provides
+    def _admit(self, req) -> None:
+        raise NotImplementedError
+
+    def cancel(self, rid: int) -> None:
+        raise NotImplementedError
+
+    def stats(self) -> list[dict]:
+        """Per rank: {"stats": the engine's counters, "links": [(peer, bytes sent)]}."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class LocalRunner(Runner):
+    """`--local 1` / `--strategy local`: one process, no network; the reference."""
+
+    def __init__(self, ckpt, dtype: str | None, max_batch: int = 8):
+        super().__init__()
+        from smoltrain.infer.batching import Batcher, lead
+        from smoltrain.infer.engine import Engine
+        from smoltrain.models.stage import Stage
+
+        if os.environ.get("SMOL_INFER_THREADS"):  # as the ranks do (benchmarks compare like with like)
+            import torch
+
+            torch.set_num_threads(int(os.environ["SMOL_INFER_THREADS"]))
+        cfg = ckpt.config
+        self.engine = Engine(Stage(ckpt, 0, cfg.layers, True, True, dtype=dtype))
+        self.batcher = Batcher(max_batch, 1, self._tokens, self._done)
+
+        def loop():
+            try:
+                lead(self.engine, self.batcher)
+            except Exception as e:  # a bug, not a peer: say so to every open request
+                self._fail(f"the model failed: {type(e).__name__}: {e}")
+
+        self.thread = threading.Thread(target=loop, daemon=True)
+        self.thread.start()
+
+    def _admit(self, req) -> None:
+        self.batcher.submit(req)
+
+    def cancel(self, rid: int) -> None:
+        self.batcher.cancel(rid)
+
+    def stats(self) -> list[dict]:
+        return [{"stats": dict(self.engine.counters), "links": []}]
+
+    def close(self) -> None:
+        self.batcher.stop()
+        self.thread.join(30)
