@@ -189,6 +189,15 @@ class Cluster(Runner):
         except RankDied:
             pass
 
+    def health(self) -> None:
+        """Every rank still runs and answers on its control channel."""
+        try:
+            self._check_procs()
+            self.stats(timeout=min(10.0, self.cfg.timeout))
+        except RankDied as e:
+            self._fail(str(e))
+            raise
+
     def stats(self, timeout: float = 10.0) -> list[dict]:
         with self.stats_lock:
             return self._stats(timeout)

@@ -39,7 +39,9 @@ def resolve(args):
     return strategy, placements, hosts
 
 
-def open_model(args, timeout: float = 120.0) -> Setup:
+def open_model(args, timeout: float = 120.0, group=None) -> Setup:
+    """Start the model on --local N / -i INVENTORY, or on `group` (placements, hosts): one replica of
+    `serve --replicas`, which always runs as ranks of its own (never in this process)."""
     model_dir = os.path.abspath(args.model)
     if not os.path.isdir(model_dir):
         raise UsageError(
@@ -48,7 +50,7 @@ def open_model(args, timeout: float = 120.0) -> Setup:
         )
     if args.dtype is not None and args.dtype not in TORCH:
         raise UsageError(f"--dtype {args.dtype}: choose from {', '.join(TORCH)}")
-    strategy, placements, hosts = resolve(args)
+    strategy, placements, hosts = resolve(args) if group is None else (args.strategy, *group)
     world = len(placements)
     try:
         ckpt = Checkpoint(model_dir)
@@ -74,7 +76,7 @@ def open_model(args, timeout: float = 120.0) -> Setup:
         timeout=args.timeout,
         max_batch=getattr(args, "max_batch", 8),
     )
-    if world == 1:
+    if world == 1 and group is None:
         from smoltrain.infer.runner import LocalRunner
 
         return Setup(LocalRunner(ckpt, args.dtype, cfg.max_batch), cfg, ckpt, tok, hosts, None)

@@ -23,6 +23,7 @@ class RankDied(SmolError):
 class Runner:
     def __init__(self):
         self.lock = threading.Lock()
+        self.admitting = threading.Lock()
         self.handles: dict[int, tuple] = {}
         self.next_rid = 1
         self.dead: str | None = None
@@ -33,13 +34,14 @@ class Runner:
         return len(self.handles)
 
     def submit(self, req, on_token, on_done) -> int:
-        with self.lock:
-            if self.dead:
-                raise RankDied(self.dead)
-            rid = self.next_rid
-            self.next_rid += 1
-            self.handles[rid] = (on_token, on_done)
-        self._admit(replace(req, rid=rid))
+        with self.admitting:  # every rank sees the requests in the order of their ids
+            with self.lock:
+                if self.dead:
+                    raise RankDied(self.dead)
+                rid = self.next_rid
+                self.next_rid += 1
+                self.handles[rid] = (on_token, on_done)
+            self._admit(replace(req, rid=rid))
         return rid
 
     def _tokens(self, items) -> None:
@@ -98,6 +100,9 @@ class Runner:
     def close(self) -> None:
         raise NotImplementedError
 
+    def health(self) -> None:
+        """Raise RankDied (and fail every open request) when the model can no longer serve."""
+
 
 class LocalRunner(Runner):
     """`--local 1` / `--strategy local`: one process, no network; the reference."""
@@ -133,6 +138,12 @@ class LocalRunner(Runner):
 
     def stats(self) -> list[dict]:
         return [{"stats": dict(self.engine.counters), "links": []}]
+
+    def health(self) -> None:
+        if not self.thread.is_alive() and not self.batcher.stopped:
+            self._fail(self.dead or "the model's step loop ended")
+        if self.dead:
+            raise RankDied(self.dead)
 
     def close(self) -> None:
         self.batcher.stop()
