@@ -75,22 +75,17 @@ LLAMA3_TEMPLATE = (
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 
 
-def make_chat_checkpoint(path: str, layers: int = 2) -> str:
-    """A tiny Llama with a byte-level BPE tokenizer (made with `tokenizers`) and a Llama-3-style chat
-    template in tokenizer_config.json; ends of sequence: end of text and end of turn."""
-    import json
-
+def make_bytelevel_tokenizer():
+    """A byte-level BPE tokenizer (300 tokens, Llama 3's special tokens), trained with `tokenizers`:
+    multi-byte characters span several tokens, as in GPT-2's and Llama 3's tokenizers."""
     from tokenizers import Tokenizer, decoders, pre_tokenizers, processors, trainers
     from tokenizers import models as tm
 
     tok = Tokenizer(tm.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    corpus = [
-        "Hello there, how are you today? I am fine.",
-        "The quick brown fox jumps over the lazy dog.",
-        "é ü ñ 日本 🙂",
-    ]
+    corpus = ["Hello there, how are you today? I am fine.", "The quick brown fox jumps over the lazy dog."]
+    corpus.append("é ü ñ 日本 🙂")
     trainer = trainers.BpeTrainer(
         vocab_size=300, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
@@ -99,6 +94,15 @@ def make_chat_checkpoint(path: str, layers: int = 2) -> str:
     tok.post_processor = processors.TemplateProcessing(
         single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)]
     )
+    return tok
+
+
+def make_chat_checkpoint(path: str, layers: int = 2) -> str:
+    """A tiny Llama with a byte-level BPE tokenizer and a Llama-3-style chat template in
+    tokenizer_config.json; ends of sequence: end of text and end of turn."""
+    import json
+
+    tok = make_bytelevel_tokenizer()
     eos = [tok.token_to_id("<|end_of_text|>"), tok.token_to_id("<|eot_id|>")]
     make_checkpoint(path, "llama", layers=layers, vocab=tok.get_vocab_size(), eos=eos, ctx=256)
     tok.save(os.path.join(path, "tokenizer.json"))

@@ -342,30 +342,6 @@ def test_metrics(servers):
     assert sent > 0 and pp[("smol_link_sent_bytes_total", (("dst", "rank0"), ("replica", "0"), ("src", "rank1")))]
 
 
-def test_replicas_share_the_load_and_survive_one_dying(model):
-    s = start(model, "--local", "2", "--replicas", "2", "--max-batch", "2")
-    try:
-        assert [len(x.cfg.names) for x in s["setups"]] == [1, 1]
-        got = []
-        ts = [threading.Thread(target=lambda: got.append(ask(s["client"], 1, False)["ids"])) for _ in range(4)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(120)
-        assert len(got) == 4 and all(g == got[0] for g in got)  # the replicas are the same model
-        assert all(st[0]["stats"]["prefill_steps"] > 0 for st in s["svc"].router.stats())
-        proc = s["setups"][1].runner.procs[0]
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-        wait_for(lambda: any("replica 1 is out of rotation" in ln for ln in s["logs"]), "replica 1 to leave")
-        for _ in range(3):
-            assert ask(s["client"], 1, False)["ids"] == got[0]
-        st, doc = call(s["port"], "GET", "/health")
-        assert st == 200 and doc["alive"] == [0]
-    finally:
-        stop(s)
-
-
 def test_dead_rank_gives_503(servers):
     s = servers["pp"]
     proc = s["setups"][0].runner.procs[1]
@@ -377,23 +353,46 @@ def test_dead_rank_gives_503(servers):
     assert call(s["port"], "GET", "/health")[0] == 503
 
 
-def test_serve_command_starts_and_answers(tmp_path):
+def test_serve_command_with_replicas(tmp_path):
+    """The command itself: two replicas (one rank each), the load on both, one killed: the other goes on."""
+    import psutil
+
     path = make_checkpoint(str(tmp_path / "gpt2"), "gpt2", layers=2)
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
         port = sk.getsockname()[1]
-    argv = ["serve", "--strategy", "local", "--model", path, "--port", str(port), "--max-batch", "4"]
+    argv = ["serve", "--local", "2", "--replicas", "2", "--max-batch", "2", "--model", path, "--port", str(port)]
     proc = subprocess.Popen([sys.executable, "-m", "smoltrain", *argv], stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True).start()
     try:
-        lines = []
-        while not lines or "/v1" not in lines[-1]:
-            lines.append(proc.stderr.readline())
-            assert lines[-1], lines
-        assert f"127.0.0.1:{port}/v1" in lines[-1] and "max batch 4" in "".join(lines)
+        wait_for(lambda: any(f"127.0.0.1:{port}/v1" in ln for ln in lines) or proc.poll() is not None, "serving", 120)
+        assert "2 replica(s): local on 1 rank(s) + local on 1 rank(s) (--replicas 2)" in "".join(lines), lines
         st, doc = call(port, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
         assert st == 400 and "tokenizer" in doc["error"]["message"]
-        st, doc = call(port, "POST", "/v1/completions", {"prompt": [3, 5, 7], "max_tokens": 4, "temperature": 0})
-        assert st == 200 and doc["choices"][0]["token_ids"] == reference(path, [3, 5, 7], 4)
+        want = reference(path, [3, 5, 7], 4)
+        body = {"prompt": [3, 5, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        got: list = []
+        ts = [
+            threading.Thread(target=lambda: got.append(call(port, "POST", "/v1/completions", body))) for _ in range(4)
+        ]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(120)
+        assert [doc["choices"][0]["token_ids"] for _, doc in got] == [want] * 4
+        m = metrics(port)
+        assert m[("smol_replica_requests_total", (("replica", "0"),))] > 0
+        assert m[("smol_replica_requests_total", (("replica", "1"),))] > 0
+        workers = psutil.Process(proc.pid).children()
+        assert len(workers) == 2
+        workers[1].kill()
+        wait_for(lambda: any("is out of rotation" in ln for ln in lines), "a replica to leave the rotation")
+        for _ in range(3):
+            st, doc = call(port, "POST", "/v1/completions", body)
+            assert st == 200 and doc["choices"][0]["token_ids"] == want
+        st, doc = call(port, "GET", "/health")
+        assert st == 200 and len(doc["alive"]) == 1
     finally:
         proc.terminate()
         proc.wait(30)

@@ -10,13 +10,15 @@ MODELS_HELP = "tiny, gpt2-124m, llama-3.2-1b, llama-3.1-8b, mixtral-8x7b, or a .
 
 def add_arguments(p) -> None:
     p.add_argument("--strategy", help="dp, fsdp, syncps, edp, mp, pp, tp, ep, sp, or all (rank them)")
-    p.add_argument("--mode", default="train", choices=("train", "infer"))
+    p.add_argument("--mode", default="train", choices=("train", "infer", "serve"))
     p.add_argument("--model", default="tiny", help=MODELS_HELP)
     p.add_argument("--world", type=int, help="ranks (default: inventory hosts, links-report hosts, else 2)")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
     p.add_argument("--batch", type=int, default=8, help="global batch in sequences (train)")
     p.add_argument("--seq", type=int, default=64, help="sequence length (train) or context length (infer)")
     p.add_argument("--microbatches", type=int, default=1)
+    p.add_argument("--concurrency", type=int, default=8, help="serve: requests at once (default 8)")
+    p.add_argument("--max-batch", type=int, default=8, help="serve: requests one replica decodes together")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--links", metavar="REPORT.json", help="a smolnet.links/1 report (smolnet matrix)")
     src.add_argument("--link-class", help="1gbe, 2.5gbe, 10gbe, 25gbe, 100gbe, 200gbe, tb4, tb5 (or loopback)")
@@ -48,6 +50,30 @@ def add_arguments(p) -> None:
 
 
 _write_json = write_json_atomic
+
+
+def _serve(args, con, model, ranks, lm) -> int:
+    """`--mode serve`: the candidate splits for --concurrency requests (planner/serve.py)."""
+    from smoltrain.planner import serve
+
+    if args.concurrency < 1 or args.max_batch < 1:
+        raise UsageError("--concurrency and --max-batch must be >= 1")
+    doc = serve.plan(
+        model,
+        ranks,
+        lm,
+        strategy=args.strategy,
+        dtype=args.dtype,
+        concurrency=args.concurrency,
+        max_batch=args.max_batch,
+        seq=args.seq,
+    )
+    serve.render(con, doc)
+    best = next(c for c in doc["candidates"] if c["name"] == doc["best"])
+    con.print(f"  best here: [bold]{best['name']}[/], {best['tokens_per_s']:,.1f} tokens/s for all requests")
+    if args.json:
+        _write_json(args.json, doc)
+    return 0
 
 
 class _ReportHost:
@@ -108,6 +134,10 @@ def run(args) -> int:
             raise UsageError(f"--strategy {args.strategy} differs from the run's {req['strategy']}")
         args.model, args.world, args.dtype = req["model"], req["world"], req["dtype"]
         args.batch, args.seq, args.microbatches, args.mode = req["batch"], req["seq"], req["microbatches"], "train"
+    if args.mode == "serve":
+        args.strategy = args.strategy or "pp"
+        if args.strategy not in ("pp", "tp"):
+            raise UsageError(f"--mode serve splits a group of hosts with pp or tp, not {args.strategy}")
     if not args.strategy:
         raise UsageError("--strategy is required (dp, fsdp, syncps, edp, mp, pp, tp, ep, sp or all)")
     if args.strategy != "all" and args.strategy not in STRATEGIES:
@@ -146,6 +176,8 @@ def run(args) -> int:
     if run_doc is not None and hosts is None and world > 1:  # a --local run: ranks share this machine
         ranks = share_machine(ranks, busy=busy_ranks(args.strategy, world, args.microbatches, args.mode))
     lm = link_model([r.name for r in ranks], hosts[:world] if hosts else None, links_doc, args.link_class)
+    if args.mode == "serve":
+        return _serve(args, con, model, ranks, lm)
     kw = dict(dtype=args.dtype, batch=args.batch, seq=args.seq, microbatches=args.microbatches, mode=args.mode)
     from smoltrain.planner import placement_plan
 

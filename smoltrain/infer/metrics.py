@@ -1,6 +1,6 @@
 """`GET /metrics`: what the server is doing, in Prometheus text, through prometheus-client.
 
-Requests by endpoint and status, prompt and generated tokens, time to first token and
+Requests by endpoint and status (and by replica), prompt and generated tokens, time to first token and
 time per output token (histograms), requests waiting for a slot, requests in the batch
 (per replica), and the bytes each rank has sent on each link, asked of the ranks at
 scrape time (`smol_link_sent_bytes_total{replica, src, dst}`). One registry per server,
@@ -51,8 +51,10 @@ class Metrics:
         )
         self.queue = Gauge("smol_queue_depth", "requests waiting for a slot", registry=reg)
         self.batch = Gauge("smol_batch_size", "requests in the batch, decoding", ["replica"], registry=reg)
+        self.routed = Counter("smol_replica_requests", "requests sent to each replica", ["replica"], registry=reg)
         for i in range(len(names)):
             self.batch.labels(str(i)).set(0)
+            self.routed.labels(str(i))
         reg.register(_Links(router, names))
 
     def render(self) -> bytes:

@@ -120,6 +120,7 @@ class Service:
             return True
 
     def started(self, replica: int) -> None:
+        self.metrics.routed.labels(str(replica)).inc()
         with self.lock:
             self.waiting -= 1
             self.active[replica] += 1
