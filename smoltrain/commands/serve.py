@@ -23,6 +23,8 @@ def add_arguments(p) -> None:
         help="R groups of hosts, each serving the whole model (auto: what `plan --mode serve` finds best)",
     )
     p.add_argument("--concurrency", type=int, help="requests at once, for --replicas auto (default --max-batch)")
+    p.add_argument("--compute", metavar="COMPUTE.json", help="measured compute for the plan")
+    p.add_argument("--links", metavar="LINKS.json", help="measured links for the plan")
     p.add_argument("--api-key", default=os.environ.get("SMOL_API_KEY"), help="require Authorization: Bearer KEY")
     p.add_argument("--max-tokens", type=int, default=4096, help="the most tokens one request may ask for")
     p.add_argument("--max-body", type=int, default=1 << 20, help="the largest request body, in bytes")
@@ -62,18 +64,20 @@ def choose(args, placements, hosts) -> tuple[list[list[int]] | None, str]:
     from smoltrain.planner import compute as measured
     from smoltrain.planner import serve as sp
     from smoltrain.planner.devices import load_calibration
-    from smoltrain.planner.links import find_report, link_model
+    from smoltrain.planner.links import find_report, link_model, read_report
     from smoltrain.planner.plan import resolve_ranks, share_machine
+    from smoltrain.planner.serve import split_evenly
 
     names = [p.name for p in placements]
     try:
         mc = read_config(os.path.abspath(args.model))
         model = mc.spec()
         ranks = resolve_ranks(len(names), hosts, load_calibration(None))
-        ranks, _ = measured.apply(ranks, hosts, None, model)
+        ranks, _ = measured.apply(ranks, hosts, args.compute, model)
         if hosts is None:
             ranks = share_machine(ranks, busy=len(names))
-        lm = link_model(names, hosts, find_report(names) if hosts else None, None if hosts else "loopback")
+        links = (read_report(args.links) if args.links else find_report(names)) if hosts else None
+        lm = link_model(names, hosts, links, None if hosts else "loopback")
         doc = sp.plan(
             model,
             ranks,
@@ -84,8 +88,14 @@ def choose(args, placements, hosts) -> tuple[list[list[int]] | None, str]:
             max_batch=args.max_batch,
             seq=min(mc.ctx, 256),
         )
-    except Exception as e:  # the plan is advice: serve one model over every host, and say why
+    except Exception as e:  # the plan is advice: say why it is missing
+        if args.replicas != "auto":
+            return split_evenly(len(names), args.replicas), f"--replicas {args.replicas} (even groups: {e})"
         return None, f"no serve plan ({type(e).__name__}: {e}); one model over every host"
+    if args.replicas != "auto":  # the user's count, grouped by measured speed
+        want = f"{args.replicas} replicas" if args.replicas > 1 else "split"
+        best = next(c for c in doc["candidates"] if c["name"] == want)
+        return best["group_index"] if args.replicas > 1 else None, f"--replicas {args.replicas}"
     best = next(c for c in doc["candidates"] if c["name"] == doc["best"])
     why = f"plan --mode serve: {best['name']}, {best['tokens_per_s']:,.1f} tokens/s predicted"
     return (None if best["name"] == "split" else best["group_index"]), why
@@ -98,12 +108,14 @@ def groups(args) -> tuple[list | None, str]:
 
     _, placements, hosts = resolve(args)
     n = len(placements)
-    if args.replicas == "auto":
-        idx, why = choose(args, placements, hosts) if n > 1 else (None, "one host")
-    elif args.replicas > n:
+    if args.replicas != "auto" and args.replicas > n:
         raise UsageError(f"--replicas {args.replicas} needs at least {args.replicas} hosts; there are {n}")
+    if args.replicas == 1 or n == 1:
+        idx, why = None, "one host" if n == 1 else "--replicas 1"
+    elif hosts is None and args.replicas != "auto":  # loopback ranks are all alike
+        idx, why = split_evenly(n, args.replicas), f"--replicas {args.replicas}"
     else:
-        idx, why = (split_evenly(n, args.replicas) if args.replicas > 1 else None), f"--replicas {args.replicas}"
+        idx, why = choose(args, placements, hosts)
     if idx is None:
         return None, why
     return [([placements[i] for i in g], [hosts[i] for i in g] if hosts else None) for g in idx], why
