@@ -85,8 +85,11 @@ def servers(model):
             raise errors[0]
         yield out
     finally:
-        for s in out.values():
-            stop(s)
+        ts = [threading.Thread(target=stop, args=(s,)) for s in out.values()]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
         os.environ.pop("SMOL_INFER_THREADS", None)
         torch.set_num_threads(threads)
 
@@ -240,6 +243,12 @@ def test_bad_requests_get_4xx_json(servers):
     assert call(port, "GET", "/health", headers={"Authorization": None})[0] == 200
     assert call(port, "POST", "/v1/completions", raw=b"x" * (2 << 20))[0] == 413
     assert call(port, "GET", "/v1/nothing")[0] == 404
+    long_header = b"GET /health HTTP/1.1\r\nX-Long: " + b"a" * 70000 + b"\r\n\r\n"
+    for raw, status in ((long_header, 431), (b"PUT /v1/completions HTTP/1.1\r\n\r\n", 501)):
+        with socket.create_connection(("127.0.0.1", port)) as sk:  # the standard library's refusals, as JSON
+            sk.sendall(raw)
+            head, _, body = sk.makefile("rb").read().partition(b"\r\n\r\n")
+            assert head.split()[1] == str(status).encode() and json.loads(body)["error"]["code"] == status
     bad = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.completions.create(model="chat", prompt="x", max_tokens=2)

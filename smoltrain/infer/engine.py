@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from smoltrain.infer.batching import DECODE, HEADER_FIELDS, PREFILL, Item
+from smoltrain.infer.batching import DECODE, HEADER_FIELDS, IDLE, PREFILL, QUIT, Item
 from smoltrain.infer.sampling import Sampler
 from smoltrain.models.stage import Stage
 
@@ -92,11 +92,19 @@ class Engine:
     def collect(self, item: Item) -> list[int]:
         return self._out
 
+    def pass_header(self, h: torch.Tensor) -> None:
+        """Rank 0's header on its way to the other ranks (pp: down the chain; tp: a broadcast)."""
+
+    def _signal(self, kind: int) -> None:
+        h = self.empty_header()
+        h[0] = kind
+        self.counted(kind, 0, lambda: self.pass_header(h))
+
     def keepalive(self) -> None:
-        pass
+        self._signal(IDLE)
 
     def quit(self) -> None:
-        pass
+        self._signal(QUIT)
 
     @staticmethod
     def header(item: Item) -> torch.Tensor:

@@ -32,7 +32,7 @@ class PipelineEngine(Engine):
             if item.kind == PREFILL:
                 self.stage.open(item.slots[0], len(item.req.prompt_ids) + item.req.max_new_tokens)
             out = self.stage(torch.tensor(item.ids), item.slots)
-            self.comm.send(self.header(item), 1)
+            self.pass_header(self.header(item))
             self.comm.send(out, 1)
 
         self.counted(item.kind, len(item.slots), run)
@@ -42,16 +42,8 @@ class PipelineEngine(Engine):
         self.comm.recv(toks, self.world - 1)
         return toks.tolist()
 
-    def _signal(self, kind: int) -> None:
-        h = self.empty_header()
-        h[0] = kind
-        self.counted(kind, 0, lambda: self.comm.send(h, 1))
-
-    def keepalive(self) -> None:
-        self._signal(IDLE)
-
-    def quit(self) -> None:
-        self._signal(QUIT)
+    def pass_header(self, h) -> None:
+        self.comm.send(h, 1)
 
     # --- ranks 1.. ---
     def follow(self, admissions) -> None:

@@ -155,7 +155,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
-        self.svc.metrics.requests.labels(endpoint(self.path), str(status)).inc()
+        self.svc.metrics.requests.labels(endpoint(getattr(self, "path", "")), str(status)).inc()
 
     def _json(self, status: int, doc: dict) -> None:
         self._send(status, json.dumps(doc).encode(), "application/json")
@@ -189,11 +189,35 @@ class Handler(BaseHTTPRequestHandler):
         self._error(401, "a valid API key is needed: Authorization: Bearer KEY", "authentication_error")
         return False
 
-    def do_GET(self):
+    def send_error(self, code, message=None, explain=None):
+        """The standard library's own refusals (a malformed request line, headers too long, an
+        unknown method) as JSON too."""
+        self.close_connection = True
         try:
-            self._get()
+            self._json(
+                code, {"error": {"message": message or explain or "", "type": "invalid_request_error", "code": code}}
+            )
         except OSError:
+            pass
+
+    def do_GET(self):
+        self._safely(self._get)
+
+    def do_POST(self):
+        self._safely(self._post)
+
+    def _safely(self, answer):
+        try:
+            answer()
+        except (OSError, TimeoutError):  # the client went away or stalled: nothing left to answer
             self.close_connection = True
+        except Exception as e:  # a bug must not take the handler (or the server) down: say so, log it
+            self.svc.log(f"error: {type(e).__name__}: {e} answering {self.path}")
+            self.close_connection = True
+            try:
+                self._error(500, f"internal error: {type(e).__name__}", "server_error")
+            except OSError:
+                pass
 
     def _get(self):
         path = self.path.split("?")[0]
@@ -211,19 +235,6 @@ class Handler(BaseHTTPRequestHandler):
             self._json(200, {"object": "list", "data": [model]})
         else:
             self._error(404, f"no such endpoint: GET {path}")
-
-    def do_POST(self):
-        try:
-            self._post()
-        except (OSError, TimeoutError):  # the client went away or stalled: nothing left to answer
-            self.close_connection = True
-        except Exception as e:  # a bug must not take the handler (or the server) down: say so, log it
-            self.svc.log(f"error: {type(e).__name__}: {e} answering {self.path}")
-            self.close_connection = True
-            try:
-                self._error(500, f"internal error: {type(e).__name__}", "server_error")
-            except OSError:
-                pass
 
     def _post(self):
         try:

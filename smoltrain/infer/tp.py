@@ -35,21 +35,13 @@ class TensorParallelEngine(Engine):
     # --- rank 0 ---
     def issue(self, item) -> None:
         def run():
-            self.comm.broadcast(self.header(item), 0)
+            self.pass_header(self.header(item))
             self._out = self._step(item.kind, item.slots, item.ids, item.req)
 
         self.counted(item.kind, len(item.slots), run)
 
-    def _signal(self, kind: int) -> None:
-        h = self.empty_header()
-        h[0] = kind
-        self.counted(kind, 0, lambda: self.comm.broadcast(h, 0))
-
-    def keepalive(self) -> None:
-        self._signal(IDLE)
-
-    def quit(self) -> None:
-        self._signal(QUIT)
+    def pass_header(self, h) -> None:
+        self.comm.broadcast(h, 0)
 
     # --- ranks 1.. ---
     def follow(self, admissions) -> None:
