@@ -15,8 +15,9 @@ serves its share of the requests batched (at most `max_batch`):
   round trip each on the slowest link) and rank 0's header.
 
 Replicas add up; the router keeps their open requests equal, so each of R groups serves
-C/R. Per-request latency is the round of its group; time to first token is the prompt's
-prefill (compute-bound) plus one round. Figures come from measured compute and links
+C/R. Per-request latency is the round of its group. Time to first token is for C requests
+that arrive together: prompts are prefilled one after another (compute-bound), before
+the next decode step, so on average a request waits for (C/R + 1) / 2 prefills. Figures come from measured compute and links
 where they exist (`calibrate`, `smolnet matrix`), as in every other plan.
 """
 
@@ -154,7 +155,8 @@ def plan(
             ok = ok and st["fits"]
         tps = sum(st["tokens_per_s"] for st, c in zip(per, share) if c > 0)
         latency = max(st["step_s"] for st, c in zip(per, share) if c > 0)
-        ttft = max(st["prefill_s_per_token"] * prompt + st["step_s"] for st, c in zip(per, share) if c > 0)
+        # C requests arriving together: the k-th waits for the k prefills up to its own (prefill first)
+        ttft = max(st["prefill_s_per_token"] * prompt * (c + 1) / 2 for st, c in zip(per, share) if c > 0)
         rows_out.append(
             {
                 "name": name,
