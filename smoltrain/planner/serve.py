@@ -17,8 +17,9 @@ serves its share of the requests batched (at most `max_batch`):
 Replicas add up; the router keeps their open requests equal, so each of R groups serves
 C/R. Per-request latency is the round of its group. Time to first token is for C requests
 that arrive together: prompts are prefilled one after another (compute-bound), before
-the next decode step, so on average a request waits for (C/R + 1) / 2 prefills. Figures come from measured compute and links
-where they exist (`calibrate`, `smolnet matrix`), as in every other plan.
+the next decode step, so on average a request waits for (C/R + 1) / 2 prefills. Figures
+come from measured compute and links where they exist (`calibrate`, `smolnet matrix`), as
+in every other plan.
 """
 
 from __future__ import annotations
