@@ -128,7 +128,7 @@ def build(args, log=None):
     from smoltrain.infer.api import Limits
     from smoltrain.infer.launch import open_model
     from smoltrain.infer.router import Router
-    from smoltrain.infer.server import Service
+    from smoltrain.infer.service import Service
 
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     check(args)

@@ -15,6 +15,13 @@ from prometheus_client.core import CounterMetricFamily
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+def endpoint(path: str) -> str:
+    """The metrics label of a request's path (`other` for the rest: scanners must not grow the label set)."""
+    p = path.split("?")[0]
+    return p if p in ENDPOINTS else "other"
 
 
 class _Links:

@@ -17,125 +17,18 @@ import json
 import queue
 import select
 import socket
-import sys
-import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from smoltrain.infer.api import BadRequest, Limits, Options, parse_json, request
-from smoltrain.infer.chat import Chat, ChatError
-from smoltrain.infer.metrics import CONTENT_TYPE, Metrics
+from smoltrain.infer.api import BadRequest, Options, parse_json, request
+from smoltrain.infer.metrics import CONTENT_TYPE, endpoint
 from smoltrain.infer.runner import RankDied
+from smoltrain.infer.service import Service
+from smoltrain.infer.sse import Events
 from smoltrain.infer.textstream import TextStream
 
 BACKLOG = 1024
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
-
-
-def endpoint(path: str) -> str:
-    """The metrics label of a request's path (`other` for the rest: scanners must not grow the label set)."""
-    p = path.split("?")[0]
-    return p if p in ENDPOINTS else "other"
-
-
-class Service:
-    """What the handlers share: the replicas (a Router), the tokenizer and chat layout, limits, metrics."""
-
-    def __init__(
-        self,
-        router,
-        tokenizer,
-        mc,
-        model_id: str,
-        model_dir: str | None = None,
-        *,
-        names: list[list[str]] | None = None,
-        max_batch: int = 8,
-        max_queue: int = 64,
-        limits: Limits | None = None,
-        api_key: str | None = None,
-        read_timeout: float = 30.0,
-        log=None,
-    ):
-        self.router, self.tok, self.mc, self.model_id = router, tokenizer, mc, model_id
-        self.log = log or (lambda m: print(m, file=sys.stderr, flush=True))
-        self.chat = Chat(model_dir, tokenizer) if model_dir and tokenizer is not None else None
-        self.stop_ids = self.chat.stop_ids(model_dir, mc.eos) if self.chat else ([] if mc.eos is None else [mc.eos])
-        self.max_batch, self.max_queue = max_batch, max_queue
-        self.limits, self.api_key, self.read_timeout = limits or Limits(), api_key, read_timeout
-        names = names or [[f"rank{r}"] for r in range(len(router.runners))]
-        self.metrics = Metrics(router, names)
-        self.lock = threading.Lock()
-        self.open = self.waiting = 0
-        self.active = [0] * len(router.runners)
-        self.served = self.disconnects = 0
-
-    @property
-    def chat_layout(self) -> str:
-        if self.chat is None:
-            return "none (no tokenizer.json)"
-        return "the checkpoint's chat template" if self.chat.template is not None else "plain (role: content lines)"
-
-    # --- prompts ---
-    def encode(self, prompt) -> list[int]:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]  # the API's list of one prompt
-        if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
-            ids = prompt
-        elif isinstance(prompt, str):
-            if self.tok is None:
-                raise BadRequest("this model has no tokenizer.json: give the prompt as a list of token ids")
-            ids = self.tok.encode(prompt).ids
-        else:
-            raise BadRequest("prompt must be a string or a non-empty list of token ids")
-        if not ids:
-            raise BadRequest("the prompt is empty")
-        if any(not 0 <= i < self.mc.vocab for i in ids):
-            raise BadRequest(f"a prompt token id is outside the vocabulary (0..{self.mc.vocab - 1})")
-        return ids
-
-    def chat_ids(self, messages) -> list[int]:
-        if self.chat is None:
-            raise BadRequest("this model has no tokenizer.json, so chat messages cannot be tokenized")
-        try:
-            ids = self.chat.prompt_ids(messages)
-        except ChatError as e:
-            raise BadRequest(str(e)) from None
-        if not ids:
-            raise BadRequest("the chat prompt is empty")
-        return ids
-
-    # --- the queue ---
-    def capacity(self) -> int:
-        return self.max_batch * max(1, len(self.router.alive())) + self.max_queue
-
-    def enter(self) -> bool:
-        with self.lock:
-            if self.open >= self.capacity():
-                return False
-            self.open += 1
-            self.waiting += 1
-            self.metrics.queue.set(self.waiting)
-            return True
-
-    def started(self, replica: int) -> None:
-        self.metrics.routed.labels(str(replica)).inc()
-        with self.lock:
-            self.waiting -= 1
-            self.active[replica] += 1
-            self.metrics.queue.set(self.waiting)
-            self.metrics.batch.labels(str(replica)).set(self.active[replica])
-
-    def left(self, replica: int | None, started: bool) -> None:
-        with self.lock:
-            self.open -= 1
-            if started:
-                self.active[replica] -= 1
-                self.metrics.batch.labels(str(replica)).set(self.active[replica])
-            else:
-                self.waiting -= 1
-                self.metrics.queue.set(self.waiting)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -145,6 +38,12 @@ class Handler(BaseHTTPRequestHandler):
     def setup(self):
         self.timeout = self.svc.read_timeout  # idle and half-sent connections are dropped after this
         super().setup()
+
+    def handle(self):
+        try:
+            super().handle()
+        except OSError:  # the client reset or vanished between requests: nothing to answer
+            self.close_connection = True
 
     def log_message(self, fmt, *args):  # one line per request on stderr, not the default noise
         self.svc.log(f"{self.address_string()} {fmt % args}")
@@ -305,7 +204,7 @@ class Handler(BaseHTTPRequestHandler):
         text, ids = TextStream(svc.tok, opts.stops), []
         out: list[str] = []
         finish, error, last = None, None, t0
-        sse = _Events(self, rid, created, svc.model_id, opts)
+        sse = Events(self, rid, created, svc.model_id, opts)
         try:
             while finish is None and error is None:
                 try:
@@ -362,71 +261,16 @@ class Handler(BaseHTTPRequestHandler):
         self._json(200, dict(doc, usage=usage))
 
 
-class _Events:
-    """A streamed answer: server-sent events in HTTP chunks, in the OpenAI chunk format."""
-
-    def __init__(self, h: Handler, rid: str, created: int, model: str, opts: Options):
-        self.h, self.opts, self.open = h, opts, False
-        kind = "chat.completion.chunk" if opts.chat else "text_completion"
-        self.base = {"id": rid, "object": kind, "created": created, "model": model}
-
-    def _write(self, payload: bytes) -> None:
-        data = b"data: " + payload + b"\n\n"
-        self.h.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-        self.h.wfile.flush()
-
-    def _chunk(self, delta: dict | str, finish=None, usage=False) -> None:
-        if self.opts.chat:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
-        doc = dict(self.base, choices=[choice])
-        if self.opts.include_usage:
-            doc["usage"] = None
-        self._write(json.dumps(doc).encode())
-
-    def start(self) -> None:
-        if not self.opts.stream or self.open:
-            return
-        h = self.h
-        h.send_response(200)
-        h.send_header("Content-Type", "text/event-stream")
-        h.send_header("Cache-Control", "no-cache")
-        h.send_header("Transfer-Encoding", "chunked")
-        h.end_headers()
-        self.open = True
-        if self.opts.chat:
-            self._chunk({"role": "assistant", "content": ""})
-
-    def piece(self, text: str) -> None:
-        if self.open and text:
-            self._chunk({"content": text} if self.opts.chat else text)
-
-    def end(self, finish: str, usage: dict) -> None:
-        self.start()  # an answer without tokens still streams its end
-        self._chunk({} if self.opts.chat else "", finish)
-        if self.opts.include_usage:
-            self._write(json.dumps(dict(self.base, choices=[], usage=usage)).encode())
-        self._write(b"[DONE]")
-        self._close(200)
-
-    def fail(self, message: str) -> None:
-        try:
-            self._write(json.dumps({"error": {"message": message, "type": "server_error", "code": 503}}).encode())
-            self._close(503)
-        except OSError:
-            pass
-        self.h.close_connection = True
-
-    def _close(self, status: int) -> None:
-        self.h.wfile.write(b"0\r\n\r\n")
-        self.h.wfile.flush()
-        self.h.svc.metrics.requests.labels(endpoint(self.h.path), str(status)).inc()
-
-
 class Server(ThreadingHTTPServer):
     request_queue_size = BACKLOG  # a burst of connections waits in the kernel instead of being reset
     daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        """One line in the log instead of the standard library's traceback."""
+        import sys
+
+        e = sys.exc_info()[1]
+        self.RequestHandlerClass.svc.log(f"error: connection from {client_address[0]}: {type(e).__name__}: {e}")
 
 
 def make_server(svc: Service, host: str = "127.0.0.1", port: int = 8000) -> Server:
