@@ -10,12 +10,60 @@ from __future__ import annotations
 import os
 import secrets
 import tempfile
+import threading
 from dataclasses import dataclass
 
 from smolnet.errors import UsageError
 from smoltrain.infer.config import InferConfig
+from smoltrain.infer.runner import RankDied, Runner
 from smoltrain.models.hf import Checkpoint, CheckpointError, load_tokenizer
 from smoltrain.models.stage import TORCH, check_tp, even_layers
+
+
+class LocalRunner(Runner):
+    """`--local 1` / `--strategy local`: one process, no network; the reference."""
+
+    def __init__(self, ckpt: Checkpoint, dtype: str | None, max_batch: int = 8):
+        from smoltrain.infer.batching import Batcher, lead
+        from smoltrain.infer.engine import Engine
+        from smoltrain.models.stage import Stage
+
+        super().__init__()
+        cfg = ckpt.config
+        if os.environ.get("SMOL_INFER_THREADS"):  # as the ranks do (benchmarks compare like with like)
+            import torch
+
+            torch.set_num_threads(int(os.environ["SMOL_INFER_THREADS"]))
+        self.engine = Engine(Stage(ckpt, 0, cfg.layers, True, True, dtype=dtype))
+        self.batcher = Batcher(max_batch, 1, self._tokens, self._done)
+
+        def loop():
+            try:
+                lead(self.engine, self.batcher)
+            except Exception as e:  # a bug, not a peer: say so to every open request
+                self._fail(f"the model failed: {type(e).__name__}: {e}")
+
+        self.thread = threading.Thread(target=loop, daemon=True)
+        self.thread.start()
+
+    def _admit(self, req) -> None:
+        self.batcher.submit(req)
+
+    def cancel(self, rid: int) -> None:
+        self.batcher.cancel(rid)
+
+    def stats(self) -> list[dict]:
+        return [{"stats": dict(self.engine.counters), "links": []}]
+
+    def health(self) -> None:
+        if not self.thread.is_alive() and not self.batcher.stopped:
+            self._fail(self.dead or "the model's step loop ended")
+        if self.dead:
+            raise RankDied(self.dead)
+
+    def close(self) -> None:
+        self.batcher.stop()
+        self.thread.join(30)
 
 
 @dataclass
@@ -77,8 +125,6 @@ def open_model(args, timeout: float = 120.0, group=None) -> Setup:
         max_batch=getattr(args, "max_batch", 8),
     )
     if world == 1 and group is None:
-        from smoltrain.infer.runner import LocalRunner
-
         return Setup(LocalRunner(ckpt, args.dtype, cfg.max_batch), cfg, ckpt, tok, hosts, None)
     from smoltrain.infer.cluster import Cluster
     from smoltrain.run.controller import route_source

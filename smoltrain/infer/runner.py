@@ -2,14 +2,13 @@
 
 A Runner takes requests at any time (`submit`), calls `on_token(id)` for each new token
 and `on_done(reason, stats, error)` once at the end; `cancel` ends a request early. The
-one-process reference (`LocalRunner`, here) batches in a thread of its own; a Cluster
-of ranks (cluster.py) batches on its rank 0. Either way, a failure ends every open
+one-process reference (`LocalRunner`, launch.py) batches in a thread of its own; a
+Cluster of ranks (cluster.py) batches on its rank 0. Either way, a failure ends every open
 request with the one-line reason, and every later submit raises RankDied.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import replace
 
@@ -102,49 +101,3 @@ class Runner:
 
     def health(self) -> None:
         """Raise RankDied (and fail every open request) when the model can no longer serve."""
-
-
-class LocalRunner(Runner):
-    """`--local 1` / `--strategy local`: one process, no network; the reference."""
-
-    def __init__(self, ckpt, dtype: str | None, max_batch: int = 8):
-        super().__init__()
-        from smoltrain.infer.batching import Batcher, lead
-        from smoltrain.infer.engine import Engine
-        from smoltrain.models.stage import Stage
-
-        if os.environ.get("SMOL_INFER_THREADS"):  # as the ranks do (benchmarks compare like with like)
-            import torch
-
-            torch.set_num_threads(int(os.environ["SMOL_INFER_THREADS"]))
-        cfg = ckpt.config
-        self.engine = Engine(Stage(ckpt, 0, cfg.layers, True, True, dtype=dtype))
-        self.batcher = Batcher(max_batch, 1, self._tokens, self._done)
-
-        def loop():
-            try:
-                lead(self.engine, self.batcher)
-            except Exception as e:  # a bug, not a peer: say so to every open request
-                self._fail(f"the model failed: {type(e).__name__}: {e}")
-
-        self.thread = threading.Thread(target=loop, daemon=True)
-        self.thread.start()
-
-    def _admit(self, req) -> None:
-        self.batcher.submit(req)
-
-    def cancel(self, rid: int) -> None:
-        self.batcher.cancel(rid)
-
-    def stats(self) -> list[dict]:
-        return [{"stats": dict(self.engine.counters), "links": []}]
-
-    def health(self) -> None:
-        if not self.thread.is_alive() and not self.batcher.stopped:
-            self._fail(self.dead or "the model's step loop ended")
-        if self.dead:
-            raise RankDied(self.dead)
-
-    def close(self) -> None:
-        self.batcher.stop()
-        self.thread.join(30)
