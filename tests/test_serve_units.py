@@ -167,6 +167,9 @@ def test_serve_plan_arithmetic():
     assert serve.split_evenly(5, 2) == [[0, 1, 2], [3, 4]]
     assert serve.split_by_speed([4.0, 1.0, 1.0, 4.0], 2) == [[0, 1], [2, 3]]
     assert serve.split_counts(10, 4) == [3, 3, 2, 2]
+    from smoltrain.models.stage import MIN_ROWS
+
+    assert serve.PAD_ROWS == MIN_ROWS
 
     class H:
         def __init__(self, n, dev="mac-mini-m4"):

@@ -3,7 +3,8 @@ to run R whole replicas on groups of hosts, or to serve from the single best hos
 
 Decode reads every weight once per step whatever the batch, so a step of n requests
 costs about one request's weight read plus n requests' compute and KV cache reads:
-`t(n) = max((weights + n * kv) / bandwidth, n * flops / FLOP/s)` per rank. A group
+`t(n) = max((weights + n * kv) / bandwidth, n * flops / FLOP/s)` per rank (n >= 4 rows
+in the matrix products: decode pads its batches to 4). A group
 serves its share of the requests batched (at most `max_batch`):
 
 - one host: a step is t(n).
@@ -30,6 +31,7 @@ from smoltrain.planner import capacity
 from smoltrain.planner.traffic import STEP_HEADER_BYTES, TOKEN_ID_BYTES, dtype_bytes
 
 SCHEMA = "smoltrain.serveplan/1"
+PAD_ROWS = 4  # a decode step computes at least 4 rows (smoltrain/models/stage.py MIN_ROWS)
 
 
 def split_evenly(n: int, r: int) -> list[list[int]]:
@@ -62,7 +64,9 @@ def _rank_seconds(w, model, rk, dtype: str, n: int, seq: int) -> tuple[float, st
     a = dtype_bytes(dtype)
     kv = 2 * w.layers * model.kv_dim * seq * a * w.attn_share
     mem = (w.matmul_params * a + n * kv) / rk.device.mem_bw
-    fl = n * (2 * w.matmul_params + 4 * w.layers * model.hidden * seq * w.attn_share) / rk.device.flops(dtype)
+    fl = (
+        2 * w.matmul_params * max(n, PAD_ROWS) + n * 4 * w.layers * model.hidden * seq * w.attn_share
+    ) / rk.device.flops(dtype)
     return (mem, "memory-bandwidth") if mem >= fl else (fl, "compute")
 
 
