@@ -35,6 +35,7 @@ class LocalRunner(Runner):
 
             torch.set_num_threads(int(os.environ["SMOL_INFER_THREADS"]))
         self.engine = Engine(Stage(ckpt, 0, cfg.layers, True, True, dtype=dtype))
+        self.engine.stage.min_rows = self.engine.stage.min_rows if max_batch > 1 else 1
         self.batcher = Batcher(max_batch, 1, self._tokens, self._done)
 
         def loop():
@@ -122,7 +123,7 @@ def open_model(args, timeout: float = 120.0, group=None) -> Setup:
         names=tuple(p.name for p in placements),
         layers=tuple(layers),
         timeout=args.timeout,
-        max_batch=getattr(args, "max_batch", 8),
+        max_batch=getattr(args, "max_batch", 1),  # generate: one request
     )
     if world == 1 and group is None:
         return Setup(LocalRunner(ckpt, args.dtype, cfg.max_batch), cfg, ckpt, tok, hosts, None)

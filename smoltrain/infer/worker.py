@@ -91,6 +91,7 @@ def serve(ctl: Control, rank: int, secret: bytes) -> None:
         tp_world=world if cfg.strategy == "tp" else 1,
         dtype=cfg.dtype,
     )
+    stage.min_rows = stage.min_rows if cfg.max_batch > 1 else 1  # one sequence at a time: nothing to pad for
     engine = make_engine(cfg.strategy, stage, comm, rank, world)
     batcher = admissions = None
     if rank == 0:

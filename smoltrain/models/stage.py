@@ -9,7 +9,9 @@ its own position, kept here; `open` starts a new sequence in a slot.
 A row's result does not depend on the other rows in its batch (so a request batched with
 others gets exactly the tokens it gets alone): attention runs row by row, and a decode
 batch of fewer than MIN_ROWS rows is padded to MIN_ROWS, because the CPU's matrix
-multiply takes another code path (another summation order) below 4 rows.
+multiply takes another code path (another summation order) below 4 rows. Where nothing
+is ever batched (`generate`: at most one sequence), `min_rows = 1` skips the padding
+and its compute.
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ class Stage(torch.nn.Module):
         self.blocks = [mod.load_block(ckpt, i, tp_rank, tp_world, self.dtype) for i in range(first, last)]
         self.ends = mod.load_ends(ckpt, is_first, is_last, self.dtype)
         self.pos: dict[int, int] = {}  # slot -> positions its sequence has so far
+        self.min_rows = MIN_ROWS  # decode batches are padded to this many rows
 
     def open(self, slot: int, max_len: int) -> None:
         """Start a new sequence of at most max_len positions in this slot (its old one is dropped)."""
@@ -117,7 +120,7 @@ class Stage(torch.nn.Module):
         """x: token ids [rows, T] on the first stage, else hidden [rows, T, hidden], row i continuing
         the sequence in slots[i]; returns hidden [rows, T, hidden] or logits [rows, vocab]."""
         n, T = x.shape[0], x.shape[1]
-        pad = MIN_ROWS - n if T == 1 and n < MIN_ROWS else 0
+        pad = self.min_rows - n if T == 1 and n < self.min_rows else 0
         if pad:
             x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
         rows = Rows(list(slots) + [None] * pad, [self.pos[s] for s in slots] + [0] * pad)

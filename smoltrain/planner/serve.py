@@ -59,14 +59,13 @@ def split_by_speed(speeds: list[float], r: int) -> list[list[int]]:
     return sorted(groups, key=lambda g: g[0])  # the group holding host 0 (the coordinator) first
 
 
-def _rank_seconds(w, model, rk, dtype: str, n: int, seq: int) -> tuple[float, str]:
-    """One decode step of n rows on one rank: (seconds, what bounds it)."""
+def _rank_seconds(w, model, rk, dtype: str, n: int, seq: int, pad: int = PAD_ROWS) -> tuple[float, str]:
+    """One decode step of n rows (padded to `pad` in the matrix products) on one rank: (seconds, bound)."""
     a = dtype_bytes(dtype)
     kv = 2 * w.layers * model.kv_dim * seq * a * w.attn_share
     mem = (w.matmul_params * a + n * kv) / rk.device.mem_bw
-    fl = (
-        2 * w.matmul_params * max(n, PAD_ROWS) + n * 4 * w.layers * model.hidden * seq * w.attn_share
-    ) / rk.device.flops(dtype)
+    rows = max(n, pad)
+    fl = (2 * w.matmul_params * rows + n * 4 * w.layers * model.hidden * seq * w.attn_share) / rk.device.flops(dtype)
     return (mem, "memory-bandwidth") if mem >= fl else (fl, "compute")
 
 
@@ -75,7 +74,9 @@ def _hop(lm, src: str, dst: str, nbytes: float) -> float:
     return ln.alpha_s + nbytes / ln.bytes_per_s if ln.up else math.inf
 
 
-def group_step(model, ranks: list, names: list[str], lm, strategy: str, dtype: str, rows: int, seq: int) -> dict:
+def group_step(
+    model, ranks: list, names: list[str], lm, strategy: str, dtype: str, rows: int, seq: int, pad: int = PAD_ROWS
+) -> dict:
     """A group serving `rows` requests at once: round seconds (each request's time per token),
     tokens/s, prefill seconds per prompt token, what bounds it, and whether it fits."""
     k, a, h = len(ranks), dtype_bytes(dtype), model.hidden
@@ -88,7 +89,7 @@ def group_step(model, ranks: list, names: list[str], lm, strategy: str, dtype: s
     )
     prefill = [2 * w.matmul_params / rk.device.flops(dtype) for w, rk in zip(works, ranks)]
     if s == "tp" and k > 1:
-        t = [_rank_seconds(w, model, rk, dtype, rows, seq) for w, rk in zip(works, ranks)]
+        t = [_rank_seconds(w, model, rk, dtype, rows, seq, pad) for w, rk in zip(works, ranks)]
         ring = [(names[r], names[(r + 1) % k]) for r in range(k)]
         slowest = max(ring, key=lambda p: _hop(lm, *p, rows * h * a / k))
         ar = 2 * (k - 1) * _hop(lm, *slowest, rows * h * a / k)
@@ -102,7 +103,7 @@ def group_step(model, ranks: list, names: list[str], lm, strategy: str, dtype: s
     else:
         lanes = min(k, rows)
         per_lane = math.ceil(rows / lanes)
-        t = [_rank_seconds(w, model, rk, dtype, per_lane, seq) for w, rk in zip(works, ranks)]
+        t = [_rank_seconds(w, model, rk, dtype, per_lane, seq, pad) for w, rk in zip(works, ranks)]
         hops = [_hop(lm, names[r], names[r + 1], per_lane * h * a + STEP_HEADER_BYTES) for r in range(k - 1)]
         if k > 1:
             hops.append(_hop(lm, names[-1], names[0], per_lane * TOKEN_ID_BYTES))
@@ -154,7 +155,8 @@ def plan(
         per, ok = [], True
         for g, c in zip(groups, share):
             rows = max(1, min(c, max_batch))
-            st = group_step(model, [ranks[i] for i in g], [names[i] for i in g], lm, strategy, dtype, rows, seq)
+            hosts = ([ranks[i] for i in g], [names[i] for i in g])
+            st = group_step(model, *hosts, lm, strategy, dtype, rows, seq, PAD_ROWS if max_batch > 1 else 1)
             st["queued"] = max(0, c - max_batch)
             per.append(st)
             ok = ok and st["fits"]
