@@ -46,9 +46,8 @@ class Served:
 
     def __init__(self, *argv: str):
         self.port = free_port()
-        env = dict(os.environ, SMOL_INFER_THREADS="1")
         cmd = [sys.executable, "-m", "smoltrain", "serve", *argv, "--port", str(self.port), "--timeout", "300"]
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
         self.lines: list[str] = []
         ready = threading.Event()
 
@@ -141,7 +140,7 @@ def summary(runs: list[dict]) -> dict:
 
 def batching(args, where: list[str], label: str) -> dict:
     """One client, then `--clients` at once, on the same server."""
-    with Served(*where, "--max-batch", str(args.clients)) as s:
+    with Served(*where, "--max-batch", str(args.clients)) as s:  # one thread per rank: --threads 1 / the sim's caps
         clients(s.port, 1, 4, args.prompt)  # warm up: first touches of the weights
         one = [summary(clients(s.port, 1, args.new, args.prompt)) for _ in range(2)]
         one = max(one, key=lambda x: x["steady_tokens_per_s"])
@@ -251,7 +250,7 @@ def main() -> int:
     out: dict = {"model": {"hidden": a.hidden, "layers": a.layers}, "new": a.new, "prompt": a.prompt}
     out["batching"] = []
     if "local" in parts:
-        out["batching"].append(batching(a, ["--strategy", "local", "--model", model], "local 1"))
+        out["batching"].append(batching(a, ["--strategy", "local", "--model", model, "--threads", "1"], "local 1"))
     if "pp-sim" in parts:
         from smolnet.sim import cluster as sim
 

@@ -41,6 +41,7 @@ TIERS = {
         "test_calibrate_cluster.py",
         "test_registry.py",
         "test_serve_units.py",
+        "test_quant.py",
     ],
     "process": [
         "test_agent.py",
@@ -66,6 +67,7 @@ TIERS = {
         "test_infer_export.py",
         "test_infer_serve.py",
         "test_placement_run.py",
+        "test_machine.py",
     ],
     "sim": [
         "test_demo.py",

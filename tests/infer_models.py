@@ -6,7 +6,17 @@ import os
 
 
 def make_checkpoint(
-    path: str, arch: str, layers: int = 3, seed: int = 0, tied: bool = False, vocab: int = 97, eos=2, ctx: int = 64
+    path: str,
+    arch: str,
+    layers: int = 3,
+    seed: int = 0,
+    tied: bool = False,
+    hidden: int = 32,
+    init: float = 0.2,
+    rope_theta: float = 5000.0,
+    vocab: int = 97,
+    eos=2,
+    ctx: int = 64,
 ) -> str:
     """Save a tiny model (hidden 32, 4 heads; Llama with 2 kv heads) with safetensors; returns the folder."""
     import torch
@@ -16,15 +26,15 @@ def make_checkpoint(
     if arch == "llama":
         cfg = transformers.LlamaConfig(
             vocab_size=vocab,
-            hidden_size=32,
-            intermediate_size=64,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
             num_hidden_layers=layers,
             num_attention_heads=4,
             num_key_value_heads=2,
             max_position_embeddings=ctx,
-            rope_theta=5000.0,
+            rope_theta=rope_theta,
             tie_word_embeddings=tied,
-            initializer_range=0.2,
+            initializer_range=init,
             bos_token_id=1,
             eos_token_id=eos,
         )

@@ -34,7 +34,7 @@ def start(path: str, *argv: str) -> dict:
 
     p = argparse.ArgumentParser()
     serve.add_arguments(p)
-    args = p.parse_args(["--model", path, "--api-key", KEY, "--timeout", "60", *argv])
+    args = p.parse_args(["--model", path, "--api-key", KEY, "--timeout", "60", "--threads", "1", *argv])
     logs: list[str] = []
     svc, setups = serve.build(args, log=logs.append)
     server = make_server(svc, "127.0.0.1", 0)
@@ -59,8 +59,7 @@ def model(tmp_path_factory):
 def servers(model):
     import torch
 
-    threads = torch.get_num_threads()
-    os.environ["SMOL_INFER_THREADS"] = "1"  # the in-process reference runs one thread, as the ranks do
+    threads = torch.get_num_threads()  # the in-process reference sets this process's threads
     out: dict = {}
     errors: list = []
 
@@ -90,7 +89,6 @@ def servers(model):
             t.start()
         for t in ts:
             t.join()
-        os.environ.pop("SMOL_INFER_THREADS", None)
         torch.set_num_threads(threads)
 
 
@@ -405,3 +403,13 @@ def test_serve_command_with_replicas(tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_a_port_in_use_is_one_line_not_a_traceback(servers, capsys):
+    from smoltrain.cli import main
+
+    s = servers["local"]  # the fixture's server holds this port
+    port, model_dir = s["port"], s["setups"][0].cfg.model_dir
+    rc = main(["serve", "--strategy", "local", "--model", model_dir, "--port", str(port), "--threads", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and f"--port {port}: cannot listen" in err[-1], err

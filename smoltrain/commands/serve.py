@@ -2,57 +2,55 @@
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 
 from smolnet.errors import UsageError
+from smoltrain import validate
 
 
 def add_arguments(p) -> None:
+    from smoltrain.infer.batching import MAX_SLOTS
     from smoltrain.infer.launch import add_placement_arguments
 
     add_placement_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together, per replica (default 8)")
-    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot; past that, 429")
+    p.add_argument("--port", type=validate.PORT, default=8000)
+    p.add_argument(
+        "--max-batch", type=validate.count(MAX_SLOTS), default=8, help="requests decoded together, per replica"
+    )
+    p.add_argument(
+        "--max-queue", type=validate.count(10**6, lo=0), default=64, help="requests waiting for a slot; past that, 429"
+    )
     p.add_argument(
         "--replicas",
         default="auto",
         help="R groups of hosts, each serving the whole model (auto: what `plan --mode serve` finds best)",
     )
-    p.add_argument("--concurrency", type=int, help="requests at once, for --replicas auto (default --max-batch)")
+    p.add_argument(
+        "--concurrency", type=validate.COUNT, help="requests at once, for --replicas auto (default --max-batch)"
+    )
     p.add_argument("--compute", metavar="COMPUTE.json", help="measured compute for the plan")
     p.add_argument("--links", metavar="LINKS.json", help="measured links for the plan")
     p.add_argument("--api-key", default=os.environ.get("SMOL_API_KEY"), help="require Authorization: Bearer KEY")
-    p.add_argument("--max-tokens", type=int, default=4096, help="the most tokens one request may ask for")
-    p.add_argument("--max-body", type=int, default=1 << 20, help="the largest request body, in bytes")
-    p.add_argument("--read-timeout", type=float, default=30.0, help="drop a connection silent for this long (s)")
+    p.add_argument("--max-tokens", type=validate.TOKENS, default=4096, help="the most tokens one request may ask for")
+    p.add_argument(
+        "--max-body", type=validate.count(1 << 30, lo=64), default=1 << 20, help="the largest request body, in bytes"
+    )
+    p.add_argument(
+        "--read-timeout", type=validate.SECONDS, default=30.0, help="drop a connection silent for this long (s)"
+    )
 
 
 def check(args) -> None:
-    from smoltrain.infer.batching import MAX_SLOTS
-
-    if not 1 <= args.max_batch <= MAX_SLOTS:
-        raise UsageError(f"--max-batch must be 1..{MAX_SLOTS}, got {args.max_batch}")
-    if args.max_queue < 0:
-        raise UsageError(f"--max-queue must be >= 0, got {args.max_queue}")
-    if args.max_tokens < 1 or args.max_body < 64:
-        raise UsageError("--max-tokens must be >= 1 and --max-body >= 64 bytes")
-    if not (math.isfinite(args.read_timeout) and args.read_timeout > 0):
-        raise UsageError(f"--read-timeout must be a positive number of seconds, got {args.read_timeout}")
-    if not 0 <= args.port <= 65535:
-        raise UsageError(f"--port must be 0..65535, got {args.port}")
+    """What argparse cannot check alone (numbers are range-checked as they are parsed)."""
     if args.replicas != "auto":
         try:
             args.replicas = int(args.replicas)
         except ValueError:
             raise UsageError(f"--replicas must be a number or auto, got {args.replicas!r}") from None
-        if args.replicas < 1:
-            raise UsageError(f"--replicas must be >= 1, got {args.replicas}")
-    if args.concurrency is not None and args.concurrency < 1:
-        raise UsageError(f"--concurrency must be >= 1, got {args.concurrency}")
+        if not 1 <= args.replicas <= 256:
+            raise UsageError(f"--replicas must be 1..256 or auto, got {args.replicas}")
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError("--api-key is empty")
 
@@ -143,7 +141,7 @@ def build(args, log=None):
 
         def one(i, g):
             try:
-                setups[i] = open_model(args, group=g)
+                setups[i] = open_model(args, group=g, share=sum(len(p) for p, _ in parts))
             except BaseException as e:
                 errors.append(e)
 
@@ -186,7 +184,7 @@ def run(args) -> int:
         server = make_server(svc, args.host, args.port)
     except OSError as e:
         svc.router.close()
-        raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+        raise UsageError(f"--host {args.host} --port {args.port}: cannot listen: {e.strerror or e}") from None
     host, port = server.server_address[:2]
     print(f"serving {svc.model_id} at http://{host}:{port}/v1", file=sys.stderr, flush=True)
     try:

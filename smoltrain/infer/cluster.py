@@ -214,7 +214,8 @@ class Cluster(Runner):
                 rank, msg = self.replies.get(timeout=max(0.01, deadline - time.monotonic()))
             except queue.Empty:
                 raise RankDied(f"no stats from the ranks within {timeout:.0f}s") from None
-            got[rank] = {"stats": msg["stats"], "links": [tuple(x) for x in msg["links"]]}
+            links = [tuple(x) for x in msg["links"]]
+            got[rank] = {"stats": msg["stats"], "links": links, "machine": msg.get("machine") or {}}
         return [got[r] for r in range(self.world)]
 
     def _send(self, rank: int, msg: dict) -> None:

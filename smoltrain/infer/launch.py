@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass
 
 from smolnet.errors import UsageError
+from smoltrain import validate
 from smoltrain.infer.config import InferConfig
 from smoltrain.infer.runner import RankDied, Runner
 from smoltrain.models.hf import Checkpoint, CheckpointError, load_tokenizer
@@ -23,20 +24,19 @@ from smoltrain.models.stage import TORCH, check_tp, even_layers
 class LocalRunner(Runner):
     """`--local 1` / `--strategy local`: one process, no network; the reference."""
 
-    def __init__(self, ckpt: Checkpoint, dtype: str | None, max_batch: int = 8):
+    def __init__(self, ckpt: Checkpoint, cfg: InferConfig):
+        from smoltrain import host
         from smoltrain.infer.batching import Batcher, lead
         from smoltrain.infer.engine import Engine
         from smoltrain.models.stage import Stage
 
         super().__init__()
-        cfg = ckpt.config
-        if os.environ.get("SMOL_INFER_THREADS"):  # as the ranks do (benchmarks compare like with like)
-            import torch
-
-            torch.set_num_threads(int(os.environ["SMOL_INFER_THREADS"]))
-        self.engine = Engine(Stage(ckpt, 0, cfg.layers, True, True, dtype=dtype))
-        self.engine.stage.min_rows = self.engine.stage.min_rows if max_batch > 1 else 1
-        self.batcher = Batcher(max_batch, 1, self._tokens, self._done)
+        threads, device = host.setup(cfg.rank_threads(0), cfg.rank_device(0), cfg.dtype)
+        stage = Stage(ckpt, 0, ckpt.config.layers, True, True, dtype=cfg.dtype, quantize=cfg.quantize, device=device)
+        stage.min_rows = stage.min_rows if cfg.max_batch > 1 else 1  # one sequence at a time: nothing to pad for
+        self.engine = Engine(stage)
+        self.machine = host.rank_facts(stage, threads, device)
+        self.batcher = Batcher(cfg.max_batch, 1, self._tokens, self._done)
 
         def loop():
             try:
@@ -54,7 +54,7 @@ class LocalRunner(Runner):
         self.batcher.cancel(rid)
 
     def stats(self) -> list[dict]:
-        return [{"stats": dict(self.engine.counters), "links": []}]
+        return [{"stats": dict(self.engine.counters), "links": [], "machine": self.machine}]
 
     def health(self) -> None:
         if not self.thread.is_alive() and not self.batcher.stopped:
@@ -88,19 +88,20 @@ def resolve(args):
     return strategy, placements, hosts
 
 
-def open_model(args, timeout: float = 120.0, group=None) -> Setup:
+def open_model(args, timeout: float = 120.0, group=None, share: int | None = None) -> Setup:
     """Start the model on --local N / -i INVENTORY, or on `group` (placements, hosts): one replica of
-    `serve --replicas`, which always runs as ranks of its own (never in this process)."""
+    `serve --replicas`, which always runs as ranks of its own (never in this process); `share`:
+    how many --local ranks share this machine's CPUs in all (every replica's)."""
     model_dir = os.path.abspath(args.model)
     if not os.path.isdir(model_dir):
         raise UsageError(
             f"--model {args.model}: not a folder (a Hugging Face checkpoint: config.json, "
             "*.safetensors, optional tokenizer.json)"
         )
-    if args.dtype is not None and args.dtype not in TORCH:
-        raise UsageError(f"--dtype {args.dtype}: choose from {', '.join(TORCH)}")
+    check_choices(args)
     strategy, placements, hosts = resolve(args) if group is None else (args.strategy, *group)
     world = len(placements)
+    threads, devices = machine_settings(args, hosts, world, share)
     try:
         ckpt = Checkpoint(model_dir)
         ckpt.check()
@@ -124,9 +125,13 @@ def open_model(args, timeout: float = 120.0, group=None) -> Setup:
         layers=tuple(layers),
         timeout=args.timeout,
         max_batch=getattr(args, "max_batch", 1),  # generate: one request
+        quantize=getattr(args, "quantize", None),  # callers that build their own args may leave these out
+        wire_dtype=getattr(args, "wire_dtype", None),
+        threads=tuple(threads),
+        devices=tuple(devices),
     )
     if world == 1 and group is None:
-        return Setup(LocalRunner(ckpt, args.dtype, cfg.max_batch), cfg, ckpt, tok, hosts, None)
+        return Setup(LocalRunner(ckpt, cfg), cfg, ckpt, tok, hosts, None)
     from smoltrain.infer.cluster import Cluster
     from smoltrain.run.controller import route_source
 
@@ -154,6 +159,44 @@ def open_model(args, timeout: float = 120.0, group=None) -> Setup:
     return Setup(cluster, cfg, ckpt, tok, hosts, log_dir)
 
 
+def check_choices(args) -> None:
+    """--dtype, --quantize, --wire-dtype: one line and exit 2 for a name not on the list."""
+    from smoltrain.planner.widths import QUANTIZE, WIRE_DTYPES
+
+    for opt, value, ok in (
+        ("--dtype", args.dtype, tuple(TORCH)),
+        ("--quantize", getattr(args, "quantize", None), QUANTIZE),
+        ("--wire-dtype", getattr(args, "wire_dtype", None), WIRE_DTYPES),
+    ):
+        if value is not None and value not in ok:
+            raise UsageError(f"{opt} {value}: choose from {', '.join(ok)}")
+
+
+def machine_settings(args, hosts, world: int, share: int | None = None) -> tuple[list[int], list[str]]:
+    """Threads and torch device per rank, checked before any rank starts (contract §9):
+    `--threads`/`--device` for --local ranks (which share this machine's CPUs), the
+    inventory's smol_threads/smol_device for hosts. 0 threads: the host's usable CPUs,
+    settled by the rank itself."""
+    from smoltrain import host
+    from smoltrain.run.threads import inventory_threads, local_threads
+
+    if hosts is None:
+        threads = local_threads(getattr(args, "threads", None), share or world)[:world]
+        devices = [getattr(args, "device", None) or "cpu"] * world
+        dev = host.resolve_device(devices[0])
+        if args.dtype:
+            host.check_dtype(args.dtype, dev)
+        return threads, devices
+    threads = inventory_threads(hosts[:world])
+    devices = [h.torch_device for h in hosts[:world]]
+    for h, d in zip(hosts[:world], devices):
+        if h.local and d != "auto":  # a host on this machine: check here what its rank would refuse
+            dev = host.resolve_device(d)
+            if args.dtype:
+                host.check_dtype(args.dtype, dev)
+    return threads, devices
+
+
 def _replace(cfg: InferConfig, **kw) -> InferConfig:
     from dataclasses import replace
 
@@ -164,16 +207,26 @@ def add_placement_arguments(p) -> None:
     """Options `generate` and `serve` share (contract §7)."""
     p.add_argument("--strategy", default="pp", choices=("local", "pp", "tp"))
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--local", type=int, metavar="N", help="N ranks on loopback (1: one process, the reference)")
+    where.add_argument(
+        "--local", type=validate.RANKS, metavar="N", help="N ranks on loopback (1: one process, the reference)"
+    )
     where.add_argument("-i", "--inventory", help="one rank per `cluster` host of this inventory")
     p.add_argument("--model", required=True, help="Hugging Face checkpoint folder (same path on every host)")
     p.add_argument("--backend", default="socket", choices=("socket", "torch"))
-    p.add_argument("--dtype", choices=tuple(TORCH), help="default: the checkpoint's dtype")
+    p.add_argument("--dtype", help="fp32, bf16 or fp16 (default: the checkpoint's dtype)")
+    p.add_argument("--quantize", help="weights of every layer: int8 (per channel) or q4 (Q4_0, groups of 32)")
+    p.add_argument("--wire-dtype", help="hidden states between ranks: fp32, bf16, fp16 or int8 (default: --dtype)")
+    p.add_argument(
+        "--threads",
+        type=validate.THREADS,
+        help="--local: torch threads per rank (default: this machine's CPUs / ranks)",
+    )
+    p.add_argument("--device", help="--local: torch device of every rank (cpu, cuda, mps, auto; default cpu)")
     p.add_argument(
         "--placement",
         default="even",
         choices=("even", "auto"),
         help="pp layer split (auto falls back to even for inference)",
     )
-    p.add_argument("--timeout", type=float, default=120.0, help="give up on a silent rank after this long")
+    p.add_argument("--timeout", type=validate.SECONDS, default=120.0, help="give up on a silent rank after this long")
     p.add_argument("--secret-file", help="cluster secret (default: the inventory's smol_secret_file)")

@@ -3,8 +3,9 @@
 Every step crosses the stages in order: rank 0 embeds and runs its layers, each stage
 sends the step's header and its output (one hidden state per row) to the next, the
 last stage samples each row's token and sends the ids (one int64 per row) back to rank
-0. Per generated token a hop carries `hidden * dtype bytes` plus the header shared by
-the step's rows, and 8 bytes come back, as the plan counts.
+0. Per generated token a hop carries `hidden * dtype bytes` (at `--wire-dtype`,
+infer.activations) plus the header shared by the step's rows, and 8 bytes come back, as
+the plan counts.
 
 Rank 0 keeps one step per lane in flight (a lane per stage): while stage 1 runs lane
 A's step, stage 0 runs lane B's, so with requests in several lanes every stage has work.
@@ -19,12 +20,9 @@ from smoltrain.infer.engine import Engine
 
 
 class PipelineEngine(Engine):
-    def __init__(self, stage, comm, rank: int, world: int):
-        super().__init__(stage, comm, rank, world)
+    def __init__(self, stage, comm, rank: int, world: int, wire: str | None = None):
+        super().__init__(stage, comm, rank, world, wire)
         self.depth = self.lanes = world
-
-    def _hidden(self, rows: int, T: int) -> torch.Tensor:
-        return torch.zeros(rows, T, self.stage.cfg.hidden, dtype=self.stage.dtype)
 
     # --- rank 0 ---
     def issue(self, item) -> None:
@@ -33,7 +31,7 @@ class PipelineEngine(Engine):
                 self.stage.open(item.slots[0], len(item.req.prompt_ids) + item.req.max_new_tokens)
             out = self.stage(torch.tensor(item.ids), item.slots)
             self.pass_header(self.header(item))
-            self.comm.send(out, 1)
+            self.comm.send(self.codec.encode(out), 1)
 
         self.counted(item.kind, len(item.slots), run)
 
@@ -65,15 +63,16 @@ class PipelineEngine(Engine):
                     self.open(slots[0], req)
                 else:
                     self.stage.open(slots[0], len(req.prompt_ids) + req.max_new_tokens)
-            x = self._hidden(len(slots), T if kind == PREFILL else 1)
-            self.comm.recv(x, r - 1)
+            T = T if kind == PREFILL else 1
+            buf = self.codec.buffer(len(slots) * T)
+            self.comm.recv(buf, r - 1)
 
-            def run(h=h, x=x, slots=slots):
-                out = self.stage(x, slots)
+            def run(h=h, buf=buf, slots=slots, T=T):
+                out = self.stage(self.codec.decode(buf).reshape(len(slots), T, -1), slots)
                 if last:
                     self.comm.send(torch.tensor(self.sample(slots, out), dtype=torch.int64), 0)
                 else:
                     self.comm.send(h, r + 1)
-                    self.comm.send(out, r + 1)
+                    self.comm.send(self.codec.encode(out), r + 1)
 
             self.counted(kind, len(slots), run)

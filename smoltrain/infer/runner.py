@@ -78,7 +78,7 @@ class Runner:
         out = []
         for r, st in enumerate(self.stats()):
             c = st["stats"]
-            d = {"rank": r, "links": st["links"]}
+            d = {"rank": r, "links": st["links"], **(st.get("machine") or {})}  # threads, device, weight bytes
             d.update({k: c[k] for k in ("decode_bytes", "prefill_bytes", "decode_cpu_s")})
             if r == 0:
                 d.update(box["stats"])
@@ -93,7 +93,7 @@ class Runner:
         raise NotImplementedError
 
     def stats(self) -> list[dict]:
-        """Per rank: {"stats": the engine's counters, "links": [(peer, bytes sent)]}."""
+        """Per rank: {"stats": the engine's counters, "links": [(peer, bytes sent)], "machine": host facts}."""
         raise NotImplementedError
 
     def close(self) -> None:

@@ -2,7 +2,8 @@
 
 Each step starts with rank 0's header, broadcast (what the step is: which slots, or
 which request's prompt); then two all-reduces of the rows' hidden states per layer
-(after attention, after the MLP), as the plan counts. Embedding and head are
+(after attention, after the MLP; at `--wire-dtype`, infer.activations), as the plan
+counts. Embedding and head are
 replicated, and every rank samples the same tokens from the same logits with the same
 seeded generators, so no token crosses and every rank knows each slot's last token.
 """
@@ -16,14 +17,12 @@ from smoltrain.infer.engine import Engine
 
 
 class TensorParallelEngine(Engine):
-    def __init__(self, stage, comm, rank: int, world: int):
-        super().__init__(stage, comm, rank, world)
+    def __init__(self, stage, comm, rank: int, world: int, wire: str | None = None):
+        super().__init__(stage, comm, rank, world, wire)
         self.last: dict[int, int] = {}  # slot -> its last token (ranks other than 0 embed it)
 
     def _reduce(self, t):
-        t = t.contiguous()
-        self.comm.all_reduce(t)
-        return t
+        return self.codec.all_reduce(self.comm, t)
 
     def _step(self, kind: int, slots: list[int], ids, req=None) -> list[int]:
         if kind == PREFILL:

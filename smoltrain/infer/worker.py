@@ -56,13 +56,13 @@ class Control:
 
 
 def serve(ctl: Control, rank: int, secret: bytes) -> None:
-    import torch
 
+    from smoltrain import host
     from smoltrain.models.hf import Checkpoint
     from smoltrain.models.stage import Stage
 
-    torch.set_num_threads(max(1, int(os.environ.get("SMOL_INFER_THREADS", "1"))))
     cfg = ctl.config
+    threads, device = host.setup(cfg.rank_threads(rank), cfg.rank_device(rank), cfg.dtype)
     world = cfg.world_size
     t0 = time.perf_counter()
     comm = None
@@ -90,9 +90,12 @@ def serve(ctl: Control, rank: int, secret: bytes) -> None:
         tp_rank=rank if cfg.strategy == "tp" else 0,
         tp_world=world if cfg.strategy == "tp" else 1,
         dtype=cfg.dtype,
+        quantize=cfg.quantize,
+        device=device,
     )
     stage.min_rows = stage.min_rows if cfg.max_batch > 1 else 1  # one sequence at a time: nothing to pad for
-    engine = make_engine(cfg.strategy, stage, comm, rank, world)
+    engine = make_engine(cfg.strategy, stage, comm, rank, world, cfg.wire_dtype)
+    machine = host.rank_facts(stage, threads, device)
     batcher = admissions = None
     if rank == 0:
         batcher = Batcher(
@@ -118,7 +121,7 @@ def serve(ctl: Control, rank: int, secret: bytes) -> None:
                 batcher.cancel(int(msg["rid"]))
             elif kind == "stats":
                 links = sorted((comm.bytes_sent() if comm else {}).items())
-                ctl.send({"type": "stats", "stats": dict(engine.counters), "links": links})
+                ctl.send({"type": "stats", "stats": dict(engine.counters), "links": links, "machine": machine})
             elif kind == "quit":
                 if batcher:
                     batcher.stop()

@@ -9,9 +9,10 @@ its own position, kept here; `open` starts a new sequence in a slot.
 A row's result does not depend on the other rows in its batch (so a request batched with
 others gets exactly the tokens it gets alone): attention runs row by row, and a decode
 batch of fewer than MIN_ROWS rows is padded to MIN_ROWS, because the CPU's matrix
-multiply takes another code path (another summation order) below 4 rows. Where nothing
-is ever batched (`generate`: at most one sequence), `min_rows = 1` skips the padding
-and its compute.
+multiply takes another code path (another summation order) for fewer rows: below 2 rows
+for oneDNN's fp32 product, below 4 for MKL's (a tied head). Where nothing is ever
+batched (`generate`: at most one sequence), `min_rows = 1` skips the padding and its
+compute.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from smoltrain.models import gpt2, llama
 from smoltrain.models.hf import Checkpoint, CheckpointError, expected_tensors
@@ -36,12 +36,6 @@ class Rows:
     slots: list
     pos: list
     cache: dict = field(default_factory=dict)
-
-    def memo(self, key: str, make):
-        """Something every block would compute the same (RoPE tables): once per forward."""
-        if key not in self.cache:
-            self.cache[key] = make()
-        return self.cache[key]
 
 
 def even_layers(layers: int, world: int) -> list[tuple[int, int]]:
@@ -94,20 +88,40 @@ class Stage(torch.nn.Module):
         tp_rank: int = 0,
         tp_world: int = 1,
         dtype: str | None = None,
+        quantize: str | None = None,
+        device: str = "cpu",
     ):
+        """`quantize` (int8, q4): the matmul weights of these layers (and an untied head), each
+        quantised as it is read; `device`: where the weights and the KV cache live."""
         super().__init__()
         cfg = ckpt.config
         self.cfg, self.first, self.last, self.is_first, self.is_last = cfg, first, last, is_first, is_last
         self.dtype = TORCH[dtype or cfg.dtype]
+        self.quantize, self.device = quantize, torch.device(device)
         ckpt.check(stage_tensors(cfg, first, last, is_first, is_last))
         if tp_world > 1:
             check_tp(cfg, tp_world)
         mod = ARCH[cfg.arch]
         self.mod = mod
-        self.blocks = [mod.load_block(ckpt, i, tp_rank, tp_world, self.dtype) for i in range(first, last)]
-        self.ends = mod.load_ends(ckpt, is_first, is_last, self.dtype)
+        self.blocks = [
+            mod.load_block(ckpt, i, tp_rank, tp_world, self.dtype, quantize, self.device) for i in range(first, last)
+        ]
+        self.ends = mod.load_ends(ckpt, is_first, is_last, self.dtype, quantize, self.device)
         self.pos: dict[int, int] = {}  # slot -> positions its sequence has so far
         self.min_rows = MIN_ROWS  # decode batches are padded to this many rows
+
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weights one decode step reads here: every matmul weight (at its width, scales
+        included), norms, and one row of each embedding table."""
+        n = sum(b.weight_bytes() for b in self.blocks)
+        for name, t in self.ends.items():
+            if name == "head":
+                n += t.nbytes
+            elif isinstance(t, torch.Tensor):  # embedding tables: one row per token
+                n += t.shape[1] * t.element_size()
+            else:  # the final norm
+                n += sum(p.numel() * p.element_size() for p in vars(t).values() if isinstance(p, torch.Tensor))
+        return int(n)
 
     def open(self, slot: int, max_len: int) -> None:
         """Start a new sequence of at most max_len positions in this slot (its old one is dropped)."""
@@ -119,6 +133,7 @@ class Stage(torch.nn.Module):
     def forward(self, x, slots: list[int], reduce=lambda t: t):
         """x: token ids [rows, T] on the first stage, else hidden [rows, T, hidden], row i continuing
         the sequence in slots[i]; returns hidden [rows, T, hidden] or logits [rows, vocab]."""
+        x = x.to(self.device)
         n, T = x.shape[0], x.shape[1]
         pad = self.min_rows - n if T == 1 and n < self.min_rows else 0
         if pad:
@@ -131,12 +146,12 @@ class Stage(torch.nn.Module):
                 return torch.cat([full(t[:n]), t[n:]])
 
         if self.is_first:
-            positions = torch.tensor(rows.pos)[:, None] + torch.arange(T)[None, :]
+            positions = torch.tensor(rows.pos, device=self.device)[:, None] + torch.arange(T, device=self.device)
             x = self.mod.embed(self.ends, x, positions)
         for b in self.blocks:
             x = b(x, rows, reduce)
         for s in slots:
             self.pos[s] += T
         if self.is_last:
-            return F.linear(self.ends["norm"](x[:, -1:]), self.ends["head"]).view(x.shape[0], -1)[:n].float()
+            return self.ends["head"](self.ends["norm"](x[:, -1:])).view(x.shape[0], -1)[:n].float()
         return x[:n]
