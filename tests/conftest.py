@@ -73,6 +73,7 @@ TIERS = {
         "test_infer_sim.py",
         "test_placement_sim.py",
         "test_sim_cpu.py",
+        "test_sim_hidden.py",
         "test_matrix_sim.py",
         "test_remote.py",
         "test_run_sim.py",
