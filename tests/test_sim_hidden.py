@@ -92,34 +92,29 @@ def test_a_shaped_link_has_a_peak_rate():
     }
 
 
-@pytest.fixture(scope="module")
-def hidden(tmp_path_factory):
+def _up(tmp_path_factory, name: str, scenario: str, subnet: str, made: str):
+    """A module's sim of `scenario`; after it is down, the cgroups it recorded under `made` are gone."""
     from need import need_cgroup, sim_up
 
     need_cgroup()
-    sim.down(HIDDEN)
-    inv = str(tmp_path_factory.mktemp("hidden") / "sim.yml")
-    st = sim_up(sim, name=HIDDEN, scenario="hidden", subnet=HIDDEN_NET, inventory=inv)
+    sim.down(name)
+    inv = str(tmp_path_factory.mktemp(scenario) / "sim.yml")
+    st = sim_up(sim, name=name, scenario=scenario, subnet=subnet, inventory=inv)
     try:
         yield st
     finally:
-        sim.down(HIDDEN)
-    assert not any(Path(h["cgroup"]).exists() for h in st["hosts"])
+        sim.down(name)
+    assert not any(Path(h[made]).exists() for h in st["hosts"])
+
+
+@pytest.fixture(scope="module")
+def hidden(tmp_path_factory):
+    yield from _up(tmp_path_factory, HIDDEN, "hidden", HIDDEN_NET, "cgroup")
 
 
 @pytest.fixture(scope="module")
 def cores(tmp_path_factory):
-    from need import need_cgroup, sim_up
-
-    need_cgroup()
-    sim.down(CORES)
-    inv = str(tmp_path_factory.mktemp("cores") / "sim.yml")
-    st = sim_up(sim, name=CORES, scenario="cores", subnet=CORES_NET, inventory=inv)
-    try:
-        yield st
-    finally:
-        sim.down(CORES)
-    assert not any(Path(h["cpuset_cgroup"]).exists() for h in st["hosts"])
+    yield from _up(tmp_path_factory, CORES, "cores", CORES_NET, "cpuset_cgroup")
 
 
 def test_a_hidden_cap_holds_the_host_to_its_share_and_cannot_be_read(hidden):

@@ -1,11 +1,12 @@
-"""CPU caps for sim hosts: one cgroup per host with a CFS quota, v1 or v2.
+"""CPU caps and cpusets for sim hosts: one cgroup per host, v1 or v2.
 
 Why: the sim's hosts are processes on one machine, so without a cap they all compute at
 the machine's speed and a compute prediction cannot be checked. A quota on everything a
 host's sshd starts makes hosts that differ in compute the way a Pi and a laptop do, with
-the truth known (the cap). The cgroup is joined from the root namespace after sshd starts
-(children inherit it); `ip netns exec` remounts /sys, so inside a host the cgroup
-filesystem is mounted again (mount_lines) for probes to read their own limit.
+the truth known (the cap); a cpuset gives a host a core of its own and no quota at all.
+The sshd enters its cgroups before it starts (children inherit them); `ip netns exec`
+remounts /sys, so inside a host the cgroup filesystem is mounted again (mount_lines) for
+probes to read their own limit, unless the cap is hidden above a cgroup namespace.
 """
 
 from __future__ import annotations
@@ -41,12 +42,12 @@ class CgroupError(SmolError):
     """A cap could not be set or removed."""
 
 
-def version(root: Path = ROOT) -> int | None:
-    """1 (cpu controller mounted at root/cpu), 2 (unified with cpu enabled), or None."""
-    if (root / "cpu" / "cpu.cfs_quota_us").exists():
+def version(root: Path = ROOT, controller: str = "cpu", marker: str = "cpu.cfs_quota_us") -> int | None:
+    """1 (the controller mounted at root/<controller>), 2 (unified with it enabled), or None."""
+    if (root / controller / marker).exists():
         return 1
     ctl = root / "cgroup.controllers"
-    if ctl.exists() and "cpu" in ctl.read_text().split():
+    if ctl.exists() and controller in ctl.read_text().split():
         return 2
     return None
 
@@ -235,13 +236,7 @@ def check_caps(hosts: list[dict], explicit: bool, error=CgroupError) -> None:
 
 
 def cpuset_version(root: Path = ROOT) -> int | None:
-    """1 (cpuset controller mounted at root/cpuset), 2 (unified with cpuset), or None."""
-    if (root / "cpuset" / "cpuset.cpus").exists():
-        return 1
-    ctl = root / "cgroup.controllers"
-    if ctl.exists() and "cpuset" in ctl.read_text().split():
-        return 2
-    return None
+    return version(root, "cpuset", "cpuset.cpus")
 
 
 def _cpuset_dir(name: str, root: Path = ROOT) -> Path:
