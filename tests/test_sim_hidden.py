@@ -79,7 +79,9 @@ def test_the_scenarios_say_what_each_host_owns():
 
 @pytest.mark.unit
 def test_a_shaped_link_has_a_peak_rate():
-    argv = net.tbf_argv("eth0", 500, 1500)
+    assert "peakrate" not in net.tbf_argv("eth0", 500, 1500)  # home, uniform, mtu-lab: the plain bucket
+    assert all(h.link_peak for h in scenario("cores") + scenario("hidden"))
+    argv = net.tbf_argv("eth0", 500, 1500, peak=True)
     kv = dict(zip(argv[7::2], argv[8::2]))
     # 500 Mbit is 62.5 MB/s: the 10 ms bucket holds 625,000 bytes and its queue twice that;
     # the peak is 1.1 x 500 = 550 Mbit, 16 frames of 1514 bytes (24,224) at a time

@@ -95,8 +95,8 @@ def _build(st: dict, specs: list[HostSpec]) -> None:
         net.ipn(sw, "link", "set", port, "master", "br0")
         net.offloads_off(ns, "eth0")
         net.offloads_off(sw, port)
-        net.shape(ns, "eth0", s.up_mbit, s.mtu)  # upload: host egress
-        net.shape(sw, port, s.down_mbit, s.port_mtu, burst_ms=25)  # download: switch-port egress
+        net.shape(ns, "eth0", s.up_mbit, s.mtu, peak=s.link_peak)  # upload: host egress
+        net.shape(sw, port, s.down_mbit, s.port_mtu, burst_ms=25, peak=s.link_peak)  # download: switch-port egress
         net.ipn(sw, "link", "set", port, "up")
         net.ipn(ns, "link", "set", "eth0", "up")
         h["port"] = port

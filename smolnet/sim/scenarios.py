@@ -33,6 +33,7 @@ class HostSpec:
     cpu_hidden: bool = False  # the cap sits above the host's cgroup, where it cannot read it
     cpuset: str | None = None  # the CPUs the host runs on (a cpuset of its own); None = all
     own_machine: bool = False  # a boot id of its own: calibration and the plan see a machine of its own
+    link_peak: bool = False  # its shapers hold every transfer near the rate (net.tbf_argv)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -57,12 +58,14 @@ def _home() -> list[HostSpec]:
 
 
 # The whole-core cluster: one host per CPU of this machine (at most 4), a cpuset each and no
-# quota, so the plan's uncapped path is checked. Links alternate 1000 and 500 Mbit.
+# quota, so the plan's uncapped path is checked. Links alternate 1000 and 500 Mbit, with a
+# peak rate (no bursts after idling), as in `hidden`.
 CORES_RATES = (1000, 500)
 MAX_CORE_HOSTS = 4
 
 # The hidden-cap cluster, built unlike home: caps (cores) on a parent cgroup the host cannot
-# read, a 10 ms CFS period for every host, 300-800 Mbit links, each host its own machine.
+# read, a 10 ms CFS period for every host, 300-800 Mbit links with a peak rate, each host
+# its own machine.
 HIDDEN = (("pi4", 0.15, 300), ("nuc", 0.3, 500), ("mini", 0.4, 650), ("desk", 0.6, 800))
 HIDDEN_PERIOD_US = 10_000
 
@@ -80,14 +83,15 @@ def _cores(hosts: int | None) -> list[HostSpec]:
     out = []
     for i in range(n):
         r = CORES_RATES[i % len(CORES_RATES)]
-        out.append(HostSpec(f"core{i}", "generic", 1500, 1500, r, r, r, cpuset=str(i), own_machine=True))
+        spec = HostSpec(f"core{i}", "generic", 1500, 1500, r, r, r, cpuset=str(i), own_machine=True, link_peak=True)
+        out.append(spec)
     return out
 
 
 def _hidden() -> list[HostSpec]:
     scale = _fit(tuple(c for _, c, _ in HIDDEN))
     return [
-        HostSpec(n, "generic", 1500, 1500, r, r, r, round(c * scale, 3), HIDDEN_PERIOD_US, True, own_machine=True)
+        HostSpec(n, "generic", 1500, 1500, r, r, r, round(c * scale, 3), HIDDEN_PERIOD_US, True, None, True, True)
         for n, c, r in HIDDEN
     ]
 
