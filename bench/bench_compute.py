@@ -5,9 +5,10 @@ Scenarios (`--scenarios`, default all three, each its own sim):
   home    the CPU-capped home sim (caps 0.15/0.25/0.45/0.65 cores scaled to this machine,
           the sim's own short CFS periods, readable by each host; 1-2.5 Gbit links)
   cores   one host per CPU of this machine (at most 4), a cpuset each and no quota: the
-          plan's uncapped path, as on real machines; 1000/500 Mbit links
+          plan's uncapped path, as on real machines; 1000/500 Mbit links with a peak rate
   hidden  four hosts capped 0.15/0.3/0.4/0.6 cores by a 10 ms CFS quota on a parent cgroup
           the host cannot read (a cgroup namespace), each its own machine; 300-800 Mbit
+          links with a peak rate (no bursts after idling: smolnet/sim/net.py tbf_argv)
 
 For each: measure the links (`smolnet matrix`), calibrate every host (`smoltrain calibrate
 -i`, tiny8, median of `--repeat` probes), train each of the seven trained strategies for a
@@ -288,8 +289,8 @@ def bench_scenario(scn: str, d: Path, a) -> dict:
 
 TITLES = {
     "home": "the CPU-capped home sim (readable caps, the sim's short periods, 1-2.5 Gbit)",
-    "cores": "the whole-core sim (a cpuset each, no quota, 1000/500 Mbit)",
-    "hidden": "the hidden-cap sim (10 ms quotas the hosts cannot read, own machines, 300-800 Mbit)",
+    "cores": "the whole-core sim (a cpuset each, no quota, 1000/500 Mbit with a peak rate)",
+    "hidden": "the hidden-cap sim (10 ms quotas the hosts cannot read, own machines, 300-800 Mbit with a peak rate)",
 }
 
 
