@@ -40,6 +40,7 @@ TIERS = {
         "test_rank_timings.py",
         "test_calibrate_cluster.py",
         "test_registry.py",
+        "test_quant.py",
     ],
     "process": [
         "test_agent.py",
@@ -65,6 +66,7 @@ TIERS = {
         "test_infer_export.py",
         "test_infer_serve.py",
         "test_placement_run.py",
+        "test_machine.py",
     ],
     "sim": [
         "test_demo.py",
