@@ -21,6 +21,11 @@ def add_arguments(p) -> None:
     p.add_argument("--batch", type=int, default=8, help="global batch, in sequences")
     p.add_argument("--seq", type=int, default=64, help="sequence length in bytes (tokens)")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"), help="(diloco: the inner one)")
+    p.add_argument("--eval-every", type=int, default=0, metavar="K", help="held-out loss every K steps (0: never)")
+    from smoltrain.planner.diloco import add_arguments as outer_arguments
+
+    outer_arguments(p, run=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--microbatches", type=int, default=4, help="pp microbatches (default 4)")
     p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"), help="pp schedule")
@@ -80,6 +85,35 @@ def _shares(text: str | None, hosts) -> list[float] | None:
     return out
 
 
+def check_outer(args, info) -> None:
+    """--eval-every, and the outer-step flags (diloco): one-line errors before anything starts."""
+    from smoltrain.comm import SYNC_DTYPES
+    from smoltrain.planner.diloco import check_args
+
+    if args.eval_every < 0:
+        raise UsageError(f"--eval-every {args.eval_every}: must be 0 (never) or a number of steps")
+    check_args(args, info.outer_steps)
+    if info.outer_steps and args.sync_dtype not in SYNC_DTYPES[args.backend]:
+        raise UsageError(
+            f"--sync-dtype {args.sync_dtype}: the {args.backend} backend cannot carry it "
+            f"(it carries {', '.join(SYNC_DTYPES[args.backend])}; int8 needs --backend socket)"
+        )
+
+
+def outer_settings(cfg, args, plan: dict | None, console):
+    """H (the plan's without --inner-steps) and the outer optimizer for this run's length."""
+    from smoltrain.planner.diloco import FALLBACK_INNER_STEPS, outer_optimizer
+
+    h = cfg.inner_steps
+    if not h:
+        h = (plan or {}).get("inner_steps") or FALLBACK_INNER_STEPS
+        why = f"the plan's, {plan['inner_steps_source']}" if plan else "no plan to pick it from"
+        console.print(f"diloco: {h} inner steps per outer step ({why})")
+    lr, mu, why = outer_optimizer(args.outer_lr, args.outer_momentum, cfg.steps, h)
+    console.print(f"diloco: outer lr {lr:g}, momentum {mu:g} ({why})")
+    return cfg.replace(inner_steps=h, outer_lr=lr, outer_momentum=mu)
+
+
 def run(args) -> int:
     from rich.console import Console
 
@@ -91,6 +125,7 @@ def run(args) -> int:
     from smoltrain.run import preflight
 
     preflight.check_args(args)
+    check_outer(args, info)
     if args.local is None and not args.inventory:
         raise UsageError("give --local N or -i INVENTORY")
     try:
@@ -152,6 +187,10 @@ def run(args) -> int:
         keep_checkpoints=args.keep_checkpoints,
         integrity=args.integrity,
         placement=placed,
+        optimizer=args.optimizer,
+        eval_every=args.eval_every,
+        inner_steps=args.inner_steps or 0,
+        sync_dtype=args.sync_dtype,
     )
     check_usage(cfg)
 
@@ -229,6 +268,7 @@ def run(args) -> int:
                 links=links,
                 compute=getattr(args, "compute", None),
                 placement=placed,
+                outer={"inner_steps": args.inner_steps, "sync_dtype": args.sync_dtype, "target_comm": args.target_comm},
             )
             console.print(
                 f"plan: {plan['step_s'] * 1e3:.1f} ms/step predicted, bottleneck "
@@ -242,6 +282,8 @@ def run(args) -> int:
         except Exception as e:  # the plan is advice; never block a run on it
             console.print(f"plan unavailable: {e}")
 
+    if info.outer_steps:
+        cfg = outer_settings(cfg, args, plan, console)
     if args.secret_file or hosts is not None or info.joiners or args.external:
         secret = ensure_secret(
             args.secret_file or (hosts[0].secret_file if hosts else None)

@@ -81,9 +81,12 @@ def make_plan(
     overlap: bool = True,
     single: bool = True,
     placement: dict | None = None,
+    outer: dict | None = None,
 ) -> dict:
     """`placement` (planner.placement's document): who runs which share, in which rank order;
-    the plan then describes exactly the run that executes it (None: the even split)."""
+    the plan then describes exactly the run that executes it (None: the even split).
+    `outer`: an outer-step strategy's settings (planner.diloco.options: inner_steps, sync_dtype,
+    target_comm)."""
     if placement and ranks is not None:
         ranks, world = placed_ranks(ranks, placement), len(placement["order"])
     if mode == "infer":
@@ -258,6 +261,10 @@ def make_plan(
         "notes": tr.notes
         + ([] if train else [f"infer: one generated token per step, batch-1 decode, KV cache over {seq} positions"]),
     }
+    if train and info.outer_steps:  # the all-reduce every H steps (planner.diloco)
+        from smoltrain.planner import diloco
+
+        diloco.finish(doc, model, ranks, lm, outer)
     if single:
         from smoltrain.planner import verdict
 
@@ -298,6 +305,7 @@ def plan_for_run(
     overlap: bool = True,
     compute: str | None | bool = None,
     placement: dict | None = None,
+    outer: dict | None = None,
 ) -> dict:
     """The plan `smoltrain run` shows before launching and writes beside what it measured,
     under the placement the run executes.
@@ -321,7 +329,19 @@ def plan_for_run(
         ranks = share_machine(ranks, busy=busy_ranks(strategy, world, microbatches, mode))
     lm = link_model([r.name for r in ranks], hosts[:world] if hosts else None, links, link_class)
     doc = make_plan(
-        strategy, model, world, dtype, batch, seq, microbatches, mode, ranks, lm, overlap, placement=placement
+        strategy,
+        model,
+        world,
+        dtype,
+        batch,
+        seq,
+        microbatches,
+        mode,
+        ranks,
+        lm,
+        overlap,
+        placement=placement,
+        outer=outer,
     )
     if hosts is None and world > 1:
         doc["notes"].append(f"--local: the {world} ranks share this machine's {os.cpu_count()} cores and its memory")

@@ -55,6 +55,12 @@ class RunConfig:
     keep_checkpoints: int = 3  # newest complete checkpoints kept
     integrity: str = "header"  # frames after the handshake: MAC over "header" or "full" frame
     placement: dict | None = None  # planner.placement document: who gets which share, layers or heads
+    optimizer: str = "adamw"  # every strategy's optimizer (diloco: the inner one): adamw or sgd
+    eval_every: int = 0  # held-out loss every K steps (models.data: a slice no batch draws from); 0: never
+    inner_steps: int = 0  # diloco: inner steps per outer step (H); 0 for the other strategies
+    outer_lr: float = 0.7  # diloco: outer SGD learning rate on the averaged pseudo-gradient
+    outer_momentum: float = 0.9  # diloco: outer Nesterov momentum
+    sync_dtype: str = "fp32"  # diloco: the pseudo-gradient's dtype on the wire (fp32, bf16, fp16, int8)
 
     @property
     def world_size(self) -> int:

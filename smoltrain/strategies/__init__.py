@@ -140,6 +140,28 @@ class Strategy(ABC):
     def close(self) -> None:  # noqa: B027 (most strategies hold nothing to release)
         """Release what the strategy holds beyond the Comm (threads, servers)."""
 
+    def eval_loss(self, x, y) -> float | None:
+        """Mean loss on held-out windows (x, y) with the current weights (`--eval-every`), or
+        None where another rank answers. The default fits the replicas: rank 0's whole
+        `self.model`. Split models override it, and then every rank takes part."""
+        return mean_loss(self.model, x, y) if self.ctx.rank == 0 else None
+
+
+def mean_loss(model, x, y) -> float:
+    """Mean next-byte loss of a whole model on (x, y), without gradients."""
+    import torch
+
+    from smoltrain.models.gpt import loss_sum
+
+    with torch.no_grad():
+        return float(loss_sum(model(x), y, y.numel()))
+
+
+def eval_due(run, step: int) -> bool:
+    """Is the held-out loss measured after `step` (every --eval-every steps, and at the end)?"""
+    k = run.eval_every
+    return k > 0 and ((step + 1) % k == 0 or step + 1 == run.steps)
+
 
 def check_world(strategy: str, spec, world: int) -> None:
     """Refuse splits the model cannot take, before any process starts."""
