@@ -160,7 +160,9 @@ class Controller:
         elif kind == "eval":
             self.evals.setdefault(msg["step"], {})[who] = msg["loss"]
         elif kind == "outer":
-            self.outer.setdefault(msg["step"], {})[who] = {k: msg[k] for k in ("sync_s", "bytes", "wait_s", "seconds", "digest")}
+            self.outer.setdefault(msg["step"], {})[who] = {
+                k: msg[k] for k in ("sync_s", "bytes", "wait_s", "seconds", "digest")
+            }
         elif kind == "event":
             self.events.append({"step": msg["step"], "kind": msg["kind"], "who": msg["name"]})
             if msg["kind"] == "leave":
