@@ -53,7 +53,8 @@ class DiLoCo(Strategy):
         self.momentum = torch.zeros_like(self.flat)  # the outer Nesterov buffer (shared)
         self.joiner = ctx.rank < 0
         self.lo, self.hi = (0, 0) if self.joiner else ctx.batch_range()
-        self.weight = None if self.joiner else (self.hi - self.lo) / ctx.batch
+        self.share = 0.0 if self.joiner else (self.hi - self.lo) / ctx.batch  # of the batch, from this step on
+        self.weight = self.share  # the part of the batch the last reported loss stands for (Reporter.step)
         self.tokens = 0  # trained on since the last outer step
         self.clock = 0.0  # seconds of inner steps since the last outer step
         self.group, self.epoch, self.names = None, 0, list(run.names)
@@ -74,7 +75,7 @@ class DiLoCo(Strategy):
 
     def train_step(self, step: int) -> float:
         t0 = time.perf_counter()
-        loss_value = 0.0
+        loss_value, self.weight = 0.0, self.share
         if self.hi > self.lo:
             x, y = self.ctx.batches.slice(step, self.lo, self.hi)
             x, y = x.to(self.ctx.device), y.to(self.ctx.device)
@@ -86,10 +87,9 @@ class DiLoCo(Strategy):
             loss_value = float(loss.item())
             self.tokens += y.numel()
         self.clock += time.perf_counter() - t0
-        share = loss_value * self.weight  # weighted before a new split changes the weight
         if (step + 1) % self.H == 0 or step + 1 == self.steps:
             self.outer_step(step // self.H)
-        return share
+        return loss_value * self.weight
 
     # --- one outer step: who is in, the all-reduce, the outer update ---
     def outer_step(self, outer: int, roster: dict | None = None) -> None:
@@ -158,7 +158,7 @@ class DiLoCo(Strategy):
         delta.mul_(self.tokens / roster["tokens"] if roster["tokens"] else 0.0)
         if self.group is not None:
             all_reduce_as(self.group, delta, self.ctx.run.sync_dtype)
-        self.weight = (self.hi - self.lo) / self.ctx.batch
+        self.share = (self.hi - self.lo) / self.ctx.batch
         return delta.to(self.flat.device)
 
     def close_group(self) -> None:
