@@ -65,6 +65,7 @@ TIERS = {
         "test_infer_export.py",
         "test_infer_serve.py",
         "test_placement_run.py",
+        "test_diloco.py",
     ],
     "sim": [
         "test_demo.py",

@@ -150,12 +150,17 @@ class Roster:
     def _serve(self) -> None:
         try:
             deadline = time.monotonic() + self.start_timeout
-            while len(self.pending) < self.expected:
+
+            def starters():  # the run's own ranks; a joiner that came early waits for the first sync
+                return [c for c in self.pending if c.order < self.expected]
+
+            while len(starters()) < self.expected:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"only {len(self.pending)} of {self.expected} members connected")
+                    raise TimeoutError(f"only {len(starters())} of {self.expected} members connected")
                 time.sleep(0.02)
             with self.lock:
-                self.members, self.pending = sorted(self.pending, key=lambda c: (c.order, c.name)), []
+                self.members = sorted(starters(), key=lambda c: (c.order, c.name))
+                self.pending = [c for c in self.pending if c not in self.members]
             while not self.stopping:
                 before = len(self.members)
                 got, lost = self._round()
