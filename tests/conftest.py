@@ -40,6 +40,7 @@ TIERS = {
         "test_rank_timings.py",
         "test_calibrate_cluster.py",
         "test_registry.py",
+        "test_diloco_plan.py",
     ],
     "process": [
         "test_agent.py",
