@@ -30,6 +30,7 @@ SCALE_BYTES = 4
 TARGET_COMM = 0.1  # default share of the step time communication may take
 MAX_INNER_STEPS = 10_000
 FALLBACK_INNER_STEPS = 16  # `run` without a plan to pick H from
+MOMENTUM_FROM = 200  # outer steps from which the default outer step is Nesterov 0.7 / 0.9 (else plain averaging)
 UPDATE_PASSES = 12  # fp32 passes over the parameters per outer step (pseudo-gradient, casts, Nesterov, copy)
 
 
@@ -124,8 +125,13 @@ def add_arguments(p, run: bool) -> None:
         "--inner-steps", type=int, metavar="H", help="diloco: inner steps per outer step (default: the plan's)"
     )
     if run:
-        p.add_argument("--outer-lr", type=float, help="diloco: outer SGD learning rate (default 0.7)")
-        p.add_argument("--outer-momentum", type=float, help="diloco: outer Nesterov momentum, in [0, 1) (default 0.9)")
+        by_length = f"(default: 0.7 for runs of {MOMENTUM_FROM}+ outer steps, else 1: plain averaging)"
+        p.add_argument("--outer-lr", type=float, help=f"diloco: outer SGD learning rate {by_length}")
+        p.add_argument(
+            "--outer-momentum",
+            type=float,
+            help=f"diloco: outer Nesterov momentum in [0, 1) (default: 0.9 for {MOMENTUM_FROM}+ outer steps, else 0)",
+        )
     p.add_argument(
         "--sync-dtype", choices=tuple(SYNC_BYTES), help="diloco: the pseudo-gradient's dtype on the wire (default fp32)"
     )
@@ -138,10 +144,20 @@ def add_arguments(p, run: bool) -> None:
 
 
 def outer_optimizer(lr: float | None, momentum: float | None, steps: int, inner_steps: int) -> tuple[float, float, str]:
-    """(outer lr, outer momentum, why): what was given, else the papers' 0.7 / 0.9."""
-    lr = 0.7 if lr is None else lr
-    momentum = 0.9 if momentum is None else momentum
-    return lr, momentum, "given or the default"
+    """(outer lr, outer momentum, why) for a run of `steps` inner steps at H: what was given;
+    otherwise plain averaging (1, 0) for a run of fewer than MOMENTUM_FROM outer steps, the
+    papers' Nesterov 0.7 / 0.9 from there on (measured: docs/diloco.md, BENCHMARKS.md)."""
+    outer = -(-steps // inner_steps)
+    if lr is not None and momentum is not None:
+        return lr, momentum, "as given"
+    long = outer >= MOMENTUM_FROM
+    d_lr, d_mu = (0.7, 0.9) if long else (1.0, 0.0)
+    why = (
+        f"{outer} outer steps: the papers' Nesterov settings pay over hundreds"
+        if long
+        else f"{outer} outer steps, fewer than {MOMENTUM_FROM}: plain averaging; outer momentum pays over hundreds"
+    )
+    return (d_lr if lr is None else lr), (d_mu if momentum is None else momentum), why
 
 
 def options(outer: dict | None) -> dict:
