@@ -17,7 +17,7 @@ Targets (issue 24): diloco tokens/s >= 3x dp's and >= 1.3x the single host's; by
 time within 25% (`plan --compare`). Also reported: the held-out loss at equal wall-clock.
 Results: BENCHMARKS.md, "DiLoCo on the home sim".
 
-    flock /tmp/smol-sim.lock .venv/bin/python bench/bench_diloco.py [--steps 96] [--batch 16]
+    flock /tmp/smol-sim.lock .venv/bin/python bench/bench_diloco.py [--steps 96] [--batch 8]
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def train(tag: str, strategy: str, inv: Path, d: Path, a, extra: list) -> dict:
     out = d / f"{tag}.json"
     sh(
         [PY, "-m", "smoltrain", "run", "--strategy", strategy, "-i", inv, "--model", a.model]
-        + ["--steps", a.steps, "--batch", a.batch, "--seq", a.seq, "--eval-every", a.eval_every]
+        + ["--steps", a.steps, "--batch", a.batch, "--seq", a.seq, "--eval-every", a.inner_steps]
         + ["--links", d / "links.json", "--compute", d / "compute.json", "--json", out, "--out", d]
         + extra,
         ok=(0,),
@@ -59,10 +59,9 @@ def train(tag: str, strategy: str, inv: Path, d: Path, a, extra: list) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", default="96")
-    ap.add_argument("--batch", default="16")
+    ap.add_argument("--batch", default="8")
     ap.add_argument("--seq", default="64")
     ap.add_argument("--model", default="tiny")
-    ap.add_argument("--eval-every", default="8")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "diloco.json"))
     a = ap.parse_args()
     d = Path(tempfile.mkdtemp(prefix="dlbench-"))
@@ -83,6 +82,7 @@ def main() -> int:
         )
         host = diloco_plan["single_host"]["name"]
         print(f"plan: {low['sentence'] if low else diloco_plan['verdict']}", flush=True)
+        a.inner_steps = h  # every strategy's held-out loss at diloco's outer steps
         alone_placement = d / "alone.json"
         alone_placement.write_text(json.dumps({"mode": "even", "strategy": "dp", "order": [host], "shares": [1.0]}))
         runs = {

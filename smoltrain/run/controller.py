@@ -158,7 +158,10 @@ class Controller:
             rec = self.steps.setdefault(msg["step"], {"parts": {}, "step_s": 0.0, "comm_s": 0.0})
             rec["parts"]["server"] = msg["loss"]
         elif kind == "eval":
-            self.evals.setdefault(msg["step"], {})[who] = msg["loss"]
+            rec = self.evals.setdefault(msg["step"], {"parts": {}})
+            rec["parts"][who] = msg["loss"]
+            if msg.get("weight") is not None:
+                rec.setdefault("weights", {})[who] = msg["weight"]
         elif kind == "outer":
             self.outer.setdefault(msg["step"], {})[who] = {
                 k: msg[k] for k in ("sync_s", "bytes", "wait_s", "seconds", "digest")
@@ -364,8 +367,7 @@ class Controller:
         out = {}
         if self.evals:
             out["evals"] = [
-                {"step": k, "tokens": (k + 1) * tokens, "loss": sum(v for _, v in sorted(by.items()))}
-                for k, by in sorted(self.evals.items())
+                {"step": k, "tokens": (k + 1) * tokens, "loss": step_loss(rec)} for k, rec in sorted(self.evals.items())
             ]
         if self.outer:
             order = {n: i for i, n in enumerate(self.names)}

@@ -41,8 +41,11 @@ class Reporter:
             msg["weight"] = weight
         self._send(msg)
 
-    def eval(self, step, loss):
-        self._send({"type": "eval", "step": step, "loss": loss})
+    def eval(self, step, loss, weight=None):
+        msg = {"type": "eval", "step": step, "loss": loss}
+        if weight is not None:  # the part of the held-out batch this share stands for (elastic members)
+            msg["weight"] = weight
+        self._send(msg)
 
     def outer(self, step, sync_s, nbytes, wait_s, seconds, digest):
         keys = ("step", "sync_s", "bytes", "wait_s", "seconds", "digest")
@@ -129,7 +132,7 @@ def held_out(strat, batches, comm, timer, rep: Reporter, step: int, device: str)
         comm.take_seconds()
     timer.take()
     if shares[0] is not None:
-        rep.eval(step, sum(shares) / len(shares))
+        rep.eval(step, sum(shares) / len(shares), getattr(strat, "share", None))
 
 
 def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, corpus: bytes) -> None:

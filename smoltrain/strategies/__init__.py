@@ -141,20 +141,25 @@ class Strategy(ABC):
         """Release what the strategy holds beyond the Comm (threads, servers)."""
 
     def eval_loss(self, x, y) -> float | None:
-        """Mean loss on held-out windows (x, y) with the current weights (`--eval-every`), or
-        None where another rank answers. The default fits the replicas: rank 0's whole
-        `self.model`. Split models override it, and then every rank takes part."""
-        return mean_loss(self.model, x, y) if self.ctx.rank == 0 else None
+        """This rank's share of the mean loss on held-out windows (x, y) with the current
+        weights (`--eval-every`), or None where other ranks answer; the shares add up. The
+        default fits the replicas: each evaluates its slice of the batch with its whole
+        `self.model`, so a slow host evaluates as little as it trains on."""
+        lo, hi = self.ctx.batch_range()
+        return mean_loss(self.model, x[lo:hi], y[lo:hi], y.numel())
 
 
-def mean_loss(model, x, y) -> float:
-    """Mean next-byte loss of a whole model on (x, y), without gradients."""
+def mean_loss(model, x, y, tokens: int | None = None) -> float:
+    """Next-byte loss of a whole model on (x, y), summed and divided by `tokens` (default:
+    y's own, the mean), without gradients."""
     import torch
 
     from smoltrain.models.gpt import loss_sum
 
+    if x.shape[0] == 0:
+        return 0.0
     with torch.no_grad():
-        return float(loss_sum(model(x), y, y.numel()))
+        return float(loss_sum(model(x), y, tokens or y.numel()))
 
 
 def eval_due(run, step: int) -> bool:

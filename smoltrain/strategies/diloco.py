@@ -169,14 +169,13 @@ class DiLoCo(Strategy):
             self.group = None
 
     # --- what the runner asks ---
-    def eval_loss(self, x, y) -> float | None:
-        """Rank 0 answers, with the shared weights of the last outer step."""
-        if self.ctx.rank != 0:
-            return None
+    def eval_loss(self, x, y) -> float:
+        """This rank's slice of the held-out batch (the slice it trains on, so the work
+        follows each host's speed), with the shared weights of the last outer step."""
         local = self.flat.clone()
         self.flat.copy_(self.anchor)
         try:
-            return mean_loss(self.model, x, y)
+            return mean_loss(self.model, x[self.lo : self.hi], y[self.lo : self.hi], y.numel())
         finally:
             self.flat.copy_(local)
 
