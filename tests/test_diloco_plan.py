@@ -156,3 +156,12 @@ def test_the_held_out_slice_is_never_trained_on():
     assert all(torch.equal(a[0], c[0]) for a, c in zip(ev, b.eval_batches()))  # the same windows every time
     plain = Batches(data, 8, 32, seed=5)  # without --eval-every: every byte is trained on, as before
     assert plain.train_end == n and torch.equal(plain.global_batch(3)[0], Batches(data, 8, 32, 5).global_batch(3)[0])
+
+
+def test_the_default_outer_step_fits_the_run_length():
+    short = diloco.outer_optimizer(None, None, steps=96, inner_steps=8)
+    assert short[:2] == (1.0, 0.0) and "12 outer steps" in short[2]
+    long = diloco.outer_optimizer(None, None, steps=diloco.MOMENTUM_FROM * 8, inner_steps=8)
+    assert long[:2] == (0.7, 0.9)
+    assert diloco.outer_optimizer(0.5, None, steps=96, inner_steps=8)[:2] == (0.5, 0.0)
+    assert diloco.outer_optimizer(0.5, 0.2, steps=96, inner_steps=8) == (0.5, 0.2, "as given")
