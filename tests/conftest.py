@@ -101,3 +101,14 @@ def needs_sim():
     from need import need_sim
 
     need_sim()
+
+
+@pytest.fixture(scope="module")
+def secret_file(tmp_path_factory):
+    """A cluster secret file (mode 600) for the runs a test module starts (modules may keep their own)."""
+    import secrets
+
+    p = tmp_path_factory.mktemp("secret") / "secret"
+    p.write_text(secrets.token_hex(32))
+    os.chmod(p, 0o600)
+    return str(p)

@@ -9,18 +9,14 @@ with the tiny model and 6 x 32 batches.
 from __future__ import annotations
 
 import json
-import os
 import re
-import secrets
-import signal
 import subprocess
 import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 from commtools import run_group
+from elastic import watch
 
 from smoltrain.cli import main
 from smoltrain.planner.diloco import SYNC_BYTES, rank_bytes
@@ -44,14 +40,6 @@ def cli(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def secret_file(tmp_path_factory):
-    p = tmp_path_factory.mktemp("secret") / "secret"
-    p.write_text(secrets.token_hex(32))
-    os.chmod(p, 0o600)
-    return str(p)
-
-
-@pytest.fixture(scope="module")
 def runs(tmp_path_factory, secret_file):
     d = tmp_path_factory.mktemp("diloco")
 
@@ -72,19 +60,22 @@ def runs(tmp_path_factory, secret_file):
         return json.loads(out.read_text()), (json.loads(cmp.read_text()) if cmp.exists() else None)
 
     with ThreadPoolExecutor(max_workers=3) as pool:
-        return dict(zip(RUNS, pool.map(one, RUNS)))
+        return Runs(zip(RUNS, pool.map(one, RUNS)))
 
 
-def _get(runs, name):
-    r = runs[name]
-    if isinstance(r, Exception):
-        raise r
-    return r
+class Runs(dict):
+    """name -> (run report, plan --compare); a run that failed raises its error where a test asks for it."""
+
+    def __getitem__(self, name):
+        got = super().__getitem__(name)
+        if isinstance(got, Exception):
+            raise got
+        return got
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_one_inner_step_of_sgd_with_plain_averaging_is_dp(runs, world):
-    (dp, _), (dl, _) = _get(runs, f"dp{world}"), _get(runs, f"dl{world}")
+    (dp, _), (dl, _) = runs[f"dp{world}"], runs[f"dl{world}"]
     assert [s["step"] for s in dl["steps"]] == list(range(5)) and len(dl["outer_steps"]) == 5
     worst = max(abs(a["loss"] - b["loss"]) / a["loss"] for a, b in zip(dp["steps"], dl["steps"]))
     assert worst <= 1e-4, f"diloco H=1 differs from dp by {worst:.2e} relative"
@@ -95,7 +86,7 @@ def test_one_inner_step_of_sgd_with_plain_averaging_is_dp(runs, world):
 
 @pytest.mark.parametrize("name", [n for n in RUNS if RUNS[n][0] == "diloco"])
 def test_every_rank_holds_the_same_weights_after_every_outer_step(runs, name):
-    doc, _ = _get(runs, name)
+    doc, _ = runs[name]
     strategy, world, steps, extra = RUNS[name]
     check_any(doc)
     h = doc["config"]["inner_steps"]
@@ -109,7 +100,7 @@ def test_every_rank_holds_the_same_weights_after_every_outer_step(runs, name):
 
 @pytest.mark.parametrize("name", [n for n in RUNS if RUNS[n][0] == "diloco"])
 def test_bytes_per_outer_step_are_the_plans_exactly(runs, name):
-    doc, cmp = _get(runs, name)
+    doc, cmp = runs[name]
     _, world, _, _ = RUNS[name]
     dtype, numel = doc["config"]["sync_dtype"], doc["plan"]["model"]["params"]
     for o in doc["outer_steps"]:
@@ -122,7 +113,7 @@ def test_bytes_per_outer_step_are_the_plans_exactly(runs, name):
 
 
 def test_held_out_loss_is_reported_and_drawn(runs):
-    doc, _ = _get(runs, "int8")
+    doc, _ = runs["int8"]
     assert [e["step"] for e in doc["evals"]] == [1, 3, 4]
     assert [e["tokens"] for e in doc["evals"]] == [(e["step"] + 1) * 6 * 32 for e in doc["evals"]]
     assert all(3.0 < e["loss"] < 6.0 for e in doc["evals"])
@@ -177,37 +168,11 @@ def test_a_member_that_dies_is_dropped_and_a_newcomer_joins_at_an_outer_step(tmp
         stderr=subprocess.STDOUT,
         text=True,
     )
-    lines, joiner, joined, killed = [], None, False, False
-    timer = threading.Timer(200, proc.kill)
-    timer.start()
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            m = re.search(r"control channel (\S+)", line)
-            if m and joiner is None:  # a newcomer, started while the run is under way
-                joiner = subprocess.Popen(
-                    [sys.executable, "-m", "smoltrain", "worker", "--control", m.group(1), "--join"],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
-                joiner.stdin.write(Path(secret_file).read_bytes() + b"\n")
-                joiner.stdin.close()
-            joined = joined or line.startswith("event: join join1")
-            if joined and not killed and re.match(r"step \d+/", line):  # mid outer step, after the join
-                os.kill(int(re.search(r"worker rank2 pid (\d+)", "".join(lines)).group(1)), signal.SIGKILL)
-                killed = True
-        rc = proc.wait(timeout=30)
-    finally:
-        timer.cancel()
-        if proc.poll() is None:
-            proc.kill()
-        if joiner is not None:
-            try:
-                joiner.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                joiner.kill()
-    out = "".join(lines)
+
+    def after_the_join(line, seen):  # mid outer step, once the newcomer is in
+        return re.match(r"step \d+/", line) and any(x.startswith("event: join join1") for x in seen)
+
+    rc, out = watch(proc, secret_file, after_the_join)
     assert rc == 0, out[-2000:]
     doc = check_any(json.loads(report.read_text()))
     events = {(e["kind"], e["who"]): e["step"] for e in doc["events"]}

@@ -14,14 +14,6 @@ import pytest
 from smoltrain.cli import main
 
 
-@pytest.fixture(scope="module")
-def secret_file(tmp_path_factory):
-    p = tmp_path_factory.mktemp("secret") / "secret"
-    p.write_text(secrets.token_hex(32))
-    os.chmod(p, 0o600)
-    return str(p)
-
-
 def one_line_error(capsys, argv) -> tuple[int, str]:
     rc = main(argv)
     err = capsys.readouterr().err.strip()

@@ -209,12 +209,17 @@ class ParameterServer:
 
     def close(self) -> None:
         self.stopping = True
-        try:
-            self.listener.close()
-        except OSError:
-            pass
-        for m in self.members + self.pending:
-            m.sock.close()
+        close_all(self.listener, self.members + self.pending)
+
+
+def close_all(listener, conns) -> None:
+    """Stop admitting and drop every member's connection (the parameter server, diloco's roster)."""
+    try:
+        listener.close()
+    except OSError:
+        pass
+    for m in conns:
+        m.sock.close()
 
 
 class Member:

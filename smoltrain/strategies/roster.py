@@ -32,6 +32,7 @@ import time
 from smolnet import wire
 from smolnet.server import AuthListener
 from smoltrain.planner.placement import named_batch_ranges
+from smoltrain.strategies.parameter_server import close_all
 
 HELLO, CHECKIN, ROSTER, VERDICT, STOP = 21, 22, 23, 24, 25
 
@@ -186,10 +187,6 @@ class Roster:
 
     def close(self) -> None:
         self.stopping = True
-        try:
-            self.listener.close()
-        except OSError:
-            pass
         with self.lock:
             pending, self.pending = self.pending, []
         for m in pending:  # joiners too late for the last outer step
@@ -197,9 +194,7 @@ class Roster:
                 wire.send_frame(m.sock, STOP, {}, timeout=2.0, session=m.session)
             except (OSError, wire.WireError, TimeoutError):
                 pass
-            m.sock.close()
-        for m in self.members:
-            m.sock.close()
+        close_all(self.listener, self.members + pending)
 
 
 class Member:
