@@ -138,7 +138,7 @@ class Controller:
     def handle(self, who: str | None, msg: dict, progress) -> None:
         kind = msg.get("type")
         if kind == "log" or who is None:
-            self.console.log(f"{who or 'control'}: {msg.get('message')}")
+            self.console.log(f"{who or 'control'}: {msg.get('message')}", markup=False)  # text from a peer
         elif kind == "connected":
             self.connected[who] = msg["hello"]
             self.console.print(f"worker {who} pid {msg['hello'].get('pid')} on {msg['hello'].get('host')}")
@@ -185,7 +185,7 @@ class Controller:
             self.state_bytes[who] = msg.get("state_bytes", {})
         elif kind == "error":
             if self.info.elastic and who != self.names[0]:
-                self.console.log(f"{who} failed: {msg['message']}")
+                self.console.log(f"{who} failed: {msg['message']}", markup=False)
             else:
                 self._gather(who, error=msg)
         elif kind == "closed":
