@@ -111,7 +111,15 @@ def outer_settings(cfg, args, plan: dict | None, console):
         console.print(f"diloco: {h} inner steps per outer step ({why})")
     lr, mu, why = outer_optimizer(args.outer_lr, args.outer_momentum, cfg.steps, h)
     console.print(f"diloco: outer lr {lr:g}, momentum {mu:g} ({why})")
+    if cfg.placement is not None:  # the run report's placement says how unequal hosts meet at the sync
+        cfg.placement["sync"] = OUTER_SYNC
     return cfg.replace(inner_steps=h, outer_lr=lr, outer_momentum=mu)
+
+
+OUTER_SYNC = (
+    "batch shares by measured speed, so every rank ends its H inner steps together; "
+    "each pseudo-gradient weighted by the tokens its rank trained on"
+)
 
 
 def run(args) -> int:

@@ -132,7 +132,7 @@ def held_out(strat, batches, comm, timer, rep: Reporter, step: int, device: str)
         comm.take_seconds()
     timer.take()
     if shares[0] is not None:
-        rep.eval(step, sum(shares) / len(shares), getattr(strat, "share", None))
+        rep.eval(step, sum(shares) / len(shares), strat.share)
 
 
 def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, corpus: bytes) -> None:
@@ -205,7 +205,7 @@ def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, co
             step_s = time.perf_counter() - t0
             comm_s = (comm.take_seconds() if comm else 0.0) + ctx.comm_timer.take()
             sent = strat.sent_bytes()
-            rep.step(step, loss if strat.loss_owner else None, step_s, comm_s, sent, getattr(strat, "weight", None))
+            rep.step(step, loss if strat.loss_owner else None, step_s, comm_s, sent, strat.weight)
             if eval_due(cfg, step):
                 held_out(strat, batches, comm, ctx.comm_timer, rep, step, device)
             if not ps and checkpoint_due(cfg, step + 1):

@@ -91,6 +91,8 @@ class Strategy(ABC):
     """One rank's share of the model, its optimizer, and its training step."""
 
     loss_owner = True  # does this rank's train_step return a loss share?
+    weight = None  # elastic members: the part of the batch the loss share just returned stands for
+    share = None  # elastic members: the part of the batch (and of the held-out windows) this rank holds now
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
