@@ -126,14 +126,14 @@ def summary(runs: dict[str, dict], host: str, low: dict | None) -> dict:
 
 
 def markdown(s: dict, h: int, dtype: str, low: dict | None, png: str) -> list[str]:
-    host = s["host"]
+    host, secs = s["host"], s["equal_wall_clock"]["seconds"]
     lines = ["", "## Low-communication training: diloco beside dp and the best host alone", ""]
     if low:
         lines += [f"Plan's verdict: {low['sentence']}", ""]
     lines += [
         f"Each trained the same global batches (diloco: H={h}, {dtype} pseudo-gradients, placed by measured speed).",
         "",
-        "| run | tokens/s | bytes per token (busiest rank) | held-out loss at the end | at diloco's end (seconds) |",
+        f"| run | tokens/s | bytes per token (busiest rank) | held-out loss: at the end | after {secs:.0f} s |",
         "|---|---|---|---|---|",
     ]
     for k in RUNS:
@@ -142,10 +142,21 @@ def markdown(s: dict, h: int, dtype: str, low: dict | None, png: str) -> list[st
             f"| {LABELS[k].format(host=host)} | {s['tokens_per_s'][k]:,.0f} | {s['bytes_per_token'][k]:,.1f} | "
             f"{s['held_out'][k]:.4f} | {'-' if then is None else f'{then:.4f}'} |"
         )
-    lines += ["", f"Measured: diloco runs {s['measured_vs_alone']:.2f}x {host} alone"]
+    lines += ["", f"Measured: diloco runs {s['measured_vs_alone']:.2f}x {host} alone."]
     if low:
+        lines[-1] = lines[-1][:-1]
         held = {True: "the verdict holds", False: "the verdict does NOT hold", None: "no setting was predicted to win"}
         lines[-1] += f" (the plan predicted {s['predicted_vs_alone']:.2f}x): {held[s.get('verdict_holds')]}."
+    c = s.get("compare") or {}
+    if c:
+        step = c["step_s"]
+        ratio = step["measured"] / step["predicted"] if step.get("measured") and step.get("predicted") else None
+        lines += [
+            "",
+            f"plan --compare: bytes per outer step {'exactly as planned' if c['bytes_exact'] else 'NOT as planned'}; "
+            f"step time {step['predicted'] * 1e3:.1f} ms planned, "
+            + (f"{step['measured'] * 1e3:.1f} ms measured (x{ratio:.2f})." if ratio else "not measured."),
+        ]
     lines += ["", f"![held-out loss against tokens and seconds]({png})"]
     return lines
 
@@ -156,9 +167,8 @@ def diloco_stage(stage, console, py: str, inv: Path, links: Path, out: Path, rep
     steps = str(2 * h if quick else max(48, 4 * h))
     alone = out / "placement-alone.json"
     alone.write_text(json.dumps({"mode": "even", "strategy": "dp", "order": [host], "shares": [1.0]}))
-    common = ["-i", str(inv), "--steps", steps, "--eval-every", str(h), "--links", str(links)]
-    if (out / "compute.json").exists():
-        common += ["--compute", str(out / "compute.json")]
+    measured = [f"--{k}={p}" for k, p in (("links", links), ("compute", out / "compute.json")) if p.exists()]
+    common = ["-i", str(inv), "--steps", steps, "--eval-every", str(h), *measured]
     extra = {
         "dp": ["--strategy", "dp", "--placement", "auto"],
         "diloco": ["--strategy", "diloco", "--placement", "auto", "--inner-steps", str(h), "--sync-dtype", dtype],
@@ -170,7 +180,15 @@ def diloco_stage(stage, console, py: str, inv: Path, links: Path, out: Path, rep
         title = f"10. train: {LABELS[name].format(host=host)}, {steps} steps, held-out loss every {h}"
         stage.run(title, [py, "-m", "smoltrain", "run", *extra[name], *common, "--json", str(rj), "--out", str(out)])
         runs[name] = json.loads(rj.read_text())
+    cmp = out / "compare-diloco-stage.json"
+    stage.run(
+        "10. check: plan vs measured for diloco (bytes per outer step exact, step time)",
+        [py, "-m", "smoltrain", "plan", "--compare", str(out / "diloco-stage-diloco.json"), "-i", str(inv)]
+        + ["--no-what-if", "--json", str(cmp), *measured],
+    )
     s = summary(runs, host, low)
+    c = json.loads(cmp.read_text())
+    s["compare"] = {"bytes_exact": c.get("bytes_exact"), "step_s": c["step_s"]}
     picture(runs, host, out / "diloco.png")
     (out / "diloco-stage.json").write_text(json.dumps(s, indent=1))
     console.print(
