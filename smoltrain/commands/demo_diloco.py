@@ -83,14 +83,13 @@ def picture(runs: dict[str, dict], host: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (by_tokens, by_time) = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
-    for (name, doc), color in zip(runs.items(), ("#0072B2", "#D55E00", "#009E73")):
+    styles = (("#0072B2", "-", "o"), ("#D55E00", "-", "s"), ("#009E73", "--", "^"))  # dp and alone overlap per token
+    for (name, doc), (color, ls, mk) in zip(runs.items(), styles):
         clock = wall_clock(doc)
         ev = doc.get("evals") or []
-        label = LABELS[name].format(host=host)
-        by_tokens.plot([e["tokens"] for e in ev], [e["loss"] for e in ev], marker="o", ms=3, color=color, label=label)
-        by_time.plot(
-            [clock[e["step"]] for e in ev], [e["loss"] for e in ev], marker="o", ms=3, color=color, label=label
-        )
+        kw = dict(marker=mk, ms=4, color=color, ls=ls, label=LABELS[name].format(host=host))
+        by_tokens.plot([e["tokens"] for e in ev], [e["loss"] for e in ev], **kw)
+        by_time.plot([clock[e["step"]] for e in ev], [e["loss"] for e in ev], **kw)
     by_tokens.set_xlabel("tokens trained on")
     by_time.set_xlabel("seconds of training")
     by_tokens.set_ylabel("held-out loss")
