@@ -81,6 +81,7 @@ def main() -> int:
         host = diloco_plan["single_host"]["name"]
         print(f"plan: {low['sentence'] if low else diloco_plan['verdict']}", flush=True)
         a.inner_steps = h  # every strategy's held-out loss at diloco's outer steps
+        a.steps = str(-(-int(a.steps) // h) * h)  # whole outer steps, the same tokens for all three
         alone_placement = d / "alone.json"
         alone_placement.write_text(json.dumps({"mode": "even", "strategy": "dp", "order": [host], "shares": [1.0]}))
         runs = {
