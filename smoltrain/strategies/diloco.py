@@ -108,10 +108,11 @@ class DiLoCo(Strategy):
                 except CommError as e:
                     self.ctx.reporter.log(f"{self.ctx.name}: outer step {outer} failed ({e}); regrouping")
                     ok = False
-                    self.close_group()
+                    self.close_group()  # now, so peers still inside the collective fail too instead of waiting
                 if self.member.commit(outer, ok):
                     break
-                roster = None  # someone failed: the roster regroups and everyone redoes the step
+                self.close_group()  # someone failed: every rank builds a fresh ring and redoes the step
+                roster = None
         mu, lr = self.ctx.run.outer_momentum, self.ctx.run.outer_lr
         with torch.no_grad():
             self.momentum.mul_(mu).add_(delta)

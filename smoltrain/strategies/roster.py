@@ -98,10 +98,14 @@ class Roster:
         while len(got) < len(self.members) and not self.stopping:
             waiting = [m for m in self.members if m not in got]
             left = None if first is None else first + self.barrier_timeout - time.monotonic()
-            if left is not None and left <= 0:
-                lost += [(m, f"more than {self.barrier_timeout:g}s behind the first at the sync") for m in waiting]
-                break
-            ready, _, _ = select.select([m.sock for m in waiting], [], [], min(0.5, left) if left else 0.5)
+            if left is not None and left <= 0 and any(m.order for m in waiting):
+                # late members are dropped; rank 0's own is waited for (without it there is no run)
+                late = [m for m in waiting if m.order]
+                lost += [(m, f"more than {self.barrier_timeout:g}s behind the first at the sync") for m in late]
+                for m in late:
+                    self.members.remove(m)
+                continue
+            ready, _, _ = select.select([m.sock for m in waiting], [], [], min(0.5, left) if left and left > 0 else 0.5)
             for m in [m for m in waiting if m.sock in ready]:
                 try:
                     kind, meta, _ = wire.recv_frame(m.sock, timeout=10.0, max_payload=0, session=m.session)
