@@ -26,9 +26,8 @@ SMALL = ["--batch", "6", "--seq", "32", "--seed", "3"]
 SGD = ["--optimizer", "sgd", "--lr", "0.05"]
 PLAIN = ["--inner-steps", "1", "--outer-lr", "1", "--outer-momentum", "0"]
 RUNS = {  # name: (strategy, world, steps, extra); dl2 runs on torch.distributed, the rest on the socket transport
-    "dp2": ("dp", 2, 4, SGD),
+    "dp": ("dp", 1, 4, SGD),  # dp on any world follows --local 1 (tests/test_strategies.py)
     "dl2": ("diloco", 2, 4, SGD + PLAIN + ["--backend", "torch"]),
-    "dp3": ("dp", 3, 4, SGD),
     "dl3": ("diloco", 3, 4, SGD + PLAIN),
     "int8": ("diloco", 3, 5, ["--inner-steps", "2", "--sync-dtype", "int8", "--eval-every", "2"]),
 }
@@ -74,7 +73,7 @@ class Runs(dict):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_one_inner_step_of_sgd_with_plain_averaging_is_dp(runs, world):
-    (dp, _), (dl, _) = runs[f"dp{world}"], runs[f"dl{world}"]
+    (dp, _), (dl, _) = runs["dp"], runs[f"dl{world}"]
     assert [s["step"] for s in dl["steps"]] == list(range(4)) and len(dl["outer_steps"]) == 4
     worst = max(abs(a["loss"] - b["loss"]) / a["loss"] for a, b in zip(dp["steps"], dl["steps"]))
     assert worst <= 1e-4, f"diloco H=1 differs from dp by {worst:.2e} relative"
