@@ -165,3 +165,20 @@ def test_the_default_outer_step_fits_the_run_length():
     assert long[:2] == (0.7, 0.9)
     assert diloco.outer_optimizer(0.5, None, steps=96, inner_steps=8)[:2] == (0.5, 0.0)
     assert diloco.outer_optimizer(0.5, 0.2, steps=96, inner_steps=8) == (0.5, 0.2, "as given")
+
+
+def test_diloco_leaves_out_a_host_whose_one_sequence_outlasts_the_others_step():
+    from smoltrain.planner.placement import place
+    from smoltrain.planner.speeds import HostSpeed
+
+    sp = {  # a laptop, and a pi whose fixed cost per step alone exceeds the laptop's whole step
+        "laptop": HostSpeed("laptop", 1e-5, 8e9, fixed_s=0.01),
+        "pi": HostSpeed("pi", 4e-5, 8e9, fixed_s=0.1),
+    }
+    dl = place("diloco", "auto", TINY, list(sp), sp, 8, 64)
+    assert dl.order == ["laptop"] and dl.shares == [1.0]
+    assert [e["name"] for e in dl.excluded] == ["pi"] and "one sequence takes it" in dl.excluded[0]["why"]
+    dp = place("dp", "auto", TINY, list(sp), sp, 8, 64)  # lockstep strategies keep every host
+    assert sorted(dp.order) == ["laptop", "pi"] and not dp.excluded
+    big = place("diloco", "auto", TINY, list(sp), sp, 256, 64)  # enough work: the pi helps again
+    assert sorted(big.order) == ["laptop", "pi"]
