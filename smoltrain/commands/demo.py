@@ -231,12 +231,12 @@ def run(args) -> int:
         from smoltrain.commands.demo_placement import placement_stage
 
         placement_stage(stage, console, py, inv, links, out, steps, path, args.quick)  # even vs auto, into REPORT.md
-        from smoltrain.commands.demo_diloco import diloco_stage
-
-        diloco_stage(stage, console, py, inv, links, out, path, args.quick)  # diloco beside dp and one host alone
         from smoltrain.commands.demo_generate import generate_stages
 
         generate_stages(stage, py, inv, out, steps, path)
+        from smoltrain.commands.demo_diloco import diloco_stage
+
+        diloco_stage(stage, console, py, inv, links, out, path, args.quick)  # diloco beside dp and one host alone
         if skipped:
             console.rule("[bold yellow]done, with stages SKIPPED")
             console.print(

@@ -176,12 +176,12 @@ def diloco_stage(stage, console, py: str, inv: Path, links: Path, out: Path, rep
     runs = {}
     for name in RUNS:
         rj = out / f"diloco-stage-{name}.json"  # not run-*.json: those are the demo's main runs
-        title = f"10. train: {LABELS[name].format(host=host)}, {steps} steps, held-out loss every {h}"
+        title = f"13. train: {LABELS[name].format(host=host)}, {steps} steps, held-out loss every {h}"
         stage.run(title, [py, "-m", "smoltrain", "run", *extra[name], *common, "--json", str(rj), "--out", str(out)])
         runs[name] = json.loads(rj.read_text())
     cmp = out / "compare-diloco-stage.json"
     stage.run(
-        "10. check: plan vs measured for diloco (bytes per outer step exact, step time)",
+        "14. check: plan vs measured for diloco (bytes per outer step exact, step time)",
         [py, "-m", "smoltrain", "plan", "--compare", str(out / "diloco-stage-diloco.json"), "-i", str(inv)]
         + ["--no-what-if", "--json", str(cmp), *measured],
     )
