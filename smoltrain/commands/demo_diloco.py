@@ -179,7 +179,7 @@ def diloco_stage(stage, console, py: str, inv: Path, links: Path, out: Path, rep
         title = f"13. train: {LABELS[name].format(host=host)}, {steps} steps, held-out loss every {h}"
         stage.run(title, [py, "-m", "smoltrain", "run", *extra[name], *common, "--json", str(rj), "--out", str(out)])
         runs[name] = json.loads(rj.read_text())
-    cmp = out / "diloco-stage-compare.json"  # not compare-*.json: those are the main runs'
+    cmp = out / "diloco-stage-compare.json"  # not compare-*.json: those are the main runs
     stage.run(
         "14. check: plan vs measured for diloco (bytes per outer step exact, step time)",
         [py, "-m", "smoltrain", "plan", "--compare", str(out / "diloco-stage-diloco.json"), "-i", str(inv)]
