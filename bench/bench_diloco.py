@@ -75,9 +75,16 @@ def main() -> int:
         doc = json.loads(plans.read_text())
         low = doc.get("low_communication")
         diloco_plan = next(p for p in doc["plans"] if p["strategy"] == "diloco")
-        h, dtype = (
-            (low["best"]["inner_steps"], low["best"]["sync_dtype"]) if low else (diloco_plan["inner_steps"], "fp32")
-        )
+        if low:  # the verdict's setting
+            h, dtype = low["best"]["inner_steps"], low["best"]["sync_dtype"]
+        else:  # no verdict (a synchronous strategy beats the host): the plan's H for int8 under auto placement
+            dtype, one = "int8", d / "plan-diloco.json"
+            sh(
+                [PY, "-m", "smoltrain", "plan", "--strategy", "diloco", "-i", inv, "--model", a.model, "--batch"]
+                + [a.batch, "--seq", a.seq, "--links", d / "links.json", "--compute", d / "compute.json"]
+                + ["--placement", "auto", "--sync-dtype", dtype, "--no-what-if", "--json", one]
+            )
+            h = json.loads(one.read_text())["inner_steps"]
         host = diloco_plan["single_host"]["name"]
         print(f"plan: {low['sentence'] if low else diloco_plan['verdict']}", flush=True)
         a.inner_steps = h  # every strategy's held-out loss at diloco's outer steps
