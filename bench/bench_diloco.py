@@ -47,7 +47,7 @@ def train(tag: str, strategy: str, inv: Path, d: Path, a, extra: list) -> dict:
     out = d / f"{tag}.json"
     sh(
         [PY, "-m", "smoltrain", "run", "--strategy", strategy, "-i", inv, "--model", a.model]
-        + ["--steps", a.steps, "--batch", a.batch, "--seq", a.seq, "--eval-every", a.inner_steps]
+        + ["--steps", a.steps, "--batch", a.batch, "--seq", a.seq, "--eval-every", a.eval_every]
         + ["--links", d / "links.json", "--compute", d / "compute.json", "--json", out, "--out", d]
         + extra,
         ok=(0,),
@@ -87,7 +87,7 @@ def main() -> int:
             h = json.loads(one.read_text())["inner_steps"]
         host = diloco_plan["single_host"]["name"]
         print(f"plan: {low['sentence'] if low else diloco_plan['verdict']}", flush=True)
-        a.inner_steps = h  # every strategy's held-out loss at diloco's outer steps
+        a.eval_every = h * -(-8 // h)  # every strategy's held-out loss at diloco's outer steps, every 8+ steps
         a.steps = str(-(-int(a.steps) // h) * h)  # whole outer steps, the same tokens for all three
         alone_placement = d / "alone.json"
         alone_placement.write_text(json.dumps({"mode": "even", "strategy": "dp", "order": [host], "shares": [1.0]}))

@@ -376,7 +376,10 @@ class Controller:
                     "step": k,
                     "sync_s": max(r["sync_s"] for r in by.values()),
                     "bytes": sum(r["bytes"] for r in by.values()),
-                    "seconds": max(r["seconds"] for r in by.values()),  # the outer step's wall time
+                    # the outer step's wall time: the rank that waited least at the sync came last, so
+                    # its inner steps and sync are the critical path (what others did between steps,
+                    # like evaluating, shows up in their waits, not here)
+                    "seconds": min(by.values(), key=lambda r: r["wait_s"])["seconds"],
                     "ranks": [
                         dict(by[n], name=n, rank=order.get(n, -1)) for n in sorted(by, key=lambda n: order.get(n, 99))
                     ],
