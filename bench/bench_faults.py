@@ -4,7 +4,8 @@ For each strategy (dp, fsdp, syncps, edp, mp, pp, tp) and fault:
   sigkill     worker rank1 SIGKILLed mid-run
   sigstop     worker rank1 SIGSTOPped mid-run (a stall: only heartbeats can tell)
   controller  the controller SIGKILLed mid-run (workers must notice and exit)
-  ctlstop     the controller SIGSTOPped mid-run (cut off without a reset: only heartbeats tell)
+  ctlstop     the controller SIGSTOPped mid-run (cut off without a reset: only heartbeats tell),
+              then continued once its workers gave up: it must blame itself, not rank 0
   flood       silent TCP connections held on every listening port of the run, from its start
               (rendezvous, rank mesh, control channel, parameter server: 64 each, 200 mid-run)
 it records the detection time (fault -> controller exit, or -> the `leave` event for the
@@ -12,7 +13,20 @@ elastic strategies, or -> the last worker gone when the controller dies), whom t
 blamed, the exit status, whether the report and the newest complete checkpoint survived, and
 during a flood whether a legitimate client (one that knows the secret) still got through.
 
+Checkpoint faults (`--checkpoints`): each strategy trains 4 steps with a checkpoint every 2,
+then the newest checkpoint (step 4) is damaged and the run resumed to step 6:
+  ck-bitflip  4 KiB XORed in the middle of a part (same size)
+  ck-truncate a part cut short by 100 bytes
+  ck-missing  a part deleted
+  ck-marker   complete.json emptied
+  ck-none     step 4 flipped and step 2's complete.json emptied: nothing intact
+it records what `--resume` said it skipped and why, how long the verification took
+(checkpoint.latest on that folder, in-process), the step it resumed from, the exit status,
+the report's status, and whether the resumed steps repeat the first run's losses (they
+should: it resumed from the intact step-2 weights).
+
     flock /tmp/smol-bench.lock .venv/bin/python bench/bench_faults.py --json bench/out/faults.json
+    flock /tmp/smol-bench.lock .venv/bin/python bench/bench_faults.py --checkpoints --json bench/out/faults-ck.json
     .venv/bin/python bench/bench_faults.py --integrity   # cost of --integrity full vs header
 
 A host link cut needs the sim (network namespaces); it is not part of this loopback matrix.
@@ -39,6 +53,7 @@ sys.path.insert(0, ROOT)
 
 STRATEGIES = ["dp", "fsdp", "syncps", "edp", "mp", "pp", "tp"]
 FAULTS = ["sigkill", "sigstop", "controller", "ctlstop", "flood"]
+CK_FAULTS = ["ck-bitflip", "ck-truncate", "ck-missing", "ck-marker", "ck-none"]
 ELASTIC = {"syncps", "edp"}
 HEARTBEAT = 0.5
 
@@ -128,10 +143,8 @@ def _legit_client(port: int, secret: bytes) -> bool:
         return False
 
 
-def cell(strategy: str, fault: str, secret_file: str, secret: bytes, tmp: str) -> dict:
-    world = 3 if strategy in ELASTIC else 2
-    report, ck = os.path.join(tmp, "run.json"), os.path.join(tmp, "ck")
-    argv = [
+def _run_argv(strategy: str, world: int, secret_file: str, tmp: str, *extra: str) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "smoltrain",
@@ -144,27 +157,22 @@ def cell(strategy: str, fault: str, secret_file: str, secret: bytes, tmp: str) -
         "4",
         "--seq",
         "32",
-        "--steps",
-        "40",
-        "--pace",
-        "0.15",
-        "--heartbeat",
-        str(HEARTBEAT),
-        "--barrier-timeout",
-        "3",
-        "--timeout",
-        "60",
         "--secret-file",
         secret_file,
-        "--json",
-        report,
-        "--checkpoint-dir",
-        ck,
-        "--checkpoint-every",
-        "2",
         "--out",
         tmp,
+        *extra,
     ]
+
+
+def cell(strategy: str, fault: str, secret_file: str, secret: bytes, tmp: str) -> dict:
+    world = 3 if strategy in ELASTIC else 2
+    report, ck = os.path.join(tmp, "run.json"), os.path.join(tmp, "ck")
+    argv = _run_argv(
+        strategy, world, secret_file, tmp, "--steps", "40", "--pace", "0.15", "--heartbeat", str(HEARTBEAT)
+    )
+    argv += ["--barrier-timeout", "3", "--timeout", "60", "--json", report]
+    argv += ["--checkpoint-dir", ck, "--checkpoint-every", "2"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
     killer = threading.Timer(180, proc.kill)
@@ -206,8 +214,7 @@ def cell(strategy: str, fault: str, secret_file: str, secret: bytes, tmp: str) -
                 time.sleep(0.05)
             detected = time.monotonic() - t0
             if fault == "ctlstop":
-                proc.kill()
-                os.kill(proc.pid, signal.SIGCONT)
+                os.kill(proc.pid, signal.SIGCONT)  # it must now blame itself, not a rank
         for line in proc.stdout:
             lines.append(line)
             if detected is None and strategy in ELASTIC and re.search(r"event: leave", line):
@@ -248,6 +255,79 @@ def cell(strategy: str, fault: str, secret_file: str, secret: bytes, tmp: str) -
     if fault in ("sigkill", "sigstop"):
         row["right_culprit"] = row["blamed"] == "rank1"
     return row
+
+
+def _damage(kind: str, d: Path) -> None:
+    part = sorted(d.glob("*.safetensors"))[-1]  # rank1 (or the parameter server's part)
+    if kind in ("ck-bitflip", "ck-none"):
+        data = bytearray(part.read_bytes())
+        mid = len(data) // 2
+        data[mid - 2048 : mid + 2048] = bytes(b ^ 0xFF for b in data[mid - 2048 : mid + 2048])
+        part.write_bytes(bytes(data))
+    elif kind == "ck-truncate":
+        part.write_bytes(part.read_bytes()[:-100])
+    elif kind == "ck-missing":
+        part.unlink()
+    elif kind == "ck-marker":
+        (d / "complete.json").write_text("")
+
+
+def checkpoint_cells(strategy: str, secret_file: str, tmp: str) -> list[dict]:
+    """Train 4 steps (checkpoints at 2 and 4), damage step 4 each way, resume to step 6."""
+    import shutil
+
+    from smoltrain.run import checkpoint
+
+    world = 3 if strategy in ELASTIC else 2
+    base, first = os.path.join(tmp, "ck"), os.path.join(tmp, "first.json")
+    p = subprocess.run(
+        _run_argv(
+            strategy, world, secret_file, tmp, "--steps", "4", "--checkpoint-dir", base, "--checkpoint-every", "2"
+        )
+        + ["--json", first],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if p.returncode != 0:
+        return [{"strategy": strategy, "fault": "ck-setup", "error": (p.stderr or p.stdout)[-300:]}]
+    losses = {s["step"]: s["loss"] for s in json.loads(Path(first).read_text())["steps"]}
+    rows = []
+    for kind in CK_FAULTS:
+        ck = os.path.join(tmp, kind)
+        shutil.copytree(base, ck)
+        _damage(kind, Path(ck) / "step-000004")
+        if kind == "ck-none":
+            (Path(ck) / "step-000002" / "complete.json").write_text("")
+        t = time.perf_counter()
+        try:
+            found = checkpoint.latest(ck, None, tidy=False)
+            verified = {"resumed_from": found.step, "skipped": found.skipped}
+        except Exception as e:
+            verified = {"resumed_from": None, "skipped": str(e)}
+        verify_s = time.perf_counter() - t
+        report = os.path.join(tmp, f"{kind}.json")
+        argv = _run_argv(strategy, world, secret_file, tmp, "--steps", "6", "--checkpoint-dir", ck, "--resume")
+        p = subprocess.run(argv + ["--json", report], capture_output=True, text=True, timeout=300)
+        out = p.stdout + p.stderr
+        said = re.search(r"(resume: skipped .*|error: .*)", out)
+        row = {"strategy": strategy, "fault": kind, "world": world, "rc": p.returncode, "verify_s": round(verify_s, 4)}
+        row["said"] = said.group(1).strip() if said else None
+        try:
+            doc = json.loads(Path(report).read_text())
+            row["report"] = doc.get("status")
+            res = [e for e in doc.get("events", []) if e["kind"] == "resume"]
+            row["resumed_from"] = res[0]["step"] if res else None
+            row["skipped"] = res[0].get("skipped") if res else verified["skipped"]
+            again = [s for s in doc.get("steps", []) if s["step"] in losses]
+            row["losses_match"] = bool(again) and all(
+                abs(s["loss"] - losses[s["step"]]) <= 1e-5 * abs(losses[s["step"]]) for s in again
+            )
+        except (OSError, ValueError) as e:
+            row["report"] = f"unreadable: {e}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
 
 
 def integrity_cost(rounds: int) -> list[dict]:
@@ -303,9 +383,19 @@ def main() -> int:
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--integrity", action="store_true", help="measure --integrity full against header instead")
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--checkpoints", action="store_true", help="the checkpoint faults instead (damage, then resume)")
     a = ap.parse_args()
     if a.integrity:
         rows = integrity_cost(a.rounds)
+    elif a.checkpoints:
+        rows = []
+        with tempfile.TemporaryDirectory(prefix="bench-faults-ck-") as tmp:
+            sf = os.path.join(tmp, "secret")
+            fd = os.open(sf, os.O_WRONLY | os.O_CREAT, 0o600)
+            os.write(fd, secrets.token_hex(32).encode() + b"\n")
+            os.close(fd)
+            for s in a.strategies.split(","):
+                rows += checkpoint_cells(s, sf, tempfile.mkdtemp(dir=tmp))
     else:
         rows = []
         with tempfile.TemporaryDirectory(prefix="bench-faults-") as tmp:

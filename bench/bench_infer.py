@@ -4,7 +4,7 @@ decode bytes per token vs the `--mode infer` plan, for pp and tp.
 The model is a random-weight Llama (made with transformers) big enough that compute
 dominates a decode step (default hidden 1024, 8 layers: ~130M parameters, ~0.5 GB
 fp32), so the question is what the transport adds. Every rank and the reference run
-one torch thread (SMOL_INFER_THREADS=1): pp stages run one after another in decode, so
+one torch thread (--threads 1): pp stages run one after another in decode, so
 at best pp matches the reference. Rounds alternate the setups so machine noise hits
 all alike; each figure is the median over rounds.
 
@@ -26,28 +26,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def make_model(path: str, hidden: int, layers: int) -> None:
-    import torch
-    import transformers
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from llama_checkpoint import build
 
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=1024,
-        hidden_size=hidden,
-        intermediate_size=int(hidden * 2.75),
-        num_hidden_layers=layers,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=max(1, hidden // 256),
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    with torch.device("cpu"):
-        model = transformers.LlamaForCausalLM(cfg)
-    model.train(False).save_pretrained(path, safe_serialization=True)  # inference mode (no dropout)
+    build(path, hidden, layers, vocab=1024, ctx=512, tokenizer=False)
 
 
 def generate(model: str, strategy: str, world: int, new: int, out: str, inventory: str | None = None) -> dict:
-    env = dict(os.environ, SMOL_INFER_THREADS="1")
-    where = ["-i", inventory] if inventory else ["--local", str(world)]
+    env = dict(os.environ)
+    where = ["-i", inventory] if inventory else ["--local", str(world), "--threads", "1"]
     r = subprocess.run(
         [
             sys.executable,

@@ -1,12 +1,17 @@
 """Talking to a measurement agent: authenticate, send one request frame, read one reply.
 
 The controller and the agents themselves (an agent sending to another agent) use the
-same few calls. One request per connection keeps the agent's state trivial.
+same few calls. One request per connection keeps the agent's state trivial. An agent that
+says "busy" (its listener evicted us among a flood of strangers, or all its request slots are
+taken) is asked again with backoff until the call's connect timeout: busy is a reason to wait,
+never a failure by itself.
 """
 
 from __future__ import annotations
 
+import random
 import socket
+import time
 
 from smolnet import wire
 from smolnet.errors import SmolError
@@ -18,12 +23,49 @@ KIND_DATA = 4
 MAX_REPLY_PAYLOAD = 0  # replies carry JSON only
 
 
+BACKOFF_FIRST, BACKOFF_MAX = 0.02, 0.5
+
+
 class AgentError(SmolError):
     """The agent could not be reached, refused us, or reported a failure."""
 
 
+class AgentBusy(AgentError):
+    """The agent stayed busy for as long as we were prepared to wait."""
+
+
+class _Backoff:
+    """Waits that double from 20 ms to 0.5 s (jittered), until the deadline."""
+
+    def __init__(self, seconds: float):
+        self.deadline, self.wait = time.monotonic() + seconds, BACKOFF_FIRST
+
+    def left(self) -> float:
+        return max(0.05, self.deadline - time.monotonic())
+
+    def sleep(self) -> bool:
+        """Wait before the next try; False when the deadline comes first."""
+        pause = self.wait * random.uniform(0.5, 1.0)
+        if time.monotonic() + pause > self.deadline:
+            return False
+        time.sleep(pause)
+        self.wait = min(self.wait * 2, BACKOFF_MAX)
+        return True
+
+
 def open_agent(addr: str, port: int, secret: bytes, timeout: float = 5.0, source: str | None = None) -> socket.socket:
-    """A TCP connection to an agent that has passed the mutual secret check."""
+    """A TCP connection to an agent that has passed the mutual secret check (busy: tried again
+    with backoff for up to `timeout`)."""
+    backoff = _Backoff(timeout)
+    while True:
+        try:
+            return _open_once(addr, port, secret, backoff.left(), source)
+        except (wire.BusyError, ConnectionResetError) as e:
+            if not backoff.sleep():
+                raise AgentBusy(f"agent at {addr}:{port} stayed busy for {timeout:g}s ({e})") from None
+
+
+def _open_once(addr: str, port: int, secret: bytes, timeout: float, source: str | None) -> socket.socket:
     try:
         sock = socket.create_connection((addr, port), timeout=timeout, source_address=(source, 0) if source else None)
     except OSError as e:
@@ -31,9 +73,9 @@ def open_agent(addr: str, port: int, secret: bytes, timeout: float = 5.0, source
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         wire.client_handshake(sock, secret, timeout=timeout)
-    except wire.BusyError:
+    except (wire.BusyError, ConnectionResetError):
         sock.close()
-        raise AgentError(f"agent at {addr}:{port} is busy (too many unauthenticated connections); try again") from None
+        raise
     except wire.AuthError as e:
         sock.close()
         raise AgentError(f"agent at {addr}:{port}: {e}") from None
@@ -61,7 +103,8 @@ def read_reply(sock: socket.socket, timeout: float, where: str = "agent") -> dic
     except (wire.WireError, OSError) as e:
         raise AgentError(f"{where}: {e}") from None
     if kind == KIND_ERROR:
-        raise AgentError(f"{where}: {meta.get('error', 'failed')}")
+        error = str(meta.get("error", "failed"))
+        raise (AgentBusy if error.startswith("busy:") else AgentError)(f"{where}: {error}")
     if kind != KIND_REPLY:
         raise AgentError(f"{where}: unexpected frame kind {kind}")
     return meta
@@ -70,12 +113,17 @@ def read_reply(sock: socket.socket, timeout: float, where: str = "agent") -> dic
 def call(
     addr: str, port: int, secret: bytes, op: str, /, timeout: float = 10.0, connect_timeout: float = 5.0, **params
 ) -> dict:
-    """One request, one reply, connection closed."""
-    sock = open_agent(addr, port, secret, timeout=connect_timeout)
-    try:
-        send_request(sock, op, **params)
-        return read_reply(sock, timeout, where=f"agent at {addr}:{port} ({op})")
-    except (wire.WireError, TimeoutError, OSError) as e:
-        raise AgentError(f"agent at {addr}:{port} ({op}): {e}") from None
-    finally:
-        sock.close()
+    """One request, one reply, connection closed; busy is asked again until connect_timeout."""
+    backoff = _Backoff(connect_timeout)
+    while True:
+        sock = open_agent(addr, port, secret, timeout=backoff.left())
+        try:
+            send_request(sock, op, **params)
+            return read_reply(sock, timeout, where=f"agent at {addr}:{port} ({op})")
+        except AgentBusy:
+            if not backoff.sleep():
+                raise
+        except (wire.WireError, TimeoutError, OSError) as e:
+            raise AgentError(f"agent at {addr}:{port} ({op}): {e}") from None
+        finally:
+            sock.close()

@@ -14,9 +14,17 @@ import sys
 from smolnet.errors import SmolError
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Usage errors in one line (`prog: error: ...`, exit 2), like every other input error;
+    `--help` still shows the whole usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+
 def parse(prog: str, description: str, commands: dict[str, tuple[str, str]], argv) -> argparse.Namespace:
     """Parse argv, importing only the chosen subcommand (the README tests use this)."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser = OneLineParser(prog=prog, description=description)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module_name, help_text) in commands.items():
@@ -34,7 +42,10 @@ def parse(prog: str, description: str, commands: dict[str, tuple[str, str]], arg
 
 def dispatch(prog: str, description: str, commands: dict[str, tuple[str, str]], argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse(prog, description, commands, argv)
+    try:
+        args = parse(prog, description, commands, argv)
+    except SystemExit as e:  # --help (0) or a usage error already printed (2)
+        return e.code if isinstance(e.code, int) else 0 if e.code is None else 2
     try:
         return int(args._run(args) or 0)
     except SmolError as e:

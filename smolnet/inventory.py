@@ -47,6 +47,7 @@ class Host:
     train_port: int = 7700
     secret_file: str = "~/.config/smolcluster/secret"
     torch_device: str = "auto"
+    threads: int | None = None  # smol_threads: torch threads per rank (None: the CPUs the host may use)
     known_hosts_file: str | None = None
     host_key_checking: bool = True
     groups: list[str] = field(default_factory=list)
@@ -151,12 +152,16 @@ def _read_with_ansible(path: Path):
     except ImportError:
         raise InventoryError("ansible is not installed here (run 'make setup')") from None
     loader = DataLoader()
-    try:
-        inv = InventoryManager(loader=loader, sources=[str(path)])
-    except Exception as e:  # ansible raises many types; all are one-line errors to us
-        raise InventoryError(f"{path}: cannot parse inventory: {e}") from None
+    with _AnsibleWarnings() as said:
+        try:
+            inv = InventoryManager(loader=loader, sources=[str(path)])
+        except Exception as e:  # ansible raises many types; all are one-line errors to us
+            raise InventoryError(f"{path}: cannot parse inventory: {_one_line(e)}") from None
+        if not inv._inventory.processed_sources:
+            # every plugin failed: Ansible would print ~20 lines of warnings and go on with no hosts
+            raise InventoryError(f"{path}: cannot parse inventory: {said.failure()}")
+    said.replay()  # warnings about an inventory that did parse are worth seeing
     if not inv.get_hosts() and not inv.groups.get("cluster"):
-        # Ansible warns instead of failing on unparseable files; make that an error.
         raise InventoryError(f"{path}: no hosts found (is it a valid Ansible inventory?)")
     vm = VariableManager(loader=loader, inventory=inv)
     groups = {name: [h.name for h in g.get_hosts()] for name, g in inv.groups.items()}
@@ -166,6 +171,53 @@ def _read_with_ansible(path: Path):
         hostvars[h.name] = {k: v[k] for k in v if not k.startswith("ansible_facts")}
         hostvars[h.name]["group_names"] = sorted(g.name for g in h.get_groups() if g.name != "all")
     return groups, hostvars
+
+
+def _one_line(e: BaseException) -> str:
+    """Ansible's message, with the YAML position when there is one, on one line."""
+    text = " ".join(str(e).split())
+    cause = e.__cause__ or e.__context__
+    mark = getattr(cause, "problem_mark", None)
+    if mark is not None:
+        text += f" (line {mark.line + 1}, column {mark.column + 1})"
+    return text
+
+
+class _AnsibleWarnings:
+    """Holds Ansible's warnings while an inventory is read: a file no plugin can parse becomes
+    one line (the YAML plugin's reason, where it is), not a screen of per-plugin warnings."""
+
+    def __enter__(self) -> _AnsibleWarnings:
+        from ansible.utils.display import Display
+
+        self.display, self.held, self.failures = Display(), [], []
+        self.saved = {m: self.display.__dict__.get(m) for m in ("warning", "error_as_warning")}
+        self.display.warning = lambda msg, *a, **k: self.held.append((msg, a, k))
+        self.display.error_as_warning = lambda msg=None, exception=None, *a, **k: self.failures.append((msg, exception))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for m, v in self.saved.items():
+            if v is None:
+                self.display.__dict__.pop(m, None)
+            else:
+                setattr(self.display, m, v)
+
+    def failure(self) -> str:
+        if not self.failures:
+            return "no inventory plugin could read it"
+
+        def rank(f) -> int:  # a YAML syntax error with its position, then the YAML plugin's reason
+            cause = f[1] is not None and (f[1].__cause__ or f[1].__context__)
+            return 0 if getattr(cause, "problem_mark", None) else 1 if "'yaml'" in str(f[0]) else 2
+
+        best = min(self.failures, key=rank)
+        return _one_line(best[1]) if best[1] is not None else str(best[0])
+
+    def replay(self) -> None:
+        for msg, a, k in self.held:
+            if "No inventory was parsed" not in str(msg):
+                self.display.warning(msg, *a, **k)
 
 
 def _host(name: str, v: dict) -> Host:
@@ -207,6 +259,8 @@ def _host(name: str, v: dict) -> Host:
         raise InventoryError(
             f"host {name}: smol_device must be one of {', '.join(TORCH_DEVICES)}, got {torch_device!r}"
         )
+    threads = v.get("smol_threads")
+    threads = None if threads is None or str(threads).strip() == "" else _int(threads, "smol_threads", name, 1, 4096)
     hkc = v.get("smol_host_key_checking", v.get("ansible_host_key_checking", True))
     ssh_args = str(v.get("ansible_ssh_common_args", "")) + " " + str(v.get("ansible_ssh_extra_args", ""))
     if re.search(r"StrictHostKeyChecking[=\s]+[\"']?(no|off)\b", ssh_args, re.IGNORECASE):
@@ -235,6 +289,7 @@ def _host(name: str, v: dict) -> Host:
         train_port=_int(v.get("smol_train_port", 7700), "smol_train_port", name, 1, 65535),
         secret_file=str(v.get("smol_secret_file", "~/.config/smolcluster/secret")),
         torch_device=torch_device,
+        threads=threads,
         known_hosts_file=os.path.expanduser(str(known_hosts)) if known_hosts else None,
         host_key_checking=_bool(hkc),
         groups=list(v.get("group_names", [])),

@@ -18,7 +18,10 @@ MAX_SECRET_BYTES = 4096
 
 
 class SecretError(SmolError):
-    pass
+    """A secret file that is missing, unreadable, too short or readable by others: an input
+    error like any other (exit 2)."""
+
+    code = 2
 
 
 def secret_path(path: str | os.PathLike | None = None) -> Path:

@@ -4,16 +4,27 @@ Why: a listener that authenticates one connection at a time is stopped by one si
 connection, and one that gives every connection a thread is stopped by a few hundred. Here
 each unauthenticated connection gets its own short-lived thread and a short pre-authentication
 deadline; at most `max_pending` of them (and `max_per_source` from one address) exist at once.
-When a cap is reached the oldest pending stranger is evicted (a legitimate handshake takes
-milliseconds, an idle one is the likely attacker); only when every pending connection is
-younger than `min_age` does the listener shed the new one with an explicit "busy" (never a
-misleading "secret rejected"). Only connections that passed the secret reach the handler.
+
+At a cap a pending stranger is evicted to make room: from the newcomer's own address at the
+per-address cap, else from the address holding the most (so one address's strangers never
+starve another's), the oldest first, but never one that has already answered the challenge
+(its 64 bytes are waiting, or it is being verified): a cluster member answers within a round
+trip, an idle or garbage connection never does. The evicted connection is told "busy" (the
+wire's busy marker in place of the challenge or the server's proof), never a misleading
+"secret rejected", and clients retry busy with backoff. Only when every pending connection has
+answered does a newcomer itself get "busy". Even a sustained flood from a member's own address
+therefore leaves it a turn: it is evicted only if `max_per_source` strangers arrive from its
+address within its round trip, and then it retries. Only connections that passed the secret
+reach the handler.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import socket
+import struct
+import termios
 import threading
 import time
 
@@ -24,14 +35,24 @@ log = logging.getLogger("smolnet.server")
 PREAUTH_TIMEOUT = 3.0
 MAX_PENDING = 64
 MAX_PER_SOURCE = 16
-MIN_AGE = 0.5
+ANSWER_BYTES = wire.NONCE_BYTES + wire.MAC_BYTES  # what a client sends in answer to the challenge
 
 
 class _Pending:
-    __slots__ = ("sock", "source", "since")
+    __slots__ = ("sock", "source", "since", "verifying")
 
     def __init__(self, sock: socket.socket, source: str):
-        self.sock, self.source, self.since = sock, source, time.monotonic()
+        self.sock, self.source, self.since, self.verifying = sock, source, time.monotonic(), False
+
+    def answered(self) -> bool:
+        """Being verified, or its whole answer to the challenge waits in the socket buffer."""
+        if self.verifying:
+            return True
+        try:
+            buf = fcntl.ioctl(self.sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+        except (OSError, ValueError):
+            return False
+        return struct.unpack("i", buf)[0] >= ANSWER_BYTES
 
 
 class AuthListener:
@@ -46,13 +67,13 @@ class AuthListener:
         preauth_timeout: float = PREAUTH_TIMEOUT,
         max_pending: int = MAX_PENDING,
         max_per_source: int = MAX_PER_SOURCE,
-        min_age: float = MIN_AGE,
         stats: dict | None = None,
         with_key: bool = False,
     ):
         self.listener, self.secret, self.handler, self.name = listener, secret, handler, name
         self.preauth_timeout, self.max_pending = preauth_timeout, max_pending
-        self.max_per_source, self.min_age = max_per_source, min_age
+        self.max_per_source = max_per_source
+        self.quiet = _Quiet(log)  # a garbage flood must not become a log flood
         self.with_key = with_key  # handler(sock, peer, session_key) instead of handler(sock, peer)
         self.pending: list[_Pending] = []
         self.lock = threading.Lock()
@@ -87,26 +108,38 @@ class AuthListener:
 
     # -- admission ---------------------------------------------------------------------
     def _admit(self, sock: socket.socket, source: str) -> _Pending | None:
-        """Room for one more stranger: evict the oldest idle one at a cap, or refuse (busy)."""
-        now = time.monotonic()
+        """Room for one more stranger: evict one that has not answered, or refuse (busy)."""
         with self.lock:
             same = [p for p in self.pending if p.source == source]
-            pool = (
-                same
-                if len(same) >= self.max_per_source
-                else (self.pending if len(self.pending) >= self.max_pending else None)
-            )
-            if pool is not None:
-                oldest = min(pool, key=lambda p: p.since)
-                if now - oldest.since < self.min_age:
+            if len(same) >= self.max_per_source:
+                pools = [same]
+            elif len(self.pending) >= self.max_pending:
+                by_source: dict[str, list[_Pending]] = {}
+                for p in self.pending:
+                    by_source.setdefault(p.source, []).append(p)
+                # the greediest address first (ties: the one with the oldest stranger)
+                pools = sorted(by_source.values(), key=lambda ps: (-len(ps), min(p.since for p in ps)))
+            else:
+                pools = []
+            if pools:
+                victim = next(
+                    (p for pool in pools for p in sorted(pool, key=lambda p: p.since) if not p.answered()), None
+                )
+                if victim is None:
                     self.stats["busy"] += 1
                     return None
-                self.pending.remove(oldest)
+                self.pending.remove(victim)
                 self.stats["evicted"] += 1
-                _shut(oldest.sock)
+                _evict(victim.sock)
             entry = _Pending(sock, source)
             self.pending.append(entry)
             return entry
+
+    def _hold(self, entry: _Pending) -> bool:
+        """The client answered: from now on nobody evicts it (False: it was evicted already)."""
+        with self.lock:
+            entry.verifying = entry in self.pending
+            return entry.verifying
 
     def _forget(self, entry: _Pending) -> bool:
         with self.lock:
@@ -144,10 +177,12 @@ class AuthListener:
         sock = entry.sock
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            key = wire.server_handshake(sock, self.secret, timeout=self.preauth_timeout)
+            key = wire.server_handshake(
+                sock, self.secret, timeout=self.preauth_timeout, answered=lambda: self._hold(entry)
+            )
         except wire.AuthError as e:
             self.stats["rejected"] += 1
-            log.warning("%s: %s:%s rejected: %s", self.name, peer[0], peer[1], e)
+            self.quiet.warning(f"{self.name}: {peer[0]}:{peer[1]} rejected: {e}")
             self._forget(entry)
             sock.close()
             return
@@ -157,7 +192,7 @@ class AuthListener:
             self._forget(entry)
             sock.close()
             return
-        if not self._forget(entry):  # evicted after all, at the last moment
+        if not self._forget(entry):  # cannot happen once held, but never serve an evicted socket
             sock.close()
             return
         self.stats["authenticated"] += 1
@@ -169,6 +204,32 @@ class AuthListener:
         except Exception as e:  # a handler bug costs one connection, never the listener
             log.exception("%s: handler failed for %s: %s", self.name, peer[0], e)
             sock.close()
+
+
+class _Quiet:
+    """At most one warning a second; the ones held back are counted in the next."""
+
+    def __init__(self, logger):
+        self.log, self.next, self.held = logger, 0.0, 0
+
+    def warning(self, msg: str) -> None:
+        now = time.monotonic()
+        if now < self.next:
+            self.held += 1
+            return
+        more = f" (and {self.held} more like it)" if self.held else ""
+        self.log.warning("%s%s", msg, more)
+        self.next, self.held = now + 1.0, 0
+
+
+def _evict(sock: socket.socket) -> None:
+    """Tell an evicted stranger "busy" (in place of the challenge or of the server's proof; the
+    client reads either as busy), then wake its handshake thread, which closes it."""
+    try:
+        sock.send(wire.BUSY_PROOF, socket.MSG_DONTWAIT)
+    except OSError:
+        pass
+    _shut(sock)
 
 
 def _shut(sock: socket.socket) -> None:

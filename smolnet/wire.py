@@ -24,6 +24,9 @@ from smolnet.errors import SmolError
 
 MAGIC_AUTH = b"SMOLAUTH1"
 MAGIC_BUSY = b"SMOLBUSY1"  # instead of MAGIC_AUTH: the listener sheds load, try again later
+# sent to a stranger the listener evicts; it starts with MAGIC_BUSY (read in place of the
+# challenge) and is MAC-sized (read in place of the server's proof): busy either way
+BUSY_PROOF = MAGIC_BUSY + b"\0" * (32 - len(MAGIC_BUSY))
 NONCE_BYTES = 32
 MAC_BYTES = 32
 FRAME_MAGIC = b"SMOL"
@@ -104,12 +107,17 @@ def session_key(secret: bytes, nonce_s: bytes, nonce_c: bytes) -> bytes:
     return _mac(secret, b"session", nonce_s, nonce_c)
 
 
-def server_handshake(sock: socket.socket, secret: bytes, timeout: float = 5.0) -> bytes:
-    """Prove the peer knows the secret before anything else is read from it; returns the session key."""
+def server_handshake(sock: socket.socket, secret: bytes, timeout: float = 5.0, answered=None) -> bytes:
+    """Prove the peer knows the secret before anything else is read from it; returns the session key.
+
+    answered: called once the peer's answer is in; False means the listener evicted this
+    connection meanwhile (it has told the peer "busy"), so stop here."""
     deadline = _deadline(timeout)
     nonce_s = os.urandom(NONCE_BYTES)
     send_all(sock, MAGIC_AUTH + nonce_s, deadline)
     reply = recv_exact(sock, NONCE_BYTES + MAC_BYTES, deadline)
+    if answered is not None and not answered():
+        raise PeerClosed("evicted before its answer was read")
     nonce_c, mac = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
     if not hmac.compare_digest(mac, _mac(secret, b"client", nonce_s, nonce_c)):
         raise AuthError("peer failed the cluster-secret challenge")
@@ -128,6 +136,8 @@ def client_handshake(sock: socket.socket, secret: bytes, timeout: float = 5.0) -
     nonce_c = os.urandom(NONCE_BYTES)
     send_all(sock, nonce_c + _mac(secret, b"client", nonce_s, nonce_c), deadline)
     proof = recv_exact(sock, MAC_BYTES, deadline)
+    if proof == BUSY_PROOF:
+        raise BusyError("peer is busy (evicted among too many unauthenticated connections); try again")
     if not hmac.compare_digest(proof, _mac(secret, b"server", nonce_c, nonce_s)):
         raise AuthError("peer does not know the cluster secret")
     return session_key(secret, nonce_s, nonce_c)
@@ -287,7 +297,7 @@ def connect(
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             key = client_handshake(sock, secret, timeout=10.0)
             return (sock, key) if keyed else sock
-        except (BusyError, TimeoutError) as e:
+        except (BusyError, TimeoutError, ConnectionResetError) as e:
             sock.close()
             if time.monotonic() + wait > deadline:
                 raise ConnectionError(f"{what} {addr}:{port}: {e}") from None

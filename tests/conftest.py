@@ -40,6 +40,7 @@ TIERS = {
         "test_rank_timings.py",
         "test_calibrate_cluster.py",
         "test_registry.py",
+        "test_quant.py",
         "test_diloco_plan.py",
     ],
     "process": [
@@ -66,6 +67,7 @@ TIERS = {
         "test_infer_export.py",
         "test_infer_serve.py",
         "test_placement_run.py",
+        "test_machine.py",
         "test_diloco.py",
     ],
     "sim": [

@@ -5,7 +5,16 @@ from __future__ import annotations
 import os
 
 
-def make_checkpoint(path: str, arch: str, layers: int = 3, seed: int = 0, tied: bool = False) -> str:
+def make_checkpoint(
+    path: str,
+    arch: str,
+    layers: int = 3,
+    seed: int = 0,
+    tied: bool = False,
+    hidden: int = 32,
+    init: float = 0.2,
+    rope_theta: float = 5000.0,
+) -> str:
     """Save a tiny model (hidden 32, 4 heads; Llama with 2 kv heads) with safetensors; returns the folder."""
     import torch
     import transformers
@@ -14,15 +23,15 @@ def make_checkpoint(path: str, arch: str, layers: int = 3, seed: int = 0, tied: 
     if arch == "llama":
         cfg = transformers.LlamaConfig(
             vocab_size=97,
-            hidden_size=32,
-            intermediate_size=64,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
             num_hidden_layers=layers,
             num_attention_heads=4,
             num_key_value_heads=2,
             max_position_embeddings=64,
-            rope_theta=5000.0,
+            rope_theta=rope_theta,
             tie_word_embeddings=tied,
-            initializer_range=0.2,
+            initializer_range=init,
             bos_token_id=1,
             eos_token_id=2,
         )

@@ -55,7 +55,7 @@ def test_cli_writes_the_report_and_exits_4_when_a_host_failed(tmp_path, capsys):
 def test_repeat_out_of_range_is_one_line_and_writes_nothing(tmp_path, capsys):
     out = tmp_path / "c.json"
     assert main(["calibrate", "--local", "--repeat", "0", "--out", str(out)]) == 2
-    assert "--repeat must be in 1..20" in capsys.readouterr().err and not out.exists()
+    assert "--repeat: must be an integer at least 1 and at most 20" in capsys.readouterr().err and not out.exists()
 
 
 def test_local_writes_a_compute_report(tmp_path):

@@ -134,14 +134,14 @@ def test_sync_dtypes_on_the_wire_count_as_planned_and_agree_on_every_rank(backen
 @pytest.mark.parametrize(
     "extra,want",
     [
-        (["--inner-steps", "0"], "--inner-steps 0"),
-        (["--outer-lr", "-0.5"], "--outer-lr -0.5"),
-        (["--outer-lr", "nan"], "--outer-lr nan"),
-        (["--outer-momentum", "1"], "--outer-momentum 1.0"),
-        (["--outer-momentum", "-0.1"], "--outer-momentum -0.1"),
-        (["--sync-dtype", "int8", "--backend", "torch"], "torch backend cannot carry"),
+        (["--inner-steps", "0"], "argument --inner-steps: must be an integer at least 1"),
+        (["--outer-lr", "-0.5"], "argument --outer-lr: must be a positive finite number"),
+        (["--outer-lr", "nan"], "argument --outer-lr: must be a positive finite number"),
+        (["--outer-momentum", "1"], "argument --outer-momentum: must be 0 or more (finite, below 1)"),
+        (["--outer-momentum", "-0.1"], "argument --outer-momentum: must be 0 or more (finite, below 1)"),
+        (["--sync-dtype", "int8", "--backend", "torch"], "torch backend cannot carry it"),
         (["--strategy", "dp", "--inner-steps", "4"], "only for a low-communication strategy"),
-        (["--eval-every", "-1"], "--eval-every -1"),
+        (["--eval-every", "-1"], "argument --eval-every"),
     ],
 )
 def test_bad_input_is_one_line_and_starts_nothing(capsys, tmp_path, secret_file, extra, want):

@@ -8,6 +8,7 @@ server gave every idle connection a thread, without a cap.
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -106,7 +107,14 @@ def _echo_handler(sock, peer):
         wire.send_frame(sock, kind, meta, timeout=5.0)
 
 
-def test_flood_of_idle_connections_is_capped_and_legit_client_is_served_or_told_busy():
+def _wait(cond, what: str, limit: float = 20.0) -> None:
+    deadline = time.monotonic() + limit
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_flood_of_idle_connections_is_capped_and_legit_client_is_served():
     srv = AuthListener.serve(
         "127.0.0.1", 0, SECRET, _echo_handler, name="test", preauth_timeout=30.0, max_pending=32, max_per_source=1000
     )
@@ -116,13 +124,9 @@ def test_flood_of_idle_connections_is_capped_and_legit_client_is_served_or_told_
         for _ in range(3 * 32):
             flood.append(socket.create_connection(("127.0.0.1", srv.port), timeout=5))
         # wait until the listener has seen them all (accepted, evicted or turned away)
-        deadline = time.monotonic() + 20
-        while srv.stats["accepted"] < len(flood):
-            assert time.monotonic() < deadline, srv.stats
-            time.sleep(0.02)
+        _wait(lambda: srv.stats["accepted"] >= len(flood), srv.stats)
         assert threading.active_count() - before <= 32 + 4, srv.stats  # threads bounded by the cap
-        time.sleep(0.6)  # the flood is now older than min_age: a newcomer evicts the oldest
-        s = wire.connect("127.0.0.1", srv.port, SECRET, timeout=10.0)
+        s = wire.connect("127.0.0.1", srv.port, SECRET, timeout=10.0)  # evicts an idle stranger at once
         wire.send_frame(s, 1, {"hi": 1})
         assert wire.recv_frame(s, timeout=5.0)[1] == {"hi": 1}
         s.close()
@@ -133,55 +137,105 @@ def test_flood_of_idle_connections_is_capped_and_legit_client_is_served_or_told_
         srv.close()
 
 
-def test_busy_is_said_as_busy_never_as_a_secret_problem():
+def test_an_evicted_stranger_is_told_busy():
     srv = AuthListener.serve(
-        "127.0.0.1",
-        0,
-        SECRET,
-        _echo_handler,
-        name="test",
-        preauth_timeout=30.0,
-        max_pending=4,
-        max_per_source=4,
-        min_age=60.0,
-    )  # nothing is ever old enough
+        "127.0.0.1", 0, SECRET, _echo_handler, name="test", preauth_timeout=30.0, max_pending=64, max_per_source=4
+    )
+    victim = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+    challenge = wire.recv_exact(victim, len(wire.MAGIC_AUTH) + wire.NONCE_BYTES, time.monotonic() + 5)
+    assert challenge.startswith(wire.MAGIC_AUTH)
+    flood = [socket.create_connection(("127.0.0.1", srv.port), timeout=5) for _ in range(4)]  # the same address
+    try:
+        _wait(lambda: srv.stats["evicted"] >= 1, srv.stats)
+        # it had not answered the challenge, so it was the one to go: busy, where the proof would be
+        assert wire.recv_exact(victim, 32, time.monotonic() + 5) == wire.BUSY_PROOF
+    finally:
+        for s in [victim, *flood]:
+            s.close()
+        srv.close()
+
+
+def test_busy_only_when_every_pending_connection_has_answered():
+    srv = AuthListener.serve(
+        "127.0.0.1", 0, SECRET, _echo_handler, name="test", preauth_timeout=30.0, max_pending=4, max_per_source=4
+    )
     flood = [socket.create_connection(("127.0.0.1", srv.port), timeout=5) for _ in range(4)]
     try:
-        deadline = time.monotonic() + 20
-        while len(srv.pending) < 4:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        _wait(lambda: len(srv.pending) == 4, srv.stats)
+        with srv.lock:
+            for p in srv.pending:
+                p.verifying = True  # as if each had answered and were being checked
         s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
         with pytest.raises(wire.BusyError):
             wire.client_handshake(s, SECRET, timeout=5.0)
         s.close()
-        assert srv.stats["busy"] >= 1
+        assert srv.stats["busy"] >= 1 and srv.stats["evicted"] == 0
     finally:
         for s in flood:
             s.close()
         srv.close()
 
 
-def test_agent_serves_legit_clients_through_a_flood_and_never_blames_the_secret():
+def _strangers(addr, port, sources: list[str], garbage: bool = False) -> list[socket.socket]:
+    out = []
+    for src in sources:
+        s = socket.create_connection((addr, port), timeout=5, source_address=(src, 0))
+        if garbage:
+            s.sendall(os.urandom(100))  # in place of the answer to the challenge
+        out.append(s)
+    return out
+
+
+@pytest.mark.parametrize("where", ["own address", "other addresses", "both"])
+def test_agent_serves_every_member_through_a_flood(where):
+    """Before every request, fresh idle strangers fill the agent's pending slots (from the
+    member's own address up to its per-address cap, from three other addresses up to the global
+    cap, or both) and garbage arrives from the member's own address: every request is served."""
+    from smolnet.server import MAX_PER_SOURCE
+
     a = Agent("127.0.0.23", 0, SECRET, handshake_timeout=30.0, request_timeout=2.0)
     a.start_background()
-    flood = []
+    with socket.create_connection((a.bind, a.port), timeout=5) as probe:
+        own = probe.getsockname()[0]  # the address our own requests come from
+    others = ["127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"]
+    idle = {
+        "own address": [own] * MAX_PER_SOURCE,
+        "other addresses": [o for o in others for _ in range(MAX_PER_SOURCE)],
+        "both": [own] * MAX_PER_SOURCE + [o for o in others[:3] for _ in range(MAX_PER_SOURCE)],
+    }[where]
+    before = threading.active_count()
+    served = 0
     try:
-        before = threading.active_count()
-        for _ in range(MAX_PENDING + 16):
-            flood.append(socket.create_connection((a.bind, a.port), timeout=5))
-        time.sleep(0.6)
-        served = 0
-        for _ in range(3):
-            try:
-                served += control.call(a.bind, a.port, SECRET, "ping", timeout=5.0)["ok"]
-            except control.AgentError as e:
-                assert "busy" in str(e) and "secret" not in str(e), e
-        assert served >= 1
-        assert threading.active_count() - before <= MAX_PENDING + 8
+        for _ in range(8):
+            want = a.stats["accepted"] + len(idle) + 4
+            held = _strangers(a.bind, a.port, idle) + _strangers(a.bind, a.port, [own] * 4, garbage=True)
+            _wait(lambda n=want: a.stats["accepted"] >= n, a.stats)
+            served += control.call(a.bind, a.port, SECRET, "ping", timeout=5.0)["ok"]
+            for s in held:
+                s.close()
+        assert served == 8
+        assert a.stats["evicted"] >= 8 and a.stats["rejected"] >= 8, a.stats
+        assert threading.active_count() - before <= MAX_PENDING + 16
     finally:
-        for s in flood:
-            s.close()
+        a.stop()
+
+
+def test_the_client_waits_out_a_busy_agent_within_its_timeout():
+    from smolnet.agent import MAX_CONNECTIONS
+
+    a = Agent("127.0.0.24", 0, SECRET, request_timeout=2.0)
+    a.start_background()
+    for _ in range(MAX_CONNECTIONS):  # every request slot taken by members' long requests
+        a.slots.acquire()
+    try:
+        with pytest.raises(control.AgentBusy, match="busy"):
+            control.call(a.bind, a.port, SECRET, "ping", timeout=5.0, connect_timeout=0.3)
+        busy = a.stats["busy"]
+        assert busy >= 2  # asked again, with backoff, before giving up
+        threading.Timer(0.5, lambda: [a.slots.release() for _ in range(MAX_CONNECTIONS)]).start()
+        assert control.call(a.bind, a.port, SECRET, "ping", timeout=5.0, connect_timeout=10.0)["ok"]
+        assert a.stats["busy"] > busy
+    finally:
         a.stop()
 
 

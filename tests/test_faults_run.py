@@ -130,20 +130,22 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_workers_exit_when_the_controller_goes_silent(tmp_path, secret_file):
+def test_a_stopped_controller_is_blamed_as_the_controller(tmp_path, secret_file):
     run = Run(tmp_path, secret_file)
     run.until(r"step 3/")
     workers = list(run.pids().values())
-    run.stop(run.proc.pid)  # the controller is cut off: no RST, no FIN, just silence
+    os.kill(run.proc.pid, signal.SIGSTOP)  # the controller is cut off: no RST, no FIN, just silence
     try:
         deadline = time.monotonic() + 60
-        while not all(_gone(p) for p in workers):
+        while not all(_gone(p) for p in workers):  # the workers give up on it by themselves
             assert time.monotonic() < deadline, "workers outlived a silent controller"
             time.sleep(0.1)
     finally:
-        run.proc.kill()
         os.kill(run.proc.pid, signal.SIGCONT)
-        run.finish()
+    rc, out = run.finish()
+    assert rc == 1 and "error: controller: stopped itself for" in out, out[-2000:]
+    doc = json.loads(run.report.read_text())
+    assert doc["status"] == "failed" and doc["blamed"] == "controller", doc.get("error")
 
 
 def test_ctrl_c_writes_an_interrupted_report_and_exits_130(tmp_path, secret_file):
@@ -171,7 +173,7 @@ def test_a_diverging_loss_fails_the_run(tmp_path, secret_file):
             "--steps",
             "8",
             "--lr",
-            "1e30",
+            "1000",  # the largest --lr allowed; Adam at 1000 diverges within a few steps
             "--secret-file",
             secret_file,
             "--json",
@@ -185,33 +187,3 @@ def test_a_diverging_loss_fails_the_run(tmp_path, secret_file):
     )
     assert p.returncode == 1 and "loss is" in p.stderr, p.stderr + p.stdout[-1000:]
     assert json.loads((tmp_path / "r.json").read_text())["status"] == "failed"
-
-
-def test_successful_report_says_complete(tmp_path, secret_file):
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "smoltrain",
-            "run",
-            "--strategy",
-            "dp",
-            "--local",
-            "1",
-            *SMALL,
-            "--steps",
-            "2",
-            "--secret-file",
-            secret_file,
-            "--json",
-            str(tmp_path / "r.json"),
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert p.returncode == 0, p.stderr
-    doc = json.loads((tmp_path / "r.json").read_text())
-    assert doc["status"] == "complete" and doc["error"] is None

@@ -103,3 +103,26 @@ def test_export_loads_in_transformers_with_same_logits(trained, tmp_path, capsys
 def test_export_refuses_what_it_cannot_read(tmp_path, capsys):
     rc = main(["export", "--checkpoint-dir", str(tmp_path), "--out", str(tmp_path / "o")])
     assert rc != 0 and "no complete checkpoint" in capsys.readouterr().err
+
+
+def test_export_verifies_the_checkpoint_it_reads(trained, tmp_path, capsys):
+    import shutil
+
+    ck = tmp_path / "ck"
+    shutil.copytree(trained / "step-000003", ck / "step-000003")
+    shutil.copytree(trained / "step-000003", ck / "step-000002")  # an older intact one
+    meta = json.loads((ck / "step-000002" / "complete.json").read_text())
+    (ck / "step-000002" / "complete.json").write_text(json.dumps(dict(meta, step=2)))
+    part = ck / "step-000003" / "rank0.safetensors"
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit, same size
+    part.write_bytes(bytes(data))
+    assert main(["export", "--checkpoint-dir", str(ck), "--out", str(tmp_path / "o")]) == 0
+    err = capsys.readouterr().err
+    assert "skipped step-000003 (rank0.safetensors is damaged: its sha256" in err and "from step 2" in err, err
+    assert json.loads((tmp_path / "o" / "config.json").read_text())["smoltrain"]["step"] == 2
+    (ck / "step-000002" / "rank0.safetensors").write_bytes(b"")
+    rc = main(["export", "--checkpoint-dir", str(ck), "--out", str(tmp_path / "o2")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and err.count("\n") == 0 and "no intact checkpoint" in err, err
+    assert not (tmp_path / "o2").exists()

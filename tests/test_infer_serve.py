@@ -167,3 +167,12 @@ def test_serve_command_starts_and_answers(tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_a_port_in_use_is_one_line_not_a_traceback(served, capsys):
+    from smoltrain.cli import main
+
+    port, _, setup, _ = served  # the fixture's server holds this port
+    rc = main(["serve", "--strategy", "local", "--model", setup.cfg.model_dir, "--port", str(port)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and f"--port {port}: cannot listen" in err[-1], err

@@ -247,6 +247,19 @@ def test_bad_inventory_is_one_clear_line(tmp_path, case):
     assert "\n" not in str(e.value)
 
 
+def test_malformed_yaml_is_one_line_without_ansible_warnings(tmp_path):
+    """Ansible warns once per plugin it tried (~20 lines) before giving up; we say it once."""
+    import subprocess
+
+    bad = write(tmp_path, "hosts.yml", "cluster:\n  hosts:\n    a: {ansible_host: 192.0.2.1\n   b: [\n")
+    r = subprocess.run(
+        [sys.executable, "-m", "smolnet", "inventory", "-i", str(bad)], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot parse inventory" in lines[0] and "line 4, column 5" in lines[0], r.stderr
+
+
 def test_missing_file_points_at_example(tmp_path):
     with pytest.raises(InventoryError, match=r"no such inventory \(copy inventory/hosts\.example\.yml"):
         load_inventory(tmp_path / "nope.yml")

@@ -458,7 +458,10 @@ def test_calibrate_writes_a_profile_the_plan_uses(capsys, tmp_path):
     cal = tmp_path / "cal.json"
     assert main(["calibrate", "--out", str(cal), "--seconds", "0.05"]) == 0
     doc = json.loads(cal.read_text())
-    assert doc["schema"] == "smoltrain.calibration/1" and doc["threads"] == 1
+    from smolnet.cpus import usable_cpus
+
+    # measured at the threads a rank runs here: the CPUs this process may use (contract §9)
+    assert doc["schema"] == "smoltrain.calibration/1" and doc["threads"] == usable_cpus()
     check_any(doc)
     assert doc["flops_fp32"] > 0 and doc["mem_bw"] > 0 and 0 < doc["train_efficiency"] <= 1
     rc, _, _ = cli(

@@ -133,7 +133,7 @@ def test_resume_continues_exactly(tmp_path, secret_file):
     assert [s["step"] for s in b["steps"]] == list(range(5, 10))
     for x, y in zip(a["steps"][5:], b["steps"]):
         assert abs(x["loss"] - y["loss"]) <= 1e-6 * abs(x["loss"])
-    assert {"step": 5, "kind": "resume", "who": "all"} in b["events"]
+    assert {"step": 5, "kind": "resume", "who": "all", "skipped": []} in b["events"]
     assert any(e["kind"] == "checkpoint" and e["step"] == 10 for e in b["events"])
     assert (half / "step-000010" / "complete.json").exists()
 

@@ -40,7 +40,11 @@ def _machine_id(h: Host) -> str:
 
 
 def probe_argv(h: Host, model: str, seconds: float) -> list[str]:
-    return [h.python, "-m", "smoltrain.calibration.probe", "--model", model, "--seconds", f"{seconds:g}"]
+    """The probe at the host's smol_threads (else the CPUs it may use, read there) on its smol_device."""
+    argv = [h.python, "-m", "smoltrain.calibration.probe", "--model", model, "--seconds", f"{seconds:g}"]
+    if h.threads:
+        argv += ["--threads", str(h.threads)]
+    return argv + ["--device", h.torch_device]
 
 
 def probe_host(h: Host, model: str, seconds: float, timeout: float = PROBE_TIMEOUT) -> dict:
@@ -67,7 +71,8 @@ def median_probe(docs: list[dict]) -> dict:
     out = copy.deepcopy(docs[0])
     med = statistics.median
     for k in out.get("flops") or {}:
-        out["flops"][k] = med([d["flops"][k] for d in docs])
+        got = [d["flops"][k] for d in docs if d["flops"].get(k) is not None]
+        out["flops"][k] = med(got) if got else None
     out["mem_bw_bytes_s"] = med([d["mem_bw_bytes_s"] for d in docs])
     out["usable_memory_bytes"] = min(d["usable_memory_bytes"] for d in docs)
     if all(d.get("comm_cpu") for d in docs):
@@ -134,7 +139,7 @@ def calibrate_hosts(
         "schema": COMPUTE_SCHEMA,
         "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "controller": socket.gethostname(),
-        "settings": {"model": model, "seconds": seconds, "threads": 1, "repeats": repeats},
+        "settings": {"model": model, "seconds": seconds, "threads": "per host", "repeats": repeats},
         "hosts": [results[h.name] for h in hosts],
     }
 
@@ -144,25 +149,34 @@ def summary(doc: dict) -> str:
     ts = doc.get("train_step") or []
     cap = doc.get("cpu_limit_cores")
     parts = [
-        f"fp32 {f.get('fp32', 0) / 1e9:,.1f} GFLOP/s",
-        f"bf16 {f.get('bf16', 0) / 1e9:,.1f}",
+        f"fp32 {(f.get('fp32') or 0) / 1e9:,.1f} GFLOP/s",
+        f"bf16 {(f.get('bf16') or 0) / 1e9:,.1f}",
+        f"fp16 {(f.get('fp16') or 0) / 1e9:,.1f}",
         f"mem {doc.get('mem_bw_bytes_s', 0) / 1e9:,.1f} GB/s",
     ]
     if ts:
         parts.append(f"{ts[-1]['model']} step {ts[-1]['seconds'] * 1e3:,.0f} ms @ batch {ts[-1]['batch']}")
     parts.append(f"cap {cap:.2f} cores" if cap else f"{doc.get('cores')} cores")
+    parts.append(f"{doc.get('threads', 1)} thread(s)")
     return ", ".join(parts)
 
 
-def local_report(model: str = "tiny", seconds: float = 0.5, name: str | None = None, repeats: int = 1) -> dict:
-    """This machine alone (`calibrate --local`), probed in-process."""
+def local_report(
+    model: str = "tiny",
+    seconds: float = 0.5,
+    name: str | None = None,
+    repeats: int = 1,
+    threads: int | None = None,
+    device: str = "cpu",
+) -> dict:
+    """This machine alone (`calibrate --local`), probed in-process at `threads` (default: its CPUs)."""
     from smoltrain.calibration.probe import probe as run_probe
 
-    doc = median_probe([run_probe(model, seconds) for _ in range(repeats)])
+    doc = median_probe([run_probe(model, seconds, threads, None, device) for _ in range(repeats)])
     return {
         "schema": COMPUTE_SCHEMA,
         "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "controller": socket.gethostname(),
-        "settings": {"model": model, "seconds": seconds, "threads": 1, "repeats": repeats},
+        "settings": {"model": model, "seconds": seconds, "threads": doc.get("threads", 1), "repeats": repeats},
         "hosts": [{"name": name or socket.gethostname(), "status": "ok", "error": None, **doc}],
     }

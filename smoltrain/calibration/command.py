@@ -18,20 +18,23 @@ def _fp32(h: dict) -> str:
 def _table(doc: dict):
     from rich.table import Table
 
-    t = Table(title=f"compute of {len(doc['hosts'])} host(s), {doc['settings']['model']} training steps, 1 thread")
-    for c in ("host", "cap (cores)", "fp32 GFLOP/s", "bf16 GFLOP/s", "mem GB/s", "step ms (batch)", "machine"):
+    t = Table(title=f"compute of {len(doc['hosts'])} host(s), {doc['settings']['model']} training steps")
+    cols = ("host", "cap (cores)", "threads", "fp32 GFLOP/s", "bf16", "fp16", "mem GB/s", "step ms (batch)", "machine")
+    for c in cols:
         t.add_column(c, no_wrap=True)
     for h in doc["hosts"]:
         if h["status"] != "ok":
-            t.add_row(h["name"], "", f"[red]failed: {h['error']}[/]", "", "", "", (h.get("machine_id") or "?")[:8])
+            failed = f"[red]failed: {h['error']}[/]"
+            t.add_row(h["name"], "", "", failed, "", "", "", "", (h.get("machine_id") or "?")[:8])
             continue
         st = ", ".join(f"{s['seconds'] * 1e3:,.0f} ({s['batch']})" for s in h["train_step"])
         cap = h.get("cpu_limit_cores")
         t.add_row(
             h["name"],
             f"{cap:.2f}" if cap else f"none ({h['cores']} cores)",
+            str(h.get("threads", 1)),
             _fp32(h),
-            f"{h['flops']['bf16'] / 1e9:,.1f}",
+            *(f"{(h['flops'].get(k) or 0) / 1e9:,.1f}" for k in ("bf16", "fp16")),
             f"{h['mem_bw_bytes_s'] / 1e9:,.1f}",
             st or "-",
             h["machine_id"][:8],
@@ -49,7 +52,7 @@ def run_compute(args, out: str) -> int:
     model = args.model or "tiny"
     if args.local:
         with con.status("measuring this machine: matmul FLOP/s, memory bandwidth, training steps ..."):
-            doc = local_report(model, args.seconds, repeats=args.repeat)
+            doc = local_report(model, args.seconds, repeats=args.repeat, threads=args.threads, device=args.device)
     else:
         from smolnet.inventory import InventoryError, load_inventory
 

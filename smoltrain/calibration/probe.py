@@ -22,6 +22,8 @@ from smolnet.facts import machine_id
 
 WINDOW_MIN = 0.25  # seconds; >= 2.5 CFS periods of 100 ms
 TRAIN_BATCHES = (2, 8)
+MATMUL_N = 384  # every dtype's matmul at this size, so their rates compare like with like
+DTYPES = ("fp32", "bf16", "fp16")
 
 
 def cores() -> int:
@@ -57,19 +59,42 @@ def steady_rate(fn, window: float, windows: int = KERNEL_WINDOWS) -> float:
     return sorted(_window(fn, window / 2) for _ in range(windows))[windows // 2]
 
 
-def matmul_flops(torch, dtype, n: int, window: float) -> float:
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
-    return 2 * n**3 * steady_rate(lambda: torch.mm(a, b), window)
+def matmul_flops(torch, dtype, n: int, window: float, device: str = "cpu") -> float:
+    a = torch.randn(n, n).to(device, dtype)
+    b = torch.randn(n, n).to(device, dtype)
+    if device == "cpu":
+        return 2 * n**3 * steady_rate(lambda: torch.mm(a, b), window)
+
+    def mm():  # an accelerator queues work: wait for it, or the rate is the queue's
+        torch.mm(a, b)
+        torch.cuda.synchronize() if device == "cuda" else torch.mps.synchronize()
+
+    return 2 * n**3 * steady_rate(mm, window)
+
+
+def dtype_flops(torch, window: float, device: str = "cpu") -> dict:
+    """Matmul FLOP/s of fp32, bf16 and fp16, each measured on its own at the same size
+    (a CPU with bf16 units may have no fast fp16, and the other way round)."""
+    t = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    out = {}
+    for name in DTYPES:
+        try:
+            out[name] = matmul_flops(torch, t[name], MATMUL_N, window, device)
+        except (RuntimeError, TypeError):  # this torch cannot multiply in that dtype here
+            out[name] = None
+    return out
 
 
 def copy_bw(torch, nbytes: int, window: float) -> float:
+    """Bytes/s a copy moves (read + write), at this process's thread count."""
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
     return 2 * nbytes * steady_rate(lambda: dst.copy_(src), window)  # read + write
 
 
-def train_seconds(torch, model_name: str, batch: int, seq: int, window: float, optimizer: list | None = None) -> float:
+def train_seconds(
+    torch, model_name: str, batch: int, seq: int, window: float, optimizer: list | None = None, device: str = "cpu"
+) -> float:
     """Seconds per real fwd + bwd + AdamW step of the model, as smoltrain run takes them.
     `optimizer` (a list) receives the share of them the AdamW update took: paid once per
     step, not per microbatch, so the plan must not multiply it as it does the passes."""
@@ -78,10 +103,10 @@ def train_seconds(torch, model_name: str, batch: int, seq: int, window: float, o
     from smoltrain.models.spec import get_model
 
     spec = get_model(model_name)
-    model = build_model(spec, seed=0)
+    model = build_model(spec, seed=0).to(device)
     params = list(model.parameters())
     opt = AdamW(params, lr=1e-3)
-    x = torch.randint(0, spec.vocab, (batch, seq))
+    x = torch.randint(0, spec.vocab, (batch, seq), device=device)
 
     spent = [0.0, 0]
 
@@ -92,6 +117,8 @@ def train_seconds(torch, model_name: str, batch: int, seq: int, window: float, o
         opt.step([p.grad for p in params])
         for p in params:
             p.grad = None
+        if device != "cpu":
+            loss.item()  # wait for the device's queue
         spent[0] += time.perf_counter() - t0
         spent[1] += 1
 
@@ -120,16 +147,16 @@ def _loop(c, t, rank: int, window: float) -> tuple[int, float]:
 
 def comm_cpu(torch, window: float = COMM_WINDOW) -> dict | None:
     """What smoltrain's own communication costs this host's CPU (under its cap): two ranks
-    of SocketComm on this host all-reduce a small and a large tensor over a window. Both
-    run here, so each round's wall time is twice one rank's cost; a rank on its own host
-    pays half. Per-message seconds and per-end bytes/s, or None when it cannot be measured."""
-    import random
+    of SocketComm on this host all-reduce a small and a large tensor over a window, on
+    ports checked free (a clash would lose the measurement). Per-message seconds and
+    per-end bytes/s, or None when it cannot be measured."""
     import secrets
 
     from smoltrain.comm import make_comm
+    from smoltrain.comm.group import free_port_base
 
     secret = secrets.token_bytes(32)
-    port = random.randrange(20000, 60000)
+    port = free_port_base(2)
     pid = os.fork()
     if pid == 0:
         code = 1
@@ -153,10 +180,26 @@ def comm_cpu(torch, window: float = COMM_WINDOW) -> dict | None:
         os.waitpid(pid, 0)
         return None
     os.waitpid(pid, 0)
-    # a ring all-reduce of 2 ranks is 2 rounds; here both ranks share the CPU: / 2 again
-    msg = t_small / 4
-    chunk = BIG_FLOATS * 4 / 2
-    per_byte = max(1e-12, (t_big / 4 - msg) / chunk)
+    return per_message(t_small, t_big, shares_core(), BIG_FLOATS * 4)
+
+
+def shares_core() -> bool:
+    """Do the probe's two ranks share one core? Under a cap below 2 cores, or pinned to one CPU."""
+    from smolnet.cpus import usable_cpus
+
+    return usable_cpus() < 2
+
+
+def per_message(t_small: float, t_big: float, shared: bool, big_bytes: int) -> dict:
+    """One rank's cost per message and bytes/s per end, from the wall time of one all-reduce
+    round of a small and of a `big_bytes` buffer between two ranks on this host. A ring
+    all-reduce of 2 ranks is 2 steps (reduce-scatter, all-gather), each one message of half
+    the buffer per rank: / 2. Where both ranks share one core they also take turns: / 2
+    again; on a host with a core each they run at once and the wall time is one rank's."""
+    div = 4 if shared else 2
+    msg = t_small / div
+    chunk = big_bytes / 2
+    per_byte = max(1e-12, (t_big / div - msg) / chunk)
     return {"message_s": msg, "bytes_s": 1 / per_byte}
 
 
@@ -174,16 +217,24 @@ def usable_memory() -> int:
     return int(avail)
 
 
-def probe(model: str | None = "tiny", seconds: float = 0.5, threads: int = 1, seq: int | None = None) -> dict:
+def probe(
+    model: str | None = "tiny",
+    seconds: float = 0.5,
+    threads: int | None = None,
+    seq: int | None = None,
+    device: str | None = "cpu",
+) -> dict:
+    """This host's figures at the threads a rank runs here (`threads`: the host's smol_threads;
+    None: the CPUs it may use) on its smol_device."""
     w = max(WINDOW_MIN, seconds)
     import torch
 
     from smolnet.sim.cgroup import own_quota
+    from smoltrain import host
 
-    torch.set_num_threads(threads)
+    threads, device = host.setup(threads, device)
     comm = comm_cpu(torch) if hasattr(os, "fork") else None
-    flops = {"fp32": matmul_flops(torch, torch.float32, 384, w), "bf16": matmul_flops(torch, torch.bfloat16, 256, w)}
-    flops["fp16"] = flops["bf16"]
+    flops = dtype_flops(torch, w, device)
     cap = own_quota()
     doc = {
         "machine_id": machine_id(),
@@ -191,9 +242,10 @@ def probe(model: str | None = "tiny", seconds: float = 0.5, threads: int = 1, se
         "cpu_limit_cores": cap[0] / cap[1] if cap else None,
         "cpu_period_s": cap[1] / 1e6 if cap else None,
         "threads": torch.get_num_threads(),
+        "device": device,
         "torch": torch.__version__,
         "flops": flops,
-        "mem_bw_bytes_s": copy_bw(torch, 32 << 20, w),
+        "mem_bw_bytes_s": copy_bw(torch, host.COPY_BYTES, w),
         "usable_memory_bytes": usable_memory(),
         "comm_cpu": comm,
         "train_step": [],
@@ -204,7 +256,7 @@ def probe(model: str | None = "tiny", seconds: float = 0.5, threads: int = 1, se
         s = seq or min(64, get_model(model).ctx)
         for b in TRAIN_BATCHES:
             opt: list = []
-            sec = train_seconds(torch, model, b, s, 2 * w, opt)
+            sec = train_seconds(torch, model, b, s, 2 * w, opt, device)
             doc["train_step"].append(
                 {"model": model, "batch": b, "seq": s, "seconds": sec, "optimizer_seconds": opt[0]}
             )
@@ -215,11 +267,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m smoltrain.calibration.probe")
     p.add_argument("--model", default="tiny")
     p.add_argument("--seconds", type=float, default=0.5, help="window per measurement")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (a rank runs one)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: the CPUs this host may use)")
+    p.add_argument("--device", default="cpu", help="torch device (smol_device: cpu, cuda, mps, auto)")
     p.add_argument("--seq", type=int, default=None)
     a = p.parse_args(argv)
     try:
-        doc = probe(a.model, a.seconds, a.threads, a.seq)
+        doc = probe(a.model, a.seconds, a.threads, a.seq, a.device)
     except Exception as e:  # one line for the controller, which names the host
         print(f"probe failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

@@ -18,6 +18,7 @@ import time
 
 from smolnet.errors import SmolError, UsageError
 from smolnet.files import write_json_atomic
+from smoltrain import validate
 
 SCHEMA = "smoltrain.bench/1"
 _UNITS = {
@@ -49,22 +50,24 @@ def parse_bytes(text: str) -> int:
 def add_arguments(p) -> None:
     p.add_argument("op", choices=["allreduce"], help="the collective to time")
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--local", type=int, metavar="N", help="N ranks on this machine (loopback)")
+    where.add_argument("--local", type=validate.count(64), metavar="N", help="N ranks on this machine (loopback)")
     where.add_argument("-i", "--inventory", help="one rank per host of the inventory's cluster group")
     p.add_argument("--bytes", required=True, help="buffer size: 4096, 4K, 1M, 256MB (binary units)")
     p.add_argument("--backend", choices=["socket", "torch"], default="socket")
-    p.add_argument("--iters", type=int, default=20, help="timed iterations (default 20)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed iterations first (default 3)")
+    p.add_argument("--iters", type=validate.COUNT, default=20, help="timed iterations (default 20)")
+    p.add_argument("--warmup", type=validate.count(10**6, lo=0), default=3, help="untimed iterations first (default 3)")
     p.add_argument("--hosts", help="comma-separated subset of inventory hosts, in rank order")
     p.add_argument(
-        "--port", type=int, help="base TCP port (default: the coordinator's smol_train_port; a free one for --local)"
+        "--port",
+        type=validate.integer(1, 65535, "1..65535"),
+        help="base TCP port (default: the coordinator's smol_train_port; a free one for --local)",
     )
-    p.add_argument("--timeout", type=float, default=60.0, help="peer timeout in seconds (default 60)")
+    p.add_argument("--timeout", type=validate.SECONDS, default=60.0, help="peer timeout in seconds (default 60)")
     p.add_argument("--secret-file", help="cluster secret (default: the inventory's smol_secret_file)")
     p.add_argument("--json", help="write the smoltrain.bench/1 document here")
     # one rank, started by the controller (secret on stdin): internal
-    p.add_argument("--rank", type=int, help=argparse_suppress())
-    p.add_argument("--world", type=int, help=argparse_suppress())
+    p.add_argument("--rank", type=validate.integer(0, 255), help=argparse_suppress())
+    p.add_argument("--world", type=validate.RANKS, help=argparse_suppress())
     p.add_argument("--coord", help=argparse_suppress())
     p.add_argument("--addrs", help=argparse_suppress())
 
@@ -77,15 +80,11 @@ def argparse_suppress():
 
 def run(args) -> int:
     nbytes = parse_bytes(args.bytes)
-    if args.iters < 1 or args.warmup < 0:
-        raise UsageError("--iters must be at least 1 and --warmup at least 0")
     if args.rank is not None:
         return _worker(args, nbytes)
     if args.local is None and not args.inventory:
         raise UsageError("say where to run: --local N or -i INVENTORY")
     if args.local is not None:
-        if not 1 <= args.local <= 64:
-            raise UsageError("--local N: N must be between 1 and 64")
         doc = _run_local(args, nbytes)
     else:
         doc = _run_inventory(args, nbytes)

@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 
 from smolnet.errors import UsageError
 from smolnet.files import write_json_atomic
+from smoltrain import validate
 
 DEFAULT_COMPUTE = "reports/compute.json"
 
@@ -31,20 +32,21 @@ def add_arguments(p) -> None:
         help="where to write the profile (default ~/.config/smolcluster/calibration.json; "
         f"with -i or --local the compute report, default {DEFAULT_COMPUTE})",
     )
-    p.add_argument("--seconds", type=float, default=0.3, help="time per measurement (default 0.3)")
+    p.add_argument("--seconds", type=validate.seconds(60), default=0.3, help="time per measurement (default 0.3)")
     p.add_argument(
         "--repeat",
-        type=int,
+        type=validate.count(20),
         default=1,
         metavar="N",
         help="with -i or --local: probe every host N times and keep each figure's median (default 1)",
     )
     p.add_argument("--model", default="tiny", help="model whose training step sets the achieved fraction (none: skip)")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=validate.BATCH, default=8)
+    p.add_argument("--seq", type=validate.SEQ, default=64)
     p.add_argument(
-        "--threads", type=int, default=1, help="torch threads (default 1: smoltrain runs each rank with one thread)"
+        "--threads", type=validate.THREADS, help="torch threads (default: the CPUs this host may use, as a rank runs)"
     )
+    p.add_argument("--device", default="cpu", help="--local: torch device to measure (cpu, cuda, mps, auto)")
     p.add_argument("--json", metavar="FILE", help="also write the profile here")
 
 
@@ -67,14 +69,15 @@ def calibrate(
     import psutil
     import torch
 
+    from smoltrain import host
     from smoltrain.calibration.probe import copy_bw, matmul_flops
 
-    if threads:
-        torch.set_num_threads(threads)
+    host.setup(threads)
     sizes = [256, 512, 1024]
     mm32 = [{"n": n, "flops": matmul_flops(torch, torch.float32, n, seconds / 3)} for n in sizes]
     f32 = max(m["flops"] for m in mm32)
-    f16 = matmul_flops(torch, torch.bfloat16, 512, seconds / 3)
+    f16 = matmul_flops(torch, torch.float16, 512, seconds / 3)
+    bf16 = matmul_flops(torch, torch.bfloat16, 512, seconds / 3)
     bw = max(copy_bw(torch, nb, seconds / 2) for nb in (16 << 20, 64 << 20))
     doc = {
         "schema": "smoltrain.calibration/1",
@@ -85,6 +88,7 @@ def calibrate(
         "cpu_count": os.cpu_count(),
         "flops_fp32": f32,
         "flops_fp16": f16,
+        "flops_bf16": bf16,
         "mem_bw": bw,
         "memory_bytes": psutil.virtual_memory().total,
         "matmul_fp32": mm32,
@@ -105,10 +109,6 @@ def run(args) -> int:
     from smoltrain.models.spec import ModelSpecError, get_model
     from smoltrain.planner.devices import calibration_path
 
-    if args.seconds <= 0 or args.seconds > 60:
-        raise UsageError("--seconds must be in (0, 60]")
-    if not 1 <= args.repeat <= 20:
-        raise UsageError("--repeat must be in 1..20")
     if args.model and args.model != "none":
         try:
             get_model(args.model)
@@ -126,7 +126,8 @@ def run(args) -> int:
     if args.json:
         write_atomic(args.json, doc)
     con.print(
-        f"matmul fp32 {doc['flops_fp32'] / 1e9:,.1f} GFLOP/s, bf16 {doc['flops_fp16'] / 1e9:,.1f} GFLOP/s, "
+        f"matmul fp32 {doc['flops_fp32'] / 1e9:,.1f} GFLOP/s, bf16 {doc['flops_bf16'] / 1e9:,.1f}, "
+        f"fp16 {doc['flops_fp16'] / 1e9:,.1f} GFLOP/s, "
         f"memory {doc['mem_bw'] / 1e9:,.1f} GB/s, {doc['threads']} threads"
     )
     if "train" in doc:

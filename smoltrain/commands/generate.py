@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from smolnet.errors import SmolError, UsageError
+from smoltrain import validate
 
 
 def add_arguments(p) -> None:
@@ -14,10 +15,10 @@ def add_arguments(p) -> None:
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json)")
     what.add_argument("--prompt-ids", help="prompt as token ids, e.g. 1,2,3")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy, deterministic")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=validate.TOKENS, default=32)
+    p.add_argument("--temperature", type=validate.TEMPERATURE, default=0.0, help="0: greedy, deterministic")
+    p.add_argument("--top-p", type=validate.PROBABILITY, default=1.0)
+    p.add_argument("--seed", type=validate.SEED, default=0)
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--json", help="write the report (smoltrain.generate/1) here")
 
@@ -76,8 +77,6 @@ def run(args) -> int:
 
     if args.strategy == "local" and args.local is None and not args.inventory:
         args.local = 1
-    if args.max_new_tokens < 1:
-        raise UsageError("--max-new-tokens must be at least 1")
     # checks that need only the folder come before any rank starts
     import os
 
@@ -112,13 +111,15 @@ def run(args) -> int:
         setup.runner.close()
     text = setup.tokenizer.decode(stats[0]["output_ids"]) if setup.tokenizer else None
     plan = report.infer_plan(setup.cfg, mc, len(ids) + args.max_new_tokens, setup.hosts)
-    doc = report.build(setup.cfg, mc, stats, ids, text, plan)
+    doc = report.build(setup.cfg, mc, stats, ids, text, plan, report.measured_bandwidth(setup.cfg, setup.hosts))
     d, p = doc["decode"], doc["prefill"]
     line = (
         f"{setup.cfg.strategy} on {setup.cfg.world_size} rank(s): ttft {doc['ttft_s'] * 1e3:.1f} ms, "
         f"prefill {p['tokens_per_s'] or 0:,.0f} tok/s, decode {d['tokens_per_s'] or 0:,.1f} tok/s, "
         f"{d['bytes_per_token'] or 0:,.0f} B/token"
     )
+    if d["roofline_tokens_per_s"] and d["tokens_per_s"]:
+        line += f", {d['tokens_per_s'] / d['roofline_tokens_per_s']:.0%} of the memory-bandwidth bound"
     if plan and "bytes_per_token" in plan:
         line += f" (plan: {plan['tokens_per_s']:,.1f} tok/s, {plan['bytes_per_token']:,.0f} B/token)"
     print(line, file=sys.stderr)

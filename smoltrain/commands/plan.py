@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from smolnet.errors import UsageError
 from smolnet.files import write_json_atomic
-from smoltrain import registry
+from smoltrain import registry, validate
 
 MODELS_HELP = "tiny, gpt2-124m, llama-3.2-1b, llama-3.1-8b, mixtral-8x7b, or a .json shape"
 
@@ -13,11 +13,15 @@ def add_arguments(p) -> None:
     p.add_argument("--strategy", help=", ".join(registry.names()) + ", or all (rank them)")
     p.add_argument("--mode", default="train", choices=("train", "infer"))
     p.add_argument("--model", default="tiny", help=MODELS_HELP)
-    p.add_argument("--world", type=int, help="ranks (default: inventory hosts, links-report hosts, else 2)")
+    p.add_argument("--world", type=validate.RANKS, help="ranks (default: inventory hosts, links-report hosts, else 2)")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
-    p.add_argument("--batch", type=int, default=8, help="global batch in sequences (train)")
-    p.add_argument("--seq", type=int, default=64, help="sequence length (train) or context length (infer)")
-    p.add_argument("--microbatches", type=int, default=1)
+    p.add_argument("--quantize", choices=("int8", "q4"), help="--mode infer: weights at this width (contract §9)")
+    p.add_argument(
+        "--wire-dtype", choices=("fp32", "bf16", "fp16", "int8"), help="--mode infer: hidden states on the wire"
+    )
+    p.add_argument("--batch", type=validate.BATCH, default=8, help="global batch in sequences (train)")
+    p.add_argument("--seq", type=validate.SEQ, default=64, help="sequence length (train) or context length (infer)")
+    p.add_argument("--microbatches", type=validate.MICROBATCHES, default=1)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--links", metavar="REPORT.json", help="a smolnet.links/1 report (smolnet matrix)")
     src.add_argument("--link-class", help="1gbe, 2.5gbe, 10gbe, 25gbe, 100gbe, 200gbe, tb4, tb5 (or loopback)")
@@ -158,6 +162,8 @@ def run(args) -> int:
     outer = {"inner_steps": args.inner_steps, "sync_dtype": args.sync_dtype, "target_comm": args.target_comm}
     kw = dict(dtype=args.dtype, batch=args.batch, seq=args.seq, microbatches=args.microbatches, mode=args.mode)
     kw["outer"] = outer
+    if args.mode == "infer":
+        kw.update(quantize=getattr(args, "quantize", None), wire_dtype=getattr(args, "wire_dtype", None))
     from smoltrain.planner import placement_plan
 
     compute_doc = placement_plan.load_compute(getattr(args, "compute", None))

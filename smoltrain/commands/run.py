@@ -6,28 +6,30 @@ import os
 import tempfile
 
 from smolnet.errors import UsageError
-from smoltrain import registry
+from smoltrain import registry, validate
 
 
 def add_arguments(p) -> None:
     p.add_argument("--strategy", required=True, help=", ".join(registry.names(trainable=True)))
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--local", type=int, metavar="N", help="run N worker processes on loopback")
+    where.add_argument("--local", type=validate.RANKS, metavar="N", help="run N worker processes on loopback")
     where.add_argument("-i", "--inventory", help="run one worker per `cluster` host of this inventory")
     p.add_argument("--backend", default="socket", choices=("socket", "torch"))
     p.add_argument("--model", default="tiny", help="built-in model name or a .json shape (default tiny)")
     p.add_argument("--data", help="text file or folder (default: this Python's standard library sources)")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--batch", type=int, default=8, help="global batch, in sequences")
-    p.add_argument("--seq", type=int, default=64, help="sequence length in bytes (tokens)")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--steps", type=validate.STEPS, default=20)
+    p.add_argument("--batch", type=validate.BATCH, default=8, help="global batch, in sequences")
+    p.add_argument("--seq", type=validate.SEQ, default=64, help="sequence length in bytes (tokens)")
+    p.add_argument("--lr", type=validate.LR, default=1e-3)
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"), help="(diloco: the inner one)")
-    p.add_argument("--eval-every", type=int, default=0, metavar="K", help="held-out loss every K steps (0: never)")
+    p.add_argument(
+        "--eval-every", type=validate.count(10**9, lo=0), default=0, metavar="K", help="held-out loss every K steps"
+    )
     from smoltrain.planner.diloco import add_arguments as outer_arguments
 
     outer_arguments(p, run=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--microbatches", type=int, default=4, help="pp microbatches (default 4)")
+    p.add_argument("--seed", type=validate.SEED, default=0)
+    p.add_argument("--microbatches", type=validate.MICROBATCHES, default=4, help="pp microbatches (default 4)")
     p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"), help="pp schedule")
     p.add_argument("--shares", help="dp/fsdp per-rank batch shares by hand, e.g. 2,1,1 (see --placement)")
     p.add_argument(
@@ -37,32 +39,56 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--compute", help="compute report, smoltrain.compute/1 (default reports/compute.json if present)")
     p.add_argument("--checkpoint-dir", help="write checkpoints here (state dicts, safetensors)")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every K steps")
+    p.add_argument(
+        "--checkpoint-every", type=validate.count(10**9, lo=0), default=0, help="also checkpoint every K steps"
+    )
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     p.add_argument("--json", help="write the run report (smoltrain.run/1) here")
     p.add_argument("--out", default="reports", help="folder for the loss-curve PNG (default reports/)")
     p.add_argument("--links", help="links.json for the plan shown before the run")
     p.add_argument("--secret-file", help="cluster secret (default ~/.config/smolcluster/secret, created if missing)")
-    p.add_argument("--barrier-timeout", type=float, default=30.0, help="syncps/edp: drop a worker this late")
+    p.add_argument("--barrier-timeout", type=validate.SECONDS, default=30.0, help="syncps/edp: drop a worker this late")
     p.add_argument(
         "--timeout",
-        type=float,
+        type=validate.SECONDS,
         default=120.0,
         help="give up after this long without word from workers (a silent peer: half of it)",
     )
-    p.add_argument("--pace", type=float, default=0.0, help="make each step last at least this many seconds (demos)")
+    p.add_argument(
+        "--pace",
+        type=validate.seconds(3600, zero=True),
+        default=0.0,
+        help="make each step last at least this many seconds (demos)",
+    )
     p.add_argument("--print-torchrun", action="store_true", help="print torchrun command lines and exit")
     p.add_argument("--external", action="store_true", help="start no workers; wait for them (e.g. from torchrun)")
-    p.add_argument("--control-port", type=int, default=0, help="port of the control channel (default: any free)")
+    p.add_argument(
+        "--control-port", type=validate.PORT, default=0, help="port of the control channel (default: any free)"
+    )
     p.add_argument("--device", default="cpu", help="--local: torch device of every worker (cpu, cuda, mps, auto)")
-    p.add_argument("--data-cap-mb", type=float, default=2.0, help="use at most this much of the corpus")
+    p.add_argument(
+        "--dtype", default="fp32", help="fp32, or bf16: bf16 matmuls with fp32 master weights and optimizer state"
+    )
+    p.add_argument(
+        "--threads",
+        type=validate.THREADS,
+        help="--local: torch threads per rank (default: this machine's CPUs / ranks)",
+    )
+    p.add_argument(
+        "--data-cap-mb",
+        type=validate.real(0, 256, lo_open=True),
+        default=2.0,
+        help="use at most this much of the corpus",
+    )
     p.add_argument(
         "--heartbeat",
-        type=float,
+        type=validate.seconds(600),
         default=1.0,
         help="seconds between controller<->worker heartbeats; 5 missed = stopped or cut off",
     )
-    p.add_argument("--keep-checkpoints", type=int, default=3, help="keep the newest N complete checkpoints")
+    p.add_argument(
+        "--keep-checkpoints", type=validate.count(10**4), default=3, help="keep the newest N complete checkpoints"
+    )
     p.add_argument(
         "--integrity",
         default="header",
@@ -85,13 +111,29 @@ def _shares(text: str | None, hosts) -> list[float] | None:
     return out
 
 
+def machine_settings(args, hosts, world: int) -> dict[str, int]:
+    """Threads per rank name, --dtype and the devices checked here before any worker starts (contract §9)."""
+    from smoltrain import host
+    from smoltrain.run.threads import inventory_threads, local_threads
+
+    if args.dtype not in ("fp32", "bf16"):
+        raise UsageError(f"--dtype {args.dtype}: choose from fp32, bf16 (bf16 keeps fp32 master weights)")
+    if hosts is None:
+        if args.threads is not None and args.threads < 1:
+            raise UsageError(f"--threads must be at least 1, got {args.threads}")
+        host.check_dtype(args.dtype, host.resolve_device(args.device))
+        return {f"rank{r}": n for r, n in enumerate(local_threads(args.threads, world))}
+    for h in hosts:
+        if h.local and h.torch_device != "auto":
+            host.check_dtype(args.dtype, host.resolve_device(h.torch_device))
+    return {h.name: n for h, n in zip(hosts, inventory_threads(hosts))}
+
+
 def check_outer(args, info) -> None:
-    """--eval-every, and the outer-step flags (diloco): one-line errors before anything starts."""
+    """The outer-step flags (diloco) against the strategy and the backend: one line before anything starts."""
     from smoltrain.comm import SYNC_DTYPES
     from smoltrain.planner.diloco import check_args
 
-    if args.eval_every < 0:
-        raise UsageError(f"--eval-every {args.eval_every}: must be 0 (never) or a number of steps")
     check_args(args, info.outer_steps)
     if info.outer_steps and args.sync_dtype not in SYNC_DTYPES[args.backend]:
         raise UsageError(
@@ -123,6 +165,13 @@ OUTER_SYNC = (
 
 
 def run(args) -> int:
+    from smoltrain.run.preflight import EarlyReport
+
+    with EarlyReport(args) as early:  # a run that fails before its controller takes over still reports
+        return _run(args, early)
+
+
+def _run(args, early) -> int:
     from rich.console import Console
 
     from smolnet.secret import ensure_secret
@@ -132,7 +181,6 @@ def run(args) -> int:
     info = registry.get(args.strategy, trainable=True)
     from smoltrain.run import preflight
 
-    preflight.check_args(args)
     check_outer(args, info)
     if args.local is None and not args.inventory:
         raise UsageError("give --local N or -i INVENTORY")
@@ -145,6 +193,8 @@ def run(args) -> int:
     from smoltrain.run.controller import Controller, check_usage, plot_losses, rank_placements, route_source, write_json
 
     placements, hosts = rank_placements(args.local, args.inventory)
+    threads = machine_settings(args, hosts, len(placements))
+    early.world, early.names = len(placements), [p.name for p in placements]
     from smoltrain.planner.placement_plan import for_run
 
     placed = for_run(
@@ -168,6 +218,7 @@ def run(args) -> int:
         for e in placed.get("excluded") or []:
             console.print(f"[bold yellow]placement: {e['name']} gets nothing: {e['why']}")
     world = len(placements)
+    early.world, early.names = world, [p.name for p in placements]
     data = os.path.abspath(args.data) if args.data else None
     cfg = RunConfig(
         strategy=args.strategy,
@@ -195,6 +246,8 @@ def run(args) -> int:
         keep_checkpoints=args.keep_checkpoints,
         integrity=args.integrity,
         placement=placed,
+        dtype=args.dtype,
+        threads=tuple(threads.get(p.name, 0) for p in placements),
         optimizer=args.optimizer,
         eval_every=args.eval_every,
         inner_steps=args.inner_steps or 0,
@@ -206,6 +259,7 @@ def run(args) -> int:
 
     corpus = load_corpus(data, cfg.data_cap)
     cfg = cfg.replace(data_bytes=len(corpus), data_digest=corpus_digest(corpus))
+    early.cfg = cfg
 
     if args.checkpoint_dir:
         cfg = cfg.replace(checkpoint_dir=os.path.abspath(args.checkpoint_dir))
@@ -214,10 +268,15 @@ def run(args) -> int:
             raise UsageError("--resume needs --checkpoint-dir")
         from smoltrain.run import checkpoint
 
-        start = checkpoint.latest(cfg.checkpoint_dir, checkpoint.identity(cfg), info.checkpoint_parts(world))
-        if start >= cfg.steps:
-            raise UsageError(f"checkpoint is at step {start}, not before --steps {cfg.steps}")
-        cfg = cfg.replace(start_step=start)
+        resume = checkpoint.latest(
+            cfg.checkpoint_dir, checkpoint.identity(cfg), info.checkpoint_parts(world), all_here=hosts is None
+        )
+        if resume.skipped:
+            console.print(resume.skipped_line(), style="bold yellow", markup=False, soft_wrap=True)
+        if resume.step >= cfg.steps:
+            raise UsageError(f"checkpoint is at step {resume.step}, not before --steps {cfg.steps}")
+        cfg = early.cfg = cfg.replace(start_step=resume.step, resume_sha256=resume.sha256 or None)
+        early.events = [{"step": resume.step, "kind": "resume", "who": "all", "skipped": resume.skipped}]
 
     # where ranks meet
     if hosts is None:
@@ -268,7 +327,8 @@ def run(args) -> int:
                 strategy=args.strategy,
                 model=spec,
                 world=world,
-                dtype="fp32",
+                dtype="fp32",  # weights, gradients and what crosses the wire; matmuls at --dtype
+                compute_dtype=args.dtype,
                 batch=args.batch,
                 seq=args.seq,
                 microbatches=args.microbatches,
@@ -303,12 +363,12 @@ def run(args) -> int:
     preflight.check_outputs(args)
     log_dir = tempfile.mkdtemp(prefix="smoltrain-logs-")
     ctl = Controller(cfg, placements, secret, console, log_dir, external=args.external, corpus=corpus)
+    early.handover()  # from here the controller's report (below) says how the run ended
     console.print(
         f"{args.strategy} on {world} rank(s) ({args.backend}), model {spec.name}, "
         f"batch {args.batch}x{args.seq}, steps {cfg.start_step}..{args.steps}, logs {log_dir}"
     )
-    if cfg.start_step:
-        ctl.events.append({"step": cfg.start_step, "kind": "resume", "who": "all"})
+    ctl.events.extend(early.events)  # resume, with the checkpoints it skipped
     try:
         doc = ctl.run(bind, control_addr, connect_timeout=max(60.0, args.timeout), idle_timeout=args.timeout)
     except (Exception, KeyboardInterrupt) as e:  # the report survives failure and Ctrl-C (exit 1, 130)

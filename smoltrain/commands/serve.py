@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import sys
 
+from smolnet.errors import UsageError
+from smoltrain import validate
+
 
 def add_arguments(p) -> None:
     from smoltrain.infer.launch import add_placement_arguments
 
     add_placement_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=validate.PORT, default=8000)
 
 
 def run(args) -> int:
@@ -25,7 +28,10 @@ def run(args) -> int:
     try:
         mc = setup.ckpt.config
         svc = Service(setup.runner, setup.tokenizer, mc, os.path.basename(setup.cfg.model_dir.rstrip("/")))
-        server = make_server(svc, args.host, args.port)
+        try:
+            server = make_server(svc, args.host, args.port)
+        except OSError as e:  # taken, or not an address of this machine
+            raise UsageError(f"--host {args.host} --port {args.port}: cannot listen: {e.strerror or e}") from None
         host, port = server.server_address[:2]
         print(
             f"serving {svc.model_id} ({setup.cfg.strategy} on {setup.cfg.world_size} rank(s)) at "

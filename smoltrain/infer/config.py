@@ -21,10 +21,20 @@ class InferConfig:
     port: int = 0
     addrs: tuple[str, ...] = ()
     timeout: float = 60.0
+    quantize: str | None = None  # int8 | q4: weights of every rank's layers (models.quant)
+    wire_dtype: str | None = None  # hidden states on the wire (infer.activations); None: the compute dtype
+    threads: tuple[int, ...] = ()  # torch threads per rank; 0 or absent: the host's usable CPUs
+    devices: tuple[str, ...] = ()  # torch device per rank (smol_device); absent: cpu
 
     @property
     def world_size(self) -> int:
         return len(self.names)
+
+    def rank_threads(self, rank: int) -> int:
+        return self.threads[rank] if rank < len(self.threads) else 0
+
+    def rank_device(self, rank: int) -> str:
+        return self.devices[rank] if rank < len(self.devices) else "cpu"
 
     def to_wire(self) -> dict:
         return asdict(self)
@@ -37,6 +47,8 @@ class InferConfig:
             d,
             names=tuple(d["names"]),
             addrs=tuple(d["addrs"]),
+            threads=tuple(int(x) for x in d["threads"]),
+            devices=tuple(d["devices"]),
             layers=tuple(tuple(int(x) for x in p) for p in d["layers"]),
         )
         if d["strategy"] not in STRATEGIES or len(d["layers"]) != len(d["names"]):

@@ -44,8 +44,13 @@ def is_marker(t: torch.Tensor) -> bool:
 class Engine:
     """`local`: one process holds every layer; no network. The reference the others must equal."""
 
-    def __init__(self, stage: Stage, comm=None, rank: int = 0, world: int = 1):
+    def __init__(self, stage: Stage, comm=None, rank: int = 0, world: int = 1, wire: str | None = None):
+        from smoltrain.infer.activations import Codec
+
         self.stage, self.comm, self.rank, self.world = stage, comm, rank, world
+        # what hidden states cross the wire as (--wire-dtype; default: the compute dtype)
+        wire = wire or {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[stage.dtype]
+        self.codec = Codec(wire, stage.cfg.hidden, stage.dtype, stage.device)
 
     def sent(self) -> int:
         return self.comm.counter.total_payload() if self.comm is not None else 0
@@ -104,15 +109,17 @@ class Engine:
         }
 
 
-def make_engine(strategy: str, stage: Stage, comm=None, rank: int = 0, world: int = 1) -> Engine:
+def make_engine(
+    strategy: str, stage: Stage, comm=None, rank: int = 0, world: int = 1, wire: str | None = None
+) -> Engine:
     if world == 1 or strategy == "local":
         return Engine(stage)
     if strategy == "pp":
         from smoltrain.infer.pp import PipelineEngine
 
-        return PipelineEngine(stage, comm, rank, world)
+        return PipelineEngine(stage, comm, rank, world, wire)
     if strategy == "tp":
         from smoltrain.infer.tp import TensorParallelEngine
 
-        return TensorParallelEngine(stage, comm, rank, world)
+        return TensorParallelEngine(stage, comm, rank, world, wire)
     raise ValueError(f"unknown inference strategy {strategy!r}")

@@ -19,30 +19,39 @@ from pathlib import Path
 from smolnet.errors import SmolError, UsageError
 
 
-def newest_step(root: str) -> Path:
-    steps = sorted(Path(root).glob("step-*/complete.json"))
-    if not steps:
+def newest_intact(root: str):
+    """The newest checkpoint whose parts match complete.json's digests (run.checkpoint.latest),
+    saying in one line which newer ones were skipped and why."""
+    import sys
+
+    from smoltrain.run import checkpoint
+
+    if not sorted(Path(root).glob("step-*/complete.json")):
         raise UsageError(f"{root}: no complete checkpoint (step-*/complete.json) to export")
-    return steps[-1].parent
+    found = checkpoint.latest(root, None, tidy=False)
+    if found.skipped:
+        print(f"export: {found.skipped_line().removeprefix('resume: ')}", file=sys.stderr)
+    return found
 
 
-def gather_units(step_dir: Path, meta: dict) -> dict:
+def gather_units(step_dir: Path, meta: dict, sha256: dict | None = None) -> dict:
     """`units.<i>.<name>` -> tensor for the whole model, from each rank's part."""
     from smoltrain.models.gpt import split_units
     from smoltrain.models.spec import get_model
     from smoltrain.run.checkpoint import load_part
 
     strategy, world = meta["strategy"], int(meta["world_size"])
+    sha = sha256 or {}  # checked again as each part is read: nothing changed since verification
     spec = get_model(meta["model"])
     out = {}
     if strategy == "dp":
-        for k, v in load_part(step_dir.parent, int(meta["step"]), "rank0").items():
+        for k, v in load_part(step_dir.parent, int(meta["step"]), "rank0", sha.get("rank0")).items():
             if k.startswith("param.units."):
                 out[k[len("param.") :]] = v
     elif strategy in ("mp", "pp"):
         ranges = split_units(spec.layers + 2, spec.layers, world)
         for r in range(world):
-            for k, v in load_part(step_dir.parent, int(meta["step"]), f"rank{r}").items():
+            for k, v in load_part(step_dir.parent, int(meta["step"]), f"rank{r}", sha.get(f"rank{r}")).items():
                 if k.startswith("param."):
                     j, rest = k[len("param.") :].split(".", 1)
                     out[f"units.{ranges[r][int(j)]}.{rest}"] = v
@@ -97,10 +106,11 @@ def byte_tokenizer():
 
 
 def export(ckpt_dir: str, out_dir: str) -> Path:
-    step_dir = newest_step(ckpt_dir)
-    meta = json.loads((step_dir / "complete.json").read_text())
+    found = newest_intact(ckpt_dir)
+    meta = found.meta
+    step_dir = Path(ckpt_dir) / f"step-{found.step:06d}"
     try:
-        spec, units = gather_units(step_dir, meta)
+        spec, units = gather_units(step_dir, meta, found.sha256)
         sd = to_gpt2(spec, units)
     except KeyError as e:
         raise SmolError(f"{step_dir}: checkpoint lacks tensor {e}") from None

@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass
 
 from smolnet.errors import UsageError
+from smoltrain import validate
 from smoltrain.infer.config import InferConfig
 from smoltrain.models.hf import Checkpoint, CheckpointError, load_tokenizer
 from smoltrain.models.stage import TORCH, check_tp, even_layers
@@ -22,16 +23,15 @@ from smoltrain.models.stage import TORCH, check_tp, even_layers
 class LocalRunner:
     """`--local 1` / `--strategy local`: one process, no network; the reference."""
 
-    def __init__(self, ckpt: Checkpoint, dtype: str | None):
+    def __init__(self, ckpt: Checkpoint, cfg: InferConfig):
+        from smoltrain import host
         from smoltrain.infer.engine import Engine
         from smoltrain.models.stage import Stage
 
-        cfg = ckpt.config
-        if os.environ.get("SMOL_INFER_THREADS"):  # as the ranks do (benchmarks compare like with like)
-            import torch
-
-            torch.set_num_threads(int(os.environ["SMOL_INFER_THREADS"]))
-        self.engine = Engine(Stage(ckpt, 0, cfg.layers, True, True, dtype=dtype))
+        threads, device = host.setup(cfg.rank_threads(0), cfg.rank_device(0), cfg.dtype)
+        stage = Stage(ckpt, 0, ckpt.config.layers, True, True, dtype=cfg.dtype, quantize=cfg.quantize, device=device)
+        self.engine = Engine(stage)
+        self.machine = host.rank_facts(stage, threads, device)
         self.dead = None
         self.lock = threading.Lock()
         self.cancelled = threading.Event()
@@ -41,6 +41,7 @@ class LocalRunner:
             self.cancelled.clear()
             st = self.engine.generate(req, emit=on_token, cancelled=self.cancelled.is_set)
         st["links"] = []
+        st.update(self.machine)
         return [st]
 
     def cancel(self) -> None:
@@ -78,10 +79,10 @@ def open_model(args, timeout: float = 120.0) -> Setup:
             f"--model {args.model}: not a folder (a Hugging Face checkpoint: config.json, "
             "*.safetensors, optional tokenizer.json)"
         )
-    if args.dtype is not None and args.dtype not in TORCH:
-        raise UsageError(f"--dtype {args.dtype}: choose from {', '.join(TORCH)}")
+    check_choices(args)
     strategy, placements, hosts = resolve(args)
     world = len(placements)
+    threads, devices = machine_settings(args, hosts, world)
     try:
         ckpt = Checkpoint(model_dir)
         ckpt.check()
@@ -104,9 +105,13 @@ def open_model(args, timeout: float = 120.0) -> Setup:
         names=tuple(p.name for p in placements),
         layers=tuple(layers),
         timeout=args.timeout,
+        quantize=getattr(args, "quantize", None),  # callers that build their own args may leave these out
+        wire_dtype=getattr(args, "wire_dtype", None),
+        threads=tuple(threads),
+        devices=tuple(devices),
     )
     if world == 1:
-        return Setup(LocalRunner(ckpt, args.dtype), cfg, ckpt, tok, hosts, None)
+        return Setup(LocalRunner(ckpt, cfg), cfg, ckpt, tok, hosts, None)
     from smoltrain.infer.cluster import Cluster
     from smoltrain.run.controller import route_source
 
@@ -134,6 +139,44 @@ def open_model(args, timeout: float = 120.0) -> Setup:
     return Setup(cluster, cfg, ckpt, tok, hosts, log_dir)
 
 
+def check_choices(args) -> None:
+    """--dtype, --quantize, --wire-dtype: one line and exit 2 for a name not on the list."""
+    from smoltrain.planner.widths import QUANTIZE, WIRE_DTYPES
+
+    for opt, value, ok in (
+        ("--dtype", args.dtype, tuple(TORCH)),
+        ("--quantize", getattr(args, "quantize", None), QUANTIZE),
+        ("--wire-dtype", getattr(args, "wire_dtype", None), WIRE_DTYPES),
+    ):
+        if value is not None and value not in ok:
+            raise UsageError(f"{opt} {value}: choose from {', '.join(ok)}")
+
+
+def machine_settings(args, hosts, world: int) -> tuple[list[int], list[str]]:
+    """Threads and torch device per rank, checked before any rank starts (contract §9):
+    `--threads`/`--device` for --local ranks (which share this machine's CPUs), the
+    inventory's smol_threads/smol_device for hosts. 0 threads: the host's usable CPUs,
+    settled by the rank itself."""
+    from smoltrain import host
+    from smoltrain.run.threads import inventory_threads, local_threads
+
+    if hosts is None:
+        threads = local_threads(getattr(args, "threads", None), world)
+        devices = [getattr(args, "device", None) or "cpu"] * world
+        dev = host.resolve_device(devices[0])
+        if args.dtype:
+            host.check_dtype(args.dtype, dev)
+        return threads, devices
+    threads = inventory_threads(hosts[:world])
+    devices = [h.torch_device for h in hosts[:world]]
+    for h, d in zip(hosts[:world], devices):
+        if h.local and d != "auto":  # a host on this machine: check here what its rank would refuse
+            dev = host.resolve_device(d)
+            if args.dtype:
+                host.check_dtype(args.dtype, dev)
+    return threads, devices
+
+
 def _replace(cfg: InferConfig, **kw) -> InferConfig:
     from dataclasses import replace
 
@@ -144,16 +187,26 @@ def add_placement_arguments(p) -> None:
     """Options `generate` and `serve` share (contract §7)."""
     p.add_argument("--strategy", default="pp", choices=("local", "pp", "tp"))
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--local", type=int, metavar="N", help="N ranks on loopback (1: one process, the reference)")
+    where.add_argument(
+        "--local", type=validate.RANKS, metavar="N", help="N ranks on loopback (1: one process, the reference)"
+    )
     where.add_argument("-i", "--inventory", help="one rank per `cluster` host of this inventory")
     p.add_argument("--model", required=True, help="Hugging Face checkpoint folder (same path on every host)")
     p.add_argument("--backend", default="socket", choices=("socket", "torch"))
-    p.add_argument("--dtype", choices=tuple(TORCH), help="default: the checkpoint's dtype")
+    p.add_argument("--dtype", help="fp32, bf16 or fp16 (default: the checkpoint's dtype)")
+    p.add_argument("--quantize", help="weights of every layer: int8 (per channel) or q4 (Q4_0, groups of 32)")
+    p.add_argument("--wire-dtype", help="hidden states between ranks: fp32, bf16, fp16 or int8 (default: --dtype)")
+    p.add_argument(
+        "--threads",
+        type=validate.THREADS,
+        help="--local: torch threads per rank (default: this machine's CPUs / ranks)",
+    )
+    p.add_argument("--device", help="--local: torch device of every rank (cpu, cuda, mps, auto; default cpu)")
     p.add_argument(
         "--placement",
         default="even",
         choices=("even", "auto"),
         help="pp layer split (auto falls back to even for inference)",
     )
-    p.add_argument("--timeout", type=float, default=120.0, help="give up on a silent rank after this long")
+    p.add_argument("--timeout", type=validate.SECONDS, default=120.0, help="give up on a silent rank after this long")
     p.add_argument("--secret-file", help="cluster secret (default: the inventory's smol_secret_file)")

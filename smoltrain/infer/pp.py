@@ -3,7 +3,8 @@
 Rank 0 embeds; every stage sends its output to the next; the last stage samples and
 sends the token id (one int64) back to rank 0, which feeds it into the next step.
 Stages run one after another (batch 1), so per token each hop carries one hidden
-state: `hidden * dtype bytes`, plus 8 bytes back, as the plan counts.
+state: `hidden * dtype bytes` (at `--wire-dtype`, infer.activations), plus 8 bytes back,
+as the plan counts.
 """
 
 from __future__ import annotations
@@ -19,18 +20,19 @@ class PipelineEngine(Engine):
         st, r, N, comm = self.stage, self.rank, self.world, self.comm
         tokbuf = torch.zeros(1, dtype=torch.int64)
         if r > 0:
-            x = torch.zeros(1, x, st.cfg.hidden, dtype=st.dtype)
-            comm.recv(x, r - 1)
+            buf = self.codec.buffer(x)
+            comm.recv(buf, r - 1)
+            x = self.codec.decode(buf)
             if is_marker(x):
                 if not st.is_last:
-                    comm.send(x, r + 1)
+                    comm.send(buf, r + 1)
                 raise Stop
         out = st(x)
         if st.is_last:
             tokbuf[0] = sampler(out)
             comm.send(tokbuf, 0)
         else:
-            comm.send(out, r + 1)
+            comm.send(self.codec.encode(out), r + 1)
         if r == 0:
             comm.recv(tokbuf, N - 1)
             return int(tokbuf[0])
@@ -43,4 +45,4 @@ class PipelineEngine(Engine):
         return self._run(torch.tensor([[tok]]) if self.rank == 0 else 1, sampler)
 
     def signal_stop(self) -> None:
-        self.comm.send(self.marker(), 1)
+        self.comm.send(self.codec.encode(self.marker()), 1)

@@ -25,6 +25,8 @@ def infer_plan(cfg, mc, seq: int, hosts=None) -> dict | None:
             mode="infer",
             hosts=hosts,
             links=links,
+            **({"quantize": cfg.quantize} if cfg.quantize else {}),
+            **({"wire_dtype": cfg.wire_dtype} if cfg.wire_dtype else {}),
         )
         doc.setdefault("placement", {"mode": "even", "order": list(cfg.names), "layers": [list(x) for x in cfg.layers]})
         return doc
@@ -32,7 +34,40 @@ def infer_plan(cfg, mc, seq: int, hosts=None) -> dict | None:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def build(cfg, mc, stats: list[dict], prompt_ids: list[int], text: str | None, plan: dict | None) -> dict:
+def measured_bandwidth(cfg, hosts=None) -> dict | None:
+    """Memory bandwidth by rank name from the compute report (calibrate), when it measured these hosts
+    (--local ranks: this machine's uncapped entry); None: each rank's own copy measurement counts."""
+    try:
+        from smoltrain.planner.compute import default_path, for_local, load_compute
+
+        path = default_path(None)
+        if path is None:
+            return None
+        if hosts is None:
+            f = for_local(path)
+            return {n: f.mem_bw for n in cfg.names} if f else None
+        return {n: h.mem_bw for n, h in load_compute(path, list(cfg.names)).items()}
+    except Exception:  # advice only: fall back to the ranks' own measurement
+        return None
+
+
+def roofline(cfg, stats: list[dict], bandwidth: dict | None = None) -> float | None:
+    """Tokens/s if decode did nothing but read each rank's weights at its memory bandwidth
+    (`bandwidth`: bytes/s by host name from a compute report, else each rank's measured copy).
+    pp stages run one after another (their times add up); tp ranks read their shares at once."""
+    times = []
+    for name, s in zip(cfg.names, stats):
+        bw = (bandwidth or {}).get(name) or s.get("mem_bw_bytes_s")
+        if not bw or not s.get("weight_bytes_per_token"):
+            return None
+        times.append(s["weight_bytes_per_token"] / bw)
+    total = max(times) if cfg.strategy == "tp" else sum(times)
+    return 1 / total if total > 0 else None
+
+
+def build(
+    cfg, mc, stats: list[dict], prompt_ids: list[int], text: str | None, plan: dict | None, bandwidth=None
+) -> dict:
     r0 = stats[0]
     steps = r0["decode_steps"]
     busiest = max(s["decode_bytes"] for s in stats)
@@ -65,7 +100,14 @@ def build(cfg, mc, stats: list[dict], prompt_ids: list[int], text: str | None, p
             "bytes_per_token": busiest / steps if steps else None,
             # CPU seconds of all ranks together: what the split costs, whatever else loads the machine
             "cpu_s": sum(s.get("decode_cpu_s", 0.0) for s in stats),
+            # weights read per generated token, all ranks, and the memory-bandwidth bound they set
+            "weight_bytes_per_token": sum(s.get("weight_bytes_per_token") or 0 for s in stats) or None,
+            "roofline_tokens_per_s": roofline(cfg, stats, bandwidth),
         },
+        "quantize": cfg.quantize,
+        "wire_dtype": cfg.wire_dtype or cfg.dtype or mc.dtype,
+        "threads": {name: s.get("threads") for name, s in zip(cfg.names, stats)},
+        "devices": {name: s.get("device") for name, s in zip(cfg.names, stats)},
         "ttft_s": r0["prefill_s"],
         "links": links,
         "plan": plan,

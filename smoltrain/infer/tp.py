@@ -16,8 +16,7 @@ class TensorParallelEngine(Engine):
     armed = False
 
     def _reduce(self, t):
-        t = t.contiguous()
-        self.comm.all_reduce(t)
+        t = self.codec.all_reduce(self.comm, t)  # at --wire-dtype (infer.activations)
         if self.armed:  # the first all-reduce of a decode step may carry rank 0's stop marker
             self.armed = False
             if is_marker(t):
@@ -32,4 +31,4 @@ class TensorParallelEngine(Engine):
         return sampler(self.stage(torch.tensor([[tok]]), self._reduce))
 
     def signal_stop(self) -> None:
-        self.comm.all_reduce(self.marker())
+        self.codec.all_reduce(self.comm, self.marker())

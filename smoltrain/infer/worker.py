@@ -57,13 +57,13 @@ class Control:
 
 
 def serve(ctl: Control, rank: int, secret: bytes) -> None:
-    import torch
 
+    from smoltrain import host
     from smoltrain.models.hf import Checkpoint
     from smoltrain.models.stage import Stage
 
-    torch.set_num_threads(max(1, int(os.environ.get("SMOL_INFER_THREADS", "1"))))
     cfg = ctl.config
+    threads, device = host.setup(cfg.rank_threads(rank), cfg.rank_device(rank), cfg.dtype)
     world = cfg.world_size
     t0 = time.perf_counter()
     comm = None
@@ -91,8 +91,11 @@ def serve(ctl: Control, rank: int, secret: bytes) -> None:
         tp_rank=rank if cfg.strategy == "tp" else 0,
         tp_world=world if cfg.strategy == "tp" else 1,
         dtype=cfg.dtype,
+        quantize=cfg.quantize,
+        device=device,
     )
-    engine = make_engine(cfg.strategy, stage, comm, rank, world)
+    engine = make_engine(cfg.strategy, stage, comm, rank, world, cfg.wire_dtype)
+    machine = host.rank_facts(stage, threads, device)
     ctl.send({"type": "ready", "load_s": time.perf_counter() - t0})
     try:
         while True:
@@ -107,6 +110,7 @@ def serve(ctl: Control, rank: int, secret: bytes) -> None:
                 req, emit=lambda t: ctl.send({"type": "token", "id": t}), cancelled=ctl.cancel.is_set
             )
             stats["links"] = sorted((comm.bytes_sent() if comm else {}).items())
+            stats.update(machine)
             ctl.send({"type": "done", "stats": stats})
     finally:
         if comm is not None:

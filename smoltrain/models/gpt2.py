@@ -12,16 +12,29 @@ import torch.nn.functional as F
 
 from smoltrain.models.hf import GELUS, HFConfig
 from smoltrain.models.llama import KVCache, attend
+from smoltrain.models.quant import Linear
 
 
 class GPT2Block(torch.nn.Module):
-    def __init__(self, cfg: HFConfig, w: dict, heads: int):
+    def __init__(self, cfg: HFConfig, w: dict, heads: int, quantize: str | None = None):
         super().__init__()
         self.cfg, self.w, self.heads = cfg, w, heads
+        dt = w["ln_1.weight"].dtype
+        # Conv1D stores [in, out]; a Linear holds [out, in]. Output biases come after the tp reduce.
+        self.qkv = Linear(w.pop("attn.c_attn.weight").t(), w.pop("attn.c_attn.bias"), dt, quantize)
+        self.proj = Linear(w.pop("attn.c_proj.weight").t(), None, dt, quantize)
+        self.fc = Linear(w.pop("mlp.c_fc.weight").t(), w.pop("mlp.c_fc.bias"), dt, quantize)
+        self.down = Linear(w.pop("mlp.c_proj.weight").t(), None, dt, quantize)
         self.cache: KVCache | None = None
 
+    def weight_bytes(self) -> int:
+        """Bytes of weights one token reads in this block."""
+        return sum(lin.nbytes for lin in (self.qkv, self.proj, self.fc, self.down)) + sum(
+            t.numel() * t.element_size() for t in self.w.values()
+        )
+
     def reset(self, max_len: int, dtype) -> None:
-        self.cache = KVCache(self.heads, self.cfg.head_dim, max_len, dtype)
+        self.cache = KVCache(self.heads, self.cfg.head_dim, max_len, dtype, self.w["ln_1.weight"].device)
 
     def _ln(self, x, name):
         return F.layer_norm(x, (x.shape[-1],), self.w[name + ".weight"], self.w[name + ".bias"], self.cfg.eps)
@@ -29,24 +42,23 @@ class GPT2Block(torch.nn.Module):
     def forward(self, x, pos: int, reduce):
         w, hd, T, n = self.w, self.cfg.head_dim, x.shape[1], self.heads
         y = self._ln(x, "ln_1")
-        qkv = y @ w["attn.c_attn.weight"] + w["attn.c_attn.bias"]
-        q, k, v = (t.view(1, T, n, hd).transpose(1, 2) for t in qkv.split(n * hd, dim=-1))
+        q, k, v = (t.view(1, T, n, hd).transpose(1, 2) for t in self.qkv(y).split(n * hd, dim=-1))
         k, v = self.cache.update(k, v, pos)
         a = attend(q, k, v, n, n, causal=T > 1).transpose(1, 2).reshape(1, T, n * hd)
-        x = x + (reduce(a @ w["attn.c_proj.weight"]) + w["attn.c_proj.bias"])
+        x = x + (reduce(self.proj(a)) + w["attn.c_proj.bias"])
         y = self._ln(x, "ln_2")
-        m = F.gelu(y @ w["mlp.c_fc.weight"] + w["mlp.c_fc.bias"], approximate=GELUS[self.cfg.act])
-        return x + (reduce(m @ w["mlp.c_proj.weight"]) + w["mlp.c_proj.bias"])
+        m = F.gelu(self.fc(y), approximate=GELUS[self.cfg.act])
+        return x + (reduce(self.down(m)) + w["mlp.c_proj.bias"])
 
 
-def load_block(ckpt, i: int, rank: int, world: int, dtype) -> GPT2Block:
+def load_block(ckpt, i: int, rank: int, world: int, dtype, quantize: str | None = None, device="cpu") -> GPT2Block:
     cfg = ckpt.config
     h, n, hd = cfg.hidden, cfg.heads // world, cfg.head_dim
     f = cfg.ffn // world
     p = f"h.{i}."
 
     def rd(name, rows=None, cols=None):
-        return ckpt.read(p + name, rows, cols).to(dtype)
+        return ckpt.read(p + name, rows, cols).to(device, dtype)
 
     c0, c1 = rank * n * hd, (rank + 1) * n * hd
     w = {
@@ -64,7 +76,7 @@ def load_block(ckpt, i: int, rank: int, world: int, dtype) -> GPT2Block:
         "mlp.c_proj.weight": rd("mlp.c_proj.weight", (rank * f, (rank + 1) * f)),
         "mlp.c_proj.bias": rd("mlp.c_proj.bias"),
     }
-    return GPT2Block(cfg, w, n)
+    return GPT2Block(cfg, w, n, quantize)
 
 
 class _LN(torch.nn.Module):
@@ -76,15 +88,17 @@ class _LN(torch.nn.Module):
         return F.layer_norm(x, (x.shape[-1],), self.w, self.b, self.eps)
 
 
-def load_ends(ckpt, first: bool, last: bool, dtype) -> dict:
+def load_ends(ckpt, first: bool, last: bool, dtype, quantize: str | None = None, device="cpu") -> dict:
     out = {}
     if first or (last and ckpt.config.tied):
-        out["embed"] = ckpt.read("wte.weight").to(dtype)
+        out["embed"] = ckpt.read("wte.weight").to(device, dtype)
     if first:
-        out["pos"] = ckpt.read("wpe.weight").to(dtype)
+        out["pos"] = ckpt.read("wpe.weight").to(device, dtype)
     if last:
-        out["norm"] = _LN(ckpt.read("ln_f.weight").to(dtype), ckpt.read("ln_f.bias").to(dtype), ckpt.config.eps)
-        out["head"] = out["embed"] if ckpt.config.tied else ckpt.read("lm_head.weight").to(dtype)
+        ln = [ckpt.read(f"ln_f.{k}").to(device, dtype) for k in ("weight", "bias")]
+        out["norm"] = _LN(*ln, ckpt.config.eps)
+        w = out["embed"] if ckpt.config.tied else ckpt.read("lm_head.weight").to(device)
+        out["head"] = Linear(w, None, dtype, None if ckpt.config.tied else quantize, pack=not ckpt.config.tied)
     return out
 
 

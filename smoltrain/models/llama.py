@@ -4,14 +4,34 @@ Written to match `transformers`' LlamaForCausalLM number for number (fp32 norms,
 rotate-half RoPE), so greedy decoding gives the same tokens. Under tp a block holds
 only its ranks' heads and MLP columns (Megatron): the attention output and the MLP
 output are partial sums, finished by `reduce` (an all-reduce; identity alone).
+
+Batch-1 decode is memory-bound only if little else costs time, so each layer runs few
+operations (each costs microseconds of Python and dispatch whatever its size): q, k, v
+are one matmul and gate, up another; RoPE's cos and sin come from a table made once per
+request; keys and values are written in place into a cache preallocated for the request;
+query heads share their kv head inside scaled_dot_product_attention (no copies).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 
 from smoltrain.models.hf import HFConfig
+from smoltrain.models.quant import Linear
+
+
+def rms_norm(x, weight, eps: float):
+    """transformers' LlamaRMSNorm: normalise in fp32, scale at the input's dtype (at fp32 torch's
+    fused rms_norm gives the same bits in one operation)."""
+    dt = x.dtype
+    if dt == torch.float32 and weight.dtype == dt:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dt)
 
 
 class RMSNorm(torch.nn.Module):
@@ -20,34 +40,36 @@ class RMSNorm(torch.nn.Module):
         self.weight, self.eps = weight, eps
 
     def forward(self, x):
-        dt = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dt)
+        return rms_norm(x, self.weight, self.eps)
 
 
-def rope(cfg: HFConfig, positions: torch.Tensor, dtype):
-    """cos, sin of shape [T, head_dim] for these positions (rope_theta from the config)."""
-    hd = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
-    freqs = positions.float()[:, None] * inv[None, :]
+@functools.lru_cache(maxsize=8)
+def rope_table(theta: float, head_dim: int, max_len: int, dtype, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin [max_len, head_dim] for positions 0..max_len-1.
+
+    rotate_half(x) = cat(-x2, x1) = roll(x, hd/2) * sign, with sign -1 on the first half, so
+    x*cos + rotate_half(x)*sin = x*cos + roll(x)*(sign*sin): the same products, fewer ops."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = torch.arange(max_len).float()[:, None] * inv[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    sign = torch.cat((-torch.ones(head_dim // 2), torch.ones(head_dim // 2)))
+    return emb.cos().to(device, dtype), (emb.sin() * sign).to(device, dtype)
 
 
-def rotate_half(x):
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
+def apply_rope(x, cos, sin):
+    """x [T, heads, hd]; cos, sin [T, hd] (sin signed, see rope_table)."""
+    return x * cos[:, None] + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin[:, None]
 
 
 class KVCache:
     """Keys and values of the positions seen so far, for one layer, batch 1."""
 
-    def __init__(self, kv_heads: int, head_dim: int, max_len: int, dtype):
-        self.k = torch.zeros(1, kv_heads, max_len, head_dim, dtype=dtype)
-        self.v = torch.zeros(1, kv_heads, max_len, head_dim, dtype=dtype)
+    def __init__(self, kv_heads: int, head_dim: int, max_len: int, dtype, device="cpu"):
+        self.k = torch.zeros(1, kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(1, kv_heads, max_len, head_dim, dtype=dtype, device=device)
 
     def update(self, k, v, pos: int):
+        """k, v [1, kv_heads, T, hd]; returns the cached keys and values of positions 0..pos+T-1."""
         t = k.shape[2]
         self.k[:, :, pos : pos + t] = k
         self.v[:, :, pos : pos + t] = v
@@ -56,47 +78,52 @@ class KVCache:
 
 def attend(q, k, v, heads: int, kv_heads: int, causal: bool):
     """Scaled dot-product attention with each kv head shared by heads/kv_heads query heads."""
-    if kv_heads != heads:
-        k = k.repeat_interleave(heads // kv_heads, dim=1)
-        v = v.repeat_interleave(heads // kv_heads, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kv_heads != heads)
 
 
 class LlamaBlock(torch.nn.Module):
-    def __init__(self, cfg: HFConfig, w: dict, heads: int, kv_heads: int):
+    def __init__(self, cfg: HFConfig, w: dict, heads: int, kv_heads: int, quantize: str | None = None):
         super().__init__()
-        self.cfg, self.w, self.heads, self.kv_heads = cfg, w, heads, kv_heads
-        self.ln1 = RMSNorm(w["input_layernorm.weight"], cfg.eps)
-        self.ln2 = RMSNorm(w["post_attention_layernorm.weight"], cfg.eps)
+        self.cfg, self.heads, self.kv_heads = cfg, heads, kv_heads
+        dt = w["input_layernorm.weight"].dtype
+        self.ln1, self.ln2 = w["input_layernorm.weight"], w["post_attention_layernorm.weight"]
+        qkv = [f"self_attn.{p}_proj" for p in "qkv"]
+        bias = torch.cat([w[n + ".bias"] for n in qkv]) if cfg.bias else None
+        self.qkv = Linear(torch.cat([w.pop(n + ".weight") for n in qkv]), bias, dt, quantize)
+        self.o = Linear(w.pop("self_attn.o_proj.weight"), None, dt, quantize)
+        self.o_bias = w.get("self_attn.o_proj.bias")  # added once, after the tp reduce
+        gate_up = torch.cat([w.pop("mlp.gate_proj.weight"), w.pop("mlp.up_proj.weight")])
+        self.gate_up = Linear(gate_up, None, dt, quantize)
+        self.down = Linear(w.pop("mlp.down_proj.weight"), None, dt, quantize)
         self.cache: KVCache | None = None
+        self.rope: tuple | None = None
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one token reads in this block."""
+        small = [t for t in (self.ln1, self.ln2, self.o_bias) if t is not None]
+        return sum(lin.nbytes for lin in (self.qkv, self.o, self.gate_up, self.down)) + sum(
+            t.numel() * t.element_size() for t in small
+        )
 
     def reset(self, max_len: int, dtype) -> None:
-        self.cache = KVCache(self.kv_heads, self.cfg.head_dim, max_len, dtype)
-
-    def _lin(self, x, name):
-        return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+        dev = self.ln1.device
+        self.cache = KVCache(self.kv_heads, self.cfg.head_dim, max_len, dtype, dev)
+        self.rope = rope_table(self.cfg.rope_theta, self.cfg.head_dim, max_len, dtype, str(dev))
 
     def forward(self, x, pos: int, reduce):
-        w, hd, T = self.w, self.cfg.head_dim, x.shape[1]
-        y = self.ln1(x)
-        q = self._lin(y, "self_attn.q_proj").view(1, T, self.heads, hd).transpose(1, 2)
-        k = self._lin(y, "self_attn.k_proj").view(1, T, self.kv_heads, hd).transpose(1, 2)
-        v = self._lin(y, "self_attn.v_proj").view(1, T, self.kv_heads, hd).transpose(1, 2)
-        cos, sin = rope(self.cfg, torch.arange(pos, pos + T), x.dtype)
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        k, v = self.cache.update(k, v, pos)
-        a = attend(q, k, v, self.heads, self.kv_heads, causal=T > 1)
-        a = F.linear(a.transpose(1, 2).reshape(1, T, self.heads * hd), w["self_attn.o_proj.weight"])
-        a = reduce(a)
-        if "self_attn.o_proj.bias" in w:
-            a = a + w["self_attn.o_proj.bias"]
+        hd, T, H, KV = self.cfg.head_dim, x.shape[1], self.heads, self.kv_heads
+        qkv = self.qkv(rms_norm(x, self.ln1, self.cfg.eps)).view(T, H + 2 * KV, hd)
+        cos, sin = self.rope[0][pos : pos + T], self.rope[1][pos : pos + T]
+        qk = apply_rope(qkv[:, : H + KV], cos, sin)  # q and k heads rotated together
+        q = qk[:, :H].transpose(0, 1)[None]
+        k, v = self.cache.update(qk[:, H:].transpose(0, 1)[None], qkv[:, H + KV :].transpose(0, 1)[None], pos)
+        a = attend(q, k, v, H, KV, causal=T > 1)
+        a = reduce(self.o(a.transpose(1, 2).reshape(1, T, H * hd)))
+        if self.o_bias is not None:
+            a = a + self.o_bias
         x = x + a
-        y = self.ln2(x)
-        m = F.linear(
-            F.silu(F.linear(y, w["mlp.gate_proj.weight"])) * F.linear(y, w["mlp.up_proj.weight"]),
-            w["mlp.down_proj.weight"],
-        )
-        return x + reduce(m)
+        g, u = self.gate_up(rms_norm(x, self.ln2, self.cfg.eps)).chunk(2, dim=-1)
+        return x + reduce(self.down(F.silu(g) * u))
 
 
 def shard_windows(cfg: HFConfig, rank: int, world: int) -> dict:
@@ -129,23 +156,27 @@ def shard_windows(cfg: HFConfig, rank: int, world: int) -> dict:
     return out
 
 
-def load_block(ckpt, i: int, rank: int, world: int, dtype) -> LlamaBlock:
+def load_block(ckpt, i: int, rank: int, world: int, dtype, quantize: str | None = None, device="cpu") -> LlamaBlock:
+    """One layer (this tp rank's slice of it), quantised as it is read: only this layer is ever at full width."""
     cfg = ckpt.config
     w = {
-        k: ckpt.read(f"model.layers.{i}.{k}", rows, cols).to(dtype)
+        k: ckpt.read(f"model.layers.{i}.{k}", rows, cols).to(device, dtype)
         for k, (rows, cols) in shard_windows(cfg, rank, world).items()
     }
-    return LlamaBlock(cfg, w, cfg.heads // world, cfg.kv_heads // world)
+    return LlamaBlock(cfg, w, cfg.heads // world, cfg.kv_heads // world, quantize)
 
 
-def load_ends(ckpt, first: bool, last: bool, dtype) -> dict:
-    """Embedding (first stage) and final norm + head (last stage)."""
+def load_ends(ckpt, first: bool, last: bool, dtype, quantize: str | None = None, device="cpu") -> dict:
+    """Embedding (first stage) and final norm + head (last stage); an untied head is quantised like
+    the layers, a tied one stays the embedding table at `dtype`."""
     out = {}
-    if first or (last and ckpt.config.tied):
-        out["embed"] = ckpt.read("model.embed_tokens.weight").to(dtype)
+    tied = ckpt.config.tied
+    if first or (last and tied):
+        out["embed"] = ckpt.read("model.embed_tokens.weight").to(device, dtype)
     if last:
-        out["norm"] = RMSNorm(ckpt.read("model.norm.weight").to(dtype), ckpt.config.eps)
-        out["head"] = out["embed"] if ckpt.config.tied else ckpt.read("lm_head.weight").to(dtype)
+        out["norm"] = RMSNorm(ckpt.read("model.norm.weight").to(device, dtype), ckpt.config.eps)
+        w = out["embed"] if tied else ckpt.read("lm_head.weight").to(device)
+        out["head"] = Linear(w, None, dtype, None if tied else quantize, pack=not tied)
     return out
 
 

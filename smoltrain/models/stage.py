@@ -9,7 +9,6 @@ lives in the blocks; `reset` starts a new sequence.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from smoltrain.models import gpt2, llama
 from smoltrain.models.hf import Checkpoint, CheckpointError, expected_tensors
@@ -68,19 +67,39 @@ class Stage(torch.nn.Module):
         tp_rank: int = 0,
         tp_world: int = 1,
         dtype: str | None = None,
+        quantize: str | None = None,
+        device: str = "cpu",
     ):
+        """`quantize` (int8, q4): the matmul weights of these layers (and an untied head), each
+        quantised as it is read; `device`: where the weights and the KV cache live."""
         super().__init__()
         cfg = ckpt.config
         self.cfg, self.first, self.last, self.is_first, self.is_last = cfg, first, last, is_first, is_last
         self.dtype = TORCH[dtype or cfg.dtype]
+        self.quantize, self.device = quantize, torch.device(device)
         ckpt.check(stage_tensors(cfg, first, last, is_first, is_last))
         if tp_world > 1:
             check_tp(cfg, tp_world)
         mod = ARCH[cfg.arch]
         self.mod = mod
-        self.blocks = [mod.load_block(ckpt, i, tp_rank, tp_world, self.dtype) for i in range(first, last)]
-        self.ends = mod.load_ends(ckpt, is_first, is_last, self.dtype)
+        self.blocks = [
+            mod.load_block(ckpt, i, tp_rank, tp_world, self.dtype, quantize, self.device) for i in range(first, last)
+        ]
+        self.ends = mod.load_ends(ckpt, is_first, is_last, self.dtype, quantize, self.device)
         self.pos = 0
+
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weights one decode step reads here: every matmul weight (at its width, scales
+        included), norms, and one row of each embedding table."""
+        n = sum(b.weight_bytes() for b in self.blocks)
+        for name, t in self.ends.items():
+            if name == "head":
+                n += t.nbytes
+            elif isinstance(t, torch.Tensor):  # embedding tables: one row per token
+                n += t.shape[1] * t.element_size()
+            else:  # the final norm
+                n += sum(p.numel() * p.element_size() for p in vars(t).values() if isinstance(p, torch.Tensor))
+        return int(n)
 
     def reset(self, max_len: int) -> None:
         for b in self.blocks:
@@ -91,11 +110,12 @@ class Stage(torch.nn.Module):
     def forward(self, x, reduce=lambda t: t):
         """x: token ids [1, T] on the first stage, else hidden [1, T, hidden]; returns hidden or logits [vocab]."""
         pos = self.pos
+        x = x.to(self.device)
         if self.is_first:
             x = self.mod.embed(self.ends, x, pos)
         for b in self.blocks:
             x = b(x, pos, reduce)
         self.pos = pos + x.shape[1]
         if self.is_last:
-            return F.linear(self.ends["norm"](x[:, -1:]), self.ends["head"]).view(-1).float()
+            return self.ends["head"](self.ends["norm"](x[:, -1:])).view(-1).float()
         return x

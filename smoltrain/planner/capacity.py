@@ -186,7 +186,25 @@ def flops(w: RankWork, model: ModelSpec, mode: str, seq: int) -> float:
     return w.tokens * 2 * w.matmul_params + 4 * attn * (w.kv_positions / seq if seq else 0)
 
 
-def memory_traffic(w: RankWork, model: ModelSpec, mode: str, dtype: str, batch: int, seq: int, strategy: str) -> float:
+def weight_bytes(w: RankWork, model: ModelSpec, a: int, quantize: str | None) -> tuple[float, float]:
+    """Inference: (weight bytes one token reads, weight bytes held) on this rank. Quantised
+    weights are the layers' matmuls and an untied LM head (models.quant); embeddings and
+    norms stay at the compute dtype. Unquantised: every weight at `a` bytes."""
+    if not quantize:
+        return w.matmul_params * a, w.params_held * a + w.gathered * a
+    from smoltrain.planner.widths import weight_bytes as per_weight
+
+    q = per_weight(quantize, "fp32")
+    head = model.vocab * model.hidden if w.logits else 0
+    layers = w.matmul_params - head
+    head_b = head * (a if model.tied_embeddings else q)
+    rest = max(0.0, w.params_held - w.matmul_params)  # embeddings (a tied head is the table itself), norms
+    return layers * q + head_b, layers * q + head_b + rest * a
+
+
+def memory_traffic(
+    w: RankWork, model: ModelSpec, mode: str, dtype: str, batch: int, seq: int, strategy: str, quantize=None
+) -> float:
     """Bytes moved to and from memory per step: what a memory-bound rank waits for."""
     a = dtype_bytes(dtype)
     if mode == "train":
@@ -194,7 +212,7 @@ def memory_traffic(w: RankWork, model: ModelSpec, mode: str, dtype: str, batch: 
         every = replace(w, in_flight=0.0, saved_only=False)  # all tokens' activations pass through memory
         return weights * 3 * a + w.params_owned * OPT_TRAFFIC + 2 * _activations(every, model, a, seq, strategy)
     kv = 2 * w.layers * model.kv_dim * w.kv_positions * a * w.attn_share
-    return w.matmul_params * a + kv
+    return weight_bytes(w, model, a, quantize)[0] + kv
 
 
 def _activations(w: RankWork, model: ModelSpec, a: int, seq: int, strategy: str) -> float:
@@ -210,11 +228,11 @@ def _activations(w: RankWork, model: ModelSpec, a: int, seq: int, strategy: str)
     return toks * w.layers * per_token * a / 2 + logits
 
 
-def memory(w: RankWork, model: ModelSpec, mode: str, dtype: str, seq: int, strategy: str) -> Memory:
+def memory(w: RankWork, model: ModelSpec, mode: str, dtype: str, seq: int, strategy: str, quantize=None) -> Memory:
     a = dtype_bytes(dtype)
     kv = 2 * w.layers * model.kv_dim * w.kv_positions * a * w.attn_share
     if mode == "infer":
-        return Memory(w.params_held * a + w.gathered * a, 0, 0, 0, kv)
+        return Memory(weight_bytes(w, model, a, quantize)[1], 0, 0, 0, kv)
     master = MASTER_BYTES if a < 4 else 0
     # fsdp: the shard's gradient plus one gathered unit's full gradient before its reduce-scatter
     grads_full = w.params_held + w.gathered

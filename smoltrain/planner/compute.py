@@ -32,6 +32,7 @@ class HostCompute:
     train_step: list = field(default_factory=list)
     comm_cpu: dict | None = None  # smoltrain comm's CPU cost here: message_s, bytes_s
     cpu_period_s: float | None = None  # the CFS period of cpu_limit_cores
+    threads: int = 1  # torch threads the probe ran at (the host's smol_threads or usable CPUs)
 
     def quota(self) -> tuple[float, float] | None:
         """(quota, period) in seconds of a CFS cap whose period was measured, else None."""
@@ -94,12 +95,13 @@ def _host(d: dict, origin: str) -> HostCompute:
             str(d.get("machine_id") or d["name"]),
             int(d.get("cores") or 1),
             (float(d["cpu_limit_cores"]) if d.get("cpu_limit_cores") else None),
-            {k: float(v) for k, v in d["flops"].items()},
+            {k: float(v) for k, v in d["flops"].items() if v is not None},
             float(d["mem_bw_bytes_s"]),
             float(d.get("usable_memory_bytes") or 0),
             list(d.get("train_step") or []),
             d.get("comm_cpu") if isinstance(d.get("comm_cpu"), dict) else None,
             (float(d["cpu_period_s"]) if d.get("cpu_period_s") else None),
+            int(d.get("threads") or 1),
         )
     except (KeyError, TypeError, ValueError, AttributeError):
         raise UsageError(f"{origin}: host {d.get('name', '?')!r} lacks flops or mem_bw_bytes_s") from None
@@ -195,16 +197,20 @@ def measured_ranks(ranks: list, figs: list[HostCompute], model: ModelSpec, share
             achieved = train_flops_per_token(model, seq) / per
         else:
             fixed, achieved = 0.0, f32 * 0.4
-        ratio = (f.flops.get("bf16") or f32) / f32 if f32 else 1.0
+        # bf16 and fp16 matmuls measured apart (a CPU with bf16 units may lack fast fp16)
+        r16 = (f.flops.get("fp16") or f.flops.get("bf16") or f32) / f32 if f32 else 1.0
+        rbf = (f.flops.get("bf16") or f32) / f32 if f32 else 1.0
         prof = DeviceProfile(
             f"{rk.device.name}*",
             achieved * share,
-            achieved * ratio * share,
+            achieved * r16 * share,
             f.mem_bw * share,
             f.usable_memory or rk.memory_bytes,
             f32,
             f.mem_bw,
-            f"measured on {f.name}" + (f" (cap {f.cpu_limit_cores:g} cores)" if f.cpu_limit_cores else ""),
+            f"measured on {f.name} at {f.threads} thread(s)"
+            + (f" (cap {f.cpu_limit_cores:g} cores)" if f.cpu_limit_cores else ""),
+            achieved * rbf * share,
         )
         cc = None
         if f.comm_cpu and f.comm_cpu.get("message_s") and f.comm_cpu.get("bytes_s"):
@@ -224,7 +230,8 @@ def measured_ranks(ranks: list, figs: list[HostCompute], model: ModelSpec, share
                 measured=True,
                 comm_cpu=cc,
                 shared=shared,
-                comm_core=usable >= 2,  # one for the rank's torch thread, one for its sends
+                # overlapping sends need a core the rank's torch threads leave free
+                comm_core=usable - min(f.threads, usable) >= 1,
                 cpu_quota=f.quota() if share >= 1 else None,  # a shared machine has no quota to save
             )
         )

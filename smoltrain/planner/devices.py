@@ -32,8 +32,11 @@ class DeviceProfile:
     peak_fp32: float  # published peak, for the record
     peak_mem_bw: float
     source: str
+    flops_bf16: float | None = None  # measured apart from fp16 where calibrated (None: as flops_fp16)
 
     def flops(self, dtype: str) -> float:
+        if dtype == "bf16" and self.flops_bf16:
+            return self.flops_bf16
         return self.flops_fp32 if dtype == "fp32" else self.flops_fp16
 
     def to_dict(self) -> dict:
@@ -181,6 +184,7 @@ def profile_from_calibration(doc: dict, origin: str = "calibration") -> DevicePr
         f32,
         bw,
         f"calibrated on {doc.get('host', '?')} at {doc.get('created', '?')}",
+        float(doc["flops_bf16"]) * eff if doc.get("flops_bf16") else None,
     )
 
 

@@ -97,24 +97,12 @@ FLAGS = ("inner_steps", "outer_lr", "outer_momentum", "sync_dtype", "target_comm
 
 
 def check_args(args, outer_steps: bool) -> None:
-    """One-line usage errors for the outer-step flags of `run` and `plan` (argparse checks the
-    choices); they apply only to a strategy with outer steps. Fills in their defaults."""
+    """The outer-step flags of `run` and `plan` apply only to a strategy with outer steps (their
+    ranges are argparse's, smoltrain.validate); fills in the defaults that do not depend on the run."""
     given = [f for f in FLAGS if getattr(args, f, None) is not None]
     if given and not outer_steps:
         flags = ", ".join("--" + f.replace("_", "-") for f in given)
         raise UsageError(f"{flags}: only for a low-communication strategy (diloco), not --strategy {args.strategy}")
-    h = getattr(args, "inner_steps", None)
-    if h is not None and not 1 <= h <= MAX_INNER_STEPS:
-        raise UsageError(f"--inner-steps {h}: must be 1..{MAX_INNER_STEPS} inner steps per outer step")
-    lr = getattr(args, "outer_lr", None)
-    if lr is not None and not (math.isfinite(lr) and lr > 0):
-        raise UsageError(f"--outer-lr {lr}: must be a positive finite number")
-    mu = getattr(args, "outer_momentum", None)
-    if mu is not None and not (math.isfinite(mu) and 0 <= mu < 1):
-        raise UsageError(f"--outer-momentum {mu}: must be in [0, 1)")
-    tc = getattr(args, "target_comm", None)
-    if tc is not None and not (math.isfinite(tc) and 0 < tc < 1):
-        raise UsageError(f"--target-comm {tc}: must be a fraction of the step time in (0, 1)")
     for f, v in (("sync_dtype", "fp32"), ("target_comm", TARGET_COMM)):
         if getattr(args, f, None) is None:
             setattr(args, f, v)
@@ -122,15 +110,20 @@ def check_args(args, outer_steps: bool) -> None:
 
 def add_arguments(p, run: bool) -> None:
     """The outer-step flags, shared by `run` and `plan`."""
+    from smoltrain import validate
+
     p.add_argument(
-        "--inner-steps", type=int, metavar="H", help="diloco: inner steps per outer step (default: the plan's)"
+        "--inner-steps",
+        type=validate.count(MAX_INNER_STEPS),
+        metavar="H",
+        help="diloco: inner steps per outer step (default: the plan's)",
     )
     if run:
         by_length = f"(default: 0.7 for runs of {MOMENTUM_FROM}+ outer steps, else 1: plain averaging)"
-        p.add_argument("--outer-lr", type=float, help=f"diloco: outer SGD learning rate {by_length}")
+        p.add_argument("--outer-lr", type=validate.real(0, 10, lo_open=True), help=f"diloco: outer SGD lr {by_length}")
         p.add_argument(
             "--outer-momentum",
-            type=float,
+            type=validate.real(0, 1, hi_open=True),
             help=f"diloco: outer Nesterov momentum in [0, 1) (default: 0.9 for {MOMENTUM_FROM}+ outer steps, else 0)",
         )
     p.add_argument(
@@ -138,7 +131,7 @@ def add_arguments(p, run: bool) -> None:
     )
     p.add_argument(
         "--target-comm",
-        type=float,
+        type=validate.real(0, 1, lo_open=True, hi_open=True),
         help="diloco without --inner-steps: the smallest H keeping communication at or under this share "
         f"of the step time (default {TARGET_COMM})",
     )

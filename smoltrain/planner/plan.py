@@ -81,12 +81,18 @@ def make_plan(
     overlap: bool = True,
     single: bool = True,
     placement: dict | None = None,
+    *,
+    compute_dtype: str | None = None,
+    quantize: str | None = None,
+    wire_dtype: str | None = None,
     outer: dict | None = None,
 ) -> dict:
     """`placement` (planner.placement's document): who runs which share, in which rank order;
     the plan then describes exactly the run that executes it (None: the even split).
-    `outer`: an outer-step strategy's settings (planner.diloco.options: inner_steps, sync_dtype,
-    target_comm)."""
+    `compute_dtype`: the matmuls' dtype where it differs from `dtype`, the bytes' (run --dtype
+    bf16 keeps fp32 weights and gradients); `quantize`, `wire_dtype`: inference weights and
+    activations on the wire (planner.widths). `outer`: an outer-step strategy's settings
+    (planner.diloco.options: inner_steps, sync_dtype, target_comm)."""
     if placement and ranks is not None:
         ranks, world = placed_ranks(ranks, placement), len(placement["order"])
     if mode == "infer":
@@ -94,7 +100,7 @@ def make_plan(
     info = registry.REGISTRY.get(strategy)  # an unknown name is refused by traffic() below
     if info is None or not info.microbatched:
         microbatches = 1  # only a pipeline cuts the batch into microbatches (as smoltrain run does)
-    tr: Traffic = traffic(strategy, mode, model, world, dtype, batch, seq, microbatches)
+    tr: Traffic = traffic(strategy, mode, model, world, dtype, batch, seq, microbatches, wire=wire_dtype)
     ranks = ranks or resolve_ranks(world)
     names = [r.name for r in ranks]
     lm = lm or from_class("1gbe")
@@ -109,10 +115,10 @@ def make_plan(
     per_rank, update_s = [], []
     for r, (w, rk) in enumerate(zip(works, ranks)):
         fl = capacity.flops(w, model, mode, seq)
-        mt = capacity.memory_traffic(w, model, mode, dtype, batch, seq, strategy)
-        t_fl = fl / rk.device.flops(dtype)
+        mt = capacity.memory_traffic(w, model, mode, dtype, batch, seq, strategy, quantize)
+        t_fl = fl / rk.device.flops(compute_dtype or dtype)
         t_mem = mt / rk.device.mem_bw
-        mem = capacity.memory(w, model, mode, dtype, seq, strategy)
+        mem = capacity.memory(w, model, mode, dtype, seq, strategy, quantize)
         t_c = max(t_fl, t_mem)
         if rk.measured and train:  # timed steps hold the memory traffic already, plus a fixed cost
             # every microbatch runs all of the stage's operations: a pipeline pays the per-pass
@@ -190,6 +196,12 @@ def make_plan(
                 + max(0.0, cc.overlappable_s - wire.overlappable_s)
                 + timing.exposed_overlap(wire.overlappable_s, wire.last_bucket_s, 2 / 3 * compute_s)
             )
+    busy = [rk.name for rk in ranks if not rk.comm_core]
+    if train and cc.overlappable_s > 0 and busy:
+        tr.notes.append(
+            f"{', '.join(busy)}: torch threads take every core, so gradient sends share them and do not "
+            "overlap the backward pass (smol_threads one below the host's cores leaves the transport one)"
+        )
     step_s = compute_s + comm_s
     finite = math.isfinite(step_s)
     tokens_step = batch * seq if train else 1
@@ -234,6 +246,9 @@ def make_plan(
         },
         "world_size": world,
         "dtype": dtype,
+        "compute_dtype": compute_dtype or dtype,  # the dtype whose FLOP/s the plan assumed
+        "quantize": quantize,
+        "wire_dtype": (wire_dtype or dtype) if not train else None,
         "batch": batch,
         "seq": seq,
         "microbatches": microbatches,
@@ -268,7 +283,10 @@ def make_plan(
     if single:
         from smoltrain.planner import verdict
 
-        doc["single_host"] = verdict.single_host(make_plan, model, ranks, dtype=dtype, batch=batch, seq=seq, mode=mode)
+        widths = dict(compute_dtype=compute_dtype, quantize=quantize, wire_dtype=wire_dtype)
+        doc["single_host"] = verdict.single_host(
+            make_plan, model, ranks, dtype=dtype, batch=batch, seq=seq, mode=mode, **widths
+        )
         doc["verdict"] = verdict.sentence(doc)
     return doc
 
@@ -306,6 +324,7 @@ def plan_for_run(
     compute: str | None | bool = None,
     placement: dict | None = None,
     outer: dict | None = None,
+    **widths,
 ) -> dict:
     """The plan `smoltrain run` shows before launching and writes beside what it measured,
     under the placement the run executes.
@@ -342,6 +361,7 @@ def plan_for_run(
         overlap,
         placement=placement,
         outer=outer,
+        **widths,
     )
     if hosts is None and world > 1:
         doc["notes"].append(f"--local: the {world} ranks share this machine's {os.cpu_count()} cores and its memory")
@@ -375,6 +395,7 @@ def share_machine(ranks: list[Rank], cores: int | None = None, busy: int | None 
                 r.device,
                 flops_fp32=r.device.flops_fp32 * f,
                 flops_fp16=r.device.flops_fp16 * f,
+                flops_bf16=r.device.flops_bf16 * f if r.device.flops_bf16 else None,
                 mem_bw=r.device.mem_bw * f,
             ),
             r.memory_bytes / n,

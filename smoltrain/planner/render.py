@@ -27,6 +27,12 @@ def summary(con: Console, plan: dict) -> None:
             head += f" · {plan['microbatches']} microbatches"
     else:
         head += f" · decode at context {plan['seq']}"
+    if plan.get("compute_dtype", plan["dtype"]) != plan["dtype"]:
+        head += f" · matmuls in {plan['compute_dtype']}"
+    if plan.get("quantize"):
+        head += f" · {plan['quantize']} weights"
+    if plan.get("wire_dtype") and plan["wire_dtype"] != plan["dtype"]:
+        head += f" · {plan['wire_dtype']} on the wire"
     con.print(head)
     unit = "step" if plan["mode"] == "train" else "generated token"
     con.print(

@@ -191,6 +191,8 @@ class Step:
     batch: int
     seq: int
     microbatches: int
+    act: float = 0.0  # bytes of one token's hidden state on the wire (infer; planner.widths)
+    wire: str = "fp32"
 
 
 # --- train: one optimizer step ---
@@ -292,8 +294,8 @@ def sharded_gather_infer(tr: Traffic, s: Step) -> None:
 
 
 def layer_chain_infer(tr: Traffic, s: Step) -> None:
-    N, h = s.world, s.model.hidden
-    tr.phases += [Phase(f"hidden state stage {r} -> {r + 1}", [Transfer(r, r + 1, h * s.a)]) for r in range(N - 1)]
+    N = s.world
+    tr.phases += [Phase(f"hidden state stage {r} -> {r + 1}", [Transfer(r, r + 1, s.act)]) for r in range(N - 1)]
     if N > 1:
         tr.phases.append(Phase("sampled token id back to stage 0", [Transfer(N - 1, 0, TOKEN_ID_BYTES)]))
         tr.notes.append("the last stage returns the sampled token id to stage 0 as one int64 (8 bytes)")
@@ -301,9 +303,12 @@ def layer_chain_infer(tr: Traffic, s: Step) -> None:
 
 def tensor_allreduce_infer(tr: Traffic, s: Step) -> None:
     N = s.world
-    if N > 1:
-        hidden = s.model.hidden * s.a / N
-        tr.phases.append(_ring(N, hidden, 2 * s.model.layers * 2 * (N - 1), "all-reduce hidden state (2 per layer)"))
+    if N > 1 and s.wire == "int8":  # int8 cannot be summed on the wire: all-gather, add up locally
+        tr.phases.append(
+            _ring(N, s.act, 2 * s.model.layers * (N - 1), "all-gather int8 hidden state (2 per layer), summed locally")
+        )
+    elif N > 1:
+        tr.phases.append(_ring(N, s.act / N, 2 * s.model.layers * 2 * (N - 1), "all-reduce hidden state (2 per layer)"))
 
 
 def expert_all_to_all_infer(tr: Traffic, s: Step) -> None:
@@ -369,12 +374,18 @@ def traffic(
     batch: int = 8,
     seq: int = 64,
     microbatches: int = 1,
+    wire: str | None = None,
 ) -> Traffic:
-    """Every byte the strategy sends per step (train) or per generated token (infer)."""
+    """Every byte the strategy sends per step (train) or per generated token (infer); `wire`:
+    the dtype inference hidden states cross the links at (default `dtype`)."""
+    from smoltrain.planner.widths import wire_bytes
+
     validate(strategy, mode, model, world, batch, seq, microbatches)
     info = registry.get(strategy)
     tr = Traffic(strategy, mode, world)
-    model_for(info, mode)(tr, Step(info, model, world, dtype_bytes(dtype), batch, seq, microbatches))
+    wire = wire or dtype
+    act = wire_bytes(model.hidden, wire)
+    model_for(info, mode)(tr, Step(info, model, world, dtype_bytes(dtype), batch, seq, microbatches, act, wire))
     return tr
 
 

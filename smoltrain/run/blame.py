@@ -5,6 +5,8 @@ the cut host itself (naming a healthy neighbour). Whichever error reaches the co
 used to be blamed. Here the controller gathers, for a short window, every rank's error (with
 the peer its transport named), which ranks went silent (no authenticated heartbeat) and which
 died without a word, and only then names the culprit:
+  0. the controller itself, when it was stopped longer than the workers wait for its heartbeat
+     (SIGSTOP, a suspended machine): they gave up on it, so their silence or exit is its doing;
   1. a rank that died without reporting an error, or whose heartbeats stopped (first by rank);
   2. else the rank the most other ranks accuse (ties: the lower rank);
   3. else the first rank that reported an error (its own failure: a bug, a bad input, NaN).
@@ -24,6 +26,7 @@ class Views:
     order: list[str] = field(default_factory=list)  # names in the order their errors came
     silent: dict[str, float] = field(default_factory=dict)  # name -> seconds without a heartbeat
     died: dict[str, str] = field(default_factory=dict)  # name -> last log line
+    stalled: float = 0.0  # seconds the controller itself was stopped, beyond what workers wait
 
     def error(self, who: str, message: str, peer: str | None) -> None:
         if who not in self.errors:
@@ -42,6 +45,11 @@ def _rank(views: Views, name: str) -> int:
 
 def culprit(views: Views) -> tuple[str, str]:
     """(name, one-line reason) of the rank or link to blame."""
+    if views.stalled:
+        return "controller", (
+            f"stopped itself for {views.stalled:.1f}s (SIGSTOP, a suspended or overloaded machine): "
+            "its workers heard no heartbeat and gave up on it"
+        )
     gone = [n for n in views.names if n in views.died and n not in views.errors]
     if gone:
         who = gone[0]

@@ -52,6 +52,8 @@ class ControlServer:
         self.messages: queue.Queue = queue.Queue()
         self.closing = False
         self.peers: dict[str, _Peer] = {}
+        self.asleep: float | None = None  # when the heartbeat thread last went to sleep
+        self.stalled_s = 0.0  # the longest gap between two beats: this process itself was stopped
         self.listener = AuthListener.serve(bind, port, secret, self._serve, name="control", with_key=True)
         self.port = self.listener.port
         threading.Thread(target=self._beat, daemon=True).start()
@@ -103,7 +105,10 @@ class ControlServer:
 
     def _beat(self) -> None:
         while not self.closing:
+            self.asleep = time.monotonic()
             time.sleep(self.heartbeat_s)
+            self.stalled_s = max(self.stalled_s, time.monotonic() - self.asleep)
+            self.asleep = None
             for peer in list(self.peers.values()):
                 if peer.lock.acquire(blocking=False):  # never queue behind a stuck send
                     try:
@@ -114,6 +119,14 @@ class ControlServer:
                         pass
                     finally:
                         peer.lock.release()
+
+    def stalled(self) -> float:
+        """The longest gap between two of this controller's beats so far (one heartbeat when all
+        is well; the length of a SIGSTOP or a suspended machine when not): near dead_after its
+        workers gave up on it, and their silence or exit is no fault of theirs."""
+        asleep = self.asleep
+        now = time.monotonic() - asleep if asleep is not None else 0.0
+        return max(self.stalled_s, now)
 
     def silent(self, names=None) -> dict[str, float]:
         """Connected workers whose last authenticated frame is older than dead_after: seconds."""

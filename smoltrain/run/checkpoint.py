@@ -4,10 +4,14 @@ Layout: `DIR/step-000005/` holds one `<part>.safetensors` per rank that owns
 state (`rank0`, `rank1`, ... or `server` for the parameter-server strategies)
 and, once every part is on disk, `complete.json` written by the controller: the run's
 identity (`run`, a digest of everything that determines the trajectory: model shape, data,
-seed, lr, strategy, batch, seq, world, schedule, shares) and its readable fields. `--resume`
-takes the newest complete checkpoint, refuses one made by another run (a folder reused with
-another lr must not silently continue the older run), and falls back past a damaged one to
-the previous complete step. Parts, marker and folder are fsynced before the marker counts;
+seed, lr, strategy, batch, seq, world, schedule, shares), its readable fields, and `parts`:
+the sha256 and size of every part, as the rank that wrote it computed them.
+
+`--resume` takes the newest checkpoint whose marker reads and whose every part matches its
+digest (a flipped bit, a torn or missing part, an empty marker: skipped, and said so), refuses
+one made by another run (a folder reused with another lr must not silently continue the older
+run), and each rank checks its part against the digest again as it loads it (parts on other
+hosts are seen only there). Parts, marker and folder are fsynced before the marker counts;
 temp files of a crash are removed; only the newest `keep` complete steps are kept.
 """
 
@@ -17,6 +21,7 @@ import hashlib
 import json
 import os
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from smolnet.errors import SmolError
@@ -48,34 +53,47 @@ def _durable_replace(tmp: Path, path: Path) -> None:
         raise
 
 
-def save_part(root: str | os.PathLike, step: int, part: str, tensors: dict) -> Path:
-    from safetensors.torch import save_file
+def part_path(root: str | os.PathLike, step: int, part: str) -> Path:
+    return step_dir(root, step) / f"{part}.safetensors"
+
+
+def save_part(root: str | os.PathLike, step: int, part: str, tensors: dict) -> dict:
+    """Write one part durably; returns its `{"sha256", "bytes"}` for the step's complete.json."""
+    from safetensors.torch import save
 
     d = step_dir(root, step)
     new = not d.exists()
     d.mkdir(parents=True, exist_ok=True)
     if new:
         _fsync_path(d.parent, directory=True)
-    path = d / f"{part}.safetensors"
+    data = save({k: v.detach().contiguous().cpu().clone() for k, v in tensors.items()})
+    path = part_path(root, step, part)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     try:
-        save_file({k: v.detach().contiguous().cpu().clone() for k, v in tensors.items()}, str(tmp))
+        with open(tmp, "wb") as f:
+            f.write(data)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     _durable_replace(tmp, path)
-    return path
+    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
 
 
-def load_part(root: str | os.PathLike, step: int, part: str) -> dict:
+def load_part(root: str | os.PathLike, step: int, part: str, sha256: str | None = None) -> dict:
+    """The part's tensors; with `sha256` (from complete.json) only if the file still matches it."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
-    path = step_dir(root, step) / f"{part}.safetensors"
-    if not path.exists():
-        raise SmolError(f"checkpoint {path}: missing")
+    path = part_path(root, step, part)
     try:
-        return load_file(str(path))
+        data = path.read_bytes()
+    except OSError as e:
+        why = "missing" if isinstance(e, FileNotFoundError) else f"unreadable ({e.strerror or e})"
+        raise SmolError(f"checkpoint {path}: {why}") from None
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        raise SmolError(f"checkpoint {path}: damaged (sha256 differs from complete.json)")
+    try:
+        return load(data)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise SmolError(f"checkpoint {path}: corrupt ({str(e).splitlines()[0][:120]})") from None
 
@@ -113,10 +131,13 @@ def identity(cfg) -> dict:
     }
 
 
-def mark_complete(root: str | os.PathLike, step: int, meta: dict) -> None:
+def mark_complete(root: str | os.PathLike, step: int, meta: dict, parts: dict[str, dict]) -> None:
+    """Written last, once every part is on disk: the identity and each part's sha256 and size."""
     path = step_dir(root, step) / "complete.json"
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(dict(meta, step=step), indent=1))
+    doc = dict(meta, step=step, parts={p: dict(parts[p]) for p in sorted(parts)})
+    with open(tmp, "w") as f:
+        f.write(json.dumps(doc, indent=1))
     _durable_replace(tmp, path)
 
 
@@ -169,40 +190,127 @@ def _foreign(meta: dict, expect: dict) -> list[str]:
     return diff
 
 
-def latest(root: str | os.PathLike, expect: dict, parts: list[str] | None = None) -> int:
-    """The step to resume from: the newest complete, readable checkpoint of this run."""
+@dataclass
+class Resume:
+    """Where `--resume` starts: the step, the newer checkpoints skipped (`{step, why}`), and each
+    part's sha256 from the marker (empty for markers written before parts carried digests)."""
+
+    step: int
+    skipped: list[dict] = field(default_factory=list)
+    sha256: dict[str, str] = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+    def skipped_line(self) -> str:
+        """One line naming what was skipped and why ('' when nothing was)."""
+        if not self.skipped:
+            return ""
+        what = "; ".join(f"step-{s['step']:06d} ({s['why']})" for s in self.skipped)
+        return f"resume: skipped {what}; resuming from step {self.step}"
+
+
+def _read_marker(d: Path, step: int) -> dict:
+    marker = d / "complete.json"
+    try:
+        text = marker.read_text()
+    except OSError as e:
+        raise ValueError(f"complete.json is unreadable: {e.strerror or e}") from None
+    if not text.strip():
+        raise ValueError("complete.json is empty")
+    try:
+        meta = json.loads(text)
+    except ValueError:
+        raise ValueError("complete.json is not valid JSON") from None
+    if not isinstance(meta, dict) or meta.get("step") != step:
+        raise ValueError("complete.json does not describe this step")
+    parts = meta.get("parts")
+    if parts is not None and not (
+        isinstance(parts, dict)
+        and all(
+            isinstance(v, dict) and isinstance(v.get("sha256"), str) and isinstance(v.get("bytes"), int)
+            for v in parts.values()
+        )
+    ):
+        raise ValueError("complete.json has malformed part digests")
+    return meta
+
+
+def verify(d: Path, meta: dict, parts: list[str], all_here: bool = True) -> str | None:
+    """Why the checkpoint in folder d cannot be loaded, or None: every part of `parts` present
+    (or, with all_here False, those present on this machine) matches the marker's digest."""
+    digests = meta.get("parts")
+    for part in parts:
+        path = d / f"{part}.safetensors"
+        name = path.name
+        if digests is not None and part not in digests:
+            return f"complete.json lists no digest for {name}"
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            if all_here:
+                return f"{name} is missing"
+            continue  # on another host: its rank checks it against the digest
+        if digests is None:  # a marker from before digests: the part must at least read back
+            try:
+                load_part(d.parent, meta["step"], part)
+            except SmolError:
+                return f"{name} is corrupt: it does not read back"
+            continue
+        want = digests[part]
+        if size != want["bytes"]:
+            how = "truncated" if size < want["bytes"] else "longer than written"
+            return f"{name} is {how}: {size} of {want['bytes']} bytes"
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        if h.hexdigest() != want["sha256"]:
+            return f"{name} is damaged: its sha256 differs from complete.json"
+    return None
+
+
+def latest(
+    root: str | os.PathLike,
+    expect: dict | None,
+    parts: list[str] | None = None,
+    all_here: bool = True,
+    tidy: bool = True,
+) -> Resume:
+    """The newest checkpoint of this run that verifies, and what was skipped on the way.
+
+    expect: this run's identity (None: take whatever run wrote it, as export does); parts: the
+    parts a checkpoint must hold (None: those its marker lists); all_here: every part is on this
+    machine (a --local run or a shared folder), so a missing one is damage; tidy: delete what a
+    crash left half-written (a resume does; export, which may run beside a live run, does not)."""
     rootp = Path(root)
     if not rootp.is_dir():
-        raise SmolError(f"--resume: no checkpoint directory {root}")
-    remove_temp(rootp)
+        raise SmolError(f"no checkpoint directory {root}")
+    if tidy:
+        remove_temp(rootp)
     found = _complete_steps(rootp)
     if not found:
-        raise SmolError(f"--resume: no complete checkpoint in {root}")
-    damage = []
+        raise SmolError(f"no complete checkpoint in {root}")
+    skipped = []
     for step, d in found:
-        marker = d / "complete.json"
         try:
-            meta = json.loads(marker.read_text())
-            if not isinstance(meta, dict) or int(meta["step"]) != step:
-                raise ValueError
-        except (ValueError, KeyError, TypeError, OSError):
-            damage.append(f"checkpoint {marker}: corrupt")
+            meta = _read_marker(d, step)
+        except ValueError as e:
+            skipped.append({"step": step, "why": str(e)})
             continue
-        diff = _foreign(meta, expect)
+        diff = _foreign(meta, expect) if expect is not None else []
         if diff:
             raise SmolError(
                 f"checkpoint {d} belongs to another run ({'; '.join(diff[:3])}): "
                 "resume with the same options or use a fresh --checkpoint-dir"
             )
-        try:
-            # parts on this machine must read back (other hosts keep theirs)
-            for part in [p for p in parts or [] if (d / f"{p}.safetensors").exists()]:
-                load_part(root, step, part)
-        except SmolError as e:
-            damage.append(str(e))
+        want = parts if parts is not None else sorted(meta.get("parts") or (p.stem for p in d.glob("*.safetensors")))
+        why = verify(d, meta, list(want), all_here)
+        if why is not None:
+            skipped.append({"step": step, "why": why})
             continue
-        return step
-    raise SmolError(damage[0] + (f" (and {len(damage) - 1} older)" if len(damage) > 1 else ""))
+        sha = {p: v["sha256"] for p, v in (meta.get("parts") or {}).items()}
+        return Resume(step, skipped, sha, meta)
+    what = "; ".join(f"step-{s['step']:06d}: {s['why']}" for s in skipped)
+    raise SmolError(f"no intact checkpoint in {root}: {what}")
 
 
 def tensors_equal(a: dict, b: dict) -> bool:

@@ -44,6 +44,7 @@ class RunConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     start_step: int = 0
+    resume_sha256: dict | None = None  # part -> sha256 from complete.json: each rank checks its part
     barrier_timeout: float = 30.0  # syncps/edp: drop a worker this late
     timeout: float = 60.0  # a silent peer
     pace: float = 0.0  # make each step last at least this long (demos)
@@ -55,6 +56,8 @@ class RunConfig:
     keep_checkpoints: int = 3  # newest complete checkpoints kept
     integrity: str = "header"  # frames after the handshake: MAC over "header" or "full" frame
     placement: dict | None = None  # planner.placement document: who gets which share, layers or heads
+    dtype: str = "fp32"  # compute dtype: bf16 runs matmuls in bf16 (autocast), weights and optimizer stay fp32
+    threads: tuple[float, ...] = ()  # torch threads per rank (0: the host's usable CPUs); absent: 1
     optimizer: str = "adamw"  # every strategy's optimizer (diloco: the inner one): adamw or sgd
     eval_every: int = 0  # held-out loss every K steps (models.data: a slice no batch draws from); 0: never
     inner_steps: int = 0  # diloco: inner steps per outer step (H); 0 for the other strategies

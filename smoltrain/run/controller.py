@@ -24,7 +24,7 @@ from smolnet.files import write_json_atomic
 from smolnet.launcher import ProcessGroup
 from smoltrain import registry
 from smoltrain.run import blame, checkpoint
-from smoltrain.run.channel import ControlServer
+from smoltrain.run.channel import ControlServer, dead_after
 from smoltrain.run.config import RunConfig
 
 
@@ -93,12 +93,14 @@ class Controller:
         self.events: list[dict] = []
         self.links: dict[tuple[str, str], int] = {}
         self.state_bytes: dict[str, dict] = {}
-        self.saved: dict[int, set] = {}
+        self.threads: dict[str, int] = {}  # torch threads each rank ran at (its `done` says)
+        self.saved: dict[int, dict] = {}  # step -> part -> {"sha256", "bytes"}
         self.sent: dict[str, int] = {}
         self.shown = cfg.start_step - 1
         self.views: blame.Views | None = None  # every rank's view, gathered once something fails
         self.blame_by = 0.0
         self.blamed: str | None = None
+        self.server: ControlServer | None = None  # its heartbeat thread knows if we were stopped
 
     # --- configs handed to workers ---
     def config_for(self, hello: dict) -> tuple[RunConfig, int, str]:
@@ -172,10 +174,10 @@ class Controller:
                 self.left.add(msg["name"])
             self.console.print(f"event: {msg['kind']} {msg['name']} at step {msg['step']}")
         elif kind == "saved":
-            parts = self.saved.setdefault(msg["step"], set())
-            parts.add(msg["part"])
+            parts = self.saved.setdefault(msg["step"], {})
+            parts[msg["part"]] = {"sha256": str(msg["sha256"]), "bytes": int(msg["bytes"])}
             if len(parts) == len(self.info.checkpoint_parts(self.world)):
-                checkpoint.mark_complete(self.cfg.checkpoint_dir, msg["step"], checkpoint.identity(self.cfg))
+                checkpoint.mark_complete(self.cfg.checkpoint_dir, msg["step"], checkpoint.identity(self.cfg), parts)
                 checkpoint.prune(self.cfg.checkpoint_dir, self.cfg.keep_checkpoints)
                 self.events.append({"step": msg["step"], "kind": "checkpoint", "who": "all"})
         elif kind == "done":
@@ -183,6 +185,8 @@ class Controller:
             for src, dst, n in msg["links"]:
                 self.links[(src, dst)] = self.links.get((src, dst), 0) + int(n)
             self.state_bytes[who] = msg.get("state_bytes", {})
+            if isinstance(msg.get("threads"), int):
+                self.threads[who] = msg["threads"]
         elif kind == "error":
             if self.info.elastic and who != self.names[0]:
                 self.console.log(f"{who} failed: {msg['message']}", markup=False)
@@ -224,14 +228,20 @@ class Controller:
                 raise SmolError(f"{name}: worker exited with status {status} ({self.log_tail(name) or 'no log'})")
 
     def run(self, bind: str, control_addr: str, connect_timeout: float, idle_timeout: float) -> dict:
-        server = ControlServer(
-            bind,
-            self.secret,
-            self.config_for,
-            port=self.cfg.control_port,
-            corpus=self.corpus,
-            heartbeat_s=self.cfg.heartbeat_s,
-        )
+        try:
+            server = ControlServer(
+                bind,
+                self.secret,
+                self.config_for,
+                port=self.cfg.control_port,
+                corpus=self.corpus,
+                heartbeat_s=self.cfg.heartbeat_s,
+            )
+        except OSError as e:  # a --control-port another program holds
+            raise UsageError(
+                f"--control-port {self.cfg.control_port}: cannot listen on {bind}: {e.strerror or e}"
+            ) from None
+        self.server = server
         self.console.print(f"control channel {control_addr}:{server.port}")
         started = time.monotonic()
         try:
@@ -298,8 +308,11 @@ class Controller:
 
     def _decide(self, force: bool = False) -> None:
         v = self.views
+        stalled = self.server.stalled() if self.server is not None else 0.0
+        if stalled > dead_after(self.cfg.heartbeat_s) - self.cfg.heartbeat_s / 2:  # the workers' limit
+            v.stalled = stalled
         alive = {n for n in self.names if n in self.connected and n not in self.finished and n not in self.left}
-        if force or v.died or v.silent or v.complete(alive) or time.monotonic() > self.blame_by:
+        if force or v.stalled or v.died or v.silent or v.complete(alive) or time.monotonic() > self.blame_by:
             who, why = blame.culprit(v)
             self.blamed = who
             raise SmolError(f"{who}: {why}")
@@ -359,6 +372,7 @@ class Controller:
             "final_loss": rows[-1]["loss"] if rows else None,
             "tokens_per_s": (tokens * len(rows) / total_s) if total_s > 0 else None,
             "state_bytes": self.state_bytes,
+            "threads": self.threads,
             **self.extra_sections(tokens),
         }
 

@@ -1,40 +1,18 @@
 """Checks before a run starts, and the report written whatever way it ends.
 
-Why: an option that is out of range, a links file that is not one, or an output path that
-cannot be written used to surface as a traceback, as silent NaN training, or only after the
-whole run; and a run that failed or was interrupted left no report at all.
+Why: a links file that is not one, or an output path that cannot be written used to surface
+as a traceback or only after the whole run; and a run that failed or was interrupted (even
+before any worker started: a refused resume, no intact checkpoint) left no report at all.
+Option ranges are checked by argparse itself (smoltrain.validate).
 """
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
 from smolnet.errors import SmolError, UsageError
 from smolnet.files import write_json_atomic
-
-
-def check_args(args) -> None:
-    """One-line usage errors (exit 2) for options argparse lets through."""
-    if not 0 <= args.control_port <= 65535:
-        raise UsageError(f"--control-port {args.control_port}: must be 0 (any free) or 1..65535")
-    if args.microbatches < 1:
-        raise UsageError(f"--microbatches {args.microbatches}: must be at least 1")
-    for name in ("timeout", "barrier_timeout", "heartbeat"):
-        v = getattr(args, name, None)
-        if v is not None and not (math.isfinite(v) and v > 0):
-            raise UsageError(f"--{name.replace('_', '-')} {v}: must be a positive number of seconds")
-    if args.checkpoint_every < 0:
-        raise UsageError(f"--checkpoint-every {args.checkpoint_every}: must be 0 (only at the end) or more")
-    if getattr(args, "keep_checkpoints", 1) < 1:
-        raise UsageError(f"--keep-checkpoints {args.keep_checkpoints}: must be at least 1")
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        raise UsageError(f"--lr {args.lr}: must be a positive finite number")
-    if not (math.isfinite(args.pace) and args.pace >= 0):
-        raise UsageError(f"--pace {args.pace}: must be 0 or more seconds")
-    if not (math.isfinite(args.data_cap_mb) and args.data_cap_mb > 0):
-        raise UsageError(f"--data-cap-mb {args.data_cap_mb}: must be positive")
 
 
 def load_links(path: str) -> dict:
@@ -114,3 +92,69 @@ def write_report(path: str | None, ctl, exc: BaseException | None, plan=None, do
             if exc is None:
                 raise SmolError(f"--json {path}: cannot write the report: {e.strerror or e}") from None
     return doc
+
+
+class EarlyReport:
+    """The report of a run that ends before its controller takes over (a refused resume, no
+    intact checkpoint, a bad placement, Ctrl-C while loading the corpus): `status`, `error`,
+    no steps. Usage errors that come before the world size is known (argparse, an unknown
+    strategy, an inventory that cannot be read) write none; the one-line error says it all.
+
+        with EarlyReport(args) as early:
+            early.world = ...; early.cfg = ...   # as they become known
+            early.handover()                     # the controller writes the report from here
+    """
+
+    def __init__(self, args):
+        self.args = args
+        self.world: int | None = None
+        self.names: list[str] | None = None
+        self.cfg = None
+        self.events: list[dict] = []
+        self.handed_over = False
+
+    def handover(self) -> None:
+        self.handed_over = True
+
+    def __enter__(self) -> EarlyReport:
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is not None and not self.handed_over and isinstance(exc, (SmolError, KeyboardInterrupt)):
+            self.write(exc)
+        return False  # the error goes on to the command line as before
+
+    def doc(self, exc: BaseException) -> dict:
+        status, error = status_of(exc)
+        a = self.args
+        config = (
+            self.cfg.report_view()
+            if self.cfg is not None
+            else {k: getattr(a, k, None) for k in ("model", "steps", "batch", "seq", "lr", "seed", "microbatches")}
+        )
+        doc = {
+            "schema": "smoltrain.run/1",
+            "strategy": a.strategy,
+            "backend": a.backend,
+            "world_size": self.world,
+            "config": config,
+            "steps": [],
+            "bytes": [],
+            "events": list(self.events),
+            "final_loss": None,
+            "tokens_per_s": None,
+            "status": status,
+            "error": error,
+        }
+        if self.names:
+            doc["hosts"] = list(self.names)
+        return doc
+
+    def write(self, exc: BaseException) -> None:
+        path = getattr(self.args, "json", None)
+        if not path or not self.world:
+            return
+        try:
+            write_json_atomic(path, self.doc(exc), indent=1)
+        except OSError:
+            pass  # an unwritable --json is itself the error being reported

@@ -57,29 +57,32 @@ class Reporter:
     def event(self, step, kind, who):
         self._send({"type": "event", "step": step, "kind": kind, "name": who})
 
-    def saved(self, step, part):
-        self._send({"type": "saved", "step": step, "part": part})
+    def saved(self, step, part, digest):
+        self._send({"type": "saved", "step": step, "part": part, "sha256": digest["sha256"], "bytes": digest["bytes"]})
 
     def log(self, message):
         self._send({"type": "log", "message": message})
 
-    def done(self, links, state_bytes):
-        self._send({"type": "done", "links": [list(x) for x in links], "state_bytes": state_bytes})
+    def done(self, links, state_bytes, threads=None):
+        self._send({"type": "done", "links": [list(x) for x in links], "state_bytes": state_bytes, "threads": threads})
 
     def error(self, message, peer=None):
         self._send({"type": "error", "message": message, "peer": peer})
 
 
 def resolve_device(want: str) -> str:
-    """`smol_device`: auto picks cuda, then mps, then cpu."""
-    if want in (None, "", "auto"):
-        if torch.cuda.is_available():
-            return "cuda"
-        mps = getattr(torch.backends, "mps", None)
-        return "mps" if mps is not None and mps.is_available() else "cpu"
-    if want == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("smol_device cuda, but torch sees no CUDA device on this host")
-    return want
+    """`smol_device`: auto picks cuda, then mps, then cpu (smoltrain.host)."""
+    from smoltrain.host import resolve_device as resolve
+
+    return resolve(want)
+
+
+def rank_threads(cfg: RunConfig, rank: int) -> int | None:
+    """This rank's torch threads: the controller's figure (0: the host's usable CPUs); 1 for a
+    controller that sends none (older) and for joiners."""
+    if 0 <= rank < len(cfg.threads):
+        return int(cfg.threads[rank]) or None
+    return 1
 
 
 def checkpoint_due(cfg: RunConfig, completed: int) -> bool:
@@ -112,6 +115,11 @@ def worker_main(control_addr: str, control_port: int, secret: bytes, rank: int, 
         client.close()
 
 
+def _sha(cfg: RunConfig, part: str) -> str | None:
+    """The digest complete.json holds for this rank's part (None: a marker from before digests)."""
+    return (cfg.resume_sha256 or {}).get(part)
+
+
 def blamed_peer(cfg: RunConfig, e: BaseException) -> str | None:
     """The name of the rank this rank's transport blames for `e` (CommError.peer), if any."""
     peer = getattr(e, "peer", None)
@@ -136,7 +144,11 @@ def held_out(strat, batches, comm, timer, rep: Reporter, step: int, device: str)
 
 
 def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, corpus: bytes) -> None:
-    torch.set_num_threads(1)
+    from smoltrain import host
+
+    threads, device = host.setup(
+        rank_threads(cfg, rank), cfg.devices[rank] if 0 <= rank < len(cfg.devices) else "cpu", cfg.dtype
+    )
     torch.manual_seed(cfg.seed)
     if corpus_digest(corpus) != cfg.data_digest:
         raise ValueError("the corpus received from the controller does not match its digest")
@@ -144,7 +156,6 @@ def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, co
     world = cfg.world_size
     info = registry.get(cfg.strategy, trainable=True)
     ps = info.parameter_server
-    device = resolve_device(cfg.devices[rank] if 0 <= rank < len(cfg.devices) else "cpu")
     comm = None
     if not info.elastic and world > 1:  # elastic strategies form their own groups as members change
         from smoltrain.comm import make_comm
@@ -167,12 +178,11 @@ def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, co
     server_state, server_saver = None, None
     if ps and rank == 0:
         if start and cfg.checkpoint_dir:
-            server_state = load_part(cfg.checkpoint_dir, start, "server")
+            server_state = load_part(cfg.checkpoint_dir, start, "server", _sha(cfg, "server"))
 
         def server_saver(step, server):
             if checkpoint_due(cfg, step + 1):
-                save_part(cfg.checkpoint_dir, step + 1, "server", server.state_tensors())
-                rep.saved(step + 1, "server")
+                rep.saved(step + 1, "server", save_part(cfg.checkpoint_dir, step + 1, "server", server.state_tensors()))
 
     ctx = Context(
         rank=rank,
@@ -190,7 +200,7 @@ def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, co
     )
     strat = load_strategy(cfg.strategy)(ctx)
     if start and not ps:
-        strat.load_state_tensors(load_part(cfg.checkpoint_dir, start, f"rank{rank}"))
+        strat.load_state_tensors(load_part(cfg.checkpoint_dir, start, f"rank{rank}", _sha(cfg, f"rank{rank}")))
     step = start
     try:
         while True:
@@ -199,7 +209,8 @@ def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, co
             if nxt is None:
                 break
             step = nxt
-            loss = strat.train_step(step)
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16"):
+                loss = strat.train_step(step)  # bf16 matmuls; parameters, gradients, AdamW state stay fp32
             if cfg.pace:
                 time.sleep(max(0.0, cfg.pace - (time.perf_counter() - t0)))
             step_s = time.perf_counter() - t0
@@ -209,11 +220,11 @@ def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, co
             if eval_due(cfg, step):
                 held_out(strat, batches, comm, ctx.comm_timer, rep, step, device)
             if not ps and checkpoint_due(cfg, step + 1):
-                save_part(cfg.checkpoint_dir, step + 1, f"rank{rank}", strat.state_tensors())
-                rep.saved(step + 1, f"rank{rank}")
+                part = f"rank{rank}"
+                rep.saved(step + 1, part, save_part(cfg.checkpoint_dir, step + 1, part, strat.state_tensors()))
             step += 1
     finally:
         strat.close()
-    rep.done(strat.link_bytes(), strat.state_bytes())
+    rep.done(strat.link_bytes(), strat.state_bytes(), threads)
     if comm:
         comm.close()

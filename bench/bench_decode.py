@@ -1,0 +1,330 @@
+"""Batch-1 decode on one process, side by side in one run: smolcluster fp32, int8 and q4 against the
+memory-bandwidth bound and against llama.cpp (llama-cpp-python) at Q8_0 and Q4_0, same threads.
+
+The model is a random-weight Llama built here (bench/llama_checkpoint.py: 152M parameters,
+606 MB fp32, SentencePiece tokenizer), converted to GGUF by the converter in the
+llama-cpp-python sdist (vendor/llama.cpp/convert_hf_to_gguf.py) and quantised by llama.cpp
+itself with `pure` (every matrix, head included, at Q8_0 or Q4_0, as smolcluster does). A
+round decodes --tokens greedy tokens with each engine one after another and measures a copy's
+memory bandwidth beside them; figures are medians over rounds, so a slow spell of a shared
+machine hits every engine alike. Both wall-clock and CPU-time rates are kept: on a machine
+other programs share, tokens per CPU-second is the steadier of the two.
+
+Checks on the way: llama.cpp's f32 logits of the first decode step against ours (the
+converted model is the same model); each quantised engine's logits against our fp32 ones
+(ours and llama.cpp's at the same width should err alike); and greedy-token agreement. A
+random-weight model's top logits nearly tie, so any quantisation flips its greedy tokens
+early: the logit error is the comparison that means something here (tests/test_machine.py
+checks token equality on a model whose choices win by clear margins).
+
+`--threads 1,2,4,8` makes the thread-scaling table (decode per engine and a training step of
+`tiny`) on a machine that has the cores.
+
+    pip install -c constraints.txt '.[bench]'     # llama-cpp-python, built from source (7+ minutes)
+    flock /tmp/smol-sim.lock .venv/bin/python bench/bench_decode.py --rounds 5 --json bench/out/decode.json
+    flock /tmp/smol-sim.lock .venv/bin/python bench/bench_decode.py --threads 1,2,4,8 --rounds 3   # 16-core machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+PROMPT = [1, 450, 1270, 310, 2706, 892, 322, 278, 5828, 1058]  # ids of the 8000-token vocabulary
+
+
+# --- llama.cpp ---
+def converter() -> str:
+    """convert_hf_to_gguf.py from the sdist of the installed llama-cpp-python (pip downloads it once)."""
+    import llama_cpp
+
+    cache = os.path.expanduser(f"~/.cache/smolcluster/llama-cpp-python-{llama_cpp.__version__}")
+    script = os.path.join(cache, f"llama_cpp_python-{llama_cpp.__version__}", "vendor/llama.cpp/convert_hf_to_gguf.py")
+    if not os.path.isfile(script):
+        os.makedirs(cache, exist_ok=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", cache]
+            + [f"llama-cpp-python=={llama_cpp.__version__}"],
+            check=True,
+        )
+        subprocess.run(["tar", "xzf", f"llama_cpp_python-{llama_cpp.__version__}.tar.gz"], cwd=cache, check=True)
+    return script
+
+
+def gguf_files(model: str) -> dict:
+    """f32, q8_0 and q4_0 GGUF files of the checkpoint (made once)."""
+    import ctypes
+
+    import llama_cpp
+
+    out = {k: os.path.join(model, f"{k}.gguf") for k in ("f32", "q8_0", "q4_0")}
+    if not os.path.isfile(out["f32"]):
+        subprocess.run([sys.executable, converter(), model, "--outtype", "f32", "--outfile", out["f32"]], check=True)
+    for k, ftype in (("q8_0", llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0), ("q4_0", llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0)):
+        if not os.path.isfile(out[k]):
+            p = llama_cpp.llama_model_quantize_default_params()
+            p.ftype, p.nthread, p.pure = ftype, 1, True
+            if llama_cpp.llama_model_quantize(out["f32"].encode(), out[k].encode(), ctypes.byref(p)) != 0:
+                raise RuntimeError(f"llama.cpp could not quantise to {k}")
+    return out
+
+
+class LlamaCpp:
+    def __init__(self, path: str, threads: int):
+        from llama_cpp import Llama
+
+        self.llm = Llama(path, n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+
+    def logits(self):
+        """The last position's logits (llama-cpp-python keeps them only with logits_all; read them in place)."""
+        import llama_cpp
+        import numpy as np
+
+        ptr = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.llm.n_vocab(),))
+
+    def first_logits(self, prompt):
+        self.llm.reset()
+        self.llm.eval(prompt)
+        return self.logits().copy()
+
+    def decode(self, prompt, n: int) -> tuple[list[int], float, float]:
+        llm = self.llm
+        llm.reset()
+        llm.eval(prompt)
+        out = [int(self.logits().argmax())]
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(n - 1):
+            llm.eval([out[-1]])
+            out.append(int(self.logits().argmax()))
+        return out, time.perf_counter() - t0, time.process_time() - c0
+
+
+# --- ours ---
+class Ours:
+    def __init__(self, model: str, quantize: str | None):
+        from smoltrain.infer.engine import Engine
+        from smoltrain.models.hf import Checkpoint
+        from smoltrain.models.stage import Stage
+
+        ck = Checkpoint(model)
+        self.stage = Stage(ck, 0, ck.config.layers, True, True, quantize=quantize)
+        self.engine = Engine(self.stage)
+
+    def first_logits(self, prompt):
+        import torch
+
+        self.stage.reset(len(prompt) + 1)
+        return self.stage(torch.tensor([prompt])).numpy()
+
+    def decode(self, prompt, n: int) -> tuple[list[int], float, float]:
+        from smoltrain.infer.engine import Request
+
+        s = self.engine.generate(Request(list(prompt), n, 0.0))
+        return s["output_ids"], s["decode_s"], s["decode_cpu_s"]
+
+
+def matmul_share(stage, steps: int = 8) -> float:
+    """Share of a decode step's CPU time spent in the matmul kernels (torch profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    stage.reset(len(PROMPT) + steps + 4)
+    stage(torch.tensor([PROMPT]))
+    tok = torch.tensor([[7]])
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        for _ in range(steps):
+            stage(tok)
+    kernels = (
+        "aten::mm",
+        "aten::addmm",
+        "aten::mkldnn_linear",
+        "quantized::linear_dynamic",
+        "aten::_weight_int8pack_mm",
+        "aten::_weight_int4pack_mm_for_cpu",
+    )
+    rows = p.key_averages()
+    total = sum(r.self_cpu_time_total for r in rows)
+    return sum(r.self_cpu_time_total for r in rows if r.key in kernels) / total if total else 0.0
+
+
+def copy_bw(seconds: float = 0.5) -> tuple[float, float]:
+    """(wall, CPU-time) bytes/s of a 64 MB copy (read + write), past any last-level cache."""
+    import torch
+
+    from smoltrain.host import COPY_BYTES
+
+    src = torch.ones(COPY_BYTES // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    n, t0, c0 = 0, time.perf_counter(), time.process_time()
+    while time.perf_counter() - t0 < seconds or n < 3:
+        dst.copy_(src)
+        n += 1
+    return 2 * COPY_BYTES * n / (time.perf_counter() - t0), 2 * COPY_BYTES * n / (time.process_time() - c0)
+
+
+def agree(a: list[int], b: list[int]) -> int:
+    """Tokens equal before the first difference (greedy runs diverge for good after one)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def bench(args, threads: int) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    engines = {"fp32": Ours(args.model, None), "int8": Ours(args.model, "int8"), "q4": Ours(args.model, "q4")}
+    wbytes = {k: e.stage.weight_bytes_per_token() for k, e in engines.items()}
+    files = None
+    if not args.no_llama:
+        files = gguf_files(args.model)
+        engines["llama.cpp Q8_0"] = LlamaCpp(files["q8_0"], threads)
+        engines["llama.cpp Q4_0"] = LlamaCpp(files["q4_0"], threads)
+    rows = {k: {"wall": [], "cpu": []} for k in engines}
+    bw, bw_cpu = [], []
+    tokens: dict[str, list[int]] = {}
+    for r in range(args.rounds):
+        wall, cpu = copy_bw()
+        bw.append(wall)
+        bw_cpu.append(cpu)
+        for k, e in engines.items():
+            ids, wall, cpu = e.decode(PROMPT, args.tokens)
+            rows[k]["wall"].append((args.tokens - 1) / wall)
+            rows[k]["cpu"].append((args.tokens - 1) / cpu)
+            tokens[k] = ids
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v['wall'][-1]:.1f}" for k, v in rows.items()))
+    med = {k: {m: statistics.median(v[m]) for m in ("wall", "cpu")} for k, v in rows.items()}
+    mem_bw, mem_bw_cpu = statistics.median(bw), statistics.median(bw_cpu)
+    out = {
+        "threads": threads,
+        "tokens": args.tokens,
+        "rounds": args.rounds,
+        "mem_bw_bytes_s": mem_bw,
+        "mem_bw_bytes_per_cpu_s": mem_bw_cpu,
+        "weight_bytes_per_token": wbytes,
+        "tokens_per_s": {k: v["wall"] for k, v in med.items()},
+        "tokens_per_cpu_s": {k: v["cpu"] for k, v in med.items()},
+        "roofline_tokens_per_s": {k: mem_bw / b for k, b in wbytes.items()},
+        "roofline_tokens_per_cpu_s": {k: mem_bw_cpu / b for k, b in wbytes.items()},
+        "matmul_share": {k: matmul_share(engines[k].stage) for k in ("fp32", "int8", "q4")},
+        "agreement": {
+            "int8 vs fp32": agree(tokens["int8"], tokens["fp32"]),
+            "q4 vs fp32": agree(tokens["q4"], tokens["fp32"]),
+        },
+    }
+    if files:
+        f32 = LlamaCpp(files["f32"], threads)
+        import numpy as np
+
+        ref = engines["fp32"].first_logits(PROMPT)
+        out["llama_f32_logit_max_abs_diff"] = float(np.abs(f32.first_logits(PROMPT) - ref).max())
+        out["logit_rms_error_vs_fp32"] = {
+            k: float(np.sqrt(((engines[k].first_logits(PROMPT) - ref) ** 2).mean()))
+            for k in ("int8", "q4", "llama.cpp Q8_0", "llama.cpp Q4_0")
+        }
+        out["logit_std"] = float(ref.std())
+        out["agreement"].update(
+            {
+                "llama.cpp Q8_0 vs fp32": agree(tokens["llama.cpp Q8_0"], tokens["fp32"]),
+                "llama.cpp Q4_0 vs fp32": agree(tokens["llama.cpp Q4_0"], tokens["fp32"]),
+                "int8 vs llama.cpp Q8_0": agree(tokens["int8"], tokens["llama.cpp Q8_0"]),
+                "q4 vs llama.cpp Q4_0": agree(tokens["q4"], tokens["llama.cpp Q4_0"]),
+            }
+        )
+    return out
+
+
+def train_step_s(threads: int) -> float:
+    import torch
+
+    from smoltrain.calibration.probe import train_seconds
+
+    torch.set_num_threads(threads)
+    return train_seconds(torch, "tiny", 8, 64, 1.0)
+
+
+def report(d: dict) -> None:
+    t, tc, rf, rfc = (
+        d["tokens_per_s"],
+        d["tokens_per_cpu_s"],
+        d["roofline_tokens_per_s"],
+        d["roofline_tokens_per_cpu_s"],
+    )
+    print(
+        f"\n{d['threads']} thread(s), memory bandwidth (64 MB copy) {d['mem_bw_bytes_s'] / 1e9:.1f} GB/s, "
+        f"{d['mem_bw_bytes_per_cpu_s'] / 1e9:.1f} GB per CPU-s; medians of {d['rounds']} rounds"
+    )
+    print(
+        f"{'engine':<16}{'tok/s':>8}{'tok/CPU-s':>11}{'weights MB':>12}{'of roofline':>13}{'(CPU time)':>12}{'matmul share':>14}"
+    )
+    for k in t:
+        wb = d["weight_bytes_per_token"].get(k)
+        line = f"{k:<16}{t[k]:>8.1f}{tc[k]:>11.1f}"
+        if wb:
+            line += f"{wb / 1e6:>12.0f}{t[k] / rf[k]:>13.0%}{tc[k] / rfc[k]:>12.0%}{d['matmul_share'][k]:>14.0%}"
+        print(line)
+    print(
+        f"int8/fp32 {t['int8'] / t['fp32']:.2f}x, q4/fp32 {t['q4'] / t['fp32']:.2f}x (CPU time: "
+        f"{tc['int8'] / tc['fp32']:.2f}x, {tc['q4'] / tc['fp32']:.2f}x)"
+    )
+    if "llama.cpp Q8_0" in t:
+        print(
+            f"int8 / llama.cpp Q8_0 {t['int8'] / t['llama.cpp Q8_0']:.2f}x, q4 / llama.cpp Q4_0 "
+            f"{t['q4'] / t['llama.cpp Q4_0']:.2f}x (CPU time: {tc['int8'] / tc['llama.cpp Q8_0']:.2f}x, "
+            f"{tc['q4'] / tc['llama.cpp Q4_0']:.2f}x); llama.cpp f32 logits vs ours: "
+            f"max |diff| {d['llama_f32_logit_max_abs_diff']:.2e}"
+        )
+        err = d["logit_rms_error_vs_fp32"]
+        errs = ", ".join(f"{k} {v:.4f}" for k, v in err.items())
+        print(f"logit RMS error vs our fp32 (logit std {d['logit_std']:.3f}): {errs}")
+    print(
+        "greedy tokens agreeing before the first difference: "
+        + ", ".join(f"{k} {v}/{d['tokens']}" for k, v in d["agreement"].items())
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="/tmp/smol-bench-llama152", help="checkpoint folder (built there if missing)")
+    p.add_argument("--threads", default="1", help="thread count, or a list (1,2,4,8) for the scaling table")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--no-llama", action="store_true", help="leave llama.cpp out")
+    p.add_argument("--json")
+    args = p.parse_args()
+    from llama_checkpoint import build, params
+
+    build(args.model)
+    print(f"{args.model}: {params(args.model) / 1e6:.0f}M parameters")
+    counts = [int(x) for x in args.threads.split(",")]
+    runs = [bench(args, n) for n in counts]
+    for d in runs:
+        report(d)
+    if len(counts) > 1:
+        print("\nthreads  " + "  ".join(f"{k:>14}" for k in runs[0]["tokens_per_s"]) + "  tiny train step ms")
+        for d in runs:
+            cols = "  ".join(f"{v:>14.1f}" for v in d["tokens_per_s"].values())
+            d["train_step_s"] = train_step_s(d["threads"])
+            print(f"{d['threads']:>7}  {cols}  {d['train_step_s'] * 1e3:>18.1f}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(runs, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

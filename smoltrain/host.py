@@ -1,0 +1,92 @@
+"""What a rank runs on, settled on the host itself: torch threads, device, dtype.
+
+Each process that computes (training rank, inference rank, calibration probe) calls
+`setup` first, so all of them run at the host's `smol_threads` (default: the CPUs it may
+use, smolnet.cpus) on its `smol_device`, and refuse a dtype its torch cannot run with one
+line rather than a traceback.
+"""
+
+from __future__ import annotations
+
+from smolnet.cpus import usable_cpus
+from smolnet.errors import UsageError
+
+TORCH_DTYPES = ("fp32", "bf16", "fp16")
+
+
+def check_threads(n: int | None, where: str = "this host", cpus: int | None = None) -> int:
+    """The thread count to run at: `n`, or the usable CPUs when n is None or 0 means default."""
+    cpus = usable_cpus() if cpus is None else cpus
+    if n is None:
+        return cpus
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise UsageError(f"threads must be a whole number of at least 1, got {n!r}")
+    if n > cpus:
+        raise UsageError(f"{n} threads, but {where} may use {cpus} CPU(s) (affinity, cpuset and CPU quota)")
+    return n
+
+
+def resolve_device(want: str | None) -> str:
+    """`smol_device`: auto picks cuda, then mps, then cpu; an explicit device must exist."""
+    import torch
+
+    if want in (None, "", "auto"):
+        if torch.cuda.is_available():
+            return "cuda"
+        mps = getattr(torch.backends, "mps", None)
+        return "mps" if mps is not None and mps.is_available() else "cpu"
+    if want == "cuda" and not torch.cuda.is_available():
+        raise UsageError("smol_device cuda, but torch sees no CUDA device on this host")
+    if want == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise UsageError("smol_device mps, but torch sees no MPS device on this host")
+    return want
+
+
+def check_dtype(dtype: str, device: str) -> None:
+    """Refuse a compute dtype this torch cannot multiply in on `device` (a tiny matmul tells)."""
+    import torch
+
+    t = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    try:
+        a = torch.ones(4, 4, dtype=t, device=device)
+        (a @ a).sum().item()
+    except (RuntimeError, TypeError, AssertionError) as e:
+        line = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UsageError(f"--dtype {dtype}: torch on this host cannot compute in it on {device} ({line})") from None
+
+
+def setup(threads: int | None, device: str | None = "cpu", dtype: str | None = None) -> tuple[int, str]:
+    """Set torch's thread count, settle the device and check the dtype: (threads, device)."""
+    import torch
+
+    n = check_threads(threads or None)
+    torch.set_num_threads(n)
+    dev = resolve_device(device)
+    if dtype:
+        check_dtype(dtype, dev)
+    return n, dev
+
+
+COPY_BYTES = 64 << 20  # per buffer: beyond the last-level cache of the machines people own
+
+
+def copy_bandwidth(window: float = 0.05) -> float:
+    """Bytes/s this process moves through memory (read + write of a copy), at its thread count."""
+    import torch
+
+    from smoltrain.calibration.probe import copy_bw
+
+    return copy_bw(torch, COPY_BYTES, window)
+
+
+def rank_facts(stage, threads: int, device: str) -> dict:
+    """What an inference rank tells the report about its machine: threads, device, the weight
+    bytes one decode step reads here, and the memory bandwidth they are read at."""
+    return {
+        "threads": threads,
+        "device": device,
+        "weight_bytes_per_token": stage.weight_bytes_per_token(),
+        "mem_bw_bytes_s": copy_bandwidth() if device == "cpu" else None,
+    }

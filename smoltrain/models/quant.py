@@ -1,0 +1,170 @@
+"""Weights for inference at full width or quantised, and the one linear layer that runs them.
+
+- `int8`: symmetric per output channel: w ~ q * s, q in [-127, 127], one scale per row.
+- `q4`: llama.cpp's Q4_0 layout: groups of 32 along the input, one scale d per group
+  (d = the group's largest-magnitude value / -8), q = round(w / d) + 8 in [0, 15], w ~ (q - 8) d:
+  4.5 bits of information per weight.
+
+Batch-1 decode reads every weight once per token, so it runs at memory bandwidth: fewer
+bytes per weight is more tokens per second. torch's own CPU kernels do the low-bit matmul:
+
+- int8 on x86: fbgemm's dynamic int8 linear (`quantized.linear_dynamic`), which quantises
+  the activations per call and multiplies int8 by int8, as llama.cpp's Q8_0 x Q8_0 dot does.
+  Measured on a 1024x2816 batch-1 shape, one thread: 3.4x fp32 `F.linear`, where
+  `_weight_int8pack_mm` (int8 weights, bf16 activations) made 1.6x and with fp32
+  activations 0.36x. Elsewhere (ARM) `_weight_int8pack_mm` with bf16 activations.
+- q4: `_weight_int4pack_mm_for_cpu` with bf16 activations (4.6x fp32 on that shape; with
+  fp32 activations it is 6x slower than fp32).
+
+A quantised layer hands back the caller's dtype. Where no kernel exists (another device)
+the weight is dequantised on the fly: correct, not fast.
+
+Full-width fp32 layers on the CPU go through oneDNN (`mkldnn_linear`, the weight held in
+its own layout): MKL's batch-1 sgemv read 14 GB/s where a copy moves 23 on the machine of
+BENCHMARKS.md (an AMD EPYC, which MKL serves a generic path), oneDNN 18.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+QUANTIZE = ("int8", "q4")
+GROUP = 32  # Q4_0's group along the input dimension
+KERNEL_DTYPE = torch.bfloat16  # activations the low-bit CPU kernels are fast with
+
+
+def _has(op: str) -> bool:
+    return hasattr(torch.ops.aten, op)
+
+
+def _fbgemm() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def _pack_int8(q: torch.Tensor, s: torch.Tensor):
+    """fbgemm's prepacked int8 weight (per-channel scales, zero points 0)."""
+    with warnings.catch_warnings():  # quantized tensors are deprecated in favour of torchao; torch is pinned
+        warnings.simplefilter("ignore")
+        zero = torch.zeros(q.shape[0], dtype=torch.int64)
+        qw = torch._make_per_channel_quantized_tensor(q, s.double(), zero, 0)
+        return torch.ops.quantized.linear_prepack(qw, None)
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [N, K], scale fp32 [N]): symmetric, per output channel (row)."""
+    w = w.float()
+    s = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    q = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, s
+
+
+def quantize_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int32 [N, K] in 0..15, d fp32 [N, K/32]): Q4_0, as llama.cpp's quantize_row_q4_0 does."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // GROUP, GROUP)
+    peak = torch.gather(g, -1, g.abs().argmax(-1, keepdim=True))  # signed value of largest magnitude
+    d = peak / -8
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.clamp(torch.floor(g * inv + 8.5), 0, 15).to(torch.int32)  # llama.cpp: (int8)(x*id + 8.5), max 15
+    return q.reshape(n, k), d.reshape(n, k // GROUP)
+
+
+def dequantize_int8(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return q.float() * s[:, None]
+
+
+def dequantize_q4(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape
+    return ((q.reshape(n, k // GROUP, GROUP) - 8).float() * d[..., None]).reshape(n, k)
+
+
+class Linear:
+    """y = x W^T (+ b) for a weight W [out, in] held at `dtype`, as int8 or as q4.
+
+    Built from the full-width weight as a rank loads it, so no full-width copy outlives
+    the load. `nbytes` is what one batch-1 token reads of it (weights, scales, bias)."""
+
+    def __init__(
+        self, w: torch.Tensor, bias: torch.Tensor | None, dtype, quantize: str | None = None, pack: bool = True
+    ):
+        """`pack` False: keep a full-width weight as the tensor given (a tied head shares the embedding)."""
+        if quantize not in (None, *QUANTIZE):
+            raise ValueError(f"unknown quantisation {quantize!r} (one of {', '.join(QUANTIZE)})")
+        if quantize == "q4" and w.shape[1] % GROUP:
+            quantize = "int8"  # Q4_0 needs whole groups of 32; such a matrix falls back to int8
+        self.out_features, self.in_features = w.shape
+        self.kind, self.dtype = quantize, dtype
+        self.bias = None if bias is None else bias.to(dtype)
+        cpu = w.device.type == "cpu"
+        if quantize is None:
+            self.weight = w.to(dtype).contiguous()
+            self.kernel = (
+                "onednn" if pack and cpu and dtype == torch.float32 and torch.backends.mkldnn.is_available() else None
+            )
+            if self.kernel:
+                self.weight = self.weight.to_mkldnn()
+        elif quantize == "int8":
+            q, s = quantize_int8(w)
+            self.kernel = "fbgemm" if cpu and _fbgemm() else "int8pack" if cpu and _has("_weight_int8pack_mm") else None
+            if self.kernel == "fbgemm":
+                self.packed = _pack_int8(q, s)  # holds q, its scales at fp64 and a zero point per row
+            else:
+                self.q, self.scale = q, s.to(KERNEL_DTYPE if self.kernel else torch.float32)
+        else:
+            q, d = quantize_q4(w)
+            fits = cpu and _has("_weight_int4pack_mm_for_cpu") and self.out_features % 16 == 0
+            self.kernel = "int4pack" if fits else None
+            if self.kernel:
+                self.q = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+                zeros = torch.zeros_like(d)  # the kernel computes (q - 8) * scale + zero; Q4_0 has no zero
+                self.scale = torch.stack([d.t(), zeros.t()], dim=-1).to(KERNEL_DTYPE).contiguous()
+            else:
+                self.q, self.scale = q.to(torch.uint8), d
+
+    @property
+    def nbytes(self) -> int:
+        if self.kind is None:
+            n = self.weight.numel() * self.weight.element_size()
+        elif self.kernel == "fbgemm":  # the packed int8 weight, an fp64 scale and an int64 zero per row
+            n = self.out_features * (self.in_features + 16)
+        else:
+            n = self.q.numel() * self.q.element_size() + self.scale.numel() * self.scale.element_size()
+        return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight this layer multiplies by, at fp32 (the reference the kernels are tested against)."""
+        if self.kind is None:
+            return (self.weight.to_dense() if self.kernel else self.weight).float()
+        if self.kind == "int8" and self.kernel == "fbgemm":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return torch.ops.quantized.linear_unpack(self.packed)[0].dequantize()
+        if self.kind == "int8":
+            return dequantize_int8(self.q, self.scale.float())
+        if not self.kernel:
+            return dequantize_q4(self.q.to(torch.int32), self.scale)
+        eye = torch.eye(self.in_features)  # the kernel applied to the identity gives W^T exactly
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.q, GROUP, self.scale.float()).t().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind is None and self.kernel:
+            y = torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.weight).to_dense()
+            return y if self.bias is None else y + self.bias
+        if self.kind is None:
+            return F.linear(x, self.weight, self.bias)
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if not self.kernel:
+            w = self.dequantized().to(x.dtype)
+            y = F.linear(x2, w)
+        elif self.kernel == "fbgemm":
+            y = torch.ops.quantized.linear_dynamic(x2.float(), self.packed)
+        elif self.kind == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(x2.to(KERNEL_DTYPE), self.q, self.scale)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(KERNEL_DTYPE), self.q, GROUP, self.scale)
+        y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias

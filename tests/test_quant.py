@@ -1,0 +1,150 @@
+"""Quantised weights, activations on the wire, threads and the calibration probe's arithmetic
+(issue 25): each kernel against a dequantised reference, each expected value derived here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from smoltrain.infer.activations import Codec
+from smoltrain.models import quant
+
+
+def test_q4_layout_is_llama_cpp_q4_0():
+    # one group of 32: the largest magnitude is -4.0, so d = -4 / -8 = 0.5 and q = round(x / 0.5) + 8:
+    # -4.0 -> 0, 0 -> 8, 1.0 -> 10, 3.5 -> 15; d = 0.5 makes every one of them exact
+    row = torch.zeros(32)
+    row[:4] = torch.tensor([-4.0, 0.0, 1.0, 3.5])
+    q, d = quant.quantize_q4(row[None])
+    assert d.item() == 0.5
+    assert q[0, :4].tolist() == [0, 8, 10, 15]
+    assert torch.equal(quant.dequantize_q4(q, d), row[None])
+
+
+def test_int8_is_symmetric_per_output_channel():
+    # row 0 peaks at 2.54 -> scale 0.02, so 1.0 -> 50; row 1 peaks at 127 -> scale 1, 3 -> 3
+    w = torch.tensor([[2.54, -1.0, 1.0], [127.0, 3.0, -127.0]])
+    q, s = quant.quantize_int8(w)
+    assert s.tolist() == pytest.approx([0.02, 1.0])
+    assert q.tolist() == [[127, -50, 50], [127, 3, -127]]
+
+
+@pytest.mark.parametrize("kind", ["int8", "q4"])
+def test_kernel_equals_dequantised_reference(kind):
+    """torch's low-bit kernel (fbgemm / int8pack, int4pack) against F.linear with the weight
+    it dequantises to; the activations are rounded on the way in (bf16 for the packed kernels,
+    a per-call int8 scale for fbgemm), so the agreement is to that precision."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 128, generator=g)
+    x = torch.randn(3, 128, generator=g)
+    lin = quant.Linear(w, None, torch.float32, kind)
+    assert lin.kernel is not None  # the CPU kernel runs, not the fallback
+    ref = torch.nn.functional.linear(x, lin.dequantized())
+    got = lin(x)
+    assert got.dtype == torch.float32 and got.shape == (3, 64)
+    assert (got - ref).abs().max() < 0.02 * ref.abs().max()
+    assert (lin.dequantized() - w).abs().max() < (0.02 if kind == "int8" else 0.2) * w.abs().max()
+
+
+def test_fallback_without_kernel_is_the_same_layer():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(40, 64, generator=g)  # 40 rows: not a multiple of 16, so int4pack cannot take it
+    lin = quant.Linear(w, None, torch.float32, "q4")
+    assert lin.kernel is None
+    x = torch.randn(2, 64, generator=g)
+    q, d = quant.quantize_q4(w)
+    assert torch.allclose(lin(x), x @ quant.dequantize_q4(q, d).t(), atol=1e-5)
+
+
+def test_weight_bytes_match_the_planner():
+    from smoltrain.planner.widths import weight_bytes
+
+    w = torch.randn(256, 1024)
+    assert quant.Linear(w, None, torch.float32).nbytes == 256 * 1024 * weight_bytes(None, "fp32")
+    # int8: a byte a weight plus 16 bytes a row (fbgemm's fp64 scale and zero point): 1 + 16/1024
+    assert quant.Linear(w, None, torch.float32, "int8").nbytes <= 256 * 1024 * (1 + 16 / 1024)
+    # q4: 4 bits a weight and a bf16 scale and zero per 32: exactly 5/8 byte a weight
+    assert quant.Linear(w, None, torch.float32, "q4").nbytes == 256 * 1024 * weight_bytes("q4", "fp32")
+
+
+def test_int8_wire_per_token_absmax_and_the_stop_marker():
+    codec = Codec("int8", 4, torch.float32)
+    x = torch.tensor([[[1.27, -0.5, 0.0, 0.3], [0.0, 0.0, 0.0, 0.0]]])
+    buf = codec.encode(x)
+    # 2 tokens x (4 int8 + one fp32 scale) = 16 bytes; token 0's scale is 1.27 / 127 = 0.01
+    assert buf.numel() == codec.nbytes(2) == 16
+    back = codec.decode(buf)
+    assert back.shape == x.shape and (back - x).abs().max() <= 0.005
+    assert torch.equal(back[0, 1], torch.zeros(4))  # an all-zero token stays zero (no 0/0)
+    marker = codec.decode(codec.encode(torch.full((1, 1, 4), float("nan"))))
+    assert torch.isnan(marker).all()
+
+
+@pytest.mark.parametrize("wire", ["bf16", "fp16"])
+def test_16bit_wire_keeps_nan(wire):
+    codec = Codec(wire, 8, torch.float32)
+    assert codec.nbytes(3) == 3 * 8 * 2
+    assert torch.isnan(codec.decode(codec.encode(torch.full((1, 1, 8), float("nan"))))).all()
+
+
+def test_comm_probe_divides_by_the_cores_the_ranks_share():
+    from smoltrain.calibration.probe import per_message
+
+    # a round of a small all-reduce took 4 ms of wall time: 2 ring steps of 2 ms each; on a
+    # host with a core per rank they run at once, so a message costs 2 ms; on one shared core
+    # the two ranks take turns and each message costs 1 ms
+    many = per_message(0.004, 0.010, shared=False, big_bytes=1_000_000)
+    one = per_message(0.004, 0.010, shared=True, big_bytes=1_000_000)
+    assert many["message_s"] == pytest.approx(0.002)
+    assert one["message_s"] == pytest.approx(0.001)
+    # big buffer: 10 ms / 2 = 5 ms a step, 3 ms of it beyond the message cost, for a 500 kB chunk
+    assert many["bytes_s"] == pytest.approx(500_000 / 0.003)
+
+
+def test_usable_cpus_follow_the_quota():
+    from smolnet.cpus import affinity_cpus, usable_cpus
+
+    n = affinity_cpus()
+    assert usable_cpus(None) == n
+    assert usable_cpus((50_000, 100_000)) == 1  # half a core: still one thread
+    assert usable_cpus((250_000, 100_000)) == min(n, 2)  # 2.5 cores: 2 threads, no more than there are
+
+
+def test_thread_counts_refused():
+    from smolnet.errors import UsageError
+    from smoltrain.host import check_threads
+
+    assert check_threads(None, cpus=4) == 4
+    assert check_threads(3, cpus=4) == 3
+    for bad in (0, -1, 5):
+        with pytest.raises(UsageError):
+            check_threads(bad, cpus=4)
+
+
+def test_plan_counts_quantised_weights_and_int8_wire():
+    from smoltrain.models.spec import ModelSpec
+    from smoltrain.planner.plan import make_plan
+
+    m = ModelSpec(
+        "m",
+        vocab=1000,
+        layers=4,
+        hidden=256,
+        heads=4,
+        kv_heads=2,
+        ffn=512,
+        ctx=128,
+        tied_embeddings=False,
+        learned_pos=False,
+    )
+    full = make_plan("pp", m, 2, mode="infer", seq=64)
+    q4 = make_plan("pp", m, 2, mode="infer", seq=64, quantize="q4", wire_dtype="int8")
+    # one hidden state per hop: 256 x 4 bytes at fp32; at int8 256 + one 4-byte scale
+    assert full["bytes_per_token"] == 256 * 4 and q4["bytes_per_token"] == 256 + 4
+    # stage 0 holds 2 layers and the embedding: the layers' matmuls at 5/8 byte, the table at 4
+    lp = m.layer_params()
+    assert q4["ranks"][0]["memory"]["weights"] == int(2 * lp * 5 / 8 + 1000 * 256 * 4)
+    tp = make_plan("tp", m, 2, mode="infer", seq=64, wire_dtype="int8")
+    # tp at int8: per all-reduce an all-gather, (N-1) x (256 + 4) bytes per rank; 2 per layer
+    assert tp["bytes_per_token"] == 4 * 2 * (256 + 4)
+    assert q4["wire_dtype"] == "int8" and q4["quantize"] == "q4"
