@@ -159,7 +159,7 @@ BASE = {
 }
 # options where 0 means something (any free port, no pace, greedy, only at the end, no warm-up)
 ZERO_OK = {"--checkpoint-every", "--pace", "--control-port", "--seed", "--warmup", "--rank", "--port", "--temperature"}
-ZERO_OK |= {"--eval-every"}  # no held-out loss
+ZERO_OK |= {"--eval-every", "--outer-momentum"}  # no held-out loss; plain averaging
 BAD = ["-1", "nan", "inf", "-inf", "1e300", "99999999999999", "12abc"]
 
 
