@@ -15,7 +15,7 @@ from smoltrain import registry
 from smoltrain.models.data import Batches
 from smoltrain.models.optim import SGD, make_optimizer
 from smoltrain.models.spec import get_model
-from smoltrain.planner import diloco
+from smoltrain.planner import diloco, diloco_verdict
 from smoltrain.planner.links import from_class
 from smoltrain.planner.plan import make_plan, resolve_ranks
 from smoltrain.schema import check_any
@@ -86,7 +86,7 @@ def test_the_verdict_names_the_diloco_setting_that_beats_the_single_host():
     def replan(strategy, outer):
         return make_plan(strategy, TINY, 4, ranks=ranks, lm=lm, outer=outer)
 
-    low = diloco.low_comm_verdict(plans, replan)
+    low = diloco_verdict.low_comm_verdict(plans, replan)
     assert low["beats_single_host"] and low["best"]["vs_single_host"] > 1
     assert {r["sync_dtype"] for r in low["settings"]} == set(diloco.SYNC_BYTES)
     best = low["best"]
@@ -102,10 +102,10 @@ def test_the_verdict_says_when_no_setting_would_win_and_stays_quiet_when_sync_wi
         p = make_plan(strategy, TINY, 4, ranks=ranks, lm=lm, outer=outer)
         return dict(p, tokens_per_s=p["single_host"]["tokens_per_s"] * 0.5)
 
-    low = diloco.low_comm_verdict(plans, hopeless)
+    low = diloco_verdict.low_comm_verdict(plans, hopeless)
     assert not low["beats_single_host"] and "no diloco setting would beat it" in low["sentence"]
     fast = [make_plan(s, TINY, 4, ranks=ranks, lm=from_class("tb5")) for s in ("dp", "diloco")]
-    assert diloco.low_comm_verdict(fast, hopeless) is None  # dp already beats the single host there
+    assert diloco_verdict.low_comm_verdict(fast, hopeless) is None  # dp already beats the single host there
 
 
 def test_outer_flags_apply_to_diloco_only_and_fill_their_defaults():

@@ -155,7 +155,7 @@ def run(args) -> int:
     if run_doc is not None and hosts is None and world > 1:  # a --local run: ranks share this machine
         ranks = share_machine(ranks, busy=busy_ranks(args.strategy, world, args.microbatches, args.mode))
     lm = link_model([r.name for r in ranks], hosts[:world] if hosts else None, links_doc, args.link_class)
-    from smoltrain.planner import diloco
+    from smoltrain.planner import diloco, diloco_verdict
 
     outer_steps = args.strategy == "all" or registry.get(args.strategy).outer_steps
     diloco.check_args(args, outer_steps)
@@ -193,10 +193,12 @@ def run(args) -> int:
         by_name = {p["strategy"]: p for p in plans}
 
         def replan_outer(strategy, opts):
-            placement = diloco.chosen_placement(by_name[strategy])
+            placement = diloco_verdict.chosen_placement(by_name[strategy])
             return make_plan(strategy, model, world, ranks=ranks, lm=lm, placement=placement, **dict(kw, outer=opts))
 
-        low_comm = diloco.low_comm_verdict(plans, replan_outer, args.target_comm) if args.mode == "train" else None
+        low_comm = (
+            diloco_verdict.low_comm_verdict(plans, replan_outer, args.target_comm) if args.mode == "train" else None
+        )
         if low_comm:
             con.print(f"  [bold]low communication:[/] {low_comm['sentence']}")
         if args.json:

@@ -136,7 +136,7 @@ def compare(plan: dict, run: dict) -> dict:
         "plan": plan,
     }
     if plan.get("inner_steps"):  # an outer-step strategy: bytes per outer step, pace of whole outer steps
-        from smoltrain.planner.diloco import compare_outer
+        from smoltrain.planner.diloco_verdict import compare_outer
 
         compare_outer(out, plan, run)
     return out
