@@ -41,6 +41,7 @@ TIERS = {
         "test_calibrate_cluster.py",
         "test_registry.py",
         "test_quant.py",
+        "test_diloco_plan.py",
     ],
     "process": [
         "test_agent.py",
@@ -67,6 +68,7 @@ TIERS = {
         "test_infer_serve.py",
         "test_placement_run.py",
         "test_machine.py",
+        "test_diloco.py",
     ],
     "sim": [
         "test_demo.py",
@@ -102,3 +104,14 @@ def needs_sim():
     from need import need_sim
 
     need_sim()
+
+
+@pytest.fixture(scope="module")
+def secret_file(tmp_path_factory):
+    """A cluster secret file (mode 600) for the runs a test module starts (modules may keep their own)."""
+    import secrets
+
+    p = tmp_path_factory.mktemp("secret") / "secret"
+    p.write_text(secrets.token_hex(32))
+    os.chmod(p, 0o600)
+    return str(p)
