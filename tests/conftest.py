@@ -42,6 +42,7 @@ TIERS = {
         "test_registry.py",
         "test_serve_units.py",
         "test_quant.py",
+        "test_diloco_plan.py",
     ],
     "process": [
         "test_agent.py",
@@ -68,6 +69,7 @@ TIERS = {
         "test_infer_serve.py",
         "test_placement_run.py",
         "test_machine.py",
+        "test_diloco.py",
     ],
     "sim": [
         "test_demo.py",
@@ -76,6 +78,7 @@ TIERS = {
         "test_infer_sim.py",
         "test_placement_sim.py",
         "test_sim_cpu.py",
+        "test_sim_hidden.py",
         "test_matrix_sim.py",
         "test_remote.py",
         "test_run_sim.py",
@@ -102,3 +105,14 @@ def needs_sim():
     from need import need_sim
 
     need_sim()
+
+
+@pytest.fixture(scope="module")
+def secret_file(tmp_path_factory):
+    """A cluster secret file (mode 600) for the runs a test module starts (modules may keep their own)."""
+    import secrets
+
+    p = tmp_path_factory.mktemp("secret") / "secret"
+    p.write_text(secrets.token_hex(32))
+    os.chmod(p, 0o600)
+    return str(p)

@@ -347,7 +347,7 @@ def test_cli_all_ranks_strategies(capsys, tmp_path):
     assert d["schema"] == "smoltrain.plans/1"
     check_any(d)
     got = {p["strategy"] for p in d["plans"]}
-    assert got == {"dp", "fsdp", "syncps", "edp", "mp", "pp", "tp", "sp"}
+    assert got == {"dp", "fsdp", "syncps", "edp", "diloco", "mp", "pp", "tp", "sp"}
     assert [s["strategy"] for s in d["skipped"]] == ["ep"]
     tps = {p["strategy"]: p["tokens_per_s"] for p in d["plans"]}
     assert d["ranking"][0] == max(tps, key=tps.get)

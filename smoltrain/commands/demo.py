@@ -234,6 +234,9 @@ def run(args) -> int:
         from smoltrain.commands.demo_generate import generate_stages
 
         generate_stages(stage, py, inv, out, steps, path)
+        from smoltrain.commands.demo_diloco import diloco_stage
+
+        diloco_stage(stage, console, py, inv, links, out, path, args.quick)  # diloco beside dp and one host alone
         if skipped:
             console.rule("[bold yellow]done, with stages SKIPPED")
             console.print(

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from smolnet.errors import UsageError
 from smolnet.files import write_json_atomic
-from smoltrain import validate
+from smoltrain import registry, validate
 
 MODELS_HELP = "tiny, gpt2-124m, llama-3.2-1b, llama-3.1-8b, mixtral-8x7b, or a .json shape"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--strategy", help="dp, fsdp, syncps, edp, mp, pp, tp, ep, sp, or all (rank them)")
+    p.add_argument("--strategy", help=", ".join(registry.names()) + ", or all (rank them)")
     p.add_argument("--mode", default="train", choices=("train", "infer", "serve"))
     p.add_argument("--model", default="tiny", help=MODELS_HELP)
     p.add_argument("--world", type=validate.RANKS, help="ranks (default: inventory hosts, links-report hosts, else 2)")
@@ -47,6 +47,9 @@ def add_arguments(p) -> None:
     p.add_argument("--chart", metavar="PNG", help="bytes per token and step time split, per strategy")
     p.add_argument("--compare", metavar="RUN.json", help="predicted vs measured for a smoltrain run report")
     p.add_argument("--no-what-if", action="store_true", help="skip the table over link classes")
+    from smoltrain.planner.diloco import add_arguments as outer_arguments
+
+    outer_arguments(p, run=False)
     p.add_argument(
         "--placement",
         choices=("even", "auto"),
@@ -137,12 +140,13 @@ def run(args) -> int:
             raise UsageError(f"--strategy {args.strategy} differs from the run's {req['strategy']}")
         args.model, args.world, args.dtype = req["model"], req["world"], req["dtype"]
         args.batch, args.seq, args.microbatches, args.mode = req["batch"], req["seq"], req["microbatches"], "train"
+        args.inner_steps, args.sync_dtype = req["inner_steps"], req["sync_dtype"] or args.sync_dtype
     if args.mode == "serve":
         args.strategy = args.strategy or "pp"
         if args.strategy not in ("pp", "tp"):
             raise UsageError(f"--mode serve splits a group of hosts with pp or tp, not {args.strategy}")
     if not args.strategy:
-        raise UsageError("--strategy is required (dp, fsdp, syncps, edp, mp, pp, tp, ep, sp or all)")
+        raise UsageError(f"--strategy is required ({', '.join(registry.names())} or all)")
     if args.strategy != "all" and args.strategy not in STRATEGIES:
         raise UsageError(f"unknown strategy {args.strategy!r} (one of {', '.join(STRATEGIES)}, or all)")
     try:
@@ -181,7 +185,13 @@ def run(args) -> int:
     lm = link_model([r.name for r in ranks], hosts[:world] if hosts else None, links_doc, args.link_class)
     if args.mode == "serve":
         return _serve(args, con, model, ranks, lm)
+    from smoltrain.planner import diloco, diloco_verdict
+
+    outer_steps = args.strategy == "all" or registry.get(args.strategy).outer_steps
+    diloco.check_args(args, outer_steps)
+    outer = {"inner_steps": args.inner_steps, "sync_dtype": args.sync_dtype, "target_comm": args.target_comm}
     kw = dict(dtype=args.dtype, batch=args.batch, seq=args.seq, microbatches=args.microbatches, mode=args.mode)
+    kw["outer"] = outer
     if args.mode == "infer":
         kw.update(quantize=getattr(args, "quantize", None), wire_dtype=getattr(args, "wire_dtype", None))
     from smoltrain.planner import placement_plan
@@ -210,6 +220,17 @@ def run(args) -> int:
             f"  best here: [bold]{best['strategy']}[/], {best['tokens_per_s']:,.1f} tokens/s, "
             f"bottleneck {best['bottleneck']}"
         )
+        by_name = {p["strategy"]: p for p in plans}
+
+        def replan_outer(strategy, opts):
+            placement = diloco_verdict.chosen_placement(by_name[strategy])
+            return make_plan(strategy, model, world, ranks=ranks, lm=lm, placement=placement, **dict(kw, outer=opts))
+
+        low_comm = (
+            diloco_verdict.low_comm_verdict(plans, replan_outer, args.target_comm) if args.mode == "train" else None
+        )
+        if low_comm:
+            con.print(f"  [bold]low communication:[/] {low_comm['sentence']}")
         if args.json:
             _write_json(
                 args.json,
@@ -219,6 +240,7 @@ def run(args) -> int:
                     "ranking_placed": placed_ranking,
                     "plans": plans,
                     "skipped": skipped,
+                    **({"low_communication": low_comm} if low_comm else {}),
                 },
             )
         if args.chart:

@@ -21,6 +21,13 @@ def add_arguments(p) -> None:
     p.add_argument("--batch", type=validate.BATCH, default=8, help="global batch, in sequences")
     p.add_argument("--seq", type=validate.SEQ, default=64, help="sequence length in bytes (tokens)")
     p.add_argument("--lr", type=validate.LR, default=1e-3)
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"), help="(diloco: the inner one)")
+    p.add_argument(
+        "--eval-every", type=validate.count(10**9, lo=0), default=0, metavar="K", help="held-out loss every K steps"
+    )
+    from smoltrain.planner.diloco import add_arguments as outer_arguments
+
+    outer_arguments(p, run=True)
     p.add_argument("--seed", type=validate.SEED, default=0)
     p.add_argument("--microbatches", type=validate.MICROBATCHES, default=4, help="pp microbatches (default 4)")
     p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"), help="pp schedule")
@@ -122,6 +129,41 @@ def machine_settings(args, hosts, world: int) -> dict[str, int]:
     return {h.name: n for h, n in zip(hosts, inventory_threads(hosts))}
 
 
+def check_outer(args, info) -> None:
+    """The outer-step flags (diloco) against the strategy and the backend: one line before anything starts."""
+    from smoltrain.comm import SYNC_DTYPES
+    from smoltrain.planner.diloco import check_args
+
+    check_args(args, info.outer_steps)
+    if info.outer_steps and args.sync_dtype not in SYNC_DTYPES[args.backend]:
+        raise UsageError(
+            f"--sync-dtype {args.sync_dtype}: the {args.backend} backend cannot carry it "
+            f"(it carries {', '.join(SYNC_DTYPES[args.backend])}; int8 needs --backend socket)"
+        )
+
+
+def outer_settings(cfg, args, plan: dict | None, console):
+    """H (the plan's without --inner-steps) and the outer optimizer for this run's length."""
+    from smoltrain.planner.diloco import FALLBACK_INNER_STEPS, outer_optimizer
+
+    h = cfg.inner_steps
+    if not h:
+        h = (plan or {}).get("inner_steps") or FALLBACK_INNER_STEPS
+        why = f"the plan's, {plan['inner_steps_source']}" if plan else "no plan to pick it from"
+        console.print(f"diloco: {h} inner steps per outer step ({why})")
+    lr, mu, why = outer_optimizer(args.outer_lr, args.outer_momentum, cfg.steps, h)
+    console.print(f"diloco: outer lr {lr:g}, momentum {mu:g} ({why})")
+    if cfg.placement is not None:  # the run report's placement says how unequal hosts meet at the sync
+        cfg.placement["sync"] = OUTER_SYNC
+    return cfg.replace(inner_steps=h, outer_lr=lr, outer_momentum=mu)
+
+
+OUTER_SYNC = (
+    "batch shares by measured speed, so every rank ends its H inner steps together; "
+    "each pseudo-gradient weighted by the tokens its rank trained on"
+)
+
+
 def run(args) -> int:
     from smoltrain.run.preflight import EarlyReport
 
@@ -139,6 +181,7 @@ def _run(args, early) -> int:
     info = registry.get(args.strategy, trainable=True)
     from smoltrain.run import preflight
 
+    check_outer(args, info)
     if args.local is None and not args.inventory:
         raise UsageError("give --local N or -i INVENTORY")
     try:
@@ -205,6 +248,10 @@ def _run(args, early) -> int:
         placement=placed,
         dtype=args.dtype,
         threads=tuple(threads.get(p.name, 0) for p in placements),
+        optimizer=args.optimizer,
+        eval_every=args.eval_every,
+        inner_steps=args.inner_steps or 0,
+        sync_dtype=args.sync_dtype,
     )
     check_usage(cfg)
 
@@ -289,6 +336,7 @@ def _run(args, early) -> int:
                 links=links,
                 compute=getattr(args, "compute", None),
                 placement=placed,
+                outer={"inner_steps": args.inner_steps, "sync_dtype": args.sync_dtype, "target_comm": args.target_comm},
             )
             console.print(
                 f"plan: {plan['step_s'] * 1e3:.1f} ms/step predicted, bottleneck "
@@ -302,6 +350,8 @@ def _run(args, early) -> int:
         except Exception as e:  # the plan is advice; never block a run on it
             console.print(f"plan unavailable: {e}")
 
+    if info.outer_steps:
+        cfg = outer_settings(cfg, args, plan, console)
     if args.secret_file or hosts is not None or info.joiners or args.external:
         secret = ensure_secret(
             args.secret_file or (hosts[0].secret_file if hosts else None)

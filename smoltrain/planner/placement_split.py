@@ -86,11 +86,25 @@ def place_batch(strategy, mode, model, names, speeds, batch, seq, link_s) -> Pla
                 f"(at most {hi} per rank); try --placement auto"
             )
     else:
-        counts = greedy_counts(batch, lambda i, c: _rate(speeds[kept[i]], c * seq), [1] * len(kept), hi)
+        # replicas that sync only every H steps (diloco) may leave a host out: one whose single
+        # sequence takes longer than the others' whole step would only make them wait at the sync
+        lo = 0 if registry.get(strategy).outer_steps else 1
+        counts = greedy_counts(batch, lambda i, c: _rate(speeds[kept[i]], c * seq), [lo] * len(kept), hi)
         if counts is None:
             raise PlacementError(
                 f"{strategy}: {batch} sequences of {seq} do not fit in the hosts' memory (at most {sum(hi)})"
             )
+        slow = [n for n, c in zip(kept, counts) if c == 0]
+        step = max(_rate(speeds[n], c * seq) for n, c in zip(kept, counts) if c)
+        for n in slow:
+            one = _rate(speeds[n], seq)
+            excluded.append(
+                {
+                    "name": n,
+                    "why": f"one sequence takes it {one * 1e3:.0f} ms, the others' whole step {step * 1e3:.0f} ms",
+                }
+            )
+        kept, counts = [n for n in kept if n not in slow], [c for c in counts if c]
     by_host = dict(zip(kept, counts))
     topo = registry.get(strategy).topology
     order = kept if mode == "even" else candidate_orders(kept, topo, link_s, 4 * model.params() / len(kept))[0]

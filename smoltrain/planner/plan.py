@@ -85,12 +85,14 @@ def make_plan(
     compute_dtype: str | None = None,
     quantize: str | None = None,
     wire_dtype: str | None = None,
+    outer: dict | None = None,
 ) -> dict:
     """`placement` (planner.placement's document): who runs which share, in which rank order;
     the plan then describes exactly the run that executes it (None: the even split).
     `compute_dtype`: the matmuls' dtype where it differs from `dtype`, the bytes' (run --dtype
     bf16 keeps fp32 weights and gradients); `quantize`, `wire_dtype`: inference weights and
-    activations on the wire (planner.widths)."""
+    activations on the wire (planner.widths). `outer`: an outer-step strategy's settings
+    (planner.diloco.options: inner_steps, sync_dtype, target_comm)."""
     if placement and ranks is not None:
         ranks, world = placed_ranks(ranks, placement), len(placement["order"])
     if mode == "infer":
@@ -274,6 +276,10 @@ def make_plan(
         "notes": tr.notes
         + ([] if train else [f"infer: one generated token per step, batch-1 decode, KV cache over {seq} positions"]),
     }
+    if train and info.outer_steps:  # the all-reduce every H steps (planner.diloco)
+        from smoltrain.planner import diloco
+
+        diloco.finish(doc, model, ranks, lm, outer)
     if single:
         from smoltrain.planner import verdict
 
@@ -317,6 +323,7 @@ def plan_for_run(
     overlap: bool = True,
     compute: str | None | bool = None,
     placement: dict | None = None,
+    outer: dict | None = None,
     **widths,
 ) -> dict:
     """The plan `smoltrain run` shows before launching and writes beside what it measured,
@@ -341,7 +348,20 @@ def plan_for_run(
         ranks = share_machine(ranks, busy=busy_ranks(strategy, world, microbatches, mode))
     lm = link_model([r.name for r in ranks], hosts[:world] if hosts else None, links, link_class)
     doc = make_plan(
-        strategy, model, world, dtype, batch, seq, microbatches, mode, ranks, lm, overlap, placement=placement, **widths
+        strategy,
+        model,
+        world,
+        dtype,
+        batch,
+        seq,
+        microbatches,
+        mode,
+        ranks,
+        lm,
+        overlap,
+        placement=placement,
+        outer=outer,
+        **widths,
     )
     if hosts is None and world > 1:
         doc["notes"].append(f"--local: the {world} ranks share this machine's {os.cpu_count()} cores and its memory")

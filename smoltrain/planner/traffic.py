@@ -281,6 +281,10 @@ def ring_attention_train(tr: Traffic, s: Step) -> None:
     tr.phases += bucketed_all_reduce(N, model.params() * s.a, "all-reduce gradients")
 
 
+def outer_allreduce_train(tr: Traffic, s: Step) -> None:
+    tr.notes.append(f"{s.info.name}: nothing crosses per inner step; planner.diloco plans the outer all-reduce")
+
+
 # --- infer: one generated token, batch 1, KV cache over `seq` positions ---
 def replicated_infer(tr: Traffic, s: Step) -> None:
     tr.notes.append("inference: every rank serves its own request stream; nothing crosses the links")
@@ -353,6 +357,7 @@ MODELS: dict[str, TrafficModel] = {
     "tensor_allreduce": TrafficModel(tensor_allreduce_train, tensor_allreduce_infer),
     "expert_all_to_all": TrafficModel(expert_all_to_all_train, expert_all_to_all_infer),
     "ring_attention": TrafficModel(ring_attention_train, ring_attention_infer),
+    "outer_allreduce": TrafficModel(outer_allreduce_train, replicated_infer),  # diloco: planner.diloco
 }
 
 
