@@ -112,25 +112,30 @@ class LlamaCpp:
 # --- ours ---
 class Ours:
     def __init__(self, model: str, quantize: str | None):
-        from smoltrain.infer.engine import Engine
         from smoltrain.models.hf import Checkpoint
         from smoltrain.models.stage import Stage
 
         ck = Checkpoint(model)
         self.stage = Stage(ck, 0, ck.config.layers, True, True, quantize=quantize)
-        self.engine = Engine(self.stage)
+        self.stage.min_rows = 1  # batch-1 decode, as `generate` runs it (serve pads its batches)
 
     def first_logits(self, prompt):
         import torch
 
-        self.stage.reset(len(prompt) + 1)
-        return self.stage(torch.tensor([prompt])).numpy()
+        self.stage.open(0, len(prompt) + 1)
+        return self.stage(torch.tensor([prompt]), [0])[0].numpy()
 
     def decode(self, prompt, n: int) -> tuple[list[int], float, float]:
-        from smoltrain.infer.engine import Request
+        """Greedy batch-1 decode in slot 0: the prefill, then n - 1 timed steps."""
+        import torch
 
-        s = self.engine.generate(Request(list(prompt), n, 0.0))
-        return s["output_ids"], s["decode_s"], s["decode_cpu_s"]
+        st = self.stage
+        st.open(0, len(prompt) + n)
+        out = [int(st(torch.tensor([prompt]), [0])[0].argmax())]
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(n - 1):
+            out.append(int(st(torch.tensor([[out[-1]]]), [0])[0].argmax()))
+        return out, time.perf_counter() - t0, time.process_time() - c0
 
 
 def matmul_share(stage, steps: int = 8) -> float:
@@ -138,12 +143,12 @@ def matmul_share(stage, steps: int = 8) -> float:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    stage.reset(len(PROMPT) + steps + 4)
-    stage(torch.tensor([PROMPT]))
+    stage.open(0, len(PROMPT) + steps + 4)
+    stage(torch.tensor([PROMPT]), [0])
     tok = torch.tensor([[7]])
     with profile(activities=[ProfilerActivity.CPU]) as p:
         for _ in range(steps):
-            stage(tok)
+            stage(tok, [0])
     kernels = (
         "aten::mm",
         "aten::addmm",

@@ -29,18 +29,22 @@ class StrategyInfo:
     microbatched: bool = False  # cuts the batch into microbatches that flow through the stages (pipelining)
     shards_params: bool = False  # parameters, gradients and optimizer state are sharded over the ranks (ZeRO-3)
     even_split: bool = False  # the demo runs it only where its split (layers, heads) divides evenly over the world
+    outer_steps: bool = False  # replicas train H inner steps between syncs (DiLoCo): planner.diloco plans H
 
     @property
     def elastic(self) -> bool:
-        return self.parameter_server
+        """Workers other than rank 0 may leave mid-run (and, with `joiners`, arrive); such a
+        strategy forms its own connections, so the worker builds no rank mesh for it."""
+        return self.parameter_server or self.joiners
 
     def checkpoint_parts(self, world: int) -> list[str]:
         """Files a complete checkpoint of this strategy holds."""
         return ["server"] if self.parameter_server else [f"rank{r}" for r in range(world)]
 
     def loss_reports(self, world: int) -> int:
-        """How many loss shares the controller waits for before a step is complete."""
-        return world if self.loss_from == "all" else 1
+        """How many loss shares the controller waits for before a step is complete (members of
+        an elastic strategy come and go: the first share shows the step, weighted by its part)."""
+        return world if self.loss_from == "all" and not self.elastic else 1
 
 
 _ALL = (
@@ -78,6 +82,17 @@ _ALL = (
         module="edp",
         topology="star",
         traffic="parameter_server",
+    ),
+    StrategyInfo(
+        "diloco",
+        "low-communication data parallel (DiLoCo): H local steps, then all-reduce the pseudo-gradient",
+        synchronous=False,
+        joiners=True,
+        loss_from="all",
+        replicated_infer=True,
+        module="diloco",
+        traffic="outer_allreduce",
+        outer_steps=True,
     ),
     StrategyInfo(
         "mp",

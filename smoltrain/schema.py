@@ -1,4 +1,4 @@
-"""smoltrain's documents (plan, run, bench, compare, calibration, compute, generate) checked
+"""smoltrain's documents (plan, run, bench, compare, calibration, compute, generate, serve plan) checked
 against the JSON Schemas in smoltrain/schemas/, with smolnet's checker."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ COMPARE = "smoltrain.compare/1"
 CALIBRATION = "smoltrain.calibration/1"
 COMPUTE = "smoltrain.compute/1"
 GENERATE = "smoltrain.generate/1"
-ALL = (PLAN, PLANS, RUN, BENCH, COMPARE, CALIBRATION, COMPUTE, GENERATE)
+SERVEPLAN = "smoltrain.serveplan/1"
+ALL = (PLAN, PLANS, RUN, BENCH, COMPARE, CALIBRATION, COMPUTE, GENERATE, SERVEPLAN)
 
 __all__ = [
     "SchemaError",
@@ -22,7 +23,7 @@ __all__ = [
     "check_any",
     "load_schema",
     "schema_errors",
-    *["PLAN", "PLANS", "RUN", "BENCH", "COMPARE", "CALIBRATION", "COMPUTE", "GENERATE", "ALL"],
+    *["PLAN", "PLANS", "RUN", "BENCH", "COMPARE", "CALIBRATION", "COMPUTE", "GENERATE", "SERVEPLAN", "ALL"],
 ]
 
 

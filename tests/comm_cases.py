@@ -132,3 +132,30 @@ def killed(comm, params) -> dict:
             return {"iterations": i}
         if params.get("sleep"):
             time.sleep(params["sleep"])
+
+
+def sync_dtypes(comm, params) -> dict:
+    """diloco's pseudo-gradient all-reduce in every sync dtype the backend carries: a digest of
+    the result (equal on every rank), the payload bytes it sent, its error against fp32."""
+    import hashlib
+
+    from smoltrain.comm import SYNC_DTYPES
+    from smoltrain.comm.quantized import all_reduce_as
+
+    n, numel = comm.world_size, params["numel"]
+
+    def delta(r: int) -> torch.Tensor:  # a pseudo-gradient: small, of mixed sign and scale
+        return torch.randn(numel, generator=torch.Generator().manual_seed(100 + r)) * 1e-3
+
+    exact = sum(delta(r) for r in range(n))
+    out = {}
+    for dtype in SYNC_DTYPES[comm.backend]:
+        flat = delta(comm.rank)
+        before = comm.counter.total_payload()
+        all_reduce_as(comm, flat, dtype)
+        out[dtype] = {
+            "digest": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
+            "bytes": comm.counter.total_payload() - before,
+            "error": float((flat - exact).abs().max() / exact.abs().max()),
+        }
+    return out

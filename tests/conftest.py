@@ -40,7 +40,9 @@ TIERS = {
         "test_rank_timings.py",
         "test_calibrate_cluster.py",
         "test_registry.py",
+        "test_serve_units.py",
         "test_quant.py",
+        "test_diloco_plan.py",
     ],
     "process": [
         "test_agent.py",
@@ -68,6 +70,7 @@ TIERS = {
         "test_placement_run.py",
         "test_demo_report.py",
         "test_machine.py",
+        "test_diloco.py",
     ],
     "sim": [
         "test_demo.py",
@@ -76,6 +79,7 @@ TIERS = {
         "test_infer_sim.py",
         "test_placement_sim.py",
         "test_sim_cpu.py",
+        "test_sim_hidden.py",
         "test_matrix_sim.py",
         "test_remote.py",
         "test_run_sim.py",

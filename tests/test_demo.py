@@ -95,6 +95,7 @@ def test_demo_quick_writes_every_section(tmp_path):
         "## 4. Predicted vs measured",
         "## 5. Placement by measured speed",
         "## 6. Generation across the cluster",
+        "## 7. Low-communication training: diloco beside dp and the best host alone",
     ):
         assert section in report, section
     before = report.split("## 1b.")[0]
@@ -122,5 +123,10 @@ def test_demo_quick_writes_every_section(tmp_path):
         assert gen["world_size"] == 4 and len(gen["output_ids"]) == 32, strat
         assert sum(c.isalpha() for c in gen["text"]) >= 8, gen["text"]  # words, not 32 spaces
         assert gen["decode"]["bytes_per_token"] == pytest.approx(gen["plan"]["bytes_per_token"], rel=0.02), strat
+    # diloco beside dp and the best host alone: held-out loss at equal tokens, one picture
+    assert "](diloco.png)" in report and (out / "diloco.png").stat().st_size > 1000
+    for name in ("dp", "diloco", "alone"):
+        doc = check_any(json.loads((out / f"diloco-stage-{name}.json").read_text()))
+        assert [e["step"] for e in doc["evals"]] == [3, 7], name  # --quick: H=4, 8 steps
     # the demo always takes its sim down
     assert "tdemo" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

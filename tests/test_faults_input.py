@@ -15,14 +15,6 @@ import pytest
 from smoltrain.cli import main
 
 
-@pytest.fixture(scope="module")
-def secret_file(tmp_path_factory):
-    p = tmp_path_factory.mktemp("secret") / "secret"
-    p.write_text(secrets.token_hex(32))
-    os.chmod(p, 0o600)
-    return str(p)
-
-
 def one_line_error(capsys, argv) -> tuple[int, str]:
     rc = main(argv)
     err = capsys.readouterr().err.strip()
@@ -165,8 +157,9 @@ BASE = {
     "calibrate": ["calibrate", "--local"],
     "bench": ["bench", "allreduce", "--bytes", "4K"],
 }
-# options where 0 means something (any free port, no pace, greedy, only at the end, no warm-up)
+# options where 0 means something (any free port, no pace, greedy, only at the end, no warm-up, no queue)
 ZERO_OK = {"--checkpoint-every", "--pace", "--control-port", "--seed", "--warmup", "--rank", "--port", "--temperature"}
+ZERO_OK |= {"--eval-every", "--outer-momentum", "--max-queue"}  # no held-out loss; plain averaging; no queue
 BAD = ["-1", "nan", "inf", "-inf", "1e300", "99999999999999", "12abc"]
 
 

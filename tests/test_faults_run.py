@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import signal
 import socket
 import subprocess
@@ -14,17 +13,7 @@ import sys
 import threading
 import time
 
-import pytest
-
 SMALL = ["--batch", "4", "--seq", "32"]
-
-
-@pytest.fixture(scope="module")
-def secret_file(tmp_path_factory):
-    p = tmp_path_factory.mktemp("secret") / "secret"
-    p.write_text(secrets.token_hex(32))
-    os.chmod(p, 0o600)
-    return str(p)
 
 
 class Run:

@@ -69,14 +69,14 @@ def test_split_matches_transformers(models, tmp_path, arch, strategy, world):
     assert doc["decode"]["tokens"] == steps
     if strategy == "pp":
         assert doc["placement"]["layers"] == ([[0, 2], [2, 3]] if world == 2 else [[0, 1], [1, 2], [2, 3]])
-        want_bpt = h * a  # one hidden state per hop; the token id back is 8 bytes
+        want_bpt = h * a + 32  # one hidden state per hop and the step's header; the token id back is 8 bytes
     else:
-        want_bpt = 2 * 3 * h * a * 2 * (world - 1) / world  # 2 ring all-reduces per layer
+        want_bpt = 2 * 3 * h * a * 2 * (world - 1) / world + 32  # 2 ring all-reduces per layer; the header
     assert doc["decode"]["bytes_per_token"] == want_bpt
     assert doc["plan"]["bytes_per_token"] == pytest.approx(want_bpt, rel=0.02)
     sent = {(x["src"], x["dst"]): x["bytes"] for x in doc["links"]}
-    if strategy == "pp":  # the prompt's hidden states, each decode step, the stop marker; ids back
-        assert sent[("rank0", "rank1")] == (len(PROMPT) + steps + 1) * h * a
+    if strategy == "pp":  # the prompt's hidden states, each decode step, a header each; ids back
+        assert sent[("rank0", "rank1")] == (len(PROMPT) + steps) * h * a + (1 + steps) * 32
         assert sent[(f"rank{world - 1}", "rank0")] == NEW * 8
 
 

@@ -96,8 +96,8 @@ def test_split_quantised_equals_local_and_int8_wire_bytes_match_the_plan(local, 
     assert doc["devices"][names[0]] == "cpu"
     # pp: one hidden state per hop, 64 int8 values and one fp32 scale: 68 bytes (the token id
     # back is the last stage's 8). tp: 2 all-reduces per layer x 2 layers, each an all-gather
-    # sending the other rank's 68 bytes: 4 x 68 = 272
-    want = 68 if strategy == "pp" else 272
+    # sending the other rank's 68 bytes: 4 x 68 = 272. Both: rank 0's 32-byte step header
+    want = (68 if strategy == "pp" else 272) + 32
     assert doc["decode"]["bytes_per_token"] == want
     assert doc["plan"]["bytes_per_token"] == want
     assert doc["wire_dtype"] == "int8" and doc["plan"]["wire_dtype"] == "int8"

@@ -112,10 +112,10 @@ def test_tp_decode_two_all_reduces_per_layer_per_token():
             self.name, self.device, self.local, self.link_rate_mbit, self.vars = n, "mac-mini-m4", False, None, {}
 
     d = plan("tp", model=m, world=2, mode="infer", dtype="bf16", seq=1024, link_class="10gbe", hosts=[H("m1"), H("m2")])
-    # 2 ARs x 32 layers x 2(N-1)/N x h*2 bytes = 64 * 8192
-    assert d["bytes_per_token"] == 64 * 4096 * 2 == 524288
-    # one message per ring round: 2 ARs x 32 layers x 2(N-1) rounds per token
-    assert all(ln["messages_per_step"] == 2 * 32 * 2 for ln in d["links"])
+    # 2 ARs x 32 layers x 2(N-1)/N x h*2 bytes = 64 * 8192, and rank 0 broadcasts the step's 32-byte header
+    assert d["bytes_per_token"] == 64 * 4096 * 2 + 32 == 524320
+    # one message per ring round: 2 ARs x 32 layers x 2(N-1) rounds per token (+ the header from m1)
+    assert all(ln["messages_per_step"] == 2 * 32 * 2 + (ln["src"] == "m1") for ln in d["links"])
     # each Mac reads its 4 GB half of the weights per token: memory-bound, not link-bound
     assert d["bottleneck"] == "memory-bandwidth"
     assert all(r["fits"] for r in d["ranks"])
@@ -125,12 +125,12 @@ def test_pp_decode_sends_hidden_and_returns_token_id():
     m = get_model("llama-3.1-8b")
     d = plan("pp", model=m, world=4, mode="infer", dtype="bf16", seq=512, link_class="1gbe")
     assert links(d) == {
-        ("rank0", "rank1"): 8192,
-        ("rank1", "rank2"): 8192,
-        ("rank2", "rank3"): 8192,
+        ("rank0", "rank1"): 8224,
+        ("rank1", "rank2"): 8224,
+        ("rank2", "rank3"): 8224,
         ("rank3", "rank0"): 8,
-    }  # h*2 bytes; int64 token id
-    assert d["bytes_per_token"] == 8192 and d["batch"] == 1
+    }  # h*2 bytes and the step's 32-byte header; int64 token id
+    assert d["bytes_per_token"] == 8224 and d["batch"] == 1
 
 
 def test_ep_all_to_all_and_dense_all_reduce():
@@ -206,8 +206,9 @@ def test_latency_bottleneck_for_tp_decode_on_gbe():
     # each waiting 100 us (half the 1 GbE RTT), against microseconds of compute and 384 bytes
     d = plan("tp", world=2, mode="infer", hosts=[GPU("g1"), GPU("g2")], link_class="1gbe")
     assert d["bottleneck"] == "latency"
-    assert d["comm_s_per_step"] == pytest.approx(24 * 100e-6 + 24 * (96 * 4 / 2) / (941e6 / 8))
-    assert "24 messages per step" in d["bottleneck_where"]
+    header = 100e-6 + 32 / (941e6 / 8)  # rank 0's step header comes first
+    assert d["comm_s_per_step"] == pytest.approx(24 * 100e-6 + 24 * (96 * 4 / 2) / (941e6 / 8) + header)
+    assert "messages per step" in d["bottleneck_where"]
 
 
 def test_a_down_link_is_the_bottleneck():
@@ -294,7 +295,7 @@ def test_what_if_names_the_link_class_tp_needs():
     kw.update(mode="infer", dtype="bf16")
     p = make_plan("pp", m, 2, ranks=ranks, lm=from_class("1gbe"), **kw)
     s = what_if_sentence(p, what_if("pp", m, 2, ranks, **kw))
-    assert s.startswith("pp over your 1gbe links sends 1.54 KB per token; the link is not the bottleneck")
+    assert s.startswith("pp over your 1gbe links sends 1.57 KB per token; the link is not the bottleneck")
 
 
 # --- the command line -------------------------------------------------------------------
@@ -346,7 +347,7 @@ def test_cli_all_ranks_strategies(capsys, tmp_path):
     assert d["schema"] == "smoltrain.plans/1"
     check_any(d)
     got = {p["strategy"] for p in d["plans"]}
-    assert got == {"dp", "fsdp", "syncps", "edp", "mp", "pp", "tp", "sp"}
+    assert got == {"dp", "fsdp", "syncps", "edp", "diloco", "mp", "pp", "tp", "sp"}
     assert [s["strategy"] for s in d["skipped"]] == ["ep"]
     tps = {p["strategy"]: p["tokens_per_s"] for p in d["plans"]}
     assert d["ranking"][0] == max(tps, key=tps.get)

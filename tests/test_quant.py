@@ -139,12 +139,12 @@ def test_plan_counts_quantised_weights_and_int8_wire():
     )
     full = make_plan("pp", m, 2, mode="infer", seq=64)
     q4 = make_plan("pp", m, 2, mode="infer", seq=64, quantize="q4", wire_dtype="int8")
-    # one hidden state per hop: 256 x 4 bytes at fp32; at int8 256 + one 4-byte scale
-    assert full["bytes_per_token"] == 256 * 4 and q4["bytes_per_token"] == 256 + 4
+    # one hidden state per hop: 256 x 4 bytes at fp32; at int8 256 + one 4-byte scale; and the step's header
+    assert full["bytes_per_token"] == 256 * 4 + 32 and q4["bytes_per_token"] == 256 + 4 + 32
     # stage 0 holds 2 layers and the embedding: the layers' matmuls at 5/8 byte, the table at 4
     lp = m.layer_params()
     assert q4["ranks"][0]["memory"]["weights"] == int(2 * lp * 5 / 8 + 1000 * 256 * 4)
     tp = make_plan("tp", m, 2, mode="infer", seq=64, wire_dtype="int8")
-    # tp at int8: per all-reduce an all-gather, (N-1) x (256 + 4) bytes per rank; 2 per layer
-    assert tp["bytes_per_token"] == 4 * 2 * (256 + 4)
+    # tp at int8: per all-reduce an all-gather, (N-1) x (256 + 4) bytes per rank; 2 per layer; rank 0's header
+    assert tp["bytes_per_token"] == 4 * 2 * (256 + 4) + 32
     assert q4["wire_dtype"] == "int8" and q4["quantize"] == "q4"

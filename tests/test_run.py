@@ -10,10 +10,9 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from pathlib import Path
 
 import pytest
+from elastic import watch
 from runtools import smoltrain
 
 from smoltrain.cli import main
@@ -165,40 +164,7 @@ def test_edp_survives_sigkill_and_admits_a_newcomer(tmp_path, secret_file):
         stderr=subprocess.STDOUT,
         text=True,
     )
-    lines, joiner, killed = [], None, False
-    deadline = time.monotonic() + 200
-    timer = threading.Timer(200, proc.kill)
-    timer.start()
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            m = re.search(r"control channel (\S+)", line)
-            if m and joiner is None:  # a newcomer, started while the run is under way
-                joiner = subprocess.Popen(
-                    [sys.executable, "-m", "smoltrain", "worker", "--control", m.group(1), "--join"],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
-                joiner.stdin.write(Path(secret_file).read_bytes() + b"\n")
-                joiner.stdin.close()
-            if not killed and re.match(r"step 3/", line):
-                pid = int(re.search(r"worker rank2 pid (\d+)", "".join(lines)).group(1))
-                os.kill(pid, signal.SIGKILL)
-                killed = True
-            if time.monotonic() > deadline:
-                break
-        rc = proc.wait(timeout=30)
-    finally:
-        timer.cancel()
-        if proc.poll() is None:
-            proc.kill()
-        if joiner is not None:
-            try:
-                joiner.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                joiner.kill()
-    out = "".join(lines)
+    rc, out = watch(proc, secret_file, lambda line, seen: re.match(r"step 3/", line))
     assert rc == 0, out[-2000:]
     doc = check_any(json.loads(report.read_text()))
     kinds = {(e["kind"], e["who"]) for e in doc["events"]}

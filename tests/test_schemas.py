@@ -138,6 +138,15 @@ EXAMPLES = {
 }
 
 
+def _serveplan():
+    from smoltrain.models.spec import get_model
+    from smoltrain.planner import serve
+    from smoltrain.planner.links import from_class
+    from smoltrain.planner.plan import resolve_ranks
+
+    return serve.plan(get_model("tiny"), resolve_ranks(2), from_class("1gbe"), concurrency=4)
+
+
 def _plan():
     from smoltrain.models.spec import get_model
     from smoltrain.planner.plan import plan_for_run
@@ -149,6 +158,7 @@ def _examples() -> dict:
     ex = copy.deepcopy(EXAMPLES)
     plan = _plan()  # the real writer's output
     ex[ts.PLAN] = plan
+    ex[ts.SERVEPLAN] = _serveplan()  # the real writer's output
     ex[ts.PLANS] = {"schema": ts.PLANS, "ranking": ["dp"], "plans": [plan], "skipped": []}
     pair = {"predicted": 1.0, "measured": 1.1}
     ex[ts.COMPARE] = {

@@ -80,6 +80,8 @@ def reports(tmp_path_factory):
                 str(d),
                 "--json",
                 str(out),
+                "--eval-every",
+                "5",
                 *extra,
             ]
         )
@@ -129,6 +131,18 @@ def test_reproduces_the_single_process_loss_curve(reports, name):
     worst = max(abs(a["loss"] - b["loss"]) / abs(a["loss"]) for a, b in zip(ref["steps"], got["steps"]))
     assert worst < REL_TOL, f"{name}: loss differs from --local 1 by {worst:.2e} relative"
     assert got["steps"][-1]["loss"] < got["steps"][0]["loss"]  # it learns
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if n != "ref"])
+def test_held_out_loss_matches_the_single_process_one(reports, name):
+    """--eval-every on every strategy: the same weights give the same held-out loss, and
+    evaluating sends nothing the step's bytes count (checked by the test below)."""
+    ref = {e["step"]: e["loss"] for e in _get(reports, "ref")["evals"]}
+    got = {e["step"]: e["loss"] for e in _get(reports, name)["evals"]}
+    steps = RUNS[name][3]
+    assert set(got) == {s for s in range(steps) if (s + 1) % 5 == 0 or s + 1 == steps}
+    common = sorted(set(got) & set(ref))
+    assert common and all(abs(got[s] - ref[s]) <= REL_TOL * ref[s] for s in common), (got, ref)
 
 
 @pytest.mark.parametrize("name", [n for n in RUNS if n != "ref"])

@@ -5,14 +5,17 @@ from __future__ import annotations
 import sys
 
 from smolnet.errors import UsageError
+from smolnet.sim.scenarios import SCENARIOS
 
 
 def add_arguments(p) -> None:
     sub = p.add_subparsers(dest="action", metavar="ACTION")
     u = sub.add_parser("up", help="build the sim and write its inventory")
     u.add_argument("--name", default="smol", help="sim name (default smol); several sims can run side by side")
-    u.add_argument("--scenario", default="home", choices=("home", "uniform", "mtu-lab"))
-    u.add_argument("--hosts", type=int, default=None, help="number of hosts (scenario uniform; default 3)")
+    u.add_argument("--scenario", default="home", choices=SCENARIOS)
+    u.add_argument(
+        "--hosts", type=int, default=None, help="number of hosts (uniform: default 3; cores: one per CPU, up to 4)"
+    )
     u.add_argument("--subnet", default="10.213.0.0/24", help="IPv4 subnet of the sim switch")
     u.add_argument(
         "--rate-mbit",
@@ -49,6 +52,16 @@ def _rate(h: dict) -> str:
     return f"{fmt(h.get('down_mbit'))}/{fmt(h.get('up_mbit'))}"
 
 
+def _cpu(h: dict) -> str:
+    """The host's CPU: its cap (hidden: one it cannot read) and the CPUs it owns."""
+    parts = []
+    if h.get("cgroup") and h.get("cpu_cores"):
+        parts.append(f"{h['cpu_cores']:g} cores" + (" (hidden)" if h.get("cpu_hidden") else ""))
+    if h.get("cpuset_cgroup"):
+        parts.append(f"cpu {h['cpuset']}")
+    return ", ".join(parts) or "none"
+
+
 def _table(st: dict):
     from rich.table import Table
 
@@ -72,7 +85,7 @@ def _table(st: dict):
             h["device"],
             str(h["mtu"]) if loop else f"{h['mtu']} ({h['port_mtu']})",
             "unshaped" if loop else _rate(h),
-            f"{h['cpu_cores']:g} cores" if h.get("cgroup") and h.get("cpu_cores") else "none",
+            _cpu(h),
             h.get("netns") or "-",
             sshd if ok else f"[red]{sshd}[/]",
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import time
 from pathlib import Path
 
@@ -94,8 +95,8 @@ def _build(st: dict, specs: list[HostSpec]) -> None:
         net.ipn(sw, "link", "set", port, "master", "br0")
         net.offloads_off(ns, "eth0")
         net.offloads_off(sw, port)
-        net.shape(ns, "eth0", s.up_mbit, s.mtu)  # upload: host egress
-        net.shape(sw, port, s.down_mbit, s.port_mtu, burst_ms=25)  # download: switch-port egress
+        net.shape(ns, "eth0", s.up_mbit, s.mtu, peak=s.link_peak)  # upload: host egress
+        net.shape(sw, port, s.down_mbit, s.port_mtu, burst_ms=25, peak=s.link_peak)  # download: switch-port egress
         net.ipn(sw, "link", "set", port, "up")
         net.ipn(ns, "link", "set", "eth0", "up")
         h["port"] = port
@@ -153,14 +154,24 @@ def _build(st: dict, specs: list[HostSpec]) -> None:
     cg_mount = cgroup.mount_lines() if any(h.get("cpu_cores") for h in st["hosts"]) else []
     for h in st["hosts"]:
         hd = d / "hosts" / h["name"]
-        net.start_sshd(h["netns"], h["name"], hd, hd / "sshd.log", cg_mount)
+        join = cgroup.host_groups(name, h, SimError)  # entered before sshd runs: sessions inherit them
+        _save(st)
+        extra = cg_mount + (_own_machine(hd) if h.get("own_machine") else [])
+        net.start_sshd(h["netns"], h["name"], hd, hd / "sshd.log", extra, join, bool(h.get("cpu_hidden")))
     deadline = time.monotonic() + SSHD_TIMEOUT
     for h in st["hosts"]:
         hd = d / "hosts" / h["name"]
         h["pid_sshd"] = net.wait_sshd(h["name"], h["address"], hd / "sshd.pid", hd / "sshd.log", deadline)
         _save(st)
-        if h.get("cpu_cores"):  # sessions are forked by this sshd, so they inherit its cgroup
-            h["cgroup"] = cgroup.path(cgroup.cap_name(name, h["name"]))
-            _save(st)
-            if not cgroup.cap_pid(h["cgroup"], h["cpu_cores"], h["pid_sshd"], SimError, h.get("cpu_required", True)):
-                h["cgroup"] = None
+
+
+def _own_machine(hd: Path) -> list[str]:
+    """Shell lines giving a host a machine identity of its own (kernel boot id and
+    /etc/machine-id), so calibration and the planner treat it as its own machine, not as one
+    of several hosts sharing this one's cores."""
+    import uuid
+
+    boot = uuid.uuid4()
+    _write_atomic(hd / "boot_id", f"{boot}\n")
+    _write_atomic(hd / "etc" / "machine-id", f"{boot.hex}\n")
+    return [f"mount --bind {shlex.quote(str(hd / 'boot_id'))} /proc/sys/kernel/random/boot_id"]

@@ -1,11 +1,12 @@
-"""CPU caps for sim hosts: one cgroup per host with a CFS quota, v1 or v2.
+"""CPU caps and cpusets for sim hosts: one cgroup per host, v1 or v2.
 
 Why: the sim's hosts are processes on one machine, so without a cap they all compute at
 the machine's speed and a compute prediction cannot be checked. A quota on everything a
 host's sshd starts makes hosts that differ in compute the way a Pi and a laptop do, with
-the truth known (the cap). The cgroup is joined from the root namespace after sshd starts
-(children inherit it); `ip netns exec` remounts /sys, so inside a host the cgroup
-filesystem is mounted again (mount_lines) for probes to read their own limit.
+the truth known (the cap); a cpuset gives a host a core of its own and no quota at all.
+The sshd enters its cgroups before it starts (children inherit them); `ip netns exec`
+remounts /sys, so inside a host the cgroup filesystem is mounted again (mount_lines) for
+probes to read their own limit, unless the cap is hidden above a cgroup namespace.
 """
 
 from __future__ import annotations
@@ -22,14 +23,17 @@ PERIOD_US = 5_000
 MIN_QUOTA_US = 2_500  # the shortest slice a host runs in (the kernel's floor is 1 ms)
 
 
-def period_quota(cores: float) -> tuple[int, int]:
-    """(period, quota) in microseconds for a cap of `cores`: a 5 ms period, longer only where
+def period_quota(cores: float, period_us: int | None = None) -> tuple[int, int]:
+    """(period, quota) in microseconds for a cap of `cores`; `period_us` fixes the period (a
+    scenario built unlike the sim's own rule). Otherwise a 5 ms period, longer only where
     the quota would be under 2.5 ms, so a capped host is slow all the time, as a real Pi
     is. With the kernel's 100 ms period a rank idle between bursts (a pipeline stage) ran
     its next burst at full speed on the quota it had saved, and mp/pp measured 2x faster
     than the cap said. Each slice starts on a cold core (on a VM, a woken vCPU): at 1 ms
     slices the 0.15-core Pi did 0.67-0.77 of its share's work, at 1.25 ms the Jetson
     0.88-0.95, at 2.25-3.25 ms the others 0.95-0.99."""
+    if period_us:
+        return period_us, max(1_000, int(round(cores * period_us)))
     period = min(1_000_000, max(PERIOD_US, int(round(MIN_QUOTA_US / cores))))  # kernel max 1 s
     return period, max(1_000, int(round(cores * period)))
 
@@ -38,12 +42,12 @@ class CgroupError(SmolError):
     """A cap could not be set or removed."""
 
 
-def version(root: Path = ROOT) -> int | None:
-    """1 (cpu controller mounted at root/cpu), 2 (unified with cpu enabled), or None."""
-    if (root / "cpu" / "cpu.cfs_quota_us").exists():
+def version(root: Path = ROOT, controller: str = "cpu", marker: str = "cpu.cfs_quota_us") -> int | None:
+    """1 (the controller mounted at root/<controller>), 2 (unified with it enabled), or None."""
+    if (root / controller / marker).exists():
         return 1
     ctl = root / "cgroup.controllers"
-    if ctl.exists() and "cpu" in ctl.read_text().split():
+    if ctl.exists() and controller in ctl.read_text().split():
         return 2
     return None
 
@@ -60,7 +64,7 @@ def _dir(name: str, root: Path, v: int) -> Path:
     return (root / "cpu" / name) if v == 1 else (root / name)
 
 
-def create(name: str, cores: float, root: Path = ROOT) -> str:
+def create(name: str, cores: float, root: Path = ROOT, period_us: int | None = None) -> str:
     """Make cgroup `name` capped at `cores` CPUs; return its directory."""
     if cores <= 0:
         raise CgroupError(f"cpu cap must be > 0 cores, got {cores:g}")
@@ -70,7 +74,7 @@ def create(name: str, cores: float, root: Path = ROOT) -> str:
     d = _dir(name, root, v)
     try:
         d.mkdir(exist_ok=True)
-        period, quota = period_quota(cores)
+        period, quota = period_quota(cores, period_us)
         if v == 1:  # lift the quota first: a period under the current quota is refused
             (d / "cpu.cfs_quota_us").write_text("-1")
             (d / "cpu.cfs_period_us").write_text(str(period))
@@ -100,10 +104,13 @@ def pids(path: str) -> list[int]:
 
 
 def remove(path: str, timeout: float = 5.0) -> bool:
-    """Move what is left to the parent and remove the cgroup; True when it is gone."""
+    """Move what is left to the parent and remove the cgroup and any child cgroups (a hidden
+    cap's host group); True when it is gone."""
     d = Path(path)
     if not d.is_dir():
         return True
+    for child in [c for c in d.iterdir() if c.is_dir()]:
+        remove(str(child), timeout)
     deadline = time.monotonic() + timeout
     while True:
         for pid in pids(path):
@@ -228,16 +235,72 @@ def check_caps(hosts: list[dict], explicit: bool, error=CgroupError) -> None:
             h["cpu_cores"] = None
 
 
-def cap_pid(cg: str, cores: float, pid: int, error=CgroupError, required: bool = True) -> bool:
-    """Create cgroup `cg` capped at `cores` and move `pid` into it. A failure raises `error`
-    when the cap is required, else is reported and leaves the host uncapped (False)."""
+def cpuset_version(root: Path = ROOT) -> int | None:
+    return version(root, "cpuset", "cpuset.cpus")
+
+
+def _cpuset_dir(name: str, root: Path = ROOT) -> Path:
+    return (root / "cpuset" / name) if cpuset_version(root) == 1 else (root / name)
+
+
+def existing_cpuset(name: str) -> str | None:
+    """The cpuset cgroup of that name when it exists (teardown after lost state)."""
+    d = _cpuset_dir(name)
+    return str(d) if cpuset_version() and d.is_dir() else None
+
+
+def create_cpuset(name: str, cpus: str, root: Path = ROOT) -> str:
+    """Make cgroup `name` whose processes run on `cpus` only (a list like "0" or "2-3");
+    return its directory. The host owns those cores as far as the sim's hosts go; other
+    processes of the machine are not moved off them."""
+    v = cpuset_version(root)
+    if v is None:
+        raise CgroupError(f"no cgroup cpuset controller under {root}")
+    d = _cpuset_dir(name, root)
     try:
-        create(Path(cg).name, cores, Path(cg).parent.parent if version() == 1 else Path(cg).parent)
-        add_pid(cg, pid)
-        return True
-    except CgroupError as e:
-        if required:
-            raise error(f"{Path(cg).name}: {e}") from None
-        print(f"smolnet: {Path(cg).name} runs uncapped: {e}", file=sys.stderr)
-        remove(cg)
-        return False
+        d.mkdir(exist_ok=True)
+        if v == 1:  # a v1 cpuset starts empty: mems as well as cpus must be set
+            (d / "cpuset.mems").write_text((d.parent / "cpuset.mems").read_text().strip())
+        else:
+            sub = root / "cgroup.subtree_control"
+            if "cpuset" not in sub.read_text().split():
+                sub.write_text("+cpuset")
+        (d / "cpuset.cpus").write_text(cpus)
+    except OSError as e:
+        raise CgroupError(f"cannot pin {d} to CPUs {cpus}: {e.strerror or e}") from None
+    return str(d)
+
+
+HIDDEN_CHILD = "host"  # a hidden cap's host runs here, in a cgroup namespace rooted here
+
+
+def host_groups(sim: str, h: dict, error=CgroupError) -> list[str]:
+    """Make host `h`'s cgroups before its sshd starts, record them in `h` (`cgroup`,
+    `cpuset_cgroup`) and return the directories its sshd joins. A hidden cap (`cpu_hidden`)
+    sits on the parent; the host joins a child without one, in a cgroup namespace rooted
+    there (net.start_sshd), so it cannot read its cap, as no real slow machine can. A cap
+    that fails raises `error` when required, else is reported and the host runs uncapped."""
+    name, join = cap_name(sim, h["name"]), []
+    if h.get("cpuset"):
+        try:
+            h["cpuset_cgroup"] = create_cpuset(name, h["cpuset"])
+        except CgroupError as e:
+            raise error(f"{name}: {e}") from None
+        join.append(h["cpuset_cgroup"])
+    if h.get("cpu_cores"):
+        try:
+            h["cgroup"] = create(name, h["cpu_cores"], ROOT, h.get("cpu_period_us"))
+            cpu_dir = h["cgroup"]
+            if h.get("cpu_hidden"):
+                cpu_dir = str(Path(cpu_dir, HIDDEN_CHILD))
+                Path(cpu_dir).mkdir(exist_ok=True)
+            if cpu_dir != h.get("cpuset_cgroup"):  # v2: one directory holds both
+                join.append(cpu_dir)
+        except (CgroupError, OSError) as e:
+            if h.get("cpu_required", True):
+                raise error(f"{name}: {e}") from None
+            print(f"smolnet: {name} runs uncapped: {e}", file=sys.stderr)
+            if h.get("cgroup"):
+                remove(h["cgroup"])
+            h["cgroup"] = None
+    return join

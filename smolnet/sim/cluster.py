@@ -174,7 +174,7 @@ def up(
         }
         for i, (s, a) in enumerate(zip(specs, addrs), 1):
             h = s.to_dict()
-            h.update({"index": i, "address": a, "netns": None, "pid_sshd": None, "cgroup": None})
+            h.update({"index": i, "address": a, "netns": None, "pid_sshd": None, "cgroup": None, "cpuset_cgroup": None})
             if loopback:
                 h["address"] = _loopback_addresses(net_, len(specs))[i - 1]
             else:
@@ -247,7 +247,8 @@ def _teardown(st: dict) -> list[str]:
             pids.update(net.netns_pids(ns))
     pids.discard(os.getpid())
     left += [f"process {p}" for p in net.kill_all(pids)]
-    left += [f"cgroup {h['cgroup']}" for h in st.get("hosts", []) if h.get("cgroup") and not cgroup.remove(h["cgroup"])]
+    groups = [h.get(k) for h in st.get("hosts", []) for k in ("cgroup", "cpuset_cgroup") if h.get(k)]
+    left += [f"cgroup {g}" for g in groups if not cgroup.remove(g)]
     ctl = st.get("controller_iface")
     if ctl and net.link_exists(ctl):
         net.sh([net.IP, "link", "del", ctl], check=False)
@@ -297,8 +298,9 @@ def _orphans(name: str) -> dict | None:
     if not found and not has_ctl and not state_dir(name).exists():
         return None
     hosts = [{"name": n[len(prefix) :], "netns": n} for n in found if n != f"{prefix}sw"]
-    for h in hosts:  # a cap made before the crash has the host's name
+    for h in hosts:  # a cap or cpuset made before the crash has the host's name
         h["cgroup"] = cgroup.existing(cgroup.cap_name(name, h["name"]))
+        h["cpuset_cgroup"] = cgroup.existing_cpuset(cgroup.cap_name(name, h["name"]))
     return {
         "name": name,
         "hosts": hosts,

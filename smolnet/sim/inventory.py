@@ -55,8 +55,12 @@ def inventory_text(st: dict) -> str:
                     "smol_sim_down_mbit": h["down_mbit"],
                 }
             )
-            if h.get("cgroup"):
+            if h.get("cgroup"):  # the truth: the host itself may not see it (smol_sim_cpu_hidden)
                 v["smol_sim_cpu_cores"] = h["cpu_cores"]
+                if h.get("cpu_hidden"):
+                    v["smol_sim_cpu_hidden"] = True
+            if h.get("cpuset_cgroup"):
+                v["smol_sim_cpuset"] = h["cpuset"]
         hosts[h["name"]] = v
     first = st["hosts"][0]["name"]
     doc = {

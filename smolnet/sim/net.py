@@ -115,34 +115,44 @@ def offloads_off(ns: str, ifname: str) -> None:
     in_ns(ns, ["ethtool", "-K", ifname, "tso", "off", "gso", "off", "gro", "off"], check=False)
 
 
-def shape(ns: str, ifname: str, rate_mbit: float | None, mtu: int, burst_ms: float = 10.0) -> None:
-    """Egress token bucket. A shaper whose queue drains by timer (a switch port that is the
-    bottleneck for a faster sender) loses tokens whenever a busy machine runs its timer
-    late; the burst absorbs that delay (measured: 1 ms lost up to 60% under load, 25 ms
-    nothing) and adds < 1% to a 3 s test. Queue: twice the burst, above what TCP small
-    queues let one socket park in it, so the sender's own shaper never drops."""
-    if not rate_mbit:
-        return
+PEAK = 1.1  # a shaped link's fastest pace, as a multiple of its rate
+PEAK_FRAMES = 16  # frames that may leave back to back at memory speed
+
+
+def tbf_argv(ifname: str, rate_mbit: float, mtu: int, burst_ms: float = 10.0, peak: bool = False) -> list[str]:
+    """The tc command for an egress token bucket of `rate_mbit`.
+
+    The bucket (`burst`) is large: a shaper whose queue drains by timer (a switch port that
+    is the bottleneck for a faster sender) loses tokens whenever a busy machine runs its
+    timer late; the burst absorbs that delay (measured: 1 ms lost up to 60% under load, 25
+    ms nothing) and adds < 1% to a 3 s test. Queue: twice the burst, above what TCP small
+    queues let one socket park in it, so the sender's own shaper never drops.
+
+    A large bucket alone lets a link that idled send its whole bucket at memory speed: a
+    200 KB message after 30 ms idle crossed a 500 Mbit link in 0.75-0.82 ms (the wire takes
+    3.3), so fsdp's and tp's per-layer collectives, with compute in between, ran faster
+    than any wire of that rate carries them. `peak` (the `cores` and `hidden` scenarios)
+    adds a peak rate, PEAK x the rate, PEAK_FRAMES frames at a time: every transfer goes
+    near the rate (3.0-3.3 ms), as on a real link, and the bucket still makes up a late
+    timer at the peak's margin (sustained iperf3 under a load of 5.7 on 2 cores: 464-480
+    Mbit/s with the peak, 482-484 without, truth 478). It also stops the bucket from hiding
+    a CFS-capped sender's stalls: while the sender is throttled its flow stops and the wire
+    idles, which a burst afterwards had made up. A 0.15-core `home`
+    host then sends at 149-212 Mbit/s on a 1 Gbit link instead of 868-956, so `home`, whose
+    tests and plans assume the latter, keeps the plain bucket (docs/compute.md)."""
     bytes_per_s = rate_mbit * 1e6 / 8
     burst = int(max(bytes_per_s * burst_ms / 1000, 4 * (mtu + 14)))
-    in_ns(
-        ns,
-        [
-            "tc",
-            "qdisc",
-            "replace",
-            "dev",
-            ifname,
-            "root",
-            "tbf",
-            "rate",
-            f"{rate_mbit:g}mbit",
-            "burst",
-            str(burst),
-            "limit",
-            str(2 * burst),
-        ],
-    )
+    argv = ["tc", "qdisc", "replace", "dev", ifname, "root", "tbf", "rate", f"{rate_mbit:g}mbit"]
+    argv += ["burst", str(burst), "limit", str(2 * burst)]
+    if peak:
+        argv += ["peakrate", f"{rate_mbit * PEAK:g}mbit", "minburst", str(PEAK_FRAMES * (mtu + 14))]
+    return argv
+
+
+def shape(ns: str, ifname: str, rate_mbit: float | None, mtu: int, burst_ms: float = 10.0, peak: bool = False) -> None:
+    """Shape the interface's egress to `rate_mbit` (tbf_argv); None or 0: unshaped."""
+    if rate_mbit:
+        in_ns(ns, tbf_argv(ifname, rate_mbit, mtu, burst_ms, peak))
 
 
 def _cpu_mask() -> str:
@@ -190,7 +200,9 @@ LogLevel ERROR
 """
 
 
-def start_sshd(ns: str, host: str, d: Path, log: Path, extra: list[str] = ()) -> None:
+def start_sshd(
+    ns: str, host: str, d: Path, log: Path, extra: list[str] = (), join: list[str] = (), cgroup_ns: bool = False
+) -> None:
     """Launch sshd inside the host's netns plus fresh UTS and mount namespaces.
 
     Overlays make /etc and /root per host (hostname, /etc/hosts, home) on top of the
@@ -198,6 +210,9 @@ def start_sshd(ns: str, host: str, d: Path, log: Path, extra: list[str] = ()) ->
     keys never leak in. /root itself cannot start empty: interpreters (this venv's python
     among them) may live under it. Every SSH session is a child of this sshd, so it
     inherits all three namespaces.
+    `join`: cgroup directories the sshd enters before anything else runs (its CPU cap and
+    cpuset); `cgroup_ns`: a cgroup namespace rooted there, so the host sees its own cgroup as
+    the root and no cap above it.
     `setsid -f` double-forks, so the sshd outlives us and init reaps it.
     """
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
@@ -211,9 +226,14 @@ def start_sshd(ns: str, host: str, d: Path, log: Path, extra: list[str] = ()) ->
             f"exec /usr/sbin/sshd -D -e -f {q(str(d / 'sshd_config'))}",
         ]
     )
+    enter = "".join(f"echo $$ > {q(str(Path(g, 'cgroup.procs')))} && " for g in join)
     argv = [
         "setsid",
         "-f",
+        "sh",
+        "-c",
+        enter + 'exec "$@"',
+        "sh",
         IP,
         "netns",
         "exec",
@@ -221,6 +241,7 @@ def start_sshd(ns: str, host: str, d: Path, log: Path, extra: list[str] = ()) ->
         "unshare",
         "--uts",
         "--mount",
+        *(["--cgroup"] if cgroup_ns else []),
         "--propagation",
         "private",
         "sh",

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 from smolnet.errors import UsageError
 
-SCENARIOS = ("home", "uniform", "mtu-lab")
+SCENARIOS = ("home", "uniform", "mtu-lab", "cores", "hidden")
 DEFAULT_UNIFORM_HOSTS = 3
 DEFAULT_UNIFORM_RATE = 1000
 DEFAULT_UNIFORM_MTU = 1500
@@ -29,6 +29,11 @@ class HostSpec:
     down_mbit: float | None = None  # shaped switch -> host rate; None = unshaped
     nic_mbit: float | None = None  # rated NIC speed, written as link_rate_mbit
     cpu_cores: float | None = None  # CPU cap (cgroup quota, in cores); None = uncapped
+    cpu_period_us: int | None = None  # the cap's CFS period; None = the sim's rule (cgroup.period_quota)
+    cpu_hidden: bool = False  # the cap sits above the host's cgroup, where it cannot read it
+    cpuset: str | None = None  # the CPUs the host runs on (a cpuset of its own); None = all
+    own_machine: bool = False  # a boot id of its own: calibration and the plan see a machine of its own
+    link_peak: bool = False  # its shapers hold every transfer near the rate (net.tbf_argv)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -46,10 +51,49 @@ def _home() -> list[HostSpec]:
         HostSpec("macmini", "mac-mini-m4", 9000, 9000, 2500, 2500, 2500),
         HostSpec("laptop", "rtx4050-laptop", 9000, 1500, 1000, 1000, 1000),  # silent mismatch
     ]
-    scale = min(1.0, 0.75 * (os.cpu_count() or 1) / sum(HOME_CPU))  # caps must fit the machine
+    scale = _fit(HOME_CPU)  # caps must fit the machine
     for s, c in zip(specs, HOME_CPU):
         s.cpu_cores = round(c * scale, 3)
     return specs
+
+
+# The whole-core cluster: one host per CPU of this machine (at most 4), a cpuset each and no
+# quota, so the plan's uncapped path is checked. Links alternate 1000 and 500 Mbit, with a
+# peak rate (no bursts after idling), as in `hidden`.
+CORES_RATES = (1000, 500)
+MAX_CORE_HOSTS = 4
+
+# The hidden-cap cluster, built unlike home: caps (cores) on a parent cgroup the host cannot
+# read, a 10 ms CFS period for every host, 300-800 Mbit links with a peak rate, each host
+# its own machine.
+HIDDEN = (("pi4", 0.15, 300), ("nuc", 0.3, 500), ("mini", 0.4, 650), ("desk", 0.6, 800))
+HIDDEN_PERIOD_US = 10_000
+
+
+def _fit(caps: tuple[float, ...]) -> float:
+    """Scale for caps so that they sum to at most 3/4 of this machine's cores."""
+    return min(1.0, 0.75 * (os.cpu_count() or 1) / sum(caps))
+
+
+def _cores(hosts: int | None) -> list[HostSpec]:
+    ncpu = os.cpu_count() or 1
+    n = min(MAX_CORE_HOSTS, ncpu) if hosts is None else hosts
+    if not 1 <= n <= ncpu:
+        raise UsageError(f"scenario cores has one host per CPU: --hosts must be 1..{ncpu}, got {n}")
+    out = []
+    for i in range(n):
+        r = CORES_RATES[i % len(CORES_RATES)]
+        spec = HostSpec(f"core{i}", "generic", 1500, 1500, r, r, r, cpuset=str(i), own_machine=True, link_peak=True)
+        out.append(spec)
+    return out
+
+
+def _hidden() -> list[HostSpec]:
+    scale = _fit(tuple(c for _, c, _ in HIDDEN))
+    return [
+        HostSpec(n, "generic", 1500, 1500, r, r, r, round(c * scale, 3), HIDDEN_PERIOD_US, True, None, True, True)
+        for n, c, r in HIDDEN
+    ]
 
 
 def cpu_limits(text: str | None, n: int) -> list[float | None] | None:
@@ -115,9 +159,13 @@ def _scenario(
         rate = DEFAULT_UNIFORM_RATE if rate_mbit is None else rate_mbit
         shaped = rate or None
         return [HostSpec(f"node{i}", "generic", m, m, shaped, shaped, shaped) for i in range(1, n + 1)]
-    specs = _home() if name == "home" else _mtu_lab()
+    if name == "cores":
+        specs = _cores(hosts)
+        hosts = None
+    else:
+        specs = {"home": _home, "mtu-lab": _mtu_lab, "hidden": _hidden}[name]()
     if hosts is not None and hosts != len(specs):
-        raise UsageError(f"scenario {name} has {len(specs)} hosts; --hosts applies to 'uniform' only")
+        raise UsageError(f"scenario {name} has {len(specs)} hosts; --hosts applies to 'uniform' and 'cores' only")
     if mtu is not None:
         raise UsageError(f"--mtu applies to scenario 'uniform' only ({name} fixes each host's MTU)")
     if rate_mbit is not None:  # one rate for every host and direction; 0 = unshaped

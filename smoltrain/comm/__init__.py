@@ -9,6 +9,10 @@ from __future__ import annotations
 from smoltrain.comm.base import ByteCounter, Comm, CommError
 
 BACKENDS = ("socket", "torch")
+# dtypes a pseudo-gradient can cross the wire in (diloco --sync-dtype), per backend: int8 needs
+# a scale per chunk and re-quantising at every hop (smoltrain.comm.quantized on SocketComm.exchange);
+# torch.distributed sums int8 as plain integers, which overflows
+SYNC_DTYPES = {"socket": ("fp32", "bf16", "fp16", "int8"), "torch": ("fp32", "bf16", "fp16")}
 
 
 def make_comm(
@@ -45,4 +49,4 @@ def make_comm(
     raise CommError(f"unknown comm backend {backend!r} (choose from {', '.join(BACKENDS)})")
 
 
-__all__ = ["BACKENDS", "ByteCounter", "Comm", "CommError", "make_comm"]
+__all__ = ["BACKENDS", "SYNC_DTYPES", "ByteCounter", "Comm", "CommError", "make_comm"]

@@ -9,20 +9,10 @@ against, `ring_allreduce_bytes`) can be read without the connection and failure 
 from __future__ import annotations
 
 from smoltrain.comm.exchange import _byte_view
+from smoltrain.planner.diloco import ring_segments as _segments  # the planner counts the same split
 
 # Two ranks and at most this many bytes: swap whole buffers instead of running the ring.
 SMALL_BYTES = 64 * 1024
-
-
-def _segments(n: int, parts: int) -> list[tuple[int, int]]:
-    """Element ranges of `parts` nearly equal segments; the first n % parts get one more."""
-    base, extra = divmod(n, parts)
-    out, lo = [], 0
-    for i in range(parts):
-        hi = lo + base + (1 if i < extra else 0)
-        out.append((lo, hi))
-        lo = hi
-    return out
 
 
 def ring_allreduce_bytes(numel: int, elem_size: int, world_size: int, rank: int) -> int:

@@ -378,6 +378,16 @@ class SocketComm(Comm):
             if j != r:
                 g.finish()
 
+    def exchange(self, send, dst: int, recv, src: int) -> None:
+        """Send `send` to dst while receiving `recv` from src: one hop of a ring whose payload
+        changes at every hop (smoltrain.comm.quantized's int8 all-reduce)."""
+        self._check_usable()
+        self._check_peer(dst)
+        self._check_peer(src)
+        out, into = _Staged(send, writeback=False), _Staged(recv, writeback=True)
+        self._transfer("exchange", [(dst, _byte_view(out.flat), None)], [(src, _byte_view(into.flat), None)])
+        into.finish()
+
     def barrier(self) -> None:
         self._check_usable()
         if self.world_size == 1:

@@ -71,9 +71,9 @@ class Printer:
 
 def run(args) -> int:
     from smoltrain.infer import report
-    from smoltrain.infer.cluster import RankDied
     from smoltrain.infer.engine import Request
     from smoltrain.infer.launch import open_model
+    from smoltrain.infer.runner import RankDied
 
     if args.strategy == "local" and args.local is None and not args.inventory:
         args.local = 1

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from smolnet.errors import UsageError
 from smolnet.files import write_json_atomic
-from smoltrain import validate
+from smoltrain import registry, validate
 
 MODELS_HELP = "tiny, gpt2-124m, llama-3.2-1b, llama-3.1-8b, mixtral-8x7b, or a .json shape"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--strategy", help="dp, fsdp, syncps, edp, mp, pp, tp, ep, sp, or all (rank them)")
-    p.add_argument("--mode", default="train", choices=("train", "infer"))
+    p.add_argument("--strategy", help=", ".join(registry.names()) + ", or all (rank them)")
+    p.add_argument("--mode", default="train", choices=("train", "infer", "serve"))
     p.add_argument("--model", default="tiny", help=MODELS_HELP)
     p.add_argument("--world", type=validate.RANKS, help="ranks (default: inventory hosts, links-report hosts, else 2)")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
@@ -22,6 +22,8 @@ def add_arguments(p) -> None:
     p.add_argument("--batch", type=validate.BATCH, default=8, help="global batch in sequences (train)")
     p.add_argument("--seq", type=validate.SEQ, default=64, help="sequence length (train) or context length (infer)")
     p.add_argument("--microbatches", type=validate.MICROBATCHES, default=1)
+    p.add_argument("--concurrency", type=validate.COUNT, default=8, help="serve: requests at once (default 8)")
+    p.add_argument("--max-batch", type=validate.count(62), default=8, help="serve: requests a replica decodes at once")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--links", metavar="REPORT.json", help="a smolnet.links/1 report (smolnet matrix)")
     src.add_argument("--link-class", help="1gbe, 2.5gbe, 10gbe, 25gbe, 100gbe, 200gbe, tb4, tb5 (or loopback)")
@@ -57,6 +59,9 @@ def add_arguments(p) -> None:
         help="N ranks on this machine, sharing its cores (what `run --local N` plans)",
     )
     p.add_argument("--no-what-if", action="store_true", help="skip the table over link classes")
+    from smoltrain.planner.diloco import add_arguments as outer_arguments
+
+    outer_arguments(p, run=False)
     p.add_argument(
         "--placement",
         choices=("even", "auto"),
@@ -65,6 +70,28 @@ def add_arguments(p) -> None:
 
 
 _write_json = write_json_atomic
+
+
+def _serve(args, con, model, ranks, lm) -> int:
+    """`--mode serve`: the candidate splits for --concurrency requests (planner/serve.py)."""
+    from smoltrain.planner import serve
+
+    doc = serve.plan(
+        model,
+        ranks,
+        lm,
+        strategy=args.strategy,
+        dtype=args.dtype,
+        concurrency=args.concurrency,
+        max_batch=args.max_batch,
+        seq=args.seq,
+    )
+    serve.render(con, doc)
+    best = next(c for c in doc["candidates"] if c["name"] == doc["best"])
+    con.print(f"  best here: [bold]{best['name']}[/], {best['tokens_per_s']:,.1f} tokens/s for all requests")
+    if args.json:
+        _write_json(args.json, doc)
+    return 0
 
 
 class _ReportHost:
@@ -138,6 +165,7 @@ def request(args, run_doc=None):
         local=local,
         quantize=getattr(args, "quantize", None) if args.mode == "infer" else None,
         wire_dtype=getattr(args, "wire_dtype", None) if args.mode == "infer" else None,
+        outer={"inner_steps": args.inner_steps, "sync_dtype": args.sync_dtype, "target_comm": args.target_comm},
     )
 
 
@@ -162,12 +190,25 @@ def run(args) -> int:
             raise UsageError(f"--strategy {args.strategy} differs from the run's {req['strategy']}")
         args.model, args.world, args.dtype = req["model"], req["world"], req["dtype"]
         args.batch, args.seq, args.microbatches, args.mode = req["batch"], req["seq"], req["microbatches"], "train"
+        if req["strategy"] in STRATEGIES and registry.get(req["strategy"]).outer_steps:
+            args.inner_steps, args.sync_dtype = req["inner_steps"], req["sync_dtype"] or args.sync_dtype
     elif args.warmup is not None:
         raise UsageError("--warmup applies to --compare RUN.json")
+    if args.mode == "serve":
+        args.strategy = args.strategy or "pp"
+        if args.strategy not in ("pp", "tp"):
+            raise UsageError(f"--mode serve splits a group of hosts with pp or tp, not {args.strategy}")
     if not args.strategy:
-        raise UsageError("--strategy is required (dp, fsdp, syncps, edp, mp, pp, tp, ep, sp or all)")
+        raise UsageError(f"--strategy is required ({', '.join(registry.names())} or all)")
     if args.strategy != "all" and args.strategy not in STRATEGIES:
         raise UsageError(f"unknown strategy {args.strategy!r} (one of {', '.join(STRATEGIES)}, or all)")
+    if args.mode == "serve":  # planner/serve.py places its own candidates on these ranks and links
+        serve_req = replace(request(args, run_doc), strategy=args.strategy, mode="infer")
+        st = resolve(serve_req)
+        return _serve(args, con, st.model, st.ranks, st.lm)
+    from smoltrain.planner import diloco, diloco_verdict
+
+    diloco.check_args(args, args.strategy == "all" or registry.get(args.strategy).outer_steps)
     req = request(args, run_doc)
     setting = resolve(req)
 
@@ -190,6 +231,17 @@ def run(args) -> int:
             f"bottleneck {best['bottleneck']} (each under its {best.get('placement_mode', 'even')} placement)"
         )
         ranking = [p["strategy"] for p in render.rank_plans(plans)]
+        by_name = {p["strategy"]: p for p in plans}
+
+        def replan_outer(strategy, opts):  # the same request, an outer-step setting, the chosen split
+            placement = diloco_verdict.chosen_placement(by_name[strategy]) or "even"
+            return build_plan(replace(req, strategy=strategy, outer=opts, placement=placement), setting)
+
+        low_comm = (
+            diloco_verdict.low_comm_verdict(plans, replan_outer, args.target_comm) if args.mode == "train" else None
+        )
+        if low_comm:
+            con.print(f"  [bold]low communication:[/] {low_comm['sentence']}")
         if args.json:
             _write_json(
                 args.json,
@@ -199,6 +251,7 @@ def run(args) -> int:
                     "ranking_placed": ranking,  # every plan is already made under its placement
                     "plans": plans,
                     "skipped": skipped,
+                    **({"low_communication": low_comm} if low_comm else {}),
                 },
             )
         if args.chart:

@@ -21,6 +21,13 @@ def add_arguments(p) -> None:
     p.add_argument("--batch", type=validate.BATCH, default=8, help="global batch, in sequences")
     p.add_argument("--seq", type=validate.SEQ, default=64, help="sequence length in bytes (tokens)")
     p.add_argument("--lr", type=validate.LR, default=1e-3)
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"), help="(diloco: the inner one)")
+    p.add_argument(
+        "--eval-every", type=validate.count(10**9, lo=0), default=0, metavar="K", help="held-out loss every K steps"
+    )
+    from smoltrain.planner.diloco import add_arguments as outer_arguments
+
+    outer_arguments(p, run=True)
     p.add_argument("--seed", type=validate.SEED, default=0)
     p.add_argument("--microbatches", type=validate.MICROBATCHES, default=4, help="pp microbatches (default 4)")
     p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"), help="pp schedule")
@@ -122,6 +129,41 @@ def machine_settings(args, hosts, world: int) -> dict[str, int]:
     return {h.name: n for h, n in zip(hosts, inventory_threads(hosts))}
 
 
+def check_outer(args, info) -> None:
+    """The outer-step flags (diloco) against the strategy and the backend: one line before anything starts."""
+    from smoltrain.comm import SYNC_DTYPES
+    from smoltrain.planner.diloco import check_args
+
+    check_args(args, info.outer_steps)
+    if info.outer_steps and args.sync_dtype not in SYNC_DTYPES[args.backend]:
+        raise UsageError(
+            f"--sync-dtype {args.sync_dtype}: the {args.backend} backend cannot carry it "
+            f"(it carries {', '.join(SYNC_DTYPES[args.backend])}; int8 needs --backend socket)"
+        )
+
+
+def outer_settings(cfg, args, plan: dict | None, console):
+    """H (the plan's without --inner-steps) and the outer optimizer for this run's length."""
+    from smoltrain.planner.diloco import FALLBACK_INNER_STEPS, outer_optimizer
+
+    h = cfg.inner_steps
+    if not h:
+        h = (plan or {}).get("inner_steps") or FALLBACK_INNER_STEPS
+        why = f"the plan's, {plan['inner_steps_source']}" if plan else "no plan to pick it from"
+        console.print(f"diloco: {h} inner steps per outer step ({why})")
+    lr, mu, why = outer_optimizer(args.outer_lr, args.outer_momentum, cfg.steps, h)
+    console.print(f"diloco: outer lr {lr:g}, momentum {mu:g} ({why})")
+    if cfg.placement is not None:  # the run report's placement says how unequal hosts meet at the sync
+        cfg.placement["sync"] = OUTER_SYNC
+    return cfg.replace(inner_steps=h, outer_lr=lr, outer_momentum=mu)
+
+
+OUTER_SYNC = (
+    "batch shares by measured speed, so every rank ends its H inner steps together; "
+    "each pseudo-gradient weighted by the tokens its rank trained on"
+)
+
+
 def run(args) -> int:
     from smoltrain.run.preflight import EarlyReport
 
@@ -139,6 +181,7 @@ def _run(args, early) -> int:
     info = registry.get(args.strategy, trainable=True)
     from smoltrain.run import preflight
 
+    check_outer(args, info)
     if args.local is None and not args.inventory:
         raise UsageError("give --local N or -i INVENTORY")
     try:
@@ -152,51 +195,64 @@ def _run(args, early) -> int:
     placements, hosts = rank_placements(args.local, args.inventory)
     threads = machine_settings(args, hosts, len(placements))
     early.world, early.names = len(placements), [p.name for p in placements]
-    data = os.path.abspath(args.data) if args.data else None
+    from smoltrain.planner.placement_plan import for_run
 
-    def config(placements, placed=None):
-        return RunConfig(
-            strategy=args.strategy,
-            backend=args.backend,
-            model=spec,
-            data=data,
-            data_cap=int(args.data_cap_mb * (1 << 20)),
-            steps=args.steps,
-            batch=args.batch,
-            seq=args.seq,
-            lr=args.lr,
-            seed=args.seed,
-            microbatches=args.microbatches,
-            schedule=args.schedule,
-            shares=_shares(args.shares, hosts),
-            checkpoint_every=args.checkpoint_every,
-            barrier_timeout=args.barrier_timeout,
-            # workers give up on a silent peer first, so the error names the link, not just "silence"
-            timeout=max(10.0, args.timeout / 2),
-            pace=args.pace,
-            names=tuple(p.name for p in placements),
-            devices=tuple(p.host.torch_device if p.host else args.device for p in placements),
-            control_port=args.control_port,
-            heartbeat_s=args.heartbeat,
-            keep_checkpoints=args.keep_checkpoints,
-            integrity=args.integrity,
-            placement=placed,
-            dtype=args.dtype,
-            threads=tuple(threads.get(p.name, 0) for p in placements),
-        )
-
-    check_usage(config(placements))  # what the strategy or the model cannot take, before the planner looks
-    from smoltrain.run.planning import plan_run
-
-    planned = plan_run(args, spec, [p.name for p in placements], hosts, console)
-    placed = planned.placement
+    placed = for_run(
+        args.strategy,
+        args.placement,
+        args.compute,
+        spec,
+        [p.name for p in placements],
+        hosts,
+        args.batch,
+        args.seq,
+        args.microbatches,
+        legacy_shares=args.shares,
+    )
     if placed is not None:  # rank r runs on placed["order"][r]; hosts the placement leaves out get no rank
         by_name = {p.name: p for p in placements}
         placements = [by_name[n] for n in placed["order"]]
         hosts = [p.host for p in placements] if hosts is not None else None
+        for line in placed.get("why") or []:
+            console.print(f"placement {placed['mode']}: {line}")
+        for e in placed.get("excluded") or []:
+            console.print(f"[bold yellow]placement: {e['name']} gets nothing: {e['why']}")
     world = len(placements)
     early.world, early.names = world, [p.name for p in placements]
-    cfg = config(placements, placed)
+    data = os.path.abspath(args.data) if args.data else None
+    cfg = RunConfig(
+        strategy=args.strategy,
+        backend=args.backend,
+        model=spec,
+        data=data,
+        data_cap=int(args.data_cap_mb * (1 << 20)),
+        steps=args.steps,
+        batch=args.batch,
+        seq=args.seq,
+        lr=args.lr,
+        seed=args.seed,
+        microbatches=args.microbatches,
+        schedule=args.schedule,
+        shares=_shares(args.shares, hosts),
+        checkpoint_every=args.checkpoint_every,
+        barrier_timeout=args.barrier_timeout,
+        # workers give up on a silent peer first, so the error names the link, not just "silence"
+        timeout=max(10.0, args.timeout / 2),
+        pace=args.pace,
+        names=tuple(p.name for p in placements),
+        devices=tuple(p.host.torch_device if p.host else args.device for p in placements),
+        control_port=args.control_port,
+        heartbeat_s=args.heartbeat,
+        keep_checkpoints=args.keep_checkpoints,
+        integrity=args.integrity,
+        placement=placed,
+        dtype=args.dtype,
+        threads=tuple(threads.get(p.name, 0) for p in placements),
+        optimizer=args.optimizer,
+        eval_every=args.eval_every,
+        inner_steps=args.inner_steps or 0,
+        sync_dtype=args.sync_dtype,
+    )
     check_usage(cfg)
 
     from smoltrain.models.data import corpus_digest, load_corpus
@@ -251,7 +307,51 @@ def _run(args, early) -> int:
         )
         return 0
 
-    plan = planned.plan
+    plan = None
+    try:
+        from smoltrain.planner import plan_for_run
+    except ImportError:
+        plan_for_run = None
+    if plan_for_run is not None:
+        links = None
+        if args.links:
+            links = preflight.load_links(args.links)
+        elif hosts is not None:
+            from smoltrain.planner.links import find_report
+
+            links = find_report([h.name for h in hosts])  # the latest matrix of these hosts, if any
+            if links:
+                console.print("plan: using reports/links.json (measured links of these hosts)")
+        try:
+            plan = plan_for_run(
+                strategy=args.strategy,
+                model=spec,
+                world=world,
+                dtype="fp32",  # weights, gradients and what crosses the wire; matmuls at --dtype
+                compute_dtype=args.dtype,
+                batch=args.batch,
+                seq=args.seq,
+                microbatches=args.microbatches,
+                hosts=hosts,
+                links=links,
+                compute=getattr(args, "compute", None),
+                placement=placed,
+                outer={"inner_steps": args.inner_steps, "sync_dtype": args.sync_dtype, "target_comm": args.target_comm},
+            )
+            console.print(
+                f"plan: {plan['step_s'] * 1e3:.1f} ms/step predicted, bottleneck "
+                f"{plan['bottleneck']} ({plan.get('bottleneck_where')}), "
+                f"{plan['bytes_per_step'] / 1e6:.2f} MB/step on the busiest rank"
+            )
+            if plan["bottleneck"] == "capacity":
+                console.print(f"[bold yellow]warning: the model does not fit: {plan.get('bottleneck_where')}")
+            elif plan["bottleneck"] in ("link", "latency"):
+                console.print(f"[bold yellow]warning: communication will dominate: {plan.get('bottleneck_where')}")
+        except Exception as e:  # the plan is advice; never block a run on it
+            console.print(f"plan unavailable: {e}")
+
+    if info.outer_steps:
+        cfg = outer_settings(cfg, args, plan, console)
     if args.secret_file or hosts is not None or info.joiners or args.external:
         secret = ensure_secret(
             args.secret_file or (hosts[0].secret_file if hosts else None)
@@ -272,14 +372,13 @@ def _run(args, early) -> int:
     try:
         doc = ctl.run(bind, control_addr, connect_timeout=max(60.0, args.timeout), idle_timeout=args.timeout)
     except (Exception, KeyboardInterrupt) as e:  # the report survives failure and Ctrl-C (exit 1, 130)
-        preflight.write_report(args.json, ctl, e, plan, plan_error=planned.error)
+        preflight.write_report(args.json, ctl, e, plan)
         raise
-    doc = preflight.write_report(None, ctl, None, doc=doc, plan_error=planned.error)
+    doc = preflight.write_report(None, ctl, None, doc=doc)
     import shutil
 
     shutil.rmtree(log_dir, ignore_errors=True)  # kept only when the run failed
-    if placed is not None:
-        doc["placement"] = placed
+    doc["placement"] = placed
     if plan is not None:
         doc["plan"] = plan
     if args.json:

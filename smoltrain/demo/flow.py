@@ -193,6 +193,11 @@ class Demo:
 
         generate.stages(self)
 
+    def low_communication(self) -> None:
+        from smoltrain.demo import diloco
+
+        diloco.stages(self)
+
     # --- the whole ---
     def run(self) -> int:
         from smoltrain.demo import report
@@ -209,6 +214,7 @@ class Demo:
             trained = self.trainings(world)
             placed = self.placement()
             self.generation()
+            self.low_communication()  # diloco beside dp and the best host alone
         except SmolError as e:
             self.console.print(f"[bold red]{e}")
             if not self.stages.failed:  # a failure outside a stage still fails the demo

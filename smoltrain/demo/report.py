@@ -267,6 +267,9 @@ def write(demo, trained: list[str], placed: list[str]) -> Path:
     lines += runs(demo, trained, plans)
     lines += placement(out, placed)
     lines += generation(demo)
+    from smoltrain.demo import diloco
+
+    lines += diloco.section(out)
     lines += ["## Stages", "", "| stage | exit | seconds | ok |", "|---|---|---|---|"]
     lines += [
         f"| {st['stage'].strip()} | {st['rc']} | {st['seconds']} | {'yes' if st['ok'] else '**FAILED**: ' + (st['why'] or '')} |"  # noqa: E501

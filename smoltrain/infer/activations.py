@@ -57,7 +57,7 @@ class Codec:
         return q.float() * buf[tokens * self.hidden :].view(torch.float32)[:, None]
 
     def all_reduce(self, comm, x: torch.Tensor) -> torch.Tensor:
-        """The sum over ranks of x [1, T, hidden], crossing the wire at this codec's dtype."""
+        """The sum over ranks of x [rows, T, hidden], crossing the wire at this codec's dtype."""
         if self.wire != "int8":
             t = self.encode(x)
             comm.all_reduce(t)
@@ -66,7 +66,7 @@ class Codec:
         n = mine.numel()
         out = torch.empty(comm.world_size * n, dtype=torch.uint8)
         comm.all_gather(out, mine)
-        total = torch.zeros(x.shape[1], self.hidden)
+        total = torch.zeros(x.numel() // self.hidden, self.hidden)  # every row of a batch
         for r in range(comm.world_size):
             total += self._rows(out[r * n : (r + 1) * n])
         return total.to(self.device, self.dtype).reshape(x.shape)

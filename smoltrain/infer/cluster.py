@@ -2,8 +2,10 @@
 
 Ranks start as in `smoltrain run` (loopback processes for `--local N`, SSH for the
 inventory's hosts, the secret on standard input) but run `smoltrain.infer.worker`,
-which stays up between requests so `serve` pays the model load once. A rank that
-dies or goes silent turns into a `RankDied` with its one-line reason, never a hang.
+which stays up between requests so `serve` pays the model load once. Requests go to
+every rank (rank 0 batches them; the others need a prompt's settings when rank 0 starts
+it); a dispatcher thread hands rank 0's tokens to each request's callback. A rank that
+dies or goes silent ends every open request with its one-line reason, never a hang.
 """
 
 from __future__ import annotations
@@ -15,19 +17,15 @@ import threading
 import time
 
 from smolnet import wire
-from smolnet.errors import SmolError
 from smolnet.launcher import ProcessGroup
 from smoltrain.infer.config import InferConfig
-from smoltrain.infer.engine import Request
+from smoltrain.infer.runner import RankDied, Runner
 
 MSG = 1
+__all__ = ["Cluster", "RankDied"]
 
 
-class RankDied(SmolError):
-    """A rank exited, failed or went silent; the cluster cannot serve until restarted."""
-
-
-class Cluster:
+class Cluster(Runner):
     def __init__(
         self,
         cfg: InferConfig,
@@ -38,13 +36,16 @@ class Cluster:
         control_addr: str = "127.0.0.1",
     ):
         self.cfg, self.placements, self.secret, self.log_dir = cfg, placements, secret, log_dir
+        super().__init__()
         self.bind, self.control_addr = bind, control_addr
         self.world = cfg.world_size
         self.group = ProcessGroup(secret, log_dir)  # the ranks, started by _launch
         self.socks: dict[int, socket.socket] = {}
         self.messages: queue.Queue = queue.Queue()
-        self.dead: str | None = None
-        self.lock = threading.Lock()
+        self.replies: queue.Queue = queue.Queue()  # answers to `stats`
+        self.send_lock = threading.Lock()
+        self.stats_lock = threading.Lock()
+        self.closing = False
 
     # --- start ---
     def start(self, timeout: float = 120.0) -> None:
@@ -85,6 +86,7 @@ class Cluster:
             rank, msg = self._next(timeout)
             if msg.get("type") == "ready":
                 ready.add(rank)
+        threading.Thread(target=self._dispatch, daemon=True).start()
 
     def _launch(self, port: int) -> None:
         for r, p in enumerate(self.placements):
@@ -114,58 +116,120 @@ class Cluster:
                 return
             self.messages.put((rank, msg))
 
+    def _poll(self, timeout: float):
+        """The next message from any rank, or None after timeout; a failed or closed rank raises RankDied."""
+        if self.dead:
+            raise RankDied(self.dead)
+        try:
+            rank, msg = self.messages.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        name = self.cfg.names[rank]
+        if msg.get("type") == "error":
+            self.dead = f"{name}: {msg.get('message')}"
+        elif msg.get("type") == "closed":
+            time.sleep(0.2)  # let its error message, if any, arrive first
+            while not self.messages.empty():
+                r, m = self.messages.get_nowait()
+                if m.get("type") == "error":
+                    self.dead = f"{self.cfg.names[r]}: {m.get('message')}"
+                    break
+            else:
+                self.dead = f"{name}: rank exited ({self.log_tail(rank) or 'no log'})"
+        else:
+            return rank, msg
+        raise RankDied(self.dead)
+
     def _next(self, timeout: float):
-        """The next message from any rank; a closed or failed rank raises RankDied."""
+        """The next message from any rank; silence for `timeout` raises RankDied."""
         deadline = time.monotonic() + timeout
         while True:
-            if self.dead:
+            got = self._poll(min(0.5, max(0.01, deadline - time.monotonic())))
+            if got is not None:
+                return got
+            if time.monotonic() > deadline:
+                self.dead = f"no word from the ranks for {timeout:.0f}s"
                 raise RankDied(self.dead)
-            try:
-                rank, msg = self.messages.get(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    self.dead = f"no word from the ranks for {timeout:.0f}s"
-                    raise RankDied(self.dead) from None
-                continue
-            name = self.cfg.names[rank]
-            if msg.get("type") == "error":
-                self.dead = f"{name}: {msg.get('message')}"
-            elif msg.get("type") == "closed":
-                time.sleep(0.2)  # let its error message, if any, arrive first
-                self.dead = f"{name}: rank exited ({self.log_tail(rank) or 'no log'})"
-            else:
-                return rank, msg
 
     # --- requests ---
-    def generate(self, req: Request, on_token=lambda t: None, timeout: float | None = None) -> list[dict]:
-        """Run one request on every rank; on_token(id) as rank 0 streams them. Returns each rank's stats."""
-        timeout = timeout or self.cfg.timeout
-        with self.lock:
-            if self.dead:
-                raise RankDied(self.dead)
-            for r in range(self.world):
-                self._send(r, {"type": "generate", "request": req.to_dict()})
-            stats: dict[int, dict] = {}
-            while len(stats) < self.world:
-                rank, msg = self._next(timeout)
-                if msg.get("type") == "token" and rank == 0:
-                    on_token(int(msg["id"]))
-                elif msg.get("type") == "done":
-                    stats[rank] = msg["stats"]
-            return [stats[r] for r in range(self.world)]
+    def _dispatch(self) -> None:
+        """Rank 0's tokens and ends to their requests; a dead or silent rank fails them all."""
+        heard = time.monotonic()
+        while not self.closing:
+            try:
+                got = self._poll(1.0)
+                if got is None:
+                    self._check_procs()
+            except RankDied as e:
+                return self._fail(str(e))
+            if got is not None:
+                rank, msg = got
+                kind = msg.get("type")
+                if kind == "tokens" and rank == 0:
+                    heard = time.monotonic()
+                    self._tokens(msg.get("items") or [])
+                elif kind == "done" and rank == 0:
+                    heard = time.monotonic()
+                    self._done(msg["rid"], msg.get("reason"), msg.get("stats") or {})
+                elif kind == "stats":
+                    self.replies.put((rank, msg))
+            if not self.handles:
+                heard = time.monotonic()
+            elif time.monotonic() - heard > self.cfg.timeout:
+                return self._fail(f"no token from the ranks for {self.cfg.timeout:.0f}s")
 
-    def cancel(self) -> None:
-        """Ask rank 0 to end the current request after the token in flight."""
-        self._send(0, {"type": "cancel"})
+    def _admit(self, req) -> None:
+        for r in reversed(range(self.world)):  # rank 0 last: the others have it before it starts
+            self._send(r, {"type": "admit", "request": req.to_dict()})
+
+    def cancel(self, rid: int) -> None:
+        """Rank 0 ends the request at its next step."""
+        try:
+            self._send(0, {"type": "cancel", "rid": rid})
+        except RankDied:
+            pass
+
+    def health(self) -> None:
+        """Every rank still runs and answers on its control channel."""
+        try:
+            self._check_procs()
+            self.stats(timeout=min(10.0, self.cfg.timeout))
+        except RankDied as e:
+            self._fail(str(e))
+            raise
+
+    def stats(self, timeout: float = 10.0) -> list[dict]:
+        with self.stats_lock:
+            return self._stats(timeout)
+
+    def _stats(self, timeout: float) -> list[dict]:
+        while not self.replies.empty():
+            self.replies.get_nowait()
+        for r in range(self.world):
+            self._send(r, {"type": "stats"})
+        got: dict[int, dict] = {}
+        deadline = time.monotonic() + timeout
+        while len(got) < self.world:
+            try:
+                rank, msg = self.replies.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RankDied(f"no stats from the ranks within {timeout:.0f}s") from None
+            links = [tuple(x) for x in msg["links"]]
+            got[rank] = {"stats": msg["stats"], "links": links, "machine": msg.get("machine") or {}}
+        return [got[r] for r in range(self.world)]
 
     def _send(self, rank: int, msg: dict) -> None:
+        if self.dead:
+            raise RankDied(self.dead)
         try:
-            wire.send_frame(self.socks[rank], MSG, msg, timeout=10.0)
+            with self.send_lock:
+                wire.send_frame(self.socks[rank], MSG, msg, timeout=10.0)
         except (OSError, wire.WireError, TimeoutError) as e:
-            self.dead = f"{self.cfg.names[rank]}: control connection lost ({e})"
+            self._fail(f"{self.cfg.names[rank]}: control connection lost ({e})")
             raise RankDied(self.dead) from None
 
     def close(self) -> None:
+        self.closing = True
         for s in list(self.socks.values()):
             try:
                 wire.send_frame(s, MSG, {"type": "quit"}, timeout=2.0)

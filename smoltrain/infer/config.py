@@ -21,6 +21,7 @@ class InferConfig:
     port: int = 0
     addrs: tuple[str, ...] = ()
     timeout: float = 60.0
+    max_batch: int = 8  # requests decoded together (KV cache slots on every rank)
     quantize: str | None = None  # int8 | q4: weights of every rank's layers (models.quant)
     wire_dtype: str | None = None  # hidden states on the wire (infer.activations); None: the compute dtype
     threads: tuple[int, ...] = ()  # torch threads per rank; 0 or absent: the host's usable CPUs

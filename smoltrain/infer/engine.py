@@ -1,11 +1,13 @@
-"""One rank's decode loop; the one-process reference here, pp and tp in their own modules.
+"""One rank's part of batched decoding; the one-process reference here, pp and tp in their own modules.
 
-Prefill runs the whole prompt at once, then each decode step feeds the last token.
-Rank 0 alone decides when to stop (token budget, end-of-sequence, a cancelled
-request) and tells the other ranks in band, at no extra cost in bytes per token:
-instead of the next step's first message (pp: the hidden state; tp: the first
-all-reduce contribution) it sends NaNs of the same shape, which no real hidden state
-contains. A rank that sees them raises `Stop` and the request ends everywhere.
+Rank 0 runs the step loop (`batching.lead`): it issues each step (a prompt's prefill, or
+one decode step for a batch of requests) and collects the step's sampled tokens. The
+other ranks `follow`: each step starts with rank 0's header (what the step is), and a
+prefill's request (its prompt length and sampling settings) comes from the controller
+over the control channel (`batching.Admissions`).
+
+Every rank counts what it sent and the CPU time it spent, by kind of step, so a report
+can say what a decode step costs per token.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from smolnet.errors import SmolError
+from smoltrain.infer.batching import DECODE, HEADER_FIELDS, IDLE, PREFILL, QUIT, Item
 from smoltrain.infer.sampling import Sampler
 from smoltrain.models.stage import Stage
 
@@ -28,21 +30,17 @@ class Request:
     top_p: float = 1.0
     seed: int = 0
     stop_ids: list[int] = field(default_factory=list)
+    rid: int = 0
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
 
 
-class Stop(SmolError):
-    """Rank 0's stop marker arrived: the request is over."""
-
-
-def is_marker(t: torch.Tensor) -> bool:
-    return bool(torch.isnan(t.reshape(-1)[0]))
-
-
 class Engine:
     """`local`: one process holds every layer; no network. The reference the others must equal."""
+
+    depth = 1  # steps rank 0 keeps in flight
+    lanes = 1  # batches the active requests are dealt into
 
     def __init__(self, stage: Stage, comm=None, rank: int = 0, world: int = 1, wire: str | None = None):
         from smoltrain.infer.activations import Codec
@@ -51,62 +49,75 @@ class Engine:
         # what hidden states cross the wire as (--wire-dtype; default: the compute dtype)
         wire = wire or {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[stage.dtype]
         self.codec = Codec(wire, stage.cfg.hidden, stage.dtype, stage.device)
+        self.samplers: dict[int, Sampler] = {}
+        self.counters = {
+            "prefill_bytes": 0,
+            "decode_bytes": 0,
+            "idle_bytes": 0,
+            "prefill_steps": 0,
+            "decode_steps": 0,
+            "decode_rows": 0,
+            "decode_cpu_s": 0.0,
+        }
+        self._out: list[int] = []
 
     def sent(self) -> int:
         return self.comm.counter.total_payload() if self.comm is not None else 0
 
-    # what the strategies override
-    def prefill(self, ids: torch.Tensor, sampler) -> int | None:
-        return sampler(self.stage(ids))
+    def counted(self, kind: int, rows: int, fn):
+        """Run fn, charging what it sent (and, for decode, its CPU time) to this kind of step."""
+        b0, c0 = self.sent(), time.process_time()
+        out = fn()
+        name = {PREFILL: "prefill", DECODE: "decode"}.get(kind, "idle")
+        self.counters[f"{name}_bytes"] += self.sent() - b0
+        if kind == DECODE:
+            self.counters["decode_cpu_s"] += time.process_time() - c0
+            self.counters["decode_steps"] += 1
+            self.counters["decode_rows"] += rows
+        elif kind == PREFILL:
+            self.counters["prefill_steps"] += 1
+        return out
 
-    def step(self, tok: int | None, sampler) -> int | None:
-        return sampler(self.stage(torch.tensor([[tok]])))
+    def open(self, slot: int, req) -> None:
+        self.stage.open(slot, len(req.prompt_ids) + req.max_new_tokens)
+        self.samplers[slot] = Sampler(req.temperature, req.top_p, req.seed)
 
-    def signal_stop(self) -> None:
-        pass
+    def sample(self, slots: list[int], logits: torch.Tensor) -> list[int]:
+        return [self.samplers[s](logits[i]) for i, s in enumerate(slots)]
 
-    def marker(self) -> torch.Tensor:
-        return torch.full((1, 1, self.stage.cfg.hidden), float("nan"), dtype=self.stage.dtype)
+    # --- rank 0 ---
+    def issue(self, item: Item) -> None:
+        def run():
+            if item.kind == PREFILL:
+                self.open(item.slots[0], item.req)
+            self._out = self.sample(item.slots, self.stage(torch.tensor(item.ids), item.slots))
 
-    def generate(self, req: Request, emit=lambda tok: None, cancelled=lambda: False) -> dict:
-        """Run one request on this rank; rank 0 emits each new token as it comes. Returns this rank's stats."""
-        r = self.rank
-        self.stage.reset(len(req.prompt_ids) + req.max_new_tokens)
-        sampler = Sampler(req.temperature, req.top_p, req.seed)
-        out_ids: list[int] = []
-        t0, sent0 = time.perf_counter(), self.sent()
-        tok = self.prefill(torch.tensor([req.prompt_ids], dtype=torch.int64), sampler)
-        t_first, cpu_first = time.perf_counter(), time.process_time()
-        if r == 0:
-            out_ids.append(tok)
-            emit(tok)
-        prefill_sent = step_sent = self.sent()
-        steps = 0
-        while True:
-            step_sent = self.sent()  # the stop marker is not a decode step's traffic
-            if r == 0 and (len(out_ids) >= req.max_new_tokens or tok in req.stop_ids or cancelled()):
-                self.signal_stop()
-                break
-            try:
-                tok = self.step(tok, sampler)
-            except Stop:
-                break
-            steps += 1
-            if r == 0:
-                out_ids.append(tok)
-                emit(tok)
-        t_end = time.perf_counter()
-        return {
-            "rank": r,
-            "output_ids": out_ids,
-            "prefill_tokens": len(req.prompt_ids),
-            "prefill_s": t_first - t0,
-            "decode_steps": steps,
-            "decode_s": t_end - t_first,
-            "decode_cpu_s": time.process_time() - cpu_first,
-            "prefill_bytes": prefill_sent - sent0,
-            "decode_bytes": step_sent - prefill_sent,
-        }
+        self.counted(item.kind, len(item.slots), run)
+
+    def collect(self, item: Item) -> list[int]:
+        return self._out
+
+    def pass_header(self, h: torch.Tensor) -> None:
+        """Rank 0's header on its way to the other ranks (pp: down the chain; tp: a broadcast)."""
+
+    def _signal(self, kind: int) -> None:
+        h = self.empty_header()
+        h[0] = kind
+        self.counted(kind, 0, lambda: self.pass_header(h))
+
+    def keepalive(self) -> None:
+        self._signal(IDLE)
+
+    def quit(self) -> None:
+        self._signal(QUIT)
+
+    @staticmethod
+    def header(item: Item) -> torch.Tensor:
+        return torch.tensor(item.header(), dtype=torch.int64)
+
+    @staticmethod
+    def empty_header() -> torch.Tensor:
+        return torch.zeros(HEADER_FIELDS, dtype=torch.int64)
 
 
 def make_engine(

@@ -16,39 +16,55 @@ from dataclasses import dataclass
 from smolnet.errors import UsageError
 from smoltrain import validate
 from smoltrain.infer.config import InferConfig
+from smoltrain.infer.runner import RankDied, Runner
 from smoltrain.models.hf import Checkpoint, CheckpointError, load_tokenizer
 from smoltrain.models.stage import TORCH, check_tp, even_layers
 
 
-class LocalRunner:
+class LocalRunner(Runner):
     """`--local 1` / `--strategy local`: one process, no network; the reference."""
 
     def __init__(self, ckpt: Checkpoint, cfg: InferConfig):
         from smoltrain import host
+        from smoltrain.infer.batching import Batcher, lead
         from smoltrain.infer.engine import Engine
         from smoltrain.models.stage import Stage
 
+        super().__init__()
         threads, device = host.setup(cfg.rank_threads(0), cfg.rank_device(0), cfg.dtype)
         stage = Stage(ckpt, 0, ckpt.config.layers, True, True, dtype=cfg.dtype, quantize=cfg.quantize, device=device)
+        stage.min_rows = stage.min_rows if cfg.max_batch > 1 else 1  # one sequence at a time: nothing to pad for
         self.engine = Engine(stage)
         self.machine = host.rank_facts(stage, threads, device)
-        self.dead = None
-        self.lock = threading.Lock()
-        self.cancelled = threading.Event()
+        self.batcher = Batcher(cfg.max_batch, 1, self._tokens, self._done)
 
-    def generate(self, req, on_token=lambda t: None, timeout=None) -> list[dict]:
-        with self.lock:
-            self.cancelled.clear()
-            st = self.engine.generate(req, emit=on_token, cancelled=self.cancelled.is_set)
-        st["links"] = []
-        st.update(self.machine)
-        return [st]
+        def loop():
+            try:
+                lead(self.engine, self.batcher)
+            except Exception as e:  # a bug, not a peer: say so to every open request
+                self._fail(f"the model failed: {type(e).__name__}: {e}")
 
-    def cancel(self) -> None:
-        self.cancelled.set()
+        self.thread = threading.Thread(target=loop, daemon=True)
+        self.thread.start()
+
+    def _admit(self, req) -> None:
+        self.batcher.submit(req)
+
+    def cancel(self, rid: int) -> None:
+        self.batcher.cancel(rid)
+
+    def stats(self) -> list[dict]:
+        return [{"stats": dict(self.engine.counters), "links": [], "machine": self.machine}]
+
+    def health(self) -> None:
+        if not self.thread.is_alive() and not self.batcher.stopped:
+            self._fail(self.dead or "the model's step loop ended")
+        if self.dead:
+            raise RankDied(self.dead)
 
     def close(self) -> None:
-        pass
+        self.batcher.stop()
+        self.thread.join(30)
 
 
 @dataclass
@@ -90,7 +106,11 @@ def placed(args, mc, placements, hosts, seq: int):
     return plan, placements, hosts, None
 
 
-def open_model(args, timeout: float = 120.0, seq: int | None = None) -> Setup:
+def open_model(args, timeout: float = 120.0, seq: int | None = None, group=None, share: int | None = None) -> Setup:
+    """Start the model on --local N / -i INVENTORY, or on `group` (placements, hosts): one replica of
+    `serve --replicas`, which always runs as ranks of its own (never in this process); `share`:
+    how many --local ranks share this machine's CPUs in all (every replica's); `seq`: the
+    longest sequence a request may reach, for the decode plan."""
     model_dir = os.path.abspath(args.model)
     if not os.path.isdir(model_dir):
         raise UsageError(
@@ -98,7 +118,7 @@ def open_model(args, timeout: float = 120.0, seq: int | None = None) -> Setup:
             "*.safetensors, optional tokenizer.json)"
         )
     check_choices(args)
-    strategy, placements, hosts = resolve(args)
+    strategy, placements, hosts = resolve(args) if group is None else (args.strategy, *group)
     world = len(placements)
     plan = None
     try:
@@ -118,7 +138,7 @@ def open_model(args, timeout: float = 120.0, seq: int | None = None) -> Setup:
         tok = load_tokenizer(model_dir)
     except CheckpointError as e:
         raise UsageError(str(e)) from None
-    threads, devices = machine_settings(args, hosts, world)  # per rank, in the placement's order
+    threads, devices = machine_settings(args, hosts, world, share)  # per rank, in the placement's order
     cfg = InferConfig(
         strategy=strategy if world > 1 else "local",
         backend=args.backend,
@@ -127,12 +147,13 @@ def open_model(args, timeout: float = 120.0, seq: int | None = None) -> Setup:
         names=tuple(p.name for p in placements),
         layers=tuple(layers),
         timeout=args.timeout,
+        max_batch=getattr(args, "max_batch", 1),  # generate: one request
         quantize=getattr(args, "quantize", None),  # callers that build their own args may leave these out
         wire_dtype=getattr(args, "wire_dtype", None),
         threads=tuple(threads),
         devices=tuple(devices),
     )
-    if world == 1:
+    if world == 1 and group is None:
         return Setup(LocalRunner(ckpt, cfg), cfg, ckpt, tok, hosts, None, plan)
     from smoltrain.infer.cluster import Cluster
     from smoltrain.run.controller import route_source
@@ -155,6 +176,7 @@ def open_model(args, timeout: float = 120.0, seq: int | None = None) -> Setup:
     cluster = Cluster(cfg, placements, secret, log_dir, bind=bind, control_addr=control_addr)
     try:
         cluster.start(timeout)
+        cluster.warm_up(ckpt.config.ctx)
     except BaseException:
         cluster.close()
         raise
@@ -174,7 +196,7 @@ def check_choices(args) -> None:
             raise UsageError(f"{opt} {value}: choose from {', '.join(ok)}")
 
 
-def machine_settings(args, hosts, world: int) -> tuple[list[int], list[str]]:
+def machine_settings(args, hosts, world: int, share: int | None = None) -> tuple[list[int], list[str]]:
     """Threads and torch device per rank, checked before any rank starts (contract §9):
     `--threads`/`--device` for --local ranks (which share this machine's CPUs), the
     inventory's smol_threads/smol_device for hosts. 0 threads: the host's usable CPUs,
@@ -183,7 +205,7 @@ def machine_settings(args, hosts, world: int) -> tuple[list[int], list[str]]:
     from smoltrain.run.threads import inventory_threads, local_threads
 
     if hosts is None:
-        threads = local_threads(getattr(args, "threads", None), world)
+        threads = local_threads(getattr(args, "threads", None), share or world)[:world]
         devices = [getattr(args, "device", None) or "cpu"] * world
         dev = host.resolve_device(devices[0])
         if args.dtype:

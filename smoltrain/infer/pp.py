@@ -1,48 +1,78 @@
-"""Pipeline-parallel decode: each rank holds a run of layers and passes the hidden state on.
+"""Pipeline-parallel decode: each rank holds a run of layers and passes the hidden states on.
 
-Rank 0 embeds; every stage sends its output to the next; the last stage samples and
-sends the token id (one int64) back to rank 0, which feeds it into the next step.
-Stages run one after another (batch 1), so per token each hop carries one hidden
-state: `hidden * dtype bytes` (at `--wire-dtype`, infer.activations), plus 8 bytes back,
-as the plan counts.
+Every step crosses the stages in order: rank 0 embeds and runs its layers, each stage
+sends the step's header and its output (one hidden state per row) to the next, the
+last stage samples each row's token and sends the ids (one int64 per row) back to rank
+0. Per generated token a hop carries `hidden * dtype bytes` (at `--wire-dtype`,
+infer.activations) plus the header shared by the step's rows, and 8 bytes come back, as
+the plan counts.
+
+Rank 0 keeps one step per lane in flight (a lane per stage): while stage 1 runs lane
+A's step, stage 0 runs lane B's, so with requests in several lanes every stage has work.
 """
 
 from __future__ import annotations
 
 import torch
 
-from smoltrain.infer.engine import Engine, Stop, is_marker
+from smoltrain.infer.batching import IDLE, PREFILL, QUIT, slots_of
+from smoltrain.infer.engine import Engine
 
 
 class PipelineEngine(Engine):
-    def _run(self, x, sampler) -> int | None:
-        """x: ids (rank 0) or None (receive the hidden state); returns the token on rank 0."""
-        st, r, N, comm = self.stage, self.rank, self.world, self.comm
-        tokbuf = torch.zeros(1, dtype=torch.int64)
-        if r > 0:
-            buf = self.codec.buffer(x)
-            comm.recv(buf, r - 1)
-            x = self.codec.decode(buf)
-            if is_marker(x):
-                if not st.is_last:
-                    comm.send(buf, r + 1)
-                raise Stop
-        out = st(x)
-        if st.is_last:
-            tokbuf[0] = sampler(out)
-            comm.send(tokbuf, 0)
-        else:
-            comm.send(self.codec.encode(out), r + 1)
-        if r == 0:
-            comm.recv(tokbuf, N - 1)
-            return int(tokbuf[0])
-        return None
+    def __init__(self, stage, comm, rank: int, world: int, wire: str | None = None):
+        super().__init__(stage, comm, rank, world, wire)
+        self.depth = self.lanes = world
 
-    def prefill(self, ids, sampler):
-        return self._run(ids if self.rank == 0 else ids.shape[1], sampler)
+    # --- rank 0 ---
+    def issue(self, item) -> None:
+        def run():
+            if item.kind == PREFILL:
+                self.stage.open(item.slots[0], len(item.req.prompt_ids) + item.req.max_new_tokens)
+            out = self.stage(torch.tensor(item.ids), item.slots)
+            self.pass_header(self.header(item))
+            self.comm.send(self.codec.encode(out), 1)
 
-    def step(self, tok, sampler):
-        return self._run(torch.tensor([[tok]]) if self.rank == 0 else 1, sampler)
+        self.counted(item.kind, len(item.slots), run)
 
-    def signal_stop(self) -> None:
-        self.comm.send(self.codec.encode(self.marker()), 1)
+    def collect(self, item) -> list[int]:
+        toks = torch.zeros(len(item.slots), dtype=torch.int64)
+        self.comm.recv(toks, self.world - 1)
+        return toks.tolist()
+
+    def pass_header(self, h) -> None:
+        self.comm.send(h, 1)
+
+    # --- ranks 1.. ---
+    def follow(self, admissions) -> None:
+        r, last = self.rank, self.rank == self.world - 1
+        while True:
+            h = self.empty_header()
+            self.comm.recv(h, r - 1)
+            kind, mask, T, rid = h.tolist()
+            slots = slots_of(mask)
+            if kind in (IDLE, QUIT):
+                if not last:
+                    self.counted(kind, 0, lambda h=h: self.comm.send(h, r + 1))
+                if kind == QUIT:
+                    return
+                continue
+            if kind == PREFILL:
+                req = admissions.take(rid)
+                if last:
+                    self.open(slots[0], req)
+                else:
+                    self.stage.open(slots[0], len(req.prompt_ids) + req.max_new_tokens)
+            T = T if kind == PREFILL else 1
+            buf = self.codec.buffer(len(slots) * T)
+            self.comm.recv(buf, r - 1)
+
+            def run(h=h, buf=buf, slots=slots, T=T):
+                out = self.stage(self.codec.decode(buf).reshape(len(slots), T, -1), slots)
+                if last:
+                    self.comm.send(torch.tensor(self.sample(slots, out), dtype=torch.int64), 0)
+                else:
+                    self.comm.send(h, r + 1)
+                    self.comm.send(self.codec.encode(out), r + 1)
+
+            self.counted(kind, len(slots), run)

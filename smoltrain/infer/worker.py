@@ -1,9 +1,11 @@
 """One inference rank: `python -m smoltrain.infer.worker --control ADDR:PORT --rank R` (secret on stdin).
 
 It dials the controller, gets the InferConfig, joins the rank group, loads only its own
-layers (or tp slice) from the shared checkpoint folder, says `ready`, then serves
-`generate` requests until `quit`. Rank 0 streams each token as it comes; every rank
-ends a request with `done` and its stats, or `error` with a one-line reason.
+layers (or tp slice) from the shared checkpoint folder, says `ready`, then serves until
+`quit`. The controller sends every rank each request (`admit`); rank 0 batches them
+(`batching.lead`), sends each step's `tokens` and each request's `done` with its stats;
+the other ranks follow rank 0's headers. `cancel` (rank 0) drops a request; `stats`
+gets a rank's counters. A failure is one `error` message with a one-line reason.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 import traceback
 
 from smolnet import wire
+from smoltrain.infer.batching import Admissions, Batcher, lead
 from smoltrain.infer.config import InferConfig
 from smoltrain.infer.engine import Request, make_engine
 
@@ -25,13 +28,12 @@ MSG = 1
 
 
 class Control:
-    """The worker's end of the control connection; a reader thread turns `cancel` into an event."""
+    """The worker's end of the control connection; a reader thread queues what arrives."""
 
     def __init__(self, addr: str, port: int, secret: bytes, rank: int):
         self.sock = wire.connect(addr, port, secret, timeout=60.0, what="controller")
         self.lock = threading.Lock()
         self.inbox: queue.Queue = queue.Queue()
-        self.cancel = threading.Event()
         self.send({"type": "hello", "rank": rank, "pid": os.getpid(), "host": socket.gethostname()})
         kind, msg, _ = wire.recv_frame(self.sock, timeout=60.0, max_payload=0)
         if msg.get("type") != "config":
@@ -46,10 +48,7 @@ class Control:
             except (OSError, wire.WireError, TimeoutError):
                 self.inbox.put({"type": "quit"})
                 return
-            if msg.get("type") == "cancel":
-                self.cancel.set()
-            else:
-                self.inbox.put(msg)
+            self.inbox.put(msg)
 
     def send(self, msg: dict) -> None:
         with self.lock:
@@ -94,30 +93,47 @@ def serve(ctl: Control, rank: int, secret: bytes) -> None:
         quantize=cfg.quantize,
         device=device,
     )
+    stage.min_rows = stage.min_rows if cfg.max_batch > 1 else 1  # one sequence at a time: nothing to pad for
     engine = make_engine(cfg.strategy, stage, comm, rank, world, cfg.wire_dtype)
     machine = host.rank_facts(stage, threads, device)
-    if comm is not None:  # warm up, as llama.cpp does at load: the first pass over the split pays
-        # allocation, operator dispatch and fresh TCP windows that no later token pays (measured on the
-        # capped sim: a first request decoded at half the pace of the next); its bytes are not a request's
-        half = max(1, stage.cfg.ctx // 2)
-        engine.generate(Request([0] * min(4, half), min(16, half), 0.0, 1.0, 0, []))
-        comm.counter.reset()
-    ctl.send({"type": "ready", "load_s": time.perf_counter() - t0})
-    try:
+    batcher = admissions = None
+    if rank == 0:
+        batcher = Batcher(
+            cfg.max_batch,
+            engine.lanes,
+            on_tokens=lambda items: ctl.send({"type": "tokens", "items": items}),
+            on_done=lambda rid, reason, stats: ctl.send({"type": "done", "rid": rid, "reason": reason, "stats": stats}),
+        )
+    else:
+        admissions = Admissions(cfg.timeout)
+
+    def pump() -> None:  # the control messages, while the main thread steps
         while True:
             msg = ctl.inbox.get()
-            if msg.get("type") == "quit":
-                break
-            if msg.get("type") != "generate":
-                continue
-            ctl.cancel.clear()
-            req = Request(**msg["request"])
-            stats = engine.generate(
-                req, emit=lambda t: ctl.send({"type": "token", "id": t}), cancelled=ctl.cancel.is_set
-            )
-            stats["links"] = sorted((comm.bytes_sent() if comm else {}).items())
-            stats.update(machine)
-            ctl.send({"type": "done", "stats": stats})
+            kind = msg.get("type")
+            if kind == "admit":
+                req = Request(**msg["request"])
+                if batcher:
+                    batcher.submit(req)
+                else:
+                    admissions.put(req)
+            elif kind == "cancel" and batcher:
+                batcher.cancel(int(msg["rid"]))
+            elif kind == "stats":
+                links = sorted((comm.bytes_sent() if comm else {}).items())
+                ctl.send({"type": "stats", "stats": dict(engine.counters), "links": links, "machine": machine})
+            elif kind == "quit":
+                if batcher:
+                    batcher.stop()
+                return
+
+    ctl.send({"type": "ready", "load_s": time.perf_counter() - t0})
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        if batcher is not None:
+            lead(engine, batcher, keepalive_s=max(1.0, cfg.timeout / 4))
+        else:
+            engine.follow(admissions)
     finally:
         if comm is not None:
             comm.close()

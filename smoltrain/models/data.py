@@ -9,6 +9,11 @@ Batches depend on the seed and the step only: step k draws the same B windows of
 T+1 bytes for any world size, and each rank takes its slice of them. That is what
 lets every synchronous strategy reproduce the `--local 1` loss curve, and what
 lets `--resume` continue exactly without saving a data-loader state.
+
+With `--eval-every` the last sixteenth of the corpus is held out: no training batch
+draws from it, and the held-out loss is measured on a fixed set of windows there
+(the same windows at every evaluation and for every strategy, so curves compare at
+equal tokens).
 """
 
 from __future__ import annotations
@@ -63,24 +68,48 @@ def corpus_digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
+HOLDOUT_FRACTION = 16  # with --eval-every, the last 1/16 of the corpus is never trained on
+EVAL_BATCHES = 4  # held-out windows: this many global batches' worth
+
+
+def holdout_start(n: int, seq: int) -> int:
+    """Where the held-out bytes begin: the last 1/16, at least two windows, never all of it."""
+    start = n - max(n // HOLDOUT_FRACTION, 2 * (seq + 1))
+    if start < seq + 2:
+        raise UsageError(f"corpus has {n} bytes: too few to hold out a slice for --eval-every at --seq {seq}")
+    return start
+
+
 class Batches:
     """Global batches of byte windows, a pure function of (seed, step)."""
 
-    def __init__(self, data: bytes, batch: int, seq: int, seed: int):
+    def __init__(self, data: bytes, batch: int, seq: int, seed: int, holdout: bool = False):
         if len(data) <= seq + 1:
             raise UsageError(f"corpus has {len(data)} bytes, fewer than --seq {seq} + 1")
         import torch
 
         self.tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
         self.batch, self.seq, self.seed = batch, seq, seed
+        self.train_end = holdout_start(len(data), seq) if holdout else len(self.tokens)
 
-    def global_batch(self, step: int):
+    def _windows(self, seed: int, lo: int, hi: int):
         import torch
 
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        starts = torch.randint(0, len(self.tokens) - self.seq - 1, (self.batch,), generator=gen)
+        gen = torch.Generator().manual_seed(seed)
+        starts = lo + torch.randint(0, hi - lo - self.seq - 1, (self.batch,), generator=gen)
         win = torch.stack([self.tokens[s : s + self.seq + 1] for s in starts.tolist()])
         return win[:, :-1], win[:, 1:]
+
+    def global_batch(self, step: int):
+        return self._windows(self.seed * 1_000_003 + step, 0, self.train_end)
+
+    def eval_batches(self):
+        """The held-out windows (EVAL_BATCHES global batches from the held-out slice), always the same."""
+        if self.train_end >= len(self.tokens):
+            raise ValueError("no held-out slice: build Batches with holdout=True")
+        return [
+            self._windows(self.seed * 1_000_003 - 1 - i, self.train_end, len(self.tokens)) for i in range(EVAL_BATCHES)
+        ]
 
     def slice(self, step: int, lo: int, hi: int):
         """Sequences [lo, hi) of step's global batch."""

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from smoltrain.models.hf import GELUS, HFConfig
-from smoltrain.models.llama import KVCache, attend
+from smoltrain.models.llama import KVCache, attend_rows
 from smoltrain.models.quant import Linear
 
 
@@ -25,7 +25,7 @@ class GPT2Block(torch.nn.Module):
         self.proj = Linear(w.pop("attn.c_proj.weight").t(), None, dt, quantize)
         self.fc = Linear(w.pop("mlp.c_fc.weight").t(), w.pop("mlp.c_fc.bias"), dt, quantize)
         self.down = Linear(w.pop("mlp.c_proj.weight").t(), None, dt, quantize)
-        self.cache: KVCache | None = None
+        self.caches: dict[int, KVCache] = {}  # slot -> its sequence's cache
 
     def weight_bytes(self) -> int:
         """Bytes of weights one token reads in this block."""
@@ -33,18 +33,17 @@ class GPT2Block(torch.nn.Module):
             t.numel() * t.element_size() for t in self.w.values()
         )
 
-    def reset(self, max_len: int, dtype) -> None:
-        self.cache = KVCache(self.heads, self.cfg.head_dim, max_len, dtype, self.w["ln_1.weight"].device)
+    def open(self, slot: int, max_len: int, dtype) -> None:
+        self.caches[slot] = KVCache(self.heads, self.cfg.head_dim, max_len, dtype, self.w["ln_1.weight"].device)
 
     def _ln(self, x, name):
         return F.layer_norm(x, (x.shape[-1],), self.w[name + ".weight"], self.w[name + ".bias"], self.cfg.eps)
 
-    def forward(self, x, pos: int, reduce):
-        w, hd, T, n = self.w, self.cfg.head_dim, x.shape[1], self.heads
+    def forward(self, x, rows, reduce):
+        w, hd, (B, T), n = self.w, self.cfg.head_dim, x.shape[:2], self.heads
         y = self._ln(x, "ln_1")
-        q, k, v = (t.view(1, T, n, hd).transpose(1, 2) for t in self.qkv(y).split(n * hd, dim=-1))
-        k, v = self.cache.update(k, v, pos)
-        a = attend(q, k, v, n, n, causal=T > 1).transpose(1, 2).reshape(1, T, n * hd)
+        q, k, v = (t.view(B, T, n, hd).transpose(1, 2) for t in self.qkv(y).split(n * hd, dim=-1))
+        a = attend_rows(self.caches, rows, q, k, v, n, n).transpose(1, 2).reshape(B, T, n * hd)
         x = x + (reduce(self.proj(a)) + w["attn.c_proj.bias"])
         y = self._ln(x, "ln_2")
         m = F.gelu(self.fc(y), approximate=GELUS[self.cfg.act])
@@ -102,6 +101,5 @@ def load_ends(ckpt, first: bool, last: bool, dtype, quantize: str | None = None,
     return out
 
 
-def embed(ends: dict, ids, pos: int):
-    T = ids.shape[1]
-    return F.embedding(ids, ends["embed"]) + ends["pos"][pos : pos + T]
+def embed(ends: dict, ids, positions):
+    return F.embedding(ids, ends["embed"]) + ends["pos"][positions]

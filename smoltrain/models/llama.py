@@ -10,6 +10,11 @@ operations (each costs microseconds of Python and dispatch whatever its size): q
 are one matmul and gate, up another; RoPE's cos and sin come from a table made once per
 request; keys and values are written in place into a cache preallocated for the request;
 query heads share their kv head inside scaled_dot_product_attention (no copies).
+
+A forward runs a batch of rows (`stage.Rows`): several sequences, each with its own KV
+cache (its slot) and RoPE table, each at its own position. The matrix products take all
+rows at once (one read of the weights for the whole batch); attention runs row by row
+over that row's own cache, exactly as the row would alone.
 """
 
 from __future__ import annotations
@@ -57,12 +62,12 @@ def rope_table(theta: float, head_dim: int, max_len: int, dtype, device="cpu") -
 
 
 def apply_rope(x, cos, sin):
-    """x [T, heads, hd]; cos, sin [T, hd] (sin signed, see rope_table)."""
-    return x * cos[:, None] + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin[:, None]
+    """x [..., heads, hd]; cos, sin broadcast to it (sin signed, see rope_table)."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
 
 
 class KVCache:
-    """Keys and values of the positions seen so far, for one layer, batch 1."""
+    """Keys and values of the positions seen so far, for one layer and one sequence."""
 
     def __init__(self, kv_heads: int, head_dim: int, max_len: int, dtype, device="cpu"):
         self.k = torch.zeros(1, kv_heads, max_len, head_dim, dtype=dtype, device=device)
@@ -81,6 +86,18 @@ def attend(q, k, v, heads: int, kv_heads: int, causal: bool):
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kv_heads != heads)
 
 
+def attend_rows(caches: dict, rows, q, k, v, heads: int, kv_heads: int):
+    """q, k, v: [rows, heads, T, head_dim]; each row writes its keys and values into its slot's
+    cache and attends over that cache alone (padding rows, slot None, give zeros)."""
+    out = torch.zeros_like(q)
+    for i, (slot, pos) in enumerate(zip(rows.slots, rows.pos)):
+        if slot is None:
+            continue
+        kk, vv = caches[slot].update(k[i : i + 1], v[i : i + 1], pos)
+        out[i] = attend(q[i : i + 1], kk, vv, heads, kv_heads, causal=q.shape[2] > 1)[0]
+    return out
+
+
 class LlamaBlock(torch.nn.Module):
     def __init__(self, cfg: HFConfig, w: dict, heads: int, kv_heads: int, quantize: str | None = None):
         super().__init__()
@@ -95,8 +112,8 @@ class LlamaBlock(torch.nn.Module):
         gate_up = torch.cat([w.pop("mlp.gate_proj.weight"), w.pop("mlp.up_proj.weight")])
         self.gate_up = Linear(gate_up, None, dt, quantize)
         self.down = Linear(w.pop("mlp.down_proj.weight"), None, dt, quantize)
-        self.cache: KVCache | None = None
-        self.rope: tuple | None = None
+        self.caches: dict[int, KVCache] = {}  # slot -> its sequence's cache
+        self.rope: dict[int, tuple] = {}  # slot -> its sequence's RoPE table
 
     def weight_bytes(self) -> int:
         """Bytes of weights one token reads in this block."""
@@ -105,20 +122,28 @@ class LlamaBlock(torch.nn.Module):
             t.numel() * t.element_size() for t in small
         )
 
-    def reset(self, max_len: int, dtype) -> None:
+    def open(self, slot: int, max_len: int, dtype) -> None:
+        """A new sequence in this slot: a fresh cache of max_len positions and its RoPE table."""
         dev = self.ln1.device
-        self.cache = KVCache(self.kv_heads, self.cfg.head_dim, max_len, dtype, dev)
-        self.rope = rope_table(self.cfg.rope_theta, self.cfg.head_dim, max_len, dtype, str(dev))
+        self.caches[slot] = KVCache(self.kv_heads, self.cfg.head_dim, max_len, dtype, dev)
+        self.rope[slot] = rope_table(self.cfg.rope_theta, self.cfg.head_dim, max_len, dtype, str(dev))
 
-    def forward(self, x, pos: int, reduce):
-        hd, T, H, KV = self.cfg.head_dim, x.shape[1], self.heads, self.kv_heads
-        qkv = self.qkv(rms_norm(x, self.ln1, self.cfg.eps)).view(T, H + 2 * KV, hd)
-        cos, sin = self.rope[0][pos : pos + T], self.rope[1][pos : pos + T]
-        qk = apply_rope(qkv[:, : H + KV], cos, sin)  # q and k heads rotated together
-        q = qk[:, :H].transpose(0, 1)[None]
-        k, v = self.cache.update(qk[:, H:].transpose(0, 1)[None], qkv[:, H + KV :].transpose(0, 1)[None], pos)
-        a = attend(q, k, v, H, KV, causal=T > 1)
-        a = reduce(self.o(a.transpose(1, 2).reshape(1, T, H * hd)))
+    def _rope(self, rows, T: int):
+        """cos, sin [rows, T, hd]: each row's positions from its own sequence's table (a padding row
+        borrows the first row's)."""
+        tables = [self.rope[s if s is not None else rows.slots[0]] for s in rows.slots]
+        cos = torch.stack([c[p : p + T] for (c, _), p in zip(tables, rows.pos)])
+        sin = torch.stack([s[p : p + T] for (_, s), p in zip(tables, rows.pos)])
+        return cos, sin
+
+    def forward(self, x, rows, reduce):
+        hd, (n, T), H, KV = self.cfg.head_dim, x.shape[:2], self.heads, self.kv_heads
+        qkv = self.qkv(rms_norm(x, self.ln1, self.cfg.eps)).view(n, T, H + 2 * KV, hd)
+        cos, sin = self._rope(rows, T)
+        qk = apply_rope(qkv[:, :, : H + KV], cos[:, :, None], sin[:, :, None])  # q and k heads rotated together
+        q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
+        a = attend_rows(self.caches, rows, q, k, qkv[:, :, H + KV :].transpose(1, 2), H, KV)
+        a = reduce(self.o(a.transpose(1, 2).reshape(n, T, H * hd)))
         if self.o_bias is not None:
             a = a + self.o_bias
         x = x + a
@@ -180,5 +205,5 @@ def load_ends(ckpt, first: bool, last: bool, dtype, quantize: str | None = None,
     return out
 
 
-def embed(ends: dict, ids, pos: int):
+def embed(ends: dict, ids, positions):
     return F.embedding(ids, ends["embed"])

@@ -1,12 +1,23 @@
 """A stage of a Hugging Face model: layers [first, last), the embedding on the first stage,
 the final norm and LM head on the last; under tp, one rank's slice of every layer.
 
-`Stage.forward` takes token ids (first stage) or the previous stage's hidden state and
-returns the hidden state, or the last position's logits on the last stage. The KV cache
-lives in the blocks; `reset` starts a new sequence.
+`Stage.forward` takes token ids (first stage) or the previous stage's hidden state for a
+batch of rows, one sequence each, and returns the hidden state, or each row's last-position
+logits on the last stage. Every sequence has a slot: its own KV cache in each block and
+its own position, kept here; `open` starts a new sequence in a slot.
+
+A row's result does not depend on the other rows in its batch (so a request batched with
+others gets exactly the tokens it gets alone): attention runs row by row, and a decode
+batch of fewer than MIN_ROWS rows is padded to MIN_ROWS, because the CPU's matrix
+multiply takes another code path (another summation order) for fewer rows: below 2 rows
+for oneDNN's fp32 product, below 4 for MKL's (a tied head). Where nothing is ever
+batched (`generate`: at most one sequence), `min_rows = 1` skips the padding and its
+compute.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,6 +26,16 @@ from smoltrain.models.hf import Checkpoint, CheckpointError, expected_tensors
 
 ARCH = {"llama": llama, "gpt2": gpt2}
 TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MIN_ROWS = 4
+
+
+@dataclass
+class Rows:
+    """The sequences of one forward: slot and first position per row (None: a padding row)."""
+
+    slots: list
+    pos: list
+    cache: dict = field(default_factory=dict)
 
 
 def even_layers(layers: int, world: int) -> list[tuple[int, int]]:
@@ -86,7 +107,8 @@ class Stage(torch.nn.Module):
             mod.load_block(ckpt, i, tp_rank, tp_world, self.dtype, quantize, self.device) for i in range(first, last)
         ]
         self.ends = mod.load_ends(ckpt, is_first, is_last, self.dtype, quantize, self.device)
-        self.pos = 0
+        self.pos: dict[int, int] = {}  # slot -> positions its sequence has so far
+        self.min_rows = MIN_ROWS  # decode batches are padded to this many rows
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads here: every matmul weight (at its width, scales
@@ -101,21 +123,35 @@ class Stage(torch.nn.Module):
                 n += sum(p.numel() * p.element_size() for p in vars(t).values() if isinstance(p, torch.Tensor))
         return int(n)
 
-    def reset(self, max_len: int) -> None:
+    def open(self, slot: int, max_len: int) -> None:
+        """Start a new sequence of at most max_len positions in this slot (its old one is dropped)."""
         for b in self.blocks:
-            b.reset(max_len, self.dtype)
-        self.pos = 0
+            b.open(slot, max_len, self.dtype)
+        self.pos[slot] = 0
 
     @torch.no_grad()
-    def forward(self, x, reduce=lambda t: t):
-        """x: token ids [1, T] on the first stage, else hidden [1, T, hidden]; returns hidden or logits [vocab]."""
-        pos = self.pos
+    def forward(self, x, slots: list[int], reduce=lambda t: t):
+        """x: token ids [rows, T] on the first stage, else hidden [rows, T, hidden], row i continuing
+        the sequence in slots[i]; returns hidden [rows, T, hidden] or logits [rows, vocab]."""
         x = x.to(self.device)
+        n, T = x.shape[0], x.shape[1]
+        pad = self.min_rows - n if T == 1 and n < self.min_rows else 0
+        if pad:
+            x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
+        rows = Rows(list(slots) + [None] * pad, [self.pos[s] for s in slots] + [0] * pad)
+        if pad:  # the padding rows' partial sums need not cross the wire
+            full = reduce
+
+            def reduce(t):
+                return torch.cat([full(t[:n]), t[n:]])
+
         if self.is_first:
-            x = self.mod.embed(self.ends, x, pos)
+            positions = torch.tensor(rows.pos, device=self.device)[:, None] + torch.arange(T, device=self.device)
+            x = self.mod.embed(self.ends, x, positions)
         for b in self.blocks:
-            x = b(x, pos, reduce)
-        self.pos = pos + x.shape[1]
+            x = b(x, rows, reduce)
+        for s in slots:
+            self.pos[s] += T
         if self.is_last:
-            return self.ends["head"](self.ends["norm"](x[:, -1:])).view(-1).float()
-        return x
+            return self.ends["head"](self.ends["norm"](x[:, -1:])).view(x.shape[0], -1)[:n].float()
+        return x[:n]

@@ -40,6 +40,8 @@ def run_request(run: dict) -> dict:
         "batch": int(cfg.get("batch", 8)),
         "seq": int(cfg.get("seq", 64)),
         "microbatches": int(cfg.get("microbatches") or 1),
+        "inner_steps": int(cfg.get("inner_steps") or 0) or None,  # diloco
+        "sync_dtype": cfg.get("sync_dtype"),
     }
     if not req["strategy"] or req["world"] < 1:
         raise UsageError("run report lacks config.strategy or world_size")
@@ -118,7 +120,7 @@ def compare(plan: dict, run: dict, warmup: int | None = None) -> dict:
         )
     step_m = _median_after_warmup(run, "step_s", warmup)
     comm_m = _median_after_warmup(run, "comm_s", warmup)
-    return {
+    out = {
         "schema": COMPARE_SCHEMA,
         "strategy": plan["strategy"],
         "world_size": plan["world_size"],
@@ -134,6 +136,11 @@ def compare(plan: dict, run: dict, warmup: int | None = None) -> dict:
         **per_rank(plan, run, warmup),
         "plan": plan,
     }
+    if plan.get("inner_steps"):  # an outer-step strategy: bytes per outer step, pace of whole outer steps
+        from smoltrain.planner.diloco_verdict import compare_outer
+
+        compare_outer(out, plan, run)
+    return out
 
 
 MISS = 0.25  # a per-rank figure further than this from its prediction "missed"
@@ -232,4 +239,6 @@ def render(con, cmp: dict) -> None:
             )
         )
     verdict = "all links within 2%" if cmp["bytes_within_2pct"] else "[red]some links differ by more than 2%[/]"
+    if "bytes_exact" in cmp:
+        verdict += "; per outer step " + ("exactly as planned" if cmp["bytes_exact"] else "[red]not as planned[/]")
     con.print(f"  bytes: {verdict}")

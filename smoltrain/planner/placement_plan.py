@@ -159,7 +159,7 @@ class Ask:
             layers=c.get("layers"),
             heads=c.get("heads"),
             ffn=c.get("ffn"),
-            excluded=excluded,
+            excluded=excluded + list(c.get("idle") or []),
             why=why + _order_words(c["order"], topology, self.link_s, nbytes),
         )
 
@@ -232,9 +232,9 @@ def _cap(a: Ask, rk, piece, top: int) -> int:
     return n
 
 
-def _split(a: Ask, kept: list, piece, total: int, what: str) -> list[list[int]]:
+def _split(a: Ask, kept: list, piece, total: int, what: str, least: int = 1) -> list[list[int]]:
     """Candidate counts per kept rank: the even split (when it fits) and, for auto, the
-    greedy split by the ranks' compute for each count."""
+    greedy split by the ranks' compute for each count (at least `least` each)."""
     hi = [_cap(a, rk, piece, total) for rk in kept]
     out = []
     even = even_counts(total, len(kept))
@@ -246,7 +246,7 @@ def _split(a: Ask, kept: list, piece, total: int, what: str) -> list[list[int]]:
             "try --placement auto"
         )
     if a.mode == "auto":
-        got = greedy_counts(total, lambda i, c: a.seconds(kept[i], piece(c)), [1] * len(kept), hi)
+        got = greedy_counts(total, lambda i, c: a.seconds(kept[i], piece(c)), [least] * len(kept), hi)
         if got is None:
             raise PlacementError(f"{a.strategy}: {total} {what} do not fit in the hosts' memory (at most {sum(hi)})")
         out.insert(0, got)
@@ -263,19 +263,33 @@ def _batch(a: Ask) -> Placement:
     if a.batch < len(kept):
         raise PlacementError(f"{a.strategy}: --batch {a.batch} is smaller than the {len(kept)} ranks sharing it")
     names = [rk.name for rk in kept]
+    # replicas that sync only every H steps (diloco) may leave a host out: one whose single
+    # sequence takes longer than the others' whole step would only make them wait at the sync
+    least = 0 if a.info.outer_steps else 1
     cands = []
-    for counts in _split(a, kept, piece, a.batch, "sequences"):
-        by = dict(zip(names, counts))
-        for order in a.orders(names, a.info.topology, 4 * a.model.params() / len(kept)):
-            cands.append(
-                {"mode": a.mode, "strategy": a.strategy, "order": order, "shares": [by[n] / a.batch for n in order]}
-            )
+    for counts in _split(a, kept, piece, a.batch, "sequences", least):
+        by = {n: c for n, c in zip(names, counts) if c}
+        idle = [_idle(a, rk, piece, by) for rk, c in zip(kept, counts) if not c]
+        for order in a.orders(list(by), a.info.topology, 4 * a.model.params() / len(by)):
+            shares = [by[n] / a.batch for n in order]
+            cands.append({"mode": a.mode, "strategy": a.strategy, "order": order, "shares": shares, "idle": idle})
 
     def describe(r, c, i):
         n = counts_from_shares(a.batch, c["shares"])[i]
         return f"{r['name']}: {n} of {a.batch} sequences ({human_s(r['compute_s'])} of compute)"
 
     return a.best(cands, excluded, describe)
+
+
+def _idle(a: Ask, rk, piece, counts: dict) -> dict:
+    """Why a replica of an outer-step strategy gets no sequence."""
+    by = {r.name: r for r in a.ranks}
+    step = max(a.seconds(by[n], piece(c)) for n, c in counts.items())
+    one = a.seconds(rk, piece(1))
+    return {
+        "name": rk.name,
+        "why": f"one sequence takes it {one * 1e3:.0f} ms, the others' whole step {step * 1e3:.0f} ms",
+    }
 
 
 def _cut(a: Ask, order: list, stage, hop_bytes: float) -> list[int] | None:
@@ -442,3 +456,11 @@ def place_dict(p: Placement | dict) -> dict:
     """The part of a placement the plan and the run execute."""
     d = p.to_dict() if isinstance(p, Placement) else p
     return {k: d[k] for k in KEEP if k in d}
+
+
+def placed_tokens_per_s(plan: dict) -> float:
+    """The plan's tokens/s under the better of its placements (even or auto, as its section
+    predicted them); the plan's own figure where it has no section."""
+    pred = (plan.get("placement") or {}).get("predicted") or {}
+    best = [p.get("tokens_per_s") for p in pred.values() if p.get("tokens_per_s")]
+    return max(best + [plan.get("tokens_per_s") or 0.0])

@@ -50,6 +50,7 @@ def make_plan(
     compute_dtype: str | None = None,
     quantize: str | None = None,
     wire_dtype: str | None = None,
+    outer: dict | None = None,
 ) -> dict:
     """The plan of these ranks over these links (the arithmetic; request.build_plan resolves
     ranks, links and placement from what a command was given, then calls this).
@@ -58,7 +59,8 @@ def make_plan(
     the plan then describes exactly the run that executes it (None: the even split).
     `compute_dtype`: the matmuls' dtype where it differs from `dtype`, the bytes' (run --dtype
     bf16 keeps fp32 weights and gradients); `quantize`, `wire_dtype`: inference weights and
-    activations on the wire (planner.widths)."""
+    activations on the wire (planner.widths). `outer`: an outer-step strategy's settings
+    (planner.diloco.options: inner_steps, sync_dtype, target_comm)."""
     if placement and ranks is not None:
         ranks, world = placed_ranks(ranks, placement), len(placement["order"])
     if mode == "infer":
@@ -114,6 +116,10 @@ def make_plan(
         wire_dtype=(wire_dtype or dtype) if not train else None,
         placement_mode=(placement or {}).get("mode", "even"),
     )
+    if train and info.outer_steps:  # the all-reduce every H steps (planner.diloco)
+        from smoltrain.planner import diloco
+
+        diloco.finish(doc, model, ranks, lm, outer)
     if single:
         from smoltrain.planner import verdict
 

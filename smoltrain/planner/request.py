@@ -42,10 +42,17 @@ class PlanRequest:
     compute_dtype: str | None = None  # the matmuls' dtype where it differs from `dtype` (planner.widths)
     quantize: str | None = None  # inference weights' format
     wire_dtype: str | None = None  # inference activations on the wire
+    outer: dict | None = None  # an outer-step strategy's settings (planner.diloco.options)
 
     @property
     def widths(self) -> dict:
-        return {"compute_dtype": self.compute_dtype, "quantize": self.quantize, "wire_dtype": self.wire_dtype}
+        """What make_plan takes beyond the shape: the widths (planner.widths) and `outer`."""
+        return {
+            "compute_dtype": self.compute_dtype,
+            "quantize": self.quantize,
+            "wire_dtype": self.wire_dtype,
+            "outer": self.outer,
+        }
 
 
 @dataclass

@@ -27,6 +27,7 @@ MODES = ("train", "infer")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 BUCKET_BYTES = 1e6  # smoltrain's dp bucket size (bucket_mb=1.0)
 TOKEN_ID_BYTES = 8  # the sampled token id returns to stage 0 as one int64
+STEP_HEADER_BYTES = 32  # each decode step starts with rank 0's header: 4 int64 (smoltrain/infer/batching.py)
 LSE_BYTES = 4  # ring-attention decode carries one fp32 log-sum-exp per head
 
 
@@ -280,6 +281,10 @@ def ring_attention_train(tr: Traffic, s: Step) -> None:
     tr.phases += bucketed_all_reduce(N, model.params() * s.a, "all-reduce gradients")
 
 
+def outer_allreduce_train(tr: Traffic, s: Step) -> None:
+    tr.notes.append(f"{s.info.name}: nothing crosses per inner step; planner.diloco plans the outer all-reduce")
+
+
 # --- infer: one generated token, batch 1, KV cache over `seq` positions ---
 def replicated_infer(tr: Traffic, s: Step) -> None:
     tr.notes.append("inference: every rank serves its own request stream; nothing crosses the links")
@@ -291,14 +296,19 @@ def sharded_gather_infer(tr: Traffic, s: Step) -> None:
 
 def layer_chain_infer(tr: Traffic, s: Step) -> None:
     N = s.world
-    tr.phases += [Phase(f"hidden state stage {r} -> {r + 1}", [Transfer(r, r + 1, s.act)]) for r in range(N - 1)]
+    hop = s.act + STEP_HEADER_BYTES
+    tr.phases += [Phase(f"hidden state stage {r} -> {r + 1}", [Transfer(r, r + 1, hop)]) for r in range(N - 1)]
     if N > 1:
+        tr.notes.append(f"each hop also carries the step's {STEP_HEADER_BYTES}-byte header")
         tr.phases.append(Phase("sampled token id back to stage 0", [Transfer(N - 1, 0, TOKEN_ID_BYTES)]))
         tr.notes.append("the last stage returns the sampled token id to stage 0 as one int64 (8 bytes)")
 
 
 def tensor_allreduce_infer(tr: Traffic, s: Step) -> None:
     N = s.world
+    if N > 1:
+        chain = [Transfer(r, r + 1, STEP_HEADER_BYTES) for r in range(N - 1)]
+        tr.phases.append(Phase("step header from rank 0 (broadcast)", chain, serial=True))
     if N > 1 and s.wire == "int8":  # int8 cannot be summed on the wire: all-gather, add up locally
         tr.phases.append(
             _ring(N, s.act, 2 * s.model.layers * (N - 1), "all-gather int8 hidden state (2 per layer), summed locally")
@@ -347,6 +357,7 @@ MODELS: dict[str, TrafficModel] = {
     "tensor_allreduce": TrafficModel(tensor_allreduce_train, tensor_allreduce_infer),
     "expert_all_to_all": TrafficModel(expert_all_to_all_train, expert_all_to_all_infer),
     "ring_attention": TrafficModel(ring_attention_train, ring_attention_infer),
+    "outer_allreduce": TrafficModel(outer_allreduce_train, replicated_infer),  # diloco: planner.diloco
 }
 
 

@@ -113,6 +113,10 @@ def identity(cfg) -> dict:
         "schedule": cfg.schedule,
         "shares": list(cfg.shares) if cfg.shares else None,
     }
+    # only when set: older checkpoints keep their identity. (diloco's H and outer step are not part
+    # of it: `run` picks them from the plan and the run's length, which a longer resumed run changes)
+    if getattr(cfg, "optimizer", "adamw") != "adamw":
+        trajectory["optimizer"] = cfg.optimizer
     run = hashlib.sha256(json.dumps(trajectory, sort_keys=True).encode()).hexdigest()[:16]
     return {
         "strategy": cfg.strategy,

@@ -58,6 +58,12 @@ class RunConfig:
     placement: dict | None = None  # planner.placement document: who gets which share, layers or heads
     dtype: str = "fp32"  # compute dtype: bf16 runs matmuls in bf16 (autocast), weights and optimizer stay fp32
     threads: tuple[float, ...] = ()  # torch threads per rank (0: the host's usable CPUs); absent: 1
+    optimizer: str = "adamw"  # every strategy's optimizer (diloco: the inner one): adamw or sgd
+    eval_every: int = 0  # held-out loss every K steps (models.data: a slice no batch draws from); 0: never
+    inner_steps: int = 0  # diloco: inner steps per outer step (H); 0 for the other strategies
+    outer_lr: float = 0.7  # diloco: outer SGD learning rate on the averaged pseudo-gradient
+    outer_momentum: float = 0.9  # diloco: outer Nesterov momentum
+    sync_dtype: str = "fp32"  # diloco: the pseudo-gradient's dtype on the wire (fp32, bf16, fp16, int8)
 
     @property
     def world_size(self) -> int:

@@ -88,6 +88,8 @@ class Controller:
         self.closed: set[str] = set()
         self.left: set[str] = set()  # dropped by the parameter server (syncps/edp)
         self.steps: dict[int, dict] = {}
+        self.evals: dict[int, dict] = {}  # step -> who -> held-out loss share (--eval-every)
+        self.outer: dict[int, dict] = {}  # outer step -> who -> {sync_s, bytes, wait_s} (diloco)
         self.events: list[dict] = []
         self.links: dict[tuple[str, str], int] = {}
         self.state_bytes: dict[str, dict] = {}
@@ -138,7 +140,7 @@ class Controller:
     def handle(self, who: str | None, msg: dict, progress) -> None:
         kind = msg.get("type")
         if kind == "log" or who is None:
-            self.console.log(f"{who or 'control'}: {msg.get('message')}")
+            self.console.log(f"{who or 'control'}: {msg.get('message')}", markup=False)  # text from a peer
         elif kind == "connected":
             self.connected[who] = msg["hello"]
             self.console.print(f"worker {who} pid {msg['hello'].get('pid')} on {msg['hello'].get('host')}")
@@ -149,12 +151,23 @@ class Controller:
             rec.setdefault("by", {})[who] = (msg["step_s"], msg["comm_s"])  # per-rank timings (run/timings.py)
             if msg.get("loss") is not None:
                 rec["parts"][who] = msg["loss"]
+                if msg.get("weight") is not None:
+                    rec.setdefault("weights", {})[who] = msg["weight"]
                 if not math.isfinite(msg["loss"]):
                     raise SmolError(f"{who}: loss is {msg['loss']} at step {msg['step'] + 1} (diverged: lower --lr?)")
             self.sent[who] = msg.get("sent", 0)
         elif kind == "loss":
             rec = self.steps.setdefault(msg["step"], {"parts": {}, "step_s": 0.0, "comm_s": 0.0})
             rec["parts"]["server"] = msg["loss"]
+        elif kind == "eval":
+            rec = self.evals.setdefault(msg["step"], {"parts": {}})
+            rec["parts"][who] = msg["loss"]
+            if msg.get("weight") is not None:
+                rec.setdefault("weights", {})[who] = msg["weight"]
+        elif kind == "outer":
+            self.outer.setdefault(msg["step"], {})[who] = {
+                k: msg[k] for k in ("sync_s", "bytes", "wait_s", "seconds", "digest")
+            }
         elif kind == "event":
             self.events.append({"step": msg["step"], "kind": msg["kind"], "who": msg["name"]})
             if msg["kind"] == "leave":
@@ -176,7 +189,7 @@ class Controller:
                 self.threads[who] = msg["threads"]
         elif kind == "error":
             if self.info.elastic and who != self.names[0]:
-                self.console.log(f"{who} failed: {msg['message']}")
+                self.console.log(f"{who} failed: {msg['message']}", markup=False)
             else:
                 self._gather(who, error=msg)
         elif kind == "closed":
@@ -194,7 +207,7 @@ class Controller:
         ):
             self.shown += 1
             rec = self.steps[self.shown]
-            loss = sum(v for _, v in sorted(rec["parts"].items()))
+            loss = step_loss(rec)
             tps = self.cfg.global_tokens / max(rec["step_s"], 1e-9)
             mb = sum(self.sent.values()) / 1e6
             line = f"step {self.shown + 1}/{self.cfg.steps} loss {loss:.4f} tok/s {tps:,.0f} sent {mb:.2f} MB"
@@ -327,7 +340,7 @@ class Controller:
                 if partial:
                     continue
                 raise SmolError(f"step {k}: no loss reported")
-            loss = sum(v for _, v in sorted(rec["parts"].items()))
+            loss = step_loss(rec)
             rows.append({"step": k, "loss": loss, "step_s": rec["step_s"], "comm_s": rec["comm_s"], "tokens": tokens})
         total_s = sum(r["step_s"] for r in rows)
         order = {n: i for i, n in enumerate(self.names)}
@@ -360,7 +373,49 @@ class Controller:
             "tokens_per_s": (tokens * len(rows) / total_s) if total_s > 0 else None,
             "state_bytes": self.state_bytes,
             "threads": self.threads,
+            **self.extra_sections(tokens),
         }
+
+    def extra_sections(self, tokens: int) -> dict:
+        """`evals` (--eval-every) and `outer_steps` (diloco), when the run has them."""
+        out = {}
+        if self.evals:
+            out["evals"] = [
+                {"step": k, "tokens": (k + 1) * tokens, "loss": step_loss(rec)} for k, rec in sorted(self.evals.items())
+            ]
+        if self.outer:
+            order = {n: i for i, n in enumerate(self.names)}
+            out["outer_steps"] = [
+                {
+                    "step": k,
+                    "sync_s": max(r["sync_s"] for r in by.values()),
+                    "bytes": sum(r["bytes"] for r in by.values()),
+                    # the outer step's wall time: the rank that waited least at the sync came last, so
+                    # its inner steps and sync are the critical path (what others did between steps,
+                    # like evaluating, shows up in their waits, not here)
+                    "seconds": min(by.values(), key=lambda r: r["wait_s"])["seconds"],
+                    "ranks": [
+                        dict(by[n], name=n, rank=order.get(n, -1)) for n in sorted(by, key=lambda n: order.get(n, 99))
+                    ],
+                }
+                for k, by in sorted(self.outer.items())
+            ]
+            # ranks run their inner steps apart: the outer steps' wall time gives the rate
+            wall = sum(o["seconds"] for o in out["outer_steps"])
+            rows = sum(1 for k in self.steps if k >= self.cfg.start_step)
+            out["tokens_per_s"] = tokens * rows / wall if wall > 0 else None
+        return out
+
+
+def step_loss(rec: dict) -> float:
+    """A step's loss: the ranks' shares summed; where shares carry the part of the batch they
+    stand for (elastic members), over the parts that arrived."""
+    loss = sum(v for _, v in sorted(rec["parts"].items()))
+    weights = rec.get("weights") or {}
+    if weights and len(weights) == len(rec["parts"]):
+        total = sum(weights.values())
+        return loss / total if total > 0 else loss
+    return loss
 
 
 def write_json(path: str | os.PathLike, doc: dict) -> None:
@@ -376,7 +431,11 @@ def plot_losses(doc: dict, path: str | os.PathLike) -> None:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([s["step"] + 1 for s in doc["steps"]], [s["loss"] for s in doc["steps"]], marker=".")
+    ax.plot([s["step"] + 1 for s in doc["steps"]], [s["loss"] for s in doc["steps"]], marker=".", label="training")
+    if doc.get("evals"):  # --eval-every: the held-out slice no worker trains on
+        ev = doc["evals"]
+        ax.plot([e["step"] + 1 for e in ev], [e["loss"] for e in ev], marker="o", label="held-out")
+        ax.legend()
     for e in doc["events"]:
         if e["kind"] in ("join", "leave"):
             ax.axvline(e["step"] + 1, color="red" if e["kind"] == "leave" else "green", ls="--", lw=0.8)

@@ -20,7 +20,7 @@ from smoltrain.models.data import Batches, corpus_digest
 from smoltrain.run.channel import ControlClient
 from smoltrain.run.checkpoint import load_part, save_part
 from smoltrain.run.config import RunConfig
-from smoltrain.strategies import Context, Stopwatch, TimedComm, load_strategy
+from smoltrain.strategies import Context, Stopwatch, TimedComm, eval_due, load_strategy
 
 
 class Reporter:
@@ -35,8 +35,21 @@ class Reporter:
         except (OSError, TimeoutError) as e:
             raise ConnectionError(f"lost the controller: {e}") from None
 
-    def step(self, step, loss, step_s, comm_s, sent):
-        self._send({"type": "step", "step": step, "loss": loss, "step_s": step_s, "comm_s": comm_s, "sent": sent})
+    def step(self, step, loss, step_s, comm_s, sent, weight=None):
+        msg = {"type": "step", "step": step, "loss": loss, "step_s": step_s, "comm_s": comm_s, "sent": sent}
+        if weight is not None:  # the share of the batch this loss stands for (elastic: members change)
+            msg["weight"] = weight
+        self._send(msg)
+
+    def eval(self, step, loss, weight=None):
+        msg = {"type": "eval", "step": step, "loss": loss}
+        if weight is not None:  # the part of the held-out batch this share stands for (elastic members)
+            msg["weight"] = weight
+        self._send(msg)
+
+    def outer(self, step, sync_s, nbytes, wait_s, seconds, digest):
+        keys = ("step", "sync_s", "bytes", "wait_s", "seconds", "digest")
+        self._send(dict(zip(keys, (step, sync_s, nbytes, wait_s, seconds, digest)), type="outer"))
 
     def loss(self, step, loss):
         self._send({"type": "loss", "step": step, "loss": loss})
@@ -115,6 +128,21 @@ def blamed_peer(cfg: RunConfig, e: BaseException) -> str | None:
     return None
 
 
+def held_out(strat, batches, comm, timer, rep: Reporter, step: int, device: str) -> None:
+    """The held-out loss after `step` (--eval-every), outside the step's time and bytes: what a
+    split model sends to evaluate is taken back off the transport's counters."""
+    counter = comm.counter if comm else None
+    saved = (dict(counter.payload), dict(counter.framing)) if counter else None
+    shares = [strat.eval_loss(x.to(device), y.to(device)) for x, y in batches.eval_batches()]
+    if counter:
+        counter.payload.clear(), counter.payload.update(saved[0])
+        counter.framing.clear(), counter.framing.update(saved[1])
+        comm.take_seconds()
+    timer.take()
+    if shares[0] is not None:
+        rep.eval(step, sum(shares) / len(shares), strat.share)
+
+
 def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, corpus: bytes) -> None:
     from smoltrain import host
 
@@ -124,12 +152,12 @@ def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, co
     torch.manual_seed(cfg.seed)
     if corpus_digest(corpus) != cfg.data_digest:
         raise ValueError("the corpus received from the controller does not match its digest")
-    batches = Batches(corpus, cfg.batch, cfg.seq, cfg.seed)
+    batches = Batches(corpus, cfg.batch, cfg.seq, cfg.seed, holdout=cfg.eval_every > 0)
     world = cfg.world_size
     info = registry.get(cfg.strategy, trainable=True)
     ps = info.parameter_server
     comm = None
-    if not ps and world > 1:
+    if not info.elastic and world > 1:  # elastic strategies form their own groups as members change
         from smoltrain.comm import make_comm
 
         comm = TimedComm(
@@ -188,7 +216,9 @@ def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, co
             step_s = time.perf_counter() - t0
             comm_s = (comm.take_seconds() if comm else 0.0) + ctx.comm_timer.take()
             sent = strat.sent_bytes()
-            rep.step(step, loss if strat.loss_owner else None, step_s, comm_s, sent)
+            rep.step(step, loss if strat.loss_owner else None, step_s, comm_s, sent, strat.weight)
+            if eval_due(cfg, step):
+                held_out(strat, batches, comm, ctx.comm_timer, rep, step, device)
             if not ps and checkpoint_due(cfg, step + 1):
                 part = f"rank{rank}"
                 rep.saved(step + 1, part, save_part(cfg.checkpoint_dir, step + 1, part, strat.state_tensors()))

@@ -91,6 +91,8 @@ class Strategy(ABC):
     """One rank's share of the model, its optimizer, and its training step."""
 
     loss_owner = True  # does this rank's train_step return a loss share?
+    weight = None  # elastic members: the part of the batch the loss share just returned stands for
+    share = None  # elastic members: the part of the batch (and of the held-out windows) this rank holds now
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
@@ -139,6 +141,33 @@ class Strategy(ABC):
 
     def close(self) -> None:  # noqa: B027 (most strategies hold nothing to release)
         """Release what the strategy holds beyond the Comm (threads, servers)."""
+
+    def eval_loss(self, x, y) -> float | None:
+        """This rank's share of the mean loss on held-out windows (x, y) with the current
+        weights (`--eval-every`), or None where other ranks answer; the shares add up. The
+        default fits the replicas: each evaluates its slice of the batch with its whole
+        `self.model`, so a slow host evaluates as little as it trains on."""
+        lo, hi = self.ctx.batch_range()
+        return mean_loss(self.model, x[lo:hi], y[lo:hi], y.numel())
+
+
+def mean_loss(model, x, y, tokens: int | None = None) -> float:
+    """Next-byte loss of a whole model on (x, y), summed and divided by `tokens` (default:
+    y's own, the mean), without gradients."""
+    import torch
+
+    from smoltrain.models.gpt import loss_sum
+
+    if x.shape[0] == 0:
+        return 0.0
+    with torch.no_grad():
+        return float(loss_sum(model(x), y, tokens or y.numel()))
+
+
+def eval_due(run, step: int) -> bool:
+    """Is the held-out loss measured after `step` (every --eval-every steps, and at the end)?"""
+    k = run.eval_every
+    return k > 0 and ((step + 1) % k == 0 or step + 1 == run.steps)
 
 
 def check_world(strategy: str, spec, world: int) -> None:

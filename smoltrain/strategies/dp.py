@@ -24,7 +24,7 @@ import threading
 import torch
 
 from smoltrain.models.gpt import build_model, loss_sum
-from smoltrain.models.optim import AdamW
+from smoltrain.models.optim import make_optimizer
 from smoltrain.strategies import Context, Strategy
 
 WAIT_S = 120.0  # no bucket wait is unbounded
@@ -44,7 +44,7 @@ class DataParallel(Strategy):
         super().__init__(ctx)
         self.model = build_model(ctx.spec, ctx.seed).to(ctx.device)
         self.params = list(self.model.parameters())
-        self.opt = AdamW(self.params, lr=ctx.lr)
+        self.opt = make_optimizer(ctx.run.optimizer, self.params, ctx.lr)
         self.lo, self.hi = ctx.batch_range()
         # Buckets in reverse parameter order: roughly the order backward finishes them.
         self.buckets, cur, size = [], [], 0

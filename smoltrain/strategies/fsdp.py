@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from smoltrain.models.gpt import build_model, loss_sum
-from smoltrain.models.optim import AdamW
+from smoltrain.models.optim import make_optimizer
 from smoltrain.strategies import Context, Strategy
 
 
@@ -77,7 +77,7 @@ class FullyShardedDataParallel(Strategy):
         super().__init__(ctx)
         model = build_model(ctx.spec, ctx.seed)
         self.units = [ShardedUnit(u, ctx.rank, ctx.world, ctx.comm, ctx.device) for u in model.units]
-        self.opt = AdamW([u.shard for u in self.units], lr=ctx.lr)
+        self.opt = make_optimizer(ctx.run.optimizer, [u.shard for u in self.units], ctx.lr)
         self.lo, self.hi = ctx.batch_range()  # uneven by the placement; shards stay even
 
     def train_step(self, step: int) -> float:
@@ -107,6 +107,17 @@ class FullyShardedDataParallel(Strategy):
             acts[i + 1] = None
         self.opt.step([u.grad_shard for u in self.units])
         return loss_value
+
+    def eval_loss(self, x, y) -> float:
+        """Every rank gathers each unit in turn, as in forward, and runs its slice of the
+        held-out batch; its share of the mean adds up with the others' at the controller."""
+        h = x[self.lo : self.hi]
+        with torch.no_grad():
+            for u in self.units:
+                u.gather()
+                h = u.module(h)
+                u.free()
+            return float(loss_sum(h, y[self.lo : self.hi], y.numel()))
 
     def state_tensors(self) -> dict:
         st = {f"shard.{i}": u.shard for i, u in enumerate(self.units)}

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from smoltrain.models.gpt import build_model, loss_sum
-from smoltrain.models.optim import AdamW
+from smoltrain.models.optim import make_optimizer
 from smoltrain.strategies import Context, Strategy
 
 
@@ -39,7 +39,7 @@ class StageStrategy(Strategy):
         self.stage = nn.Sequential(*[full.units[i] for i in units]).to(ctx.device)
         self.loss_owner = self.last
         self.params = list(self.stage.parameters())
-        self.opt = AdamW(self.params, lr=ctx.lr)
+        self.opt = make_optimizer(ctx.run.optimizer, self.params, ctx.lr)
 
     def act_shape(self, n_seq: int) -> tuple[int, int, int]:
         return (n_seq, self.ctx.seq, self.ctx.spec.hidden)
@@ -56,6 +56,15 @@ class StageStrategy(Strategy):
         self.opt.step([p.grad for p in self.params])
         for p in self.params:
             p.grad = None
+
+    def eval_loss(self, x, y) -> float | None:
+        """The held-out batch down the chain of stages, forward only; the last stage answers."""
+        with torch.no_grad():
+            out = self.stage(x if self.first else self.recv_from(self.ctx.rank - 1, x.shape[0]))
+            if not self.last:
+                self.send_to(out, self.ctx.rank + 1)
+                return None
+            return float(loss_sum(out, y, y.numel()))
 
     def state_tensors(self) -> dict:
         st = {f"param.{n}": p.detach() for n, p in self.stage.named_parameters()}

@@ -31,7 +31,7 @@ from smolnet import wire
 from smolnet.server import AuthListener
 from smoltrain.comm.base import ByteCounter
 from smoltrain.models.gpt import build_model
-from smoltrain.models.optim import AdamW
+from smoltrain.models.optim import make_optimizer
 from smoltrain.planner.placement import named_batch_ranges
 
 HELLO, PARAMS, GRADS, STOP = 1, 2, 3, 4
@@ -85,7 +85,7 @@ class ParameterServer:
         self.barrier_timeout, self.start_timeout = barrier_timeout, start_timeout
         self.on_step, self.on_save = on_step, on_save  # callbacks (step, loss) and (step, tensors)
         self.flat = flat_params(build_model(ctx.spec, ctx.seed))
-        self.opt = AdamW([self.flat], lr=ctx.lr)
+        self.opt = make_optimizer(ctx.run.optimizer, [self.flat], ctx.lr)
         self.sent = ByteCounter()  # payload bytes to each member, keyed by name
         self.received: dict[str, int] = {}  # payload bytes from each member
         self.members: list[_Conn] = []
@@ -208,12 +208,17 @@ class ParameterServer:
 
     def close(self) -> None:
         self.stopping = True
-        try:
-            self.listener.close()
-        except OSError:
-            pass
-        for m in self.members + self.pending:
-            m.sock.close()
+        close_all(self.listener, self.members + self.pending)
+
+
+def close_all(listener, conns) -> None:
+    """Stop admitting and drop every member's connection (the parameter server, diloco's roster)."""
+    try:
+        listener.close()
+    except OSError:
+        pass
+    for m in conns:
+        m.sock.close()
 
 
 class Member:

@@ -27,7 +27,7 @@ import torch
 
 from smoltrain import registry
 from smoltrain.models.gpt import build_model, loss_sum
-from smoltrain.strategies import Context, Strategy
+from smoltrain.strategies import Context, Strategy, eval_due, mean_loss
 from smoltrain.strategies.parameter_server import Member, ParameterServer, flat_params
 
 
@@ -45,7 +45,7 @@ class SyncParameterServer(Strategy):
                 expected=ctx.world,
                 allow_join=registry.get(run.strategy).joiners,
                 barrier_timeout=run.barrier_timeout,
-                on_step=lambda step, loss: ctx.reporter.loss(step, loss),
+                on_step=self._stepped,
                 on_save=ctx.server_saver,
             )
             if ctx.server_state:
@@ -60,6 +60,21 @@ class SyncParameterServer(Strategy):
         self.member = Member(run.coord_addr, run.port, ctx.secret, ctx.name, order, timeout=run.barrier_timeout * 4)
         self.assignment = None
         self.loss_owner = False  # the server reports the loss
+
+    def _stepped(self, step: int, loss: float) -> None:
+        """The server applied `step`: report its loss and, when due, the held-out loss of the
+        master parameters (the workers' copies are a step behind)."""
+        self.ctx.reporter.loss(step, loss)
+        if eval_due(self.ctx.run, step):
+            if not hasattr(self, "eval_model"):
+                self.eval_model = build_model(self.ctx.spec, self.ctx.seed)
+                self.eval_flat = flat_params(self.eval_model)
+            self.eval_flat.copy_(self.server.flat)
+            held = [mean_loss(self.eval_model, x, y) for x, y in self.ctx.batches.eval_batches()]
+            self.ctx.reporter.eval(step, sum(held) / len(held))
+
+    def eval_loss(self, x, y) -> None:
+        return None  # the server measures it on the master parameters (_stepped)
 
     def next_step(self, step: int) -> int | None:
         t = self.ctx.comm_timer

@@ -26,8 +26,8 @@ import torch
 import torch.nn as nn
 
 from smoltrain.models.gpt import MLP, Attention, build_model, loss_sum
-from smoltrain.models.optim import AdamW
-from smoltrain.strategies import Context, Strategy
+from smoltrain.models.optim import make_optimizer
+from smoltrain.strategies import Context, Strategy, mean_loss
 
 
 class _AllReduceBackward(torch.autograd.Function):
@@ -96,7 +96,7 @@ class TensorParallel(Strategy):
             units = [units[0]] + [ParallelBlock(b, heads, ffn, ctx.comm) for b in units[1:-1]] + [units[-1]]
         self.model = nn.Sequential(*units).to(ctx.device)
         self.params = list(self.model.parameters())
-        self.opt = AdamW(self.params, lr=ctx.lr)
+        self.opt = make_optimizer(ctx.run.optimizer, self.params, ctx.lr)
 
     def train_step(self, step: int) -> float | None:
         x, y = self.ctx.batches.global_batch(step)
@@ -107,6 +107,11 @@ class TensorParallel(Strategy):
         for p in self.params:
             p.grad = None
         return float(loss.item()) if self.loss_owner else None
+
+    def eval_loss(self, x, y) -> float | None:
+        """Every rank runs the split forward (its all-reduces); rank 0 answers."""
+        loss = mean_loss(self.model, x, y)
+        return loss if self.loss_owner else None
 
 
 STRATEGY = TensorParallel

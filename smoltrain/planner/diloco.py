@@ -1,0 +1,266 @@
+"""Planning low-communication training (DiLoCo): bytes per outer step, the inner steps H, and
+the setting that would beat the best single host.
+
+Replicas train H inner steps on their own slices, then all-reduce the pseudo-gradient
+(weights at the last outer step minus their own) once, as a ring, in `--sync-dtype`. So the
+links carry one all-reduce of the parameters every H steps instead of every step:
+
+    bytes per outer step (rank r) = 2 * sum(segment bytes) - seg[(r+1)%N] - seg[(r+2)%N]
+    bytes per token               = busiest rank's bytes per outer step / (H * global tokens)
+    step time (per inner step)    = compute + (all-reduce + outer update) / H
+
+Segments are the ring's N nearly equal element ranges (the first numel % N get one more);
+a segment costs its elements at the sync dtype's size, and in int8 one fp32 scale per
+INT8_CHUNK elements more (the transport, smoltrain.comm.quantized, reads this layout from
+here, so plan and wire count the same bytes). Without `--inner-steps` the plan picks the
+smallest H that keeps communication at or under `--target-comm` of the step time.
+"""
+
+from __future__ import annotations
+
+import math
+
+from smolnet.errors import UsageError
+from smoltrain.planner.bottleneck import human_bytes, human_s
+from smoltrain.planner.traffic import Phase, Traffic, Transfer
+
+SYNC_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
+INT8_CHUNK = 1024  # int8 pseudo-gradients: one fp32 scale per this many elements
+SCALE_BYTES = 4
+TARGET_COMM = 0.1  # default share of the step time communication may take
+MAX_INNER_STEPS = 10_000
+FALLBACK_INNER_STEPS = 16  # `run` without a plan to pick H from
+MOMENTUM_FROM = 200  # outer steps from which the default outer step is Nesterov 0.7 / 0.9 (else plain averaging)
+UPDATE_PASSES = 12  # fp32 passes over the parameters per outer step (pseudo-gradient, casts, Nesterov, copy)
+
+
+def ring_segments(numel: int, world: int) -> list[tuple[int, int]]:
+    """Element ranges of the ring's segments: numel // world each, the first numel % world one more."""
+    base, extra = divmod(numel, world)
+    out, lo = [], 0
+    for i in range(world):
+        hi = lo + base + (1 if i < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+def segment_bytes(numel: int, dtype: str) -> int:
+    """Bytes one segment of `numel` pseudo-gradient elements takes on the wire."""
+    scales = SCALE_BYTES * math.ceil(numel / INT8_CHUNK) if dtype == "int8" else 0
+    return numel * SYNC_BYTES[dtype] + scales
+
+
+def rank_bytes(numel: int, dtype: str, world: int, rank: int) -> int:
+    """Payload bytes rank `rank` sends in one outer all-reduce: every segment in the
+    reduce-scatter but (r+1)%N, every segment in the all-gather but (r+2)%N."""
+    if world < 2 or numel == 0:
+        return 0
+    seg = [segment_bytes(hi - lo, dtype) for lo, hi in ring_segments(numel, world)]
+    return 2 * sum(seg) - seg[(rank + 1) % world] - seg[(rank + 2) % world]
+
+
+def outer_traffic(numel: int, dtype: str, world: int) -> Traffic:
+    """One outer all-reduce as 2(N-1) ring rounds with each rank's exact segment bytes."""
+    tr = Traffic("outer", "train", world)
+    if world < 2:
+        return tr
+    seg = [segment_bytes(hi - lo, dtype) for lo, hi in ring_segments(numel, world)]
+    for t in range(world - 1):  # reduce-scatter: rank r sends the partial sum of segment r - t
+        tr.phases.append(
+            Phase(
+                f"reduce-scatter pseudo-gradient ({dtype})",
+                [Transfer(r, (r + 1) % world, seg[(r - t) % world]) for r in range(world)],
+            )
+        )
+    for t in range(world - 1):  # all-gather: rank r passes on segment r + 1 - t
+        tr.phases.append(
+            Phase(
+                f"all-gather pseudo-gradient ({dtype})",
+                [Transfer(r, (r + 1) % world, seg[(r + 1 - t) % world]) for r in range(world)],
+            )
+        )
+    return tr
+
+
+def pick_inner_steps(sync_s: float, compute_s: float, target: float) -> int:
+    """The smallest H with sync_s / H <= target * (compute_s + sync_s / H)."""
+    if sync_s <= 0:
+        return 1
+    if compute_s <= 0 or not math.isfinite(sync_s):
+        return MAX_INNER_STEPS
+    return max(1, min(MAX_INNER_STEPS, math.ceil(sync_s * (1 - target) / (target * compute_s) - 1e-9)))
+
+
+FLAGS = ("inner_steps", "outer_lr", "outer_momentum", "sync_dtype", "target_comm")
+
+
+def check_args(args, outer_steps: bool) -> None:
+    """The outer-step flags of `run` and `plan` apply only to a strategy with outer steps (their
+    ranges are argparse's, smoltrain.validate); fills in the defaults that do not depend on the run."""
+    given = [f for f in FLAGS if getattr(args, f, None) is not None]
+    if given and not outer_steps:
+        flags = ", ".join("--" + f.replace("_", "-") for f in given)
+        raise UsageError(f"{flags}: only for a low-communication strategy (diloco), not --strategy {args.strategy}")
+    for f, v in (("sync_dtype", "fp32"), ("target_comm", TARGET_COMM)):
+        if getattr(args, f, None) is None:
+            setattr(args, f, v)
+
+
+def add_arguments(p, run: bool) -> None:
+    """The outer-step flags, shared by `run` and `plan`."""
+    from smoltrain import validate
+
+    p.add_argument(
+        "--inner-steps",
+        type=validate.count(MAX_INNER_STEPS),
+        metavar="H",
+        help="diloco: inner steps per outer step (default: the plan's)",
+    )
+    if run:
+        by_length = f"(default: 0.7 for runs of {MOMENTUM_FROM}+ outer steps, else 1: plain averaging)"
+        p.add_argument("--outer-lr", type=validate.real(0, 10, lo_open=True), help=f"diloco: outer SGD lr {by_length}")
+        p.add_argument(
+            "--outer-momentum",
+            type=validate.real(0, 1, hi_open=True),
+            help=f"diloco: outer Nesterov momentum in [0, 1) (default: 0.9 for {MOMENTUM_FROM}+ outer steps, else 0)",
+        )
+    p.add_argument(
+        "--sync-dtype", choices=tuple(SYNC_BYTES), help="diloco: the pseudo-gradient's dtype on the wire (default fp32)"
+    )
+    p.add_argument(
+        "--target-comm",
+        type=validate.real(0, 1, lo_open=True, hi_open=True),
+        help="diloco without --inner-steps: the smallest H keeping communication at or under this share "
+        f"of the step time (default {TARGET_COMM})",
+    )
+
+
+def outer_optimizer(lr: float | None, momentum: float | None, steps: int, inner_steps: int) -> tuple[float, float, str]:
+    """(outer lr, outer momentum, why) for a run of `steps` inner steps at H: what was given;
+    otherwise plain averaging (1, 0) for a run of fewer than MOMENTUM_FROM outer steps, the
+    papers' Nesterov 0.7 / 0.9 from there on (measured: docs/diloco.md, BENCHMARKS.md)."""
+    outer = -(-steps // inner_steps)
+    if lr is not None and momentum is not None:
+        return lr, momentum, "as given"
+    long = outer >= MOMENTUM_FROM
+    d_lr, d_mu = (0.7, 0.9) if long else (1.0, 0.0)
+    why = (
+        f"{outer} outer steps: the papers' Nesterov settings pay over hundreds"
+        if long
+        else f"{outer} outer steps, fewer than {MOMENTUM_FROM}: plain averaging; outer momentum pays over hundreds"
+    )
+    return (d_lr if lr is None else lr), (d_mu if momentum is None else momentum), why
+
+
+def options(outer: dict | None) -> dict:
+    """The plan's diloco settings: inner_steps (None: pick by target_comm), sync_dtype, target_comm."""
+    o = dict(outer or {})
+    return {
+        "inner_steps": o.get("inner_steps") or None,
+        "sync_dtype": o.get("sync_dtype") or "fp32",
+        "target_comm": o.get("target_comm") or TARGET_COMM,
+    }
+
+
+def finish(doc: dict, model, ranks: list, lm, outer: dict | None) -> None:
+    """Fill a compute-only plan (`make_plan` of an outer-step strategy) with the outer
+    all-reduce, amortised over H inner steps: bytes, step time, tokens/s, bottleneck."""
+    o = options(outer)
+    names, world, dtype = [r["name"] for r in doc["ranks"]], doc["world_size"], o["sync_dtype"]
+    from smoltrain.planner import timing
+
+    numel = model.params()
+    for p in doc["ranks"]:  # the outer step's anchor and momentum: two more fp32 copies of the model
+        mem = p["memory"]
+        mem["optimizer"] += 2 * numel * 4
+        mem["total"] += 2 * numel * 4
+        p["fits"] = mem["total"] <= p["memory_available"]
+    tr = outer_traffic(numel, dtype, world)
+    cc = timing.comm_cost(tr, names, lm)
+    slowest_bw = min(rk.device.mem_bw for rk in ranks[:world]) if ranks else 0.0
+    update_s = UPDATE_PASSES * numel * 4 / slowest_bw if slowest_bw else 0.0
+    sync_s = cc.total_s + update_s
+    compute_s = doc["compute_s_per_step"]
+    H = o["inner_steps"] or pick_inner_steps(sync_s, compute_s, o["target_comm"])
+    per_outer = [rank_bytes(numel, dtype, world, r) for r in range(world)]
+    busiest = max(per_outer) if per_outer else 0
+    tokens = doc["batch"] * doc["seq"]
+    link_b, link_s = tr.link_bytes(), timing.link_seconds(tr, names, lm)
+    links = []
+    for (s, d), b in sorted(link_b.items()):
+        ln = lm.get(names[s], names[d])
+        sec = link_s[(s, d)]
+        links.append(
+            {
+                "src": names[s],
+                "dst": names[d],
+                "bytes_per_step": int(round(b / H)),
+                "bytes_per_outer_step": int(round(b)),
+                "messages_per_step": (world - 1) * 2 / H,
+                "seconds_per_step": sec / H if math.isfinite(sec) else None,
+                "rate_mbit": ln.rate_mbit or 0.0,
+                "rtt_us": ln.rtt_us,
+            }
+        )
+    comm_s = sync_s / H
+    step_s = compute_s + comm_s
+    finite = math.isfinite(step_s)
+    doc.update(
+        {
+            "inner_steps": H,
+            "inner_steps_source": "given" if o["inner_steps"] else f"target_comm {o['target_comm']:g}",
+            "sync_dtype": dtype,
+            "target_comm": o["target_comm"],
+            "outer": {
+                "bytes_per_outer_step": busiest,
+                "total_bytes_per_outer_step": sum(per_outer),
+                "allreduce_s": cc.total_s if math.isfinite(cc.total_s) else None,
+                "update_s": update_s,
+                "sync_s": sync_s if math.isfinite(sync_s) else None,
+                "comm_fraction": comm_s / step_s if finite and step_s > 0 else None,
+            },
+            "bytes_per_token": busiest / (H * tokens),
+            "bytes_per_step": int(round(busiest / H)),
+            "total_bytes_per_step": int(round(sum(per_outer) / H)),
+            "links": links,
+            "comm_s_per_step": comm_s if finite else None,
+            "step_s": step_s if finite else None,
+            "tokens_per_s": tokens / step_s if finite and step_s > 0 else 0.0,
+            "phases": [
+                {"what": ph.what, "rounds": 1, "bytes_per_round": sum(t.nbytes for t in ph.transfers)}
+                for ph in tr.phases
+            ],
+        }
+    )
+    unfit = [p for p in doc["ranks"] if not p["fits"]]
+    if unfit and doc["bottleneck"] != "capacity":
+        p = unfit[0]
+        doc["bottleneck"], doc["bottleneck_where"] = (
+            "capacity",
+            (
+                f"rank {p['rank']} ({p['name']}) needs {human_bytes(p['memory']['total'])} of "
+                f"{human_bytes(p['memory_available'])} usable memory, with the outer step's anchor and momentum"
+            ),
+        )
+    elif doc["bottleneck"] != "capacity":
+        if not finite:
+            doc["bottleneck"], doc["bottleneck_where"] = (
+                "link",
+                "a link of the ring is down; the plan cannot run over it",
+            )
+        elif comm_s > compute_s:
+            doc["bottleneck"] = "link"
+            doc["bottleneck_where"] = (
+                f"{cc.limiter}: one {human_bytes(busiest)} {dtype} all-reduce every {H} steps takes "
+                f"{human_s(sync_s)}, {human_s(comm_s)} per step against {human_s(compute_s)} of compute"
+            )
+        else:
+            doc["bottleneck_where"] = (doc.get("bottleneck_where") or "").split("; communication adds")[0] + (
+                f"; communication adds {human_s(comm_s)} per step ({human_bytes(busiest)} every {H} steps)"
+            )
+    why = "as given" if o["inner_steps"] else f"keeps communication at or under {o['target_comm']:.0%} of the step"
+    doc["notes"].append(
+        f"{doc['strategy']}: one ring all-reduce of the {dtype} pseudo-gradient every {H} inner steps "
+        f"({human_bytes(busiest)} from the busiest rank, {human_s(sync_s)} with the outer update); H {why}"
+    )

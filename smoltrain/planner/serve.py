@@ -1,0 +1,224 @@
+"""`plan --mode serve`: with C requests at once, is it better to split the model over every host,
+to run R whole replicas on groups of hosts, or to serve from the single best host?
+
+Decode reads every weight once per step whatever the batch, so a step of n requests
+costs about one request's weight read plus n requests' compute and KV cache reads:
+`t(n) = max((weights + n * kv) / bandwidth, n * flops / FLOP/s)` per rank (n >= 4 rows
+in the matrix products: decode pads its batches to 4). A group
+serves its share of the requests batched (at most `max_batch`):
+
+- one host: a step is t(n).
+- pp over k hosts: the requests are dealt into k lanes that follow each other through
+  the stages, so a lane's step takes the sum of the stages and hops, and a stage is busy
+  k lanes' worth per round: round = max(sum of stages + hops, k * slowest stage); every
+  request makes one token per round.
+- tp over k hosts: every rank works on every step, then 2 all-reduces per layer (one
+  round trip each on the slowest link) and rank 0's header.
+
+Replicas add up; the router keeps their open requests equal, so each of R groups serves
+C/R. Per-request latency is the round of its group. Time to first token is for C requests
+that arrive together: prompts are prefilled one after another (compute-bound), before
+the next decode step, so on average a request waits for (C/R + 1) / 2 prefills. Figures
+come from measured compute and links where they exist (`calibrate`, `smolnet matrix`), as
+in every other plan.
+"""
+
+from __future__ import annotations
+
+import math
+
+from smoltrain.planner import capacity
+from smoltrain.planner.traffic import STEP_HEADER_BYTES, TOKEN_ID_BYTES, dtype_bytes
+
+SCHEMA = "smoltrain.serveplan/1"
+PAD_ROWS = 4  # a decode step computes at least 4 rows (smoltrain/models/stage.py MIN_ROWS)
+
+
+def split_evenly(n: int, r: int) -> list[list[int]]:
+    """n hosts in r groups, in order, the first groups one longer (5 over 2: 3, 2)."""
+    base, extra = divmod(n, r)
+    out, at = [], 0
+    for g in range(r):
+        k = base + (1 if g < extra else 0)
+        out.append(list(range(at, at + k)))
+        at += k
+    return out
+
+
+def split_by_speed(speeds: list[float], r: int) -> list[list[int]]:
+    """Groups of the sizes split_evenly gives, each as near the same total speed as it can:
+    the fastest host first to the slowest group with room; each group keeps host order."""
+    sizes = [len(g) for g in split_evenly(len(speeds), r)]
+    groups: list[list[int]] = [[] for _ in range(r)]
+    total = [0.0] * r
+    for i in sorted(range(len(speeds)), key=lambda i: -speeds[i]):
+        g = min((g for g in range(r) if len(groups[g]) < sizes[g]), key=lambda g: (total[g], g))
+        groups[g].append(i)
+        total[g] += speeds[i]
+    groups = [sorted(g) for g in groups]
+    return sorted(groups, key=lambda g: g[0])  # the group holding host 0 (the coordinator) first
+
+
+def _rank_seconds(w, model, rk, dtype: str, n: int, seq: int, pad: int = PAD_ROWS) -> tuple[float, str]:
+    """One decode step of n rows (padded to `pad` in the matrix products) on one rank: (seconds, bound)."""
+    a = dtype_bytes(dtype)
+    kv = 2 * w.layers * model.kv_dim * seq * a * w.attn_share
+    mem = (w.matmul_params * a + n * kv) / rk.device.mem_bw
+    rows = max(n, pad)
+    fl = (2 * w.matmul_params * rows + n * 4 * w.layers * model.hidden * seq * w.attn_share) / rk.device.flops(dtype)
+    return (mem, "memory-bandwidth") if mem >= fl else (fl, "compute")
+
+
+def _hop(lm, src: str, dst: str, nbytes: float) -> float:
+    ln = lm.get(src, dst)
+    return ln.alpha_s + nbytes / ln.bytes_per_s if ln.up else math.inf
+
+
+def group_step(
+    model, ranks: list, names: list[str], lm, strategy: str, dtype: str, rows: int, seq: int, pad: int = PAD_ROWS
+) -> dict:
+    """A group serving `rows` requests at once: round seconds (each request's time per token),
+    tokens/s, prefill seconds per prompt token, what bounds it, and whether it fits."""
+    k, a, h = len(ranks), dtype_bytes(dtype), model.hidden
+    s = strategy if k > 1 else "pp"
+    works = capacity.layout(s, "infer", model, k, 1, seq)
+    mem_ok = all(
+        capacity.memory(w, model, "infer", dtype, seq, s).weights + rows * 2 * w.layers * model.kv_dim * seq * a
+        <= rk.memory_bytes * capacity.HEADROOM
+        for w, rk in zip(works, ranks)
+    )
+    prefill = [2 * w.matmul_params / rk.device.flops(dtype) for w, rk in zip(works, ranks)]
+    if s == "tp" and k > 1:
+        t = [_rank_seconds(w, model, rk, dtype, rows, seq, pad) for w, rk in zip(works, ranks)]
+        ring = [(names[r], names[(r + 1) % k]) for r in range(k)]
+        slowest = max(ring, key=lambda p: _hop(lm, *p, rows * h * a / k))
+        ar = 2 * (k - 1) * _hop(lm, *slowest, rows * h * a / k)
+        header = sum(_hop(lm, names[r], names[r + 1], STEP_HEADER_BYTES) for r in range(k - 1))
+        comm = 2 * model.layers * ar + header
+        compute = max(x for x, _ in t)
+        step = compute + comm
+        bound = "link" if comm > compute else max(t)[1]
+        pre = max(prefill) + comm
+        lanes = 1
+    else:
+        lanes = min(k, rows)
+        per_lane = math.ceil(rows / lanes)
+        t = [_rank_seconds(w, model, rk, dtype, per_lane, seq, pad) for w, rk in zip(works, ranks)]
+        hops = [_hop(lm, names[r], names[r + 1], per_lane * h * a + STEP_HEADER_BYTES) for r in range(k - 1)]
+        if k > 1:
+            hops.append(_hop(lm, names[-1], names[0], per_lane * TOKEN_ID_BYTES))
+        trip = sum(x for x, _ in t) + sum(hops)
+        busy = lanes * max(x for x, _ in t)
+        step = max(trip, busy)
+        bound = "link" if sum(hops) > sum(x for x, _ in t) else max(t)[1]
+        pre = sum(prefill) + sum(hops)
+    return {
+        "step_s": step,
+        "tokens_per_s": rows / step if step > 0 and math.isfinite(step) else 0.0,
+        "prefill_s_per_token": pre,
+        "lanes": lanes,
+        "bottleneck": bound,
+        "fits": mem_ok,
+    }
+
+
+def candidates(n: int, speeds: list[float]) -> list[tuple[str, list[list[int]]]]:
+    """(name, host groups): one group over all hosts, R replicas for each R that divides the
+    hosts into groups of at least one, and the single best host."""
+    out = [("split", [list(range(n))])]
+    for r in range(2, n + 1):
+        out.append((f"{r} replicas", split_by_speed(speeds, r)))
+    best = max(range(n), key=lambda i: (speeds[i], -i))
+    if n > 1:
+        out.append(("best host", [[best]]))
+    return out
+
+
+def plan(
+    model,
+    ranks: list,
+    lm,
+    *,
+    strategy: str = "pp",
+    dtype: str = "fp32",
+    concurrency: int = 8,
+    max_batch: int = 8,
+    seq: int = 256,
+    prompt: int = 32,
+) -> dict:
+    """Every candidate split of these ranks (hosts) for `concurrency` requests; the best named."""
+    names = [r.name for r in ranks]
+    speeds = [r.device.mem_bw for r in ranks]  # decode reads weights: bandwidth is speed
+    rows_out = []
+    for name, groups in candidates(len(ranks), speeds):
+        share = split_counts(concurrency, len(groups))
+        per, ok = [], True
+        for g, c in zip(groups, share):
+            rows = max(1, min(c, max_batch))
+            hosts = ([ranks[i] for i in g], [names[i] for i in g])
+            st = group_step(model, *hosts, lm, strategy, dtype, rows, seq, PAD_ROWS if max_batch > 1 else 1)
+            st["queued"] = max(0, c - max_batch)
+            per.append(st)
+            ok = ok and st["fits"]
+        tps = sum(st["tokens_per_s"] for st, c in zip(per, share) if c > 0)
+        latency = max(st["step_s"] for st, c in zip(per, share) if c > 0)
+        # C requests arriving together: the k-th waits for the k prefills up to its own (prefill first)
+        ttft = max(st["prefill_s_per_token"] * prompt * (c + 1) / 2 for st, c in zip(per, share) if c > 0)
+        rows_out.append(
+            {
+                "name": name,
+                "replicas": len(groups),
+                "groups": [[names[i] for i in g] for g in groups],
+                "group_index": groups,
+                "strategy": strategy,
+                "requests_per_replica": share,
+                "tokens_per_s": tps if ok else 0.0,
+                "latency_s_per_token": latency,
+                "ttft_s": ttft,
+                "bottleneck": per[0]["bottleneck"] if ok else "capacity",
+                "lanes": [st["lanes"] for st in per],
+                "fits": ok,
+            }
+        )
+    fitting = [r for r in rows_out if r["fits"]] or rows_out
+    best = max(fitting, key=lambda r: (r["tokens_per_s"], -r["latency_s_per_token"]))
+    return {
+        "schema": SCHEMA,
+        "model": model.name,
+        "dtype": dtype,
+        "concurrency": concurrency,
+        "max_batch": max_batch,
+        "seq": seq,
+        "prompt": prompt,
+        "strategy": strategy,
+        "hosts": names,
+        "candidates": rows_out,
+        "best": best["name"],
+    }
+
+
+def split_counts(c: int, r: int) -> list[int]:
+    """C requests over R replicas as the router keeps them: as equal as they can be."""
+    return [c // r + (1 if g < c % r else 0) for g in range(r)]
+
+
+def render(con, doc: dict) -> None:
+    from rich.table import Table
+
+    t = Table(
+        title=f"serving {doc['model']} to {doc['concurrency']} concurrent requests "
+        f"({doc['strategy']} inside a group, batch <= {doc['max_batch']})"
+    )
+    for c in ("candidate", "groups", "tokens/s (all)", "s/token (each)", "TTFT s", "bottleneck"):
+        t.add_column(c)
+    for r in doc["candidates"]:
+        mark = " (best)" if r["name"] == doc["best"] else ""
+        t.add_row(
+            r["name"] + mark,
+            " | ".join(",".join(g) for g in r["groups"]),
+            f"{r['tokens_per_s']:,.1f}" if r["fits"] else "does not fit",
+            f"{r['latency_s_per_token']:.3f}",
+            f"{r['ttft_s']:.3f}",
+            r["bottleneck"],
+        )
+    con.print(t)

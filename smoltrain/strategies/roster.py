@@ -1,0 +1,240 @@
+"""Who is in the group at each outer step: diloco's membership, kept by rank 0.
+
+The ranks all-reduce among themselves (a ring over a rank mesh), but a mesh cannot lose
+or gain a member, so membership is decided here, once per outer step, and the mesh is
+rebuilt when it changes. Rank 0 runs a `Roster` thread; every member, rank 0's own
+included, holds a `Member` connection to it (authenticated, smolnet.wire frames). An outer
+step is two rounds on it:
+
+  sync:    each member sends CHECKIN {outer, tokens}; when all are in (or a member's
+           connection broke, or it is `barrier_timeout` behind the first), the roster
+           drops the missing (`leave`), admits whoever connected since (`join`), and
+           answers every member ROSTER {epoch, names, ranges, tokens}: the group for
+           this all-reduce (a new epoch when it changed), each one's slice of the
+           batch, and the tokens the pseudo-gradients are averaged over;
+  commit:  after the all-reduce each member sends CHECKIN {ok}; the answer is ok only
+           if every member of the round succeeded. Otherwise (a member died mid-ring)
+           everyone goes back to sync with what it holds and the step is redone, so no
+           rank applies an outer step another rank did not.
+
+The wait in the sync round is each rank's wait at the sync (the run report's outer
+steps). Nothing here waits without a deadline, except for the first arrival of a round
+(the members are computing their inner steps).
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import threading
+import time
+
+from smolnet import wire
+from smolnet.server import AuthListener
+from smoltrain.planner.placement import named_batch_ranges
+from smoltrain.strategies.parameter_server import close_all
+
+HELLO, CHECKIN, ROSTER, VERDICT, STOP = 21, 22, 23, 24, 25
+
+
+def roster_port(run) -> int:
+    """The group's spare port (comm.group.ports_needed leaves one after the ranks' ports)."""
+    return run.port + run.world_size + 1
+
+
+class _Conn:
+    def __init__(self, name: str, order: int, addr: str, sock: socket.socket, session: wire.Session):
+        self.name, self.order, self.addr, self.sock, self.session = name, order, addr, sock, session
+
+
+class Roster:
+    """Rank 0's membership thread (see the module docstring)."""
+
+    def __init__(self, ctx, expected: int, last_outer: int, start_timeout: float = 60.0):
+        run = ctx.run
+        self.ctx, self.expected, self.last_outer = ctx, expected, last_outer
+        self.barrier_timeout, self.start_timeout = run.barrier_timeout, start_timeout
+        self.placement = run.placement or (
+            {"order": list(run.names), "shares": list(run.shares)} if run.shares else None
+        )
+        self.members: list[_Conn] = []
+        self.pending: list[_Conn] = []
+        self.lock = threading.Lock()
+        self.epoch, self.error, self.stopping = 0, None, False
+        self.listener = AuthListener.serve(
+            run.coord_addr, roster_port(run), ctx.secret, self._greet, name="roster", with_key=True
+        )
+        self.thread = threading.Thread(target=self._serve, name="roster", daemon=True)
+        self.thread.start()
+
+    def _greet(self, sock: socket.socket, addr, key: bytes) -> None:
+        ses = wire.Session(key, client=False)
+        try:
+            kind, meta, _ = wire.recv_frame(sock, timeout=10.0, max_payload=0, session=ses)
+            if kind != HELLO or not isinstance(meta.get("name"), str):
+                raise wire.WireError("first frame is not a HELLO")
+            with self.lock:
+                where = str(meta.get("addr") or addr[0])  # where its peers reach it: the address it came from
+                self.pending.append(_Conn(meta["name"], int(meta.get("order", 1 << 30)), where, sock, ses))
+        except (OSError, wire.WireError, TimeoutError, ValueError) as e:
+            self.ctx.reporter.log(f"roster: refused {addr[0]}: {e}")
+            sock.close()
+
+    def _step_of(self, outer: int) -> int:
+        return min((outer + 1) * self.ctx.run.inner_steps, self.ctx.run.steps) - 1
+
+    def _drop(self, m: _Conn, outer: int, why: str) -> None:
+        self.ctx.reporter.log(f"roster: dropping {m.name} at outer step {outer}: {why}")
+        self.ctx.reporter.event(self._step_of(outer), "leave", m.name)
+        m.sock.close()
+        if m in self.members:
+            self.members.remove(m)
+
+    def _round(self) -> tuple[dict, list]:
+        """CHECKIN from every member: ({conn: meta}, [(conn, why) of those dropped])."""
+        got: dict[_Conn, dict] = {}
+        lost: list = []
+        first = None
+        while len(got) < len(self.members) and not self.stopping:
+            waiting = [m for m in self.members if m not in got]
+            left = None if first is None else first + self.barrier_timeout - time.monotonic()
+            if left is not None and left <= 0 and any(m.order for m in waiting):
+                # late members are dropped; rank 0's own is waited for (without it there is no run)
+                late = [m for m in waiting if m.order]
+                lost += [(m, f"more than {self.barrier_timeout:g}s behind the first at the sync") for m in late]
+                for m in late:
+                    self.members.remove(m)
+                continue
+            ready, _, _ = select.select([m.sock for m in waiting], [], [], min(0.5, left) if left and left > 0 else 0.5)
+            for m in [m for m in waiting if m.sock in ready]:
+                try:
+                    kind, meta, _ = wire.recv_frame(m.sock, timeout=10.0, max_payload=0, session=m.session)
+                    if kind != CHECKIN:
+                        raise wire.WireError(f"expected a CHECKIN, got frame {kind}")
+                except (OSError, wire.WireError, TimeoutError) as e:
+                    lost.append((m, f"connection lost ({e})"))
+                    self.members.remove(m)
+                    continue
+                got[m] = meta
+                first = first or time.monotonic()
+        for m, _ in lost:
+            if m in self.members:
+                self.members.remove(m)
+        return got, lost
+
+    def _send(self, m: _Conn, kind: int, meta: dict, outer: int) -> None:
+        try:
+            wire.send_frame(m.sock, kind, meta, timeout=10.0, session=m.session)
+        except (OSError, wire.WireError, TimeoutError) as e:
+            self._drop(m, outer, f"cannot answer it ({e})")
+
+    def _sync(self, outer: int, got: dict) -> None:
+        names = [m.name for m in self.members]
+        with self.lock:
+            new, self.pending = self.pending, []
+        for m in sorted(new, key=lambda c: (c.order, c.name)):
+            self.members.append(m)
+            self.ctx.reporter.event(self._step_of(outer) + 1, "join", m.name)
+        if [m.name for m in self.members] != names:
+            self.epoch += 1
+        now = [m.name for m in self.members]
+        ranges = named_batch_ranges(self.ctx.batch, now, self.placement)
+        tokens = sum(int(got[m].get("tokens", 0)) for m in self.members if m in got)
+        meta = {
+            "outer": outer,
+            "epoch": self.epoch,
+            "names": now,
+            "addrs": [m.addr for m in self.members],
+            "ranges": {n: list(r) for n, r in ranges.items()},
+            "tokens": tokens,
+            "joined": [m.name for m in new],
+        }
+        for m in list(self.members):
+            self._send(m, ROSTER, meta, outer)
+
+    def _serve(self) -> None:
+        try:
+            deadline = time.monotonic() + self.start_timeout
+
+            def starters():  # the run's own ranks; a joiner that came early waits for the first sync
+                return [c for c in self.pending if c.order < self.expected]
+
+            while len(starters()) < self.expected:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"only {len(starters())} of {self.expected} members connected")
+                time.sleep(0.02)
+            with self.lock:
+                self.members = sorted(starters(), key=lambda c: (c.order, c.name))
+                self.pending = [c for c in self.pending if c not in self.members]
+            while not self.stopping:
+                before = len(self.members)
+                got, lost = self._round()
+                if not got:
+                    raise RuntimeError("every member has left")
+                first = next(iter(got.values()))
+                outer = int(first.get("outer", 0))
+                for m, why in lost:
+                    self._drop(m, outer, why)
+                if first.get("phase") == "sync":
+                    self._sync(outer, got)
+                    continue
+                ok = len(got) == before == len(self.members) and all(meta.get("ok") for meta in got.values())
+                for m in list(self.members):
+                    self._send(m, VERDICT, {"outer": outer, "ok": ok}, outer)
+                if ok and outer >= self.last_outer:
+                    break
+        except BaseException as e:  # the run fails on rank 0's side with this reason
+            self.error = e
+            self.ctx.reporter.log(f"roster failed: {e}")
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.stopping = True
+        with self.lock:
+            pending, self.pending = self.pending, []
+        for m in pending:  # joiners too late for the last outer step
+            try:
+                wire.send_frame(m.sock, STOP, {}, timeout=2.0, session=m.session)
+            except (OSError, wire.WireError, TimeoutError):
+                pass
+        close_all(self.listener, self.members + pending)
+
+
+class Member:
+    """A rank's connection to the roster."""
+
+    def __init__(self, run, secret: bytes, name: str, order: int, timeout: float):
+        self.timeout = timeout
+        self.sock, key = wire.connect(
+            run.coord_addr, roster_port(run), secret, timeout=timeout, what="roster", keyed=True
+        )
+        self.session = wire.Session(key, client=True)
+        addr = self.sock.getsockname()[0]  # the address this rank reached rank 0 from: its peers can reach it there
+        wire.send_frame(
+            self.sock, HELLO, {"name": name, "order": order, "addr": addr}, timeout=10.0, session=self.session
+        )
+
+    def _ask(self, meta: dict, want: int, timeout: float | None) -> dict | None:
+        if meta is not None:
+            wire.send_frame(self.sock, CHECKIN, meta, timeout=10.0, session=self.session)
+        kind, got, _ = wire.recv_frame(self.sock, timeout=timeout, max_payload=0, session=self.session)
+        if kind == STOP:
+            return None
+        if kind != want:
+            raise wire.WireError(f"roster sent frame {kind}, expected {want}")
+        return got
+
+    def sync(self, outer: int, tokens: int) -> dict:
+        """This outer step's group: {epoch, names, ranges, tokens, joined}."""
+        return self._ask({"outer": outer, "phase": "sync", "tokens": tokens}, ROSTER, self.timeout)
+
+    def commit(self, outer: int, ok: bool) -> bool:
+        return bool(self._ask({"outer": outer, "phase": "commit", "ok": ok}, VERDICT, self.timeout)["ok"])
+
+    def admitted(self, timeout: float) -> dict | None:
+        """A joiner: the ROSTER of the outer step that admits it, or None when the run ended first."""
+        return self._ask(None, ROSTER, timeout)
+
+    def close(self) -> None:
+        self.sock.close()

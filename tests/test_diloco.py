@@ -1,0 +1,181 @@
+"""diloco (issue 24): the algorithm against dp, bit-identical weights after every outer step,
+bytes per outer step exactly as planned in every sync dtype, bad input, and a member that dies
+while another joins.
+
+Runs are real `smoltrain run` processes on loopback, a few at a time from one module fixture,
+with the tiny model and 6 x 32 batches.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from commtools import run_group
+from elastic import watch
+
+from smoltrain.cli import main
+from smoltrain.planner.diloco import SYNC_BYTES, rank_bytes
+from smoltrain.schema import check_any
+
+SMALL = ["--batch", "6", "--seq", "32", "--seed", "3"]
+SGD = ["--optimizer", "sgd", "--lr", "0.05"]
+PLAIN = ["--inner-steps", "1", "--outer-lr", "1", "--outer-momentum", "0"]
+RUNS = {  # name: (strategy, world, steps, extra); dl2 runs on torch.distributed, the rest on the socket transport
+    "dp": ("dp", 1, 4, SGD),  # dp on any world follows --local 1 (tests/test_strategies.py)
+    "dl2": ("diloco", 2, 4, SGD + PLAIN + ["--backend", "torch"]),
+    "dl3": ("diloco", 3, 4, SGD + PLAIN),
+    "int8": ("diloco", 3, 5, ["--inner-steps", "2", "--sync-dtype", "int8", "--eval-every", "2"]),
+}
+
+
+def cli(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "smoltrain", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, secret_file):
+    d = tmp_path_factory.mktemp("diloco")
+
+    def one(name):
+        strategy, world, steps, extra = RUNS[name]
+        out = d / f"{name}.json"
+        p = cli(
+            ["run", "--strategy", strategy, "--local", str(world), "--steps", str(steps), *SMALL, *extra]
+            + ["--secret-file", secret_file, "--out", str(d), "--json", str(out)]
+        )
+        if p.returncode != 0:
+            return RuntimeError(f"{name}: exit {p.returncode}: {p.stdout[-800:]} {p.stderr[-800:]}")
+        cmp = d / f"{name}-compare.json"
+        if strategy == "diloco":
+            c = cli(["plan", "--compare", str(out), "--no-what-if", "--json", str(cmp)])
+            if c.returncode != 0:
+                return RuntimeError(f"{name}: plan --compare exit {c.returncode}: {c.stdout[-800:]} {c.stderr[-800:]}")
+        return json.loads(out.read_text()), (json.loads(cmp.read_text()) if cmp.exists() else None)
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        return Runs(zip(RUNS, pool.map(one, RUNS)))
+
+
+class Runs(dict):
+    """name -> (run report, plan --compare); a run that failed raises its error where a test asks for it."""
+
+    def __getitem__(self, name):
+        got = super().__getitem__(name)
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_one_inner_step_of_sgd_with_plain_averaging_is_dp(runs, world):
+    (dp, _), (dl, _) = runs["dp"], runs[f"dl{world}"]
+    assert [s["step"] for s in dl["steps"]] == list(range(4)) and len(dl["outer_steps"]) == 4
+    worst = max(abs(a["loss"] - b["loss"]) / a["loss"] for a, b in zip(dp["steps"], dl["steps"]))
+    assert worst <= 1e-4, f"diloco H=1 differs from dp by {worst:.2e} relative"
+    assert dl["steps"][-1]["loss"] < dl["steps"][0]["loss"]
+    cfg = dl["config"]
+    assert (cfg["inner_steps"], cfg["outer_lr"], cfg["outer_momentum"], cfg["optimizer"]) == (1, 1.0, 0.0, "sgd")
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if RUNS[n][0] == "diloco"])
+def test_every_rank_holds_the_same_weights_after_every_outer_step(runs, name):
+    doc, _ = runs[name]
+    strategy, world, steps, extra = RUNS[name]
+    check_any(doc)
+    h = doc["config"]["inner_steps"]
+    assert [o["step"] for o in doc["outer_steps"]] == [min(k + h, steps) - 1 for k in range(0, steps, h)]
+    for o in doc["outer_steps"]:
+        digests = {r["name"]: r["digest"] for r in o["ranks"]}
+        assert len(digests) == world and len(set(digests.values())) == 1, (o["step"], digests)
+        assert all(r["wait_s"] >= 0 for r in o["ranks"])  # each rank's wait at the sync is in the report
+    assert len({o["ranks"][0]["digest"] for o in doc["outer_steps"]}) == len(doc["outer_steps"])  # it moves
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if RUNS[n][0] == "diloco"])
+def test_bytes_per_outer_step_are_the_plans_exactly(runs, name):
+    doc, cmp = runs[name]
+    _, world, _, _ = RUNS[name]
+    dtype, numel = doc["config"]["sync_dtype"], doc["plan"]["model"]["params"]
+    for o in doc["outer_steps"]:
+        assert {r["name"]: r["bytes"] for r in o["ranks"]} == {
+            f"rank{r}": rank_bytes(numel, dtype, world, r) for r in range(world)
+        }
+    assert cmp["bytes_exact"], cmp["links"]
+    assert all(r["exact"] for r in cmp["links"]) and len(cmp["links"]) == world
+    assert cmp["outer"]["inner_steps"] == doc["config"]["inner_steps"] and cmp["step_s"]["measured"] > 0
+
+
+def test_held_out_loss_is_reported_and_drawn(runs):
+    doc, _ = runs["int8"]
+    assert [e["step"] for e in doc["evals"]] == [1, 3, 4]
+    assert [e["tokens"] for e in doc["evals"]] == [(e["step"] + 1) * 6 * 32 for e in doc["evals"]]
+    assert all(3.0 < e["loss"] < 6.0 for e in doc["evals"])
+
+
+@pytest.mark.parametrize("backend", ["socket", "torch"])
+def test_sync_dtypes_on_the_wire_count_as_planned_and_agree_on_every_rank(backend):
+    """The transport's own counters, every dtype each backend carries, an odd-sized buffer, 3 ranks."""
+    numel, world = 70_001, 3
+    res = run_group("sync_dtypes", world, backend, {"numel": numel})
+    assert all(r and r["ok"] for r in res), res
+    dtypes = res[0]["result"]
+    assert set(dtypes) == (set(SYNC_BYTES) if backend == "socket" else set(SYNC_BYTES) - {"int8"})
+    for dtype in dtypes:
+        assert len({r["result"][dtype]["digest"] for r in res}) == 1, (backend, dtype)
+        assert [r["result"][dtype]["bytes"] for r in res] == [rank_bytes(numel, dtype, world, r) for r in range(world)]
+        assert res[0]["result"][dtype]["error"] <= {"fp32": 1e-6, "fp16": 2e-3, "bf16": 2e-2, "int8": 2e-2}[dtype]
+
+
+@pytest.mark.parametrize(
+    "extra,want",
+    [
+        (["--inner-steps", "0"], "argument --inner-steps: must be an integer at least 1"),
+        (["--outer-lr", "-0.5"], "argument --outer-lr: must be a positive finite number"),
+        (["--outer-lr", "nan"], "argument --outer-lr: must be a positive finite number"),
+        (["--outer-momentum", "1"], "argument --outer-momentum: must be 0 or more (finite, below 1)"),
+        (["--outer-momentum", "-0.1"], "argument --outer-momentum: must be 0 or more (finite, below 1)"),
+        (["--sync-dtype", "int8", "--backend", "torch"], "torch backend cannot carry it"),
+        (["--strategy", "dp", "--inner-steps", "4"], "only for a low-communication strategy"),
+        (["--eval-every", "-1"], "argument --eval-every"),
+    ],
+)
+def test_bad_input_is_one_line_and_starts_nothing(capsys, tmp_path, secret_file, extra, want):
+    argv = ["run", "--strategy", "diloco", "--local", "2", "--steps", "2", "--secret-file", secret_file]
+    argv += ["--json", str(tmp_path / "r.json"), "--out", str(tmp_path / "out"), *extra]
+    rc = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.count("\n") == 0 and want in err, err
+    assert not (tmp_path / "r.json").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_member_that_dies_is_dropped_and_a_newcomer_joins_at_an_outer_step(tmp_path, secret_file):
+    report = tmp_path / "elastic.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "smoltrain", "run", "--strategy", "diloco", "--local", "3", *SMALL]
+        + ["--steps", "20", "--inner-steps", "4", "--pace", "0.25", "--barrier-timeout", "20"]
+        + ["--secret-file", secret_file, "--json", str(report), "--out", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+    def after_the_join(line, seen):  # mid outer step, once the newcomer is in
+        return re.match(r"step \d+/", line) and any(x.startswith("event: join join1") for x in seen)
+
+    rc, out = watch(proc, secret_file, after_the_join)
+    assert rc == 0, out[-2000:]
+    doc = check_any(json.loads(report.read_text()))
+    events = {(e["kind"], e["who"]): e["step"] for e in doc["events"]}
+    join, leave = events.get(("join", "join1")), events.get(("leave", "rank2"))
+    assert join in (4, 8, 12, 16) and leave in (7, 11, 15, 19) and leave > join, out[-2000:]  # at outer steps
+    assert [s["step"] for s in doc["steps"]] == list(range(20))
+    last = doc["outer_steps"][-1]
+    assert {r["name"] for r in last["ranks"]} == {"rank0", "rank1", "join1"}
+    assert len({r["digest"] for r in last["ranks"]}) == 1
+    assert any(b["src"] == "join1" and b["bytes"] > 0 for b in doc["bytes"])
+    assert doc["steps"][-1]["loss"] < doc["steps"][0]["loss"]
