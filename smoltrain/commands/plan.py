@@ -140,7 +140,8 @@ def run(args) -> int:
             raise UsageError(f"--strategy {args.strategy} differs from the run's {req['strategy']}")
         args.model, args.world, args.dtype = req["model"], req["world"], req["dtype"]
         args.batch, args.seq, args.microbatches, args.mode = req["batch"], req["seq"], req["microbatches"], "train"
-        args.inner_steps, args.sync_dtype = req["inner_steps"], req["sync_dtype"] or args.sync_dtype
+        if req["strategy"] in STRATEGIES and registry.get(req["strategy"]).outer_steps:
+            args.inner_steps, args.sync_dtype = req["inner_steps"], req["sync_dtype"] or args.sync_dtype
     if args.mode == "serve":
         args.strategy = args.strategy or "pp"
         if args.strategy not in ("pp", "tp"):
