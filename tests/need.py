@@ -33,8 +33,14 @@ def need_sim() -> None:
 
 
 def sim_up(sim, **kw):
-    """sim.up(**kw); a SimUnavailable skips only when not root."""
+    """sim.up(**kw); a SimUnavailable skips only when not root.
+
+    Each test owns its sim name, so a sim of that name still up is a leftover of a killed
+    earlier run: it is taken down first rather than failing every test that needs it."""
     need_sim()
+    name = kw.get("name")
+    if name and sim.status(name) is not None:
+        sim.down(name=name)
     try:
         return sim.up(**kw)
     except sim.SimUnavailable as e:

@@ -219,7 +219,8 @@ def test_strangers_are_dropped_before_any_payload_and_the_group_still_forms(capl
     assert torch.equal(results[0], torch.full((1000,), 3.0)) and torch.equal(results[1], results[0])
     for c in out.values():
         c.close()
-    assert sum("cluster-secret challenge" in r.getMessage() for r in caplog.records) >= 2
+    # rejections are logged at most once a second, the ones held back counted in the next line
+    assert any("cluster-secret challenge" in r.getMessage() for r in caplog.records)
 
 
 def test_rendezvous_gives_up_naming_the_missing_rank():
