@@ -8,6 +8,7 @@ import sys
 from smolnet.inventory import Host
 from smoltrain.calibration.cluster import COMPUTE_SCHEMA, calibrate_hosts
 from smoltrain.cli import main
+from smoltrain.schema import check_any
 
 
 def _local(name: str) -> Host:
@@ -27,6 +28,10 @@ def test_unreachable_host_is_reported_and_the_rest_measured():
         assert all(s["seconds"] > 0 and s["model"] == "tiny" for s in h["train_step"])
         assert all(0 < s["optimizer_seconds"] < s["seconds"] for s in h["train_step"])
         assert h["cores"] >= 1 and h["usable_memory_bytes"] > 0 and "cpu_limit_cores" in h
+        # decode's weight reads, timed per dtype and rows in the layers' own product
+        assert sorted(h["decode_bw_bytes_s"]) == ["bf16", "fp32"]
+        assert all(sorted(r) == ["1", "4", "8"] and min(r.values()) > 0 for r in h["decode_bw_bytes_s"].values())
+    check_any({**doc, "hosts": [a, b]})
     assert a["machine_id"] == b["machine_id"]  # one machine: measured one after another
     order = [n for n, w in seen if w == "measuring"]
     assert order == ["a", "b"]
@@ -105,6 +110,7 @@ def test_repeats_take_each_figures_median_round_by_round():
             "mem_bw_bytes_s": 10 * x,
             "usable_memory_bytes": int(100 * x),
             "comm_cpu": {"message_s": x, "bytes_s": 1 / x},
+            "decode_bw_bytes_s": {"fp32": {"1": 4 * x, "8": 2 * x}},
             "train_step": [{"model": "tiny", "batch": 2, "seq": 64, "seconds": x, "optimizer_seconds": x / 10}],
         }
 
@@ -114,6 +120,7 @@ def test_repeats_take_each_figures_median_round_by_round():
     assert a["flops"] == {"fp32": 3e9, "bf16": 6e9} and a["mem_bw_bytes_s"] == 30
     assert a["usable_memory_bytes"] == 100  # the least memory any round saw
     assert a["comm_cpu"] == {"message_s": 3.0, "bytes_s": 1 / 3}
+    assert a["decode_bw_bytes_s"] == {"fp32": {"1": 12.0, "8": 6.0}}
     assert a["train_step"][0]["seconds"] == 3.0 and a["train_step"][0]["optimizer_seconds"] == 0.3
     assert a["repeats"] == 3 and a["fp32_flops_each"] == [1e9, 9e9, 3e9]
     assert b["flops"]["fp32"] == 5e9 and doc["settings"]["repeats"] == 3

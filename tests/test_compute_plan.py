@@ -253,3 +253,47 @@ def test_a_pipeline_hop_from_an_idle_quota_host_pays_its_cpu_as_a_burst():
     got = cpu_quota.quota_hop_seconds(200e3, wire, [held, free])
     assert got == pytest.approx(wire.alpha_s + 200e3 / wire.bytes_per_s + 3e-3 * 0.25)
     assert cpu_quota.quota_hop_seconds(200e3, wire, [free, free]) is None
+
+
+def test_measured_decode_rate_times_the_weight_reads(tmp_path):
+    """A host whose few-row products read weights at 2 GB/s (1 row), 1 (4 rows) and 0.5 (8
+    rows) while a copy moves 5: decode time is the weights at that rate plus the KV cache at
+    the copy's, by hand; without the figure (or in a dtype it did not time) all at 5 GB/s."""
+    from smoltrain.planner import capacity, serve
+    from smoltrain.schema import check_any
+
+    tiny = get_model("tiny")
+    # no fixed cost (the timed steps are per token only) and FLOPs far faster than the reads
+    timed = _host("a", 0.0, 1e-9)
+    (w,) = capacity.layout("pp", "infer", tiny, 1, 1, 64)
+    weights, kv = w.matmul_params * 4, 2 * w.layers * tiny.kv_dim * 64 * 4  # fp32 bytes one token reads
+
+    def plan_on(host, **kw):
+        ranks, _ = measured.apply(resolve_ranks(1, [H("a")]), [H("a")], _report(tmp_path, [host]), tiny)
+        return ranks, make_plan("pp", tiny, 1, mode="infer", seq=64, ranks=ranks, lm=from_class("1gbe"), **kw)
+
+    ranks, old = plan_on(timed)
+    assert old["compute_s_per_rank"] == pytest.approx([(weights + kv) / 5e9], rel=1e-6)
+    assert old["decode_source"] == "memory bandwidth"
+    timed["decode_bw_bytes_s"] = {"fp32": {"1": 2e9, "4": 1e9, "8": 0.5e9}}
+    check_any({"schema": "smoltrain.compute/1", "created": "x", "hosts": [timed]})
+    ranks, new = plan_on(timed)
+    check_any(new)
+    assert new["compute_s_per_rank"] == pytest.approx([weights / 2e9 + kv / 5e9], rel=1e-6)
+    assert new["decode_source"] == "decode matmul" and new["tokens_per_s"] < old["tokens_per_s"]
+    # bf16 was not timed: its weights (2 bytes each) at the copy's rate
+    bf = make_plan("pp", tiny, 1, "bf16", mode="infer", seq=64, ranks=ranks, lm=from_class("1gbe"))
+    assert bf["compute_s_per_rank"] == pytest.approx([(weights + kv) / 2 / 5e9], rel=1e-6)
+    assert bf["decode_source"] == "memory bandwidth"
+    # seconds per byte linear in the rows between those timed: 6 rows, halfway from 4 to 8,
+    # 1.5 ns a byte; beyond 8 the 4-to-8 slope goes on: 16 rows 2 + 8 * 0.25 = 4 ns
+    dev = ranks[0].device
+    assert dev.weight_rate("fp32", 6)[0] == pytest.approx(1 / 1.5e-9)
+    assert dev.weight_rate("fp32", 16)[0] == pytest.approx(1 / 4e-9)
+    assert dev.weight_rate("fp32", 1) == (2e9, "decode matmul")
+    # serving 8 at once on this host: one step reads the weights at the 8-row rate and 8 KV caches
+    doc = serve.plan(tiny, ranks, from_class("1gbe"), concurrency=8, max_batch=8, seq=64)
+    check_any(doc)
+    (split,) = doc["candidates"]
+    assert split["latency_s_per_token"] == pytest.approx(weights / 0.5e9 + 8 * kv / 5e9, rel=1e-6)
+    assert doc["decode_source"] == "decode matmul"

@@ -75,6 +75,10 @@ def median_probe(docs: list[dict]) -> dict:
         out["flops"][k] = med(got) if got else None
     out["mem_bw_bytes_s"] = med([d["mem_bw_bytes_s"] for d in docs])
     out["usable_memory_bytes"] = min(d["usable_memory_bytes"] for d in docs)
+    for dt, by_rows in (out.get("decode_bw_bytes_s") or {}).items():
+        for rows in by_rows:
+            each = [(d.get("decode_bw_bytes_s") or {}).get(dt, {}).get(rows) for d in docs]
+            by_rows[rows] = med([x for x in each if x is not None])
     if all(d.get("comm_cpu") for d in docs):
         for k in out["comm_cpu"]:
             out["comm_cpu"][k] = med([d["comm_cpu"][k] for d in docs])
@@ -154,6 +158,9 @@ def summary(doc: dict) -> str:
         f"fp16 {(f.get('fp16') or 0) / 1e9:,.1f}",
         f"mem {doc.get('mem_bw_bytes_s', 0) / 1e9:,.1f} GB/s",
     ]
+    dec = (doc.get("decode_bw_bytes_s") or {}).get("fp32") or {}
+    if dec.get("1"):
+        parts.append(f"fp32 decode {dec['1'] / 1e9:,.1f} GB/s")
     if ts:
         parts.append(f"{ts[-1]['model']} step {ts[-1]['seconds'] * 1e3:,.0f} ms @ batch {ts[-1]['batch']}")
     parts.append(f"cap {cap:.2f} cores" if cap else f"{doc.get('cores')} cores")

@@ -92,6 +92,68 @@ def copy_bw(torch, nbytes: int, window: float) -> float:
     return 2 * nbytes * steady_rate(lambda: dst.copy_(src), window)  # read + write
 
 
+DECODE_BYTES = 64 << 20  # weights per dtype: twice the L3 of the machines measured, so every call reads memory
+DECODE_TILE = 2048  # square matrices of a small model's layer width (1-2k): oneDNN's batch-1 fp32
+# product read 17 GB/s from 2048-wide matrices and 23 from one 4096x4096 on the machine of BENCHMARKS.md
+DECODE_ROWS = (1, 4, 8)  # generate decodes 1 row; serve pads a step to 4 and batches up to 8
+DECODE_DTYPES = ("fp32", "bf16")
+DECODE_CALLS = 3
+
+
+def cpu_seconds(fn, calls: int = DECODE_CALLS, warm: bool = True) -> float:
+    """CPU seconds of one call of fn (all threads), the median of `calls` (after a warm-up
+    call): CPU time, so a call cut by a CFS quota or by another process costs what it computed."""
+    if warm:
+        fn()
+    spent = []
+    for _ in range(calls):
+        t0 = time.process_time()
+        fn()
+        spent.append(time.process_time() - t0)
+    return sorted(spent)[len(spent) // 2]
+
+
+def decode_bw(torch, mem_bw: float, copy_bytes: int) -> dict:
+    """Weight bytes per second a decode step reads, per dtype and rows: what the layers'
+    own kernel (models.quant.Linear: oneDNN for fp32) makes of DECODE_BYTES of weights times
+    1, 4 and 8 rows. Few-row products stream weights slower than a copy moves them (1-row
+    fp32 at 0.6-0.8 of the copy here, 8 rows at 0.35), so the plan reads them at this rate.
+
+    A few calls only (well under a second): each is timed in CPU seconds, as a ratio to
+    the copy timed the same way, and that ratio scales `mem_bw`, the copy measured over
+    whole windows: the windows see the host's cap, and the ratio does not need to."""
+    from smoltrain.models.quant import Linear
+
+    copy_rate = 2 * copy_bytes / cpu_seconds(_copy(torch, copy_bytes))
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    out: dict = {}
+    for name in DECODE_DTYPES:
+        try:
+            zeros = torch.zeros(DECODE_TILE, DECODE_TILE)  # values do not change the time (no denormals)
+            k = max(1, DECODE_BYTES // (DECODE_TILE * DECODE_TILE * zeros.to(dt[name]).element_size()))
+            layers = [Linear(zeros, None, dt[name]) for _ in range(k)]
+            nbytes = sum(lin.nbytes for lin in layers)
+            rates: dict = {}
+            for rows in DECODE_ROWS:
+                x = torch.ones(rows, DECODE_TILE, dtype=dt[name])
+                cpu = cpu_seconds(_products(layers, x), warm=not rates)  # the first call touches the weights
+                rates[str(rows)] = nbytes / cpu / copy_rate * mem_bw
+            out[name] = rates
+        except (RuntimeError, TypeError):  # this torch cannot run the product in that dtype here
+            continue
+    return out
+
+
+def _copy(torch, nbytes: int):
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
+def _products(layers: list, x):
+    return lambda: [lin(x) for lin in layers]
+
+
 def train_seconds(
     torch, model_name: str, batch: int, seq: int, window: float, optimizer: list | None = None, device: str = "cpu"
 ) -> float:
@@ -235,6 +297,7 @@ def probe(
     threads, device = host.setup(threads, device)
     comm = comm_cpu(torch) if hasattr(os, "fork") else None
     flops = dtype_flops(torch, w, device)
+    mem_bw = copy_bw(torch, host.COPY_BYTES, w)
     cap = own_quota()
     doc = {
         "machine_id": machine_id(),
@@ -245,7 +308,8 @@ def probe(
         "device": device,
         "torch": torch.__version__,
         "flops": flops,
-        "mem_bw_bytes_s": copy_bw(torch, host.COPY_BYTES, w),
+        "mem_bw_bytes_s": mem_bw,
+        "decode_bw_bytes_s": decode_bw(torch, mem_bw, host.COPY_BYTES) if device == "cpu" else {},
         "usable_memory_bytes": usable_memory(),
         "comm_cpu": comm,
         "train_step": [],

@@ -246,8 +246,12 @@ def memory_traffic(
         weights = model.params() if w.gathered else w.params_held  # fsdp: every unit passes through
         every = replace(w, in_flight=0.0, saved_only=False)  # all tokens' activations pass through memory
         return weights * 3 * a + w.params_owned * OPT_TRAFFIC + 2 * _activations(every, model, a, seq, strategy)
-    kv = 2 * w.layers * model.kv_dim * w.kv_positions * a * w.attn_share
-    return weight_bytes(w, model, a, quantize)[0] + kv
+    return weight_bytes(w, model, a, quantize)[0] + kv_bytes(w, model, a)
+
+
+def kv_bytes(w: RankWork, model: ModelSpec, a: int) -> float:
+    """Inference: the KV cache this rank holds for one sequence, which each decode step reads."""
+    return 2 * w.layers * model.kv_dim * w.kv_positions * a * w.attn_share
 
 
 def _activations(w: RankWork, model: ModelSpec, a: int, seq: int, strategy: str) -> float:
@@ -265,7 +269,7 @@ def _activations(w: RankWork, model: ModelSpec, a: int, seq: int, strategy: str)
 
 def memory(w: RankWork, model: ModelSpec, mode: str, dtype: str, seq: int, strategy: str, quantize=None) -> Memory:
     a = dtype_bytes(dtype)
-    kv = 2 * w.layers * model.kv_dim * w.kv_positions * a * w.attn_share
+    kv = kv_bytes(w, model, a)
     if mode == "infer":
         return Memory(weight_bytes(w, model, a, quantize)[1], 0, 0, 0, kv)
     master = MASTER_BYTES if a < 4 and not w.served else 0  # a server's master copy is its weights

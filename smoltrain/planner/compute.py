@@ -33,6 +33,7 @@ class HostCompute:
     comm_cpu: dict | None = None  # smoltrain comm's CPU cost here: message_s, bytes_s
     cpu_period_s: float | None = None  # the CFS period of cpu_limit_cores
     threads: int = 1  # torch threads the probe ran at (the host's smol_threads or usable CPUs)
+    decode_bw: tuple = ()  # decode products' weight bytes/s: ((dtype, ((rows, bytes/s), ...)), ...)
 
     def quota(self) -> tuple[float, float] | None:
         """(quota, period) in seconds of a CFS cap whose period was measured, else None."""
@@ -102,9 +103,19 @@ def _host(d: dict, origin: str) -> HostCompute:
             d.get("comm_cpu") if isinstance(d.get("comm_cpu"), dict) else None,
             (float(d["cpu_period_s"]) if d.get("cpu_period_s") else None),
             int(d.get("threads") or 1),
+            decode_rates(d.get("decode_bw_bytes_s")),
         )
     except (KeyError, TypeError, ValueError, AttributeError):
         raise UsageError(f"{origin}: host {d.get('name', '?')!r} lacks flops or mem_bw_bytes_s") from None
+
+
+def decode_rates(doc: dict | None) -> tuple:
+    """The report's decode_bw_bytes_s ({dtype: {rows: bytes/s}}) as DeviceProfile.decode_bw, rows ascending."""
+    return tuple(
+        (dt, tuple(sorted((int(r), float(b)) for r, b in by_rows.items())))
+        for dt, by_rows in sorted((doc or {}).items())
+        if by_rows
+    )
 
 
 def read_compute(path: str) -> dict:
@@ -211,7 +222,9 @@ def measured_ranks(ranks: list, figs: list[HostCompute], model: ModelSpec, share
             f"measured on {f.name} at {f.threads} thread(s)"
             + (f" (cap {f.cpu_limit_cores:g} cores)" if f.cpu_limit_cores else ""),
             achieved * rbf * share,
+            decode_bw=f.decode_bw,
         )
+        prof = replace(prof, decode_bw=prof.decode_scaled(share))
         cc = None
         if f.comm_cpu and f.comm_cpu.get("message_s") and f.comm_cpu.get("bytes_s"):
             cc = {

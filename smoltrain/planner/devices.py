@@ -33,14 +33,41 @@ class DeviceProfile:
     peak_mem_bw: float
     source: str
     flops_bf16: float | None = None  # measured apart from fp16 where calibrated (None: as flops_fp16)
+    # weight bytes/s of a decode step's matrix products where calibrated: ((dtype, ((rows, bytes/s), ...)), ...)
+    decode_bw: tuple = ()
 
     def flops(self, dtype: str) -> float:
         if dtype == "bf16" and self.flops_bf16:
             return self.flops_bf16
         return self.flops_fp32 if dtype == "fp32" else self.flops_fp16
 
+    def weight_rate(self, dtype: str | None, rows: int) -> tuple[float, str]:
+        """(bytes/s, source) at which a decode step of `rows` rows reads its weights in `dtype`
+        (None: quantised, never timed): the measured decode product, its seconds per byte
+        linear in the rows between the row counts timed (beyond the last: the last two's slope),
+        else the memory bandwidth. Few-row products stream weights slower than a copy."""
+        pts = dict(self.decode_bw).get(dtype) if dtype else None
+        if not pts:
+            return self.mem_bw, DECODE_FROM_BANDWIDTH
+        if len(pts) == 1 or rows <= pts[0][0]:
+            return pts[0][1], DECODE_FROM_MATMUL
+        (r0, b0), (r1, b1) = next(((a, b) for a, b in zip(pts, pts[1:]) if rows <= b[0]), pts[-2:])
+        slope = (1 / b1 - 1 / b0) / (r1 - r0)
+        if rows > r1:  # more rows than timed: never cheaper per byte than the most timed
+            slope = max(0.0, slope)
+            return 1 / (1 / b1 + (rows - r1) * slope), DECODE_FROM_MATMUL
+        return 1 / (1 / b0 + (rows - r0) * slope), DECODE_FROM_MATMUL
+
+    def decode_scaled(self, f: float) -> tuple:
+        """decode_bw with every rate times f (a rank's share of a machine)."""
+        return tuple((dt, tuple((r, b * f) for r, b in pts)) for dt, pts in self.decode_bw)
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+DECODE_FROM_MATMUL = "decode matmul"  # calibrate timed this host's few-row products (decode_bw_bytes_s)
+DECODE_FROM_BANDWIDTH = "memory bandwidth"  # a copy's rate (calibrate) or the device profile's
 
 
 # Achieved = peak x 0.4 for compute (Pi 5 HPL reaches ~0.4 of its FP64 peak; MFU of small

@@ -115,6 +115,7 @@ def make_plan(
         quantize=quantize,
         wire_dtype=(wire_dtype or dtype) if not train else None,
         placement_mode=(placement or {}).get("mode", "even"),
+        decode_source=None if train else rank_time.decode_source(ranks[: len(works)], sh),
     )
     if train and info.outer_steps:  # the all-reduce every H steps (planner.diloco)
         from smoltrain.planner import diloco

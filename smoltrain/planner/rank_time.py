@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from smoltrain.models.spec import ModelSpec
 from smoltrain.planner import capacity
+from smoltrain.planner.traffic import dtype_bytes
 
 DECODE_PASS = 1 / 3  # a forward pass's share of a training pass's fixed cost (backward runs twice its work)
 
@@ -46,6 +47,8 @@ class RankTime:
 
 def seconds(rk, w: capacity.RankWork, sh: Shape) -> RankTime:
     """One rank's compute for its work, per step (train) or per generated token (infer)."""
+    if sh.mode == "infer":
+        return decode(rk, w, sh)[0]
     model = sh.model
     fl = capacity.flops(w, model, sh.mode, sh.seq)
     mt = capacity.memory_traffic(w, model, sh.mode, sh.dtype, sh.batch, sh.seq, sh.strategy, sh.quantize)
@@ -55,14 +58,38 @@ def seconds(rk, w: capacity.RankWork, sh: Shape) -> RankTime:
         # the timed steps' fixed cost: what every pass pays whatever its size (operator dispatch,
         # Python), for the rank's share of the operations
         passes = (rk.fixed_s - rk.optimizer_s) * capacity.fixed_share(w, model, sh.strategy)
-        if sh.mode == "train":  # timed steps hold the memory traffic already
-            # a pipeline or an accumulating host pays the per-pass fixed cost each time; the
-            # AdamW update once, for the parameters the rank owns
-            update = rk.optimizer_s * w.params_owned / model.params()
-            return RankTime(t_fl + passes * sh.passes + update, t_fl, t_mem, update)
-        # decode: one forward pass of one token, a third of a training pass's operations
-        return RankTime(max(t_fl, t_mem) + passes * DECODE_PASS, t_fl, t_mem, 0.0)
+        # timed steps hold the memory traffic already; a pipeline or an accumulating host pays
+        # the per-pass fixed cost each time, the AdamW update once, for the parameters it owns
+        update = rk.optimizer_s * w.params_owned / model.params()
+        return RankTime(t_fl + passes * sh.passes + update, t_fl, t_mem, update)
     return RankTime(max(t_fl, t_mem), t_fl, t_mem, 0.0)
+
+
+def decode(rk, w: capacity.RankWork, sh: Shape, rows: int = 1, pad: int = 1) -> tuple[RankTime, str]:
+    """One decode step of `rows` sequences (the matrix products padded to `pad` rows) on one
+    rank, and where its weight-read rate came from: the weights read at the rank's rate for
+    that many rows (DeviceProfile.weight_rate: calibrate's timed few-row product, else the
+    memory bandwidth) and each sequence's KV cache at the memory bandwidth, or the FLOPs,
+    whichever is slower; on measured hosts plus a forward pass's share of the timed fixed cost."""
+    model, a = sh.model, dtype_bytes(sh.dtype)
+    n = max(rows, pad)
+    rate, source = rk.device.weight_rate(None if sh.quantize else sh.dtype, n)
+    weights = capacity.weight_bytes(w, model, a, sh.quantize)[0]
+    t_mem = weights / rate + rows * capacity.kv_bytes(w, model, a) / rk.device.mem_bw
+    per_row = capacity.flops(w, model, "infer", sh.seq)
+    products = w.tokens * 2 * w.matmul_params  # the rest of per_row is attention over the row's own cache
+    t_fl = (n * products + rows * (per_row - products)) / rk.device.flops(sh.compute_dtype or sh.dtype)
+    fixed = 0.0
+    if rk.measured:  # one forward pass: a third of a training pass's operations
+        fixed = (rk.fixed_s - rk.optimizer_s) * capacity.fixed_share(w, model, sh.strategy) * DECODE_PASS
+    return RankTime(max(t_fl, t_mem) + fixed, t_fl, t_mem, 0.0), source
+
+
+def decode_source(ranks: list, sh: Shape) -> str:
+    """Where the ranks' decode weight rates come from (DeviceProfile.weight_rate): the one
+    source they share, else "mixed"."""
+    got = {rk.device.weight_rate(None if sh.quantize else sh.dtype, 1)[1] for rk in ranks}
+    return got.pop() if len(got) == 1 else "mixed"
 
 
 def memory(w: capacity.RankWork, sh: Shape) -> capacity.Memory:

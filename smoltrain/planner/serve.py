@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 
-from smoltrain.planner import capacity
+from smoltrain.planner import capacity, rank_time
 from smoltrain.planner.traffic import STEP_HEADER_BYTES, TOKEN_ID_BYTES, dtype_bytes
 
 SCHEMA = "smoltrain.serveplan/1"
@@ -59,14 +59,11 @@ def split_by_speed(speeds: list[float], r: int) -> list[list[int]]:
     return sorted(groups, key=lambda g: g[0])  # the group holding host 0 (the coordinator) first
 
 
-def _rank_seconds(w, model, rk, dtype: str, n: int, seq: int, pad: int = PAD_ROWS) -> tuple[float, str]:
-    """One decode step of n rows (padded to `pad` in the matrix products) on one rank: (seconds, bound)."""
-    a = dtype_bytes(dtype)
-    kv = 2 * w.layers * model.kv_dim * seq * a * w.attn_share
-    mem = (w.matmul_params * a + n * kv) / rk.device.mem_bw
-    rows = max(n, pad)
-    fl = (2 * w.matmul_params * rows + n * 4 * w.layers * model.hidden * seq * w.attn_share) / rk.device.flops(dtype)
-    return (mem, "memory-bandwidth") if mem >= fl else (fl, "compute")
+def _rank_seconds(w, model, rk, strategy: str, dtype: str, n: int, seq: int, pad: int) -> tuple[float, str]:
+    """One decode step of n rows (padded to `pad` in the matrix products) on one rank, as the
+    infer plan times it (rank_time.decode): (seconds, bound)."""
+    t, _ = rank_time.decode(rk, w, rank_time.Shape(strategy, "infer", model, dtype, 1, seq), n, pad)
+    return t.compute_s, t.bound
 
 
 def _hop(lm, src: str, dst: str, nbytes: float) -> float:
@@ -89,7 +86,7 @@ def group_step(
     )
     prefill = [2 * w.matmul_params / rk.device.flops(dtype) for w, rk in zip(works, ranks)]
     if s == "tp" and k > 1:
-        t = [_rank_seconds(w, model, rk, dtype, rows, seq, pad) for w, rk in zip(works, ranks)]
+        t = [_rank_seconds(w, model, rk, s, dtype, rows, seq, pad) for w, rk in zip(works, ranks)]
         ring = [(names[r], names[(r + 1) % k]) for r in range(k)]
         slowest = max(ring, key=lambda p: _hop(lm, *p, rows * h * a / k))
         ar = 2 * (k - 1) * _hop(lm, *slowest, rows * h * a / k)
@@ -103,7 +100,7 @@ def group_step(
     else:
         lanes = min(k, rows)
         per_lane = math.ceil(rows / lanes)
-        t = [_rank_seconds(w, model, rk, dtype, per_lane, seq, pad) for w, rk in zip(works, ranks)]
+        t = [_rank_seconds(w, model, rk, s, dtype, per_lane, seq, pad) for w, rk in zip(works, ranks)]
         hops = [_hop(lm, names[r], names[r + 1], per_lane * h * a + STEP_HEADER_BYTES) for r in range(k - 1)]
         if k > 1:
             hops.append(_hop(lm, names[-1], names[0], per_lane * TOKEN_ID_BYTES))
@@ -148,7 +145,8 @@ def plan(
 ) -> dict:
     """Every candidate split of these ranks (hosts) for `concurrency` requests; the best named."""
     names = [r.name for r in ranks]
-    speeds = [r.device.mem_bw for r in ranks]  # decode reads weights: bandwidth is speed
+    # decode reads weights: the rate a served step (max_batch rows) reads them at is speed
+    speeds = [r.device.weight_rate(dtype, max(max_batch, PAD_ROWS))[0] for r in ranks]
     rows_out = []
     for name, groups in candidates(len(ranks), speeds):
         share = split_counts(concurrency, len(groups))
@@ -192,6 +190,7 @@ def plan(
         "prompt": prompt,
         "strategy": strategy,
         "hosts": names,
+        "decode_source": rank_time.decode_source(ranks, rank_time.Shape(strategy, "infer", model, dtype, 1, seq)),
         "candidates": rows_out,
         "best": best["name"],
     }
