@@ -194,18 +194,28 @@ def replicas(args, model: str, tmp: str) -> dict:
         shape = os.path.join(tmp, "shape.json")  # the checkpoint's shape, for the plan
         with open(shape, "w") as f:
             json.dump(asdict(read_config(model).spec()), f)
-        run(
-            [py, "-m", "smoltrain", "plan", "--mode", "serve", "-i", inv, "--links", links, "--compute", compute]
-            + ["--model", shape, "--concurrency", str(args.clients), "--seq", seq]
-            + ["--max-batch", str(args.clients), "--json", plan],
-            tmp,
-        )
-        with open(plan) as f:
-            doc = json.load(f)
-        rows = []
+        copy_only = without_decode_rates(compute, tmp)
+        docs = []
+        for report in (compute, copy_only):
+            run(
+                [py, "-m", "smoltrain", "plan", "--mode", "serve", "-i", inv, "--links", links, "--compute", report]
+                + ["--model", shape, "--concurrency", str(args.clients), "--seq", seq]
+                + ["--max-batch", str(args.clients), "--json", plan],
+                tmp,
+            )
+            with open(plan) as f:
+                docs.append(json.load(f))
+        doc, old = docs
+        out = {"plan_best": doc["best"], "plan": doc, "rows": [], "decode": []}
+        if "decode-sim" in args.parts.split(","):
+            out["decode"] = decode_vs_plan(args, inv, compute, copy_only, links, model, tmp)
+        if "replicas-sim" not in args.parts.split(","):
+            return out
+        rows = out["rows"]
         for r in (1, 2, 4):
             name = "split" if r == 1 else f"{r} replicas"
             pred = next(c for c in doc["candidates"] if c["name"] == name)
+            before = next(c for c in old["candidates"] if c["name"] == name)
             where = ["-i", inv, "--model", model, "--strategy", "pp", "--replicas", str(r)]
             with Served(*where, "--compute", compute, "--links", links, "--max-batch", str(args.clients)) as s:
                 clients(s.port, args.clients, 4, args.prompt)  # warm up
@@ -216,6 +226,10 @@ def replicas(args, model: str, tmp: str) -> dict:
                 "measured_tokens_per_s": m["steady_tokens_per_s"],
                 "plan_tokens_per_s": pred["tokens_per_s"],
                 "measured_vs_plan": m["steady_tokens_per_s"] / pred["tokens_per_s"],
+                "plan_source": doc.get("decode_source"),
+                # the same plan with the weights read at the copy bandwidth (the report less its decode rates)
+                "copy_plan_tokens_per_s": before["tokens_per_s"],
+                "measured_vs_copy_plan": m["steady_tokens_per_s"] / before["tokens_per_s"],
                 "ttft_p50_s": m["ttft_p50_s"],
                 "ttft_p99_s": m["ttft_p99_s"],
                 "plan_ttft_s": pred["ttft_s"],
@@ -223,12 +237,91 @@ def replicas(args, model: str, tmp: str) -> dict:
             rows.append(row)
             print(
                 f"{name}: {row['measured_tokens_per_s']:.2f} tok/s, plan {row['plan_tokens_per_s']:.2f} "
-                f"({row['measured_vs_plan']:.2f}), TTFT p50 {row['ttft_p50_s']:.2f} s p99 {row['ttft_p99_s']:.2f} s",
+                f"({row['measured_vs_plan']:.2f}; copy-bandwidth plan {row['measured_vs_copy_plan']:.2f}), "
+                f"TTFT p50 {row['ttft_p50_s']:.2f} s p99 {row['ttft_p99_s']:.2f} s",
                 flush=True,
             )
-        return {"plan_best": doc["best"], "plan": doc, "rows": rows}
+        return out
     finally:
         sim.down(name="sv2")
+
+
+def without_decode_rates(compute: str, tmp: str) -> str:
+    """The compute report less its timed decode products: a plan on it reads weights at the copy bandwidth."""
+    with open(compute) as f:
+        doc = json.load(f)
+    for h in doc["hosts"]:
+        h.pop("decode_bw_bytes_s", None)
+    path = os.path.join(tmp, "compute-copy.json")
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    return path
+
+
+def small_gpt2(path: str) -> str:
+    """A random GPT-2 of the demo's tiny8 shape (what its export writes): a decode step of it is
+    per-operation cost, its 3.5 MB of weights stay in cache."""
+    import transformers
+
+    from smoltrain.models.spec import get_model
+
+    m = get_model("tiny8")
+    cfg = transformers.GPT2Config(
+        vocab_size=m.vocab, n_positions=m.ctx, n_embd=m.hidden, n_layer=m.layers, n_head=m.heads, n_inner=m.ffn
+    )
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(path)
+    return path
+
+
+def decode_vs_plan(args, inv: str, compute: str, copy_only: str, links: str, model: str, tmp: str) -> list[dict]:
+    """`generate` pp and tp over the 4 capped hosts (placed auto on the reports, as the demo does),
+    decode tokens/s against the plan generate made, and against the same request planned on the
+    report less its decode rates (weights at the copy bandwidth)."""
+    from smolnet.inventory import load_inventory
+    from smoltrain.planner.links import read_report
+    from smoltrain.planner.request import PlanRequest, build_plan
+
+    rows = []
+    hosts = load_inventory(inv).hosts
+    for label, path, new in (("llama", model, args.new), ("tiny8 gpt2", small_gpt2(os.path.join(tmp, "tiny8")), 32)):
+        for strat in ("pp", "tp"):
+            out = os.path.join(tmp, f"gen-{strat}.json")
+            ids = ",".join(str(i) for i in range(1, 13))
+            argv = ["generate", "--strategy", strat, "-i", inv, "--model", path, "--prompt-ids", ids]
+            argv += ["--max-new-tokens", str(new), "--ignore-eos", "--links", links, "--compute", compute]
+            run([sys.executable, "-m", "smoltrain", *argv, "--json", out], tmp)
+            with open(out) as f:
+                g = json.load(f)
+            p = g["plan"]
+            req = PlanRequest(strat, _spec(path), mode="infer", world=len(hosts))
+            req.batch, req.seq, req.placement, req.hosts = 1, p["seq"], p["placement"], hosts
+            req.links, req.compute, req.strict, req.dtype = read_report(links), copy_only, True, p["dtype"]
+            old = build_plan(req)
+            row = {
+                "model": label,
+                "strategy": strat,
+                "order": g["placement"]["order"],
+                "measured_tokens_per_s": g["decode"]["tokens_per_s"],
+                "plan_tokens_per_s": p["tokens_per_s"],
+                "plan_source": p.get("decode_source"),
+                "measured_vs_plan": g["decode"]["tokens_per_s"] / p["tokens_per_s"],
+                "copy_plan_tokens_per_s": old["tokens_per_s"],
+                "measured_vs_copy_plan": g["decode"]["tokens_per_s"] / old["tokens_per_s"],
+            }
+            rows.append(row)
+            print(
+                f"decode {label} {strat}: {row['measured_tokens_per_s']:.2f} tok/s, plan {row['plan_tokens_per_s']:.2f} "
+                f"({row['measured_vs_plan']:.2f}), copy-bandwidth plan {row['copy_plan_tokens_per_s']:.2f} "
+                f"({row['measured_vs_copy_plan']:.2f})",
+                flush=True,
+            )
+    return rows
+
+
+def _spec(path: str):
+    from smoltrain.models.hf import read_config
+
+    return read_config(path).spec()
 
 
 def main() -> int:
@@ -238,7 +331,7 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=48, help="tokens each client asks for")
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--parts", default="local,pp-sim,replicas-sim")
+    ap.add_argument("--parts", default="local,pp-sim,replicas-sim,decode-sim")
     ap.add_argument("--json")
     a = ap.parse_args()
     parts = a.parts.split(",")
@@ -261,7 +354,7 @@ def main() -> int:
             out["batching"].append(batching(a, where, "pp 2 sim hosts"))
         finally:
             sim.down(name="sv1")
-    if "replicas-sim" in parts:
+    if "replicas-sim" in parts or "decode-sim" in parts:
         out["replicas"] = replicas(a, model, tmp)
     print(f"\nmodel: Llama hidden {a.hidden}, {a.layers} layers; {a.new} new tokens, prompt {a.prompt}")
     print(f"| setup | 1 client tok/s | {a.clients} clients tok/s | ratio | TTFT 1 client s | TTFT p50 s | p99 s |")
@@ -271,15 +364,31 @@ def main() -> int:
             f"| {r['setup']} | {r['one_client_tokens_per_s']:.2f} | {r['many_tokens_per_s']:.2f} | "
             f"{r['ratio']:.2f}x | {r['ttft_one_s']:.2f} | {r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} |"
         )
-    if "replicas" in out:
+    if out.get("replicas", {}).get("rows"):
         print(f"\n4-host sim (caps {CAPS} cores), {a.clients} clients; plan's best: {out['replicas']['plan_best']}")
-        print("| setup | groups | measured tok/s | plan tok/s | measured/plan | TTFT p50 s | p99 s | plan TTFT s |")
-        print("|---|---|---|---|---|---|---|---|")
+        print(
+            "| setup | groups | measured tok/s | plan tok/s | measured/plan | copy-bw plan tok/s | measured/copy-bw plan "
+            "| TTFT p50 s | p99 s | plan TTFT s |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in out["replicas"]["rows"]:
             print(
                 f"| {r['setup']} | {' / '.join(','.join(g) for g in r['groups'])} | "
                 f"{r['measured_tokens_per_s']:.2f} | {r['plan_tokens_per_s']:.2f} | {r['measured_vs_plan']:.2f} | "
+                f"{r['copy_plan_tokens_per_s']:.2f} | {r['measured_vs_copy_plan']:.2f} | "
                 f"{r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | {r['plan_ttft_s']:.2f} |"
+            )
+    if out.get("replicas", {}).get("decode"):
+        print(f"\ngenerate (batch-1 decode) over the 4-host sim (caps {CAPS} cores), placed auto")
+        print(
+            "| model | strategy | order | measured tok/s | plan tok/s | measured/plan | copy-bw plan tok/s | measured/copy-bw |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
+        for r in out["replicas"]["decode"]:
+            print(
+                f"| {r['model']} | {r['strategy']} | {','.join(r['order'])} | {r['measured_tokens_per_s']:.2f} | "
+                f"{r['plan_tokens_per_s']:.2f} | {r['measured_vs_plan']:.2f} | {r['copy_plan_tokens_per_s']:.2f} | "
+                f"{r['measured_vs_copy_plan']:.2f} |"
             )
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
