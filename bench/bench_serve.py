@@ -207,12 +207,8 @@ def replicas(args, model: str, tmp: str) -> dict:
                 docs.append(json.load(f))
         doc, old = docs
         out = {"plan_best": doc["best"], "plan": doc, "rows": [], "decode": []}
-        if "decode-sim" in args.parts.split(","):
-            out["decode"] = decode_vs_plan(args, inv, compute, copy_only, links, model, tmp)
-        if "replicas-sim" not in args.parts.split(","):
-            return out
         rows = out["rows"]
-        for r in (1, 2, 4):
+        for r in (1, 2, 4) if "replicas-sim" in args.parts.split(",") else ():
             name = "split" if r == 1 else f"{r} replicas"
             pred = next(c for c in doc["candidates"] if c["name"] == name)
             before = next(c for c in old["candidates"] if c["name"] == name)
@@ -241,6 +237,8 @@ def replicas(args, model: str, tmp: str) -> dict:
                 f"TTFT p50 {row['ttft_p50_s']:.2f} s p99 {row['ttft_p99_s']:.2f} s",
                 flush=True,
             )
+        if "decode-sim" in args.parts.split(","):
+            out["decode"] = decode_vs_plan(args, inv, compute, copy_only, links, model, tmp)
         return out
     finally:
         sim.down(name="sv2")
@@ -289,7 +287,12 @@ def decode_vs_plan(args, inv: str, compute: str, copy_only: str, links: str, mod
             ids = ",".join(str(i) for i in range(1, 13))
             argv = ["generate", "--strategy", strat, "-i", inv, "--model", path, "--prompt-ids", ids]
             argv += ["--max-new-tokens", str(new), "--ignore-eos", "--links", links, "--compute", compute]
-            run([sys.executable, "-m", "smoltrain", *argv, "--json", out], tmp)
+            try:
+                run([sys.executable, "-m", "smoltrain", *argv, "--json", out], tmp)
+            except SystemExit as e:  # one failed split must not lose the others
+                print(f"decode {label} {strat}: failed: {e}", flush=True)
+                rows.append({"model": label, "strategy": strat, "error": str(e)})
+                continue
             with open(out) as f:
                 g = json.load(f)
             p = g["plan"]
@@ -385,6 +388,9 @@ def main() -> int:
         )
         print("|---|---|---|---|---|---|---|---|")
         for r in out["replicas"]["decode"]:
+            if "error" in r:
+                print(f"| {r['model']} | {r['strategy']} | failed: {r['error'][-80:]} | | | | | |")
+                continue
             print(
                 f"| {r['model']} | {r['strategy']} | {','.join(r['order'])} | {r['measured_tokens_per_s']:.2f} | "
                 f"{r['plan_tokens_per_s']:.2f} | {r['measured_vs_plan']:.2f} | {r['copy_plan_tokens_per_s']:.2f} | "
