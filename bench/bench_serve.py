@@ -1,7 +1,10 @@
 """Serving for throughput, side by side in one run: continuous batching (8 concurrent clients vs one,
 on the same ranks) for the one-process server and for pp over 2 sim hosts; then replicas vs one
 split on a 4-host sim of unequal CPU caps, each measured against `plan --mode serve`; time to first
-token (p50, p99) under that load.
+token (p50, p99) under that load; then `generate` (batch-1 decode) with pp and tp over the same 4
+hosts against its plan, for this Llama and a GPT-2 of the demo's tiny8 shape. Every plan is shown
+beside the same plan on the compute report less its timed decode products (`decode_bw_bytes_s`):
+weights read at the copy bandwidth, as before calibrate timed them.
 
 The model is a random-weight Llama (made with transformers) big enough that a decode step is
 bound by reading the weights (hidden 1024, 8 layers: ~130M parameters, ~0.5 GB fp32), which is
@@ -13,6 +16,7 @@ finished, over that window (one client: its first to last token). The plan is `s
 
     flock /tmp/smol-sim.lock .venv/bin/python bench/bench_serve.py --json bench/out/serve.json
     flock /tmp/smol-sim.lock .venv/bin/python bench/bench_serve.py --parts local   # no sim (no root)
+    flock /tmp/smol-sim.lock .venv/bin/python bench/bench_serve.py --parts replicas-sim,decode-sim
 """
 
 from __future__ import annotations
