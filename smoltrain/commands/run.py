@@ -268,9 +268,8 @@ def _run(args, early) -> int:
             raise UsageError("--resume needs --checkpoint-dir")
         from smoltrain.run import checkpoint
 
-        resume = checkpoint.latest(
-            cfg.checkpoint_dir, checkpoint.identity(cfg), info.checkpoint_parts(world), all_here=hosts is None
-        )
+        parts = None if info.elastic else info.checkpoint_parts(world)  # elastic: the members' parts, as marked
+        resume = checkpoint.latest(cfg.checkpoint_dir, checkpoint.identity(cfg), parts, all_here=hosts is None)
         if resume.skipped:
             console.print(resume.skipped_line(), style="bold yellow", markup=False, soft_wrap=True)
         if resume.step >= cfg.steps:
