@@ -194,18 +194,20 @@ def test_the_default_outer_step_fits_the_run_length():
 
 
 def test_diloco_leaves_out_a_host_whose_one_sequence_outlasts_the_others_step():
+    from dataclasses import replace
+
     from smoltrain.planner.placement_plan import place
-    from smoltrain.planner.ranks import Rank
+    from smoltrain.planner.ranks import Rank, resolve_ranks
 
     base = resolve_ranks(1)[0].device
-    sp = [  # a laptop, and a pi (1/4 of its speed) whose fixed cost per step alone exceeds the laptop's whole step
-        Rank("laptop", base, 8e9, fixed_s=0.01, measured=True),
-        Rank("pi", dataclasses.replace(base, flops_fp32=base.flops_fp32 / 4, mem_bw=base.mem_bw / 4), 8e9, 1.0, True),
-    ]
-    dl = place("diloco", "auto", TINY, sp, batch=8, seq=64)
+    laptop = Rank("laptop", base, 8e9, fixed_s=0.01, measured=True)
+    # a pi 4x slower whose fixed cost per step alone (0.5 s) exceeds the laptop's whole step
+    slow = replace(base, flops_fp32=base.flops_fp32 / 4, flops_fp16=base.flops_fp16 / 4, mem_bw=base.mem_bw / 4)
+    pi = Rank("pi", slow, 8e9, fixed_s=0.5, measured=True)
+    dl = place("diloco", "auto", TINY, [laptop, pi], batch=8, seq=64)
     assert dl.order == ["laptop"] and dl.shares == [1.0]
     assert [e["name"] for e in dl.excluded] == ["pi"] and "one sequence takes it" in dl.excluded[0]["why"]
-    dp = place("dp", "auto", TINY, sp, batch=8, seq=64)  # lockstep strategies keep every host
+    dp = place("dp", "auto", TINY, [laptop, pi], batch=8, seq=64)  # lockstep strategies keep every host
     assert sorted(dp.order) == ["laptop", "pi"] and not dp.excluded
-    big = place("diloco", "auto", TINY, sp, batch=1024, seq=64)  # enough work: the pi helps again
+    big = place("diloco", "auto", TINY, [laptop, pi], batch=256, seq=64)  # enough work: the pi helps again
     assert sorted(big.order) == ["laptop", "pi"]

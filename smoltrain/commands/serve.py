@@ -30,8 +30,6 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--concurrency", type=validate.COUNT, help="requests at once, for --replicas auto (default --max-batch)"
     )
-    p.add_argument("--compute", metavar="COMPUTE.json", help="measured compute for the plan")
-    p.add_argument("--links", metavar="LINKS.json", help="measured links for the plan")
     p.add_argument("--api-key", default=os.environ.get("SMOL_API_KEY"), help="require Authorization: Bearer KEY")
     p.add_argument("--max-tokens", type=validate.TOKENS, default=4096, help="the most tokens one request may ask for")
     p.add_argument(
