@@ -1,5 +1,6 @@
 """Planning diloco (issue 24): bytes per outer step to the byte, the H the plan picks, the
-low-communication verdict, and the optimizer and data pieces every strategy now shares."""
+low-communication verdict, the int8 codec, the optimizer and data pieces every strategy now shares, and
+a checkpoint that completes after a member left."""
 
 from __future__ import annotations
 
@@ -211,3 +212,41 @@ def test_diloco_leaves_out_a_host_whose_one_sequence_outlasts_the_others_step():
     assert sorted(dp.order) == ["laptop", "pi"] and not dp.excluded
     big = place("diloco", "auto", TINY, [laptop, pi], batch=256, seq=64)  # enough work: the pi helps again
     assert sorted(big.order) == ["laptop", "pi"]
+
+
+def test_a_checkpoint_after_a_member_leaves_completes_with_the_members_parts(tmp_path):
+    """Unit: the controller marks a diloco checkpoint complete once the members still in the run
+    saved theirs, whether the leave arrives before or after their parts."""
+    from rich.console import Console
+
+    from smoltrain.models.spec import get_model
+    from smoltrain.run.config import RunConfig
+    from smoltrain.run.controller import Controller, Placement
+
+    names = ("rank0", "rank1", "rank2")
+    cfg = RunConfig("diloco", "socket", get_model("tiny"), 12, 6, 32, 1e-3, 0, names, ("cpu",) * 3)
+    cfg = cfg.replace(checkpoint_dir=str(tmp_path / "ck"), inner_steps=4)
+    ctl = Controller(cfg, [Placement(n, "127.0.0.1") for n in names], b"k" * 32, Console(quiet=True), str(tmp_path))
+
+    def saved(step, who):
+        (tmp_path / "ck" / f"step-{step:06d}").mkdir(parents=True, exist_ok=True)
+        ctl.handle(who, {"type": "saved", "step": step, "part": who, "sha256": "0" * 64, "bytes": 1}, None)
+
+    def marked(step):
+        return (tmp_path / "ck" / f"step-{step:06d}" / "complete.json").exists()
+
+    for who in names:
+        saved(4, who)
+    assert marked(4)
+    saved(8, "rank0")
+    saved(8, "rank1")
+    assert not marked(8)  # rank2 has not saved and has not left (yet)
+    ctl.handle("rank0", {"type": "event", "step": 7, "kind": "leave", "name": "rank2"}, None)
+    assert marked(8)  # the leave completes it
+    saved(12, "rank0")
+    assert not marked(12)
+    saved(12, "rank1")
+    assert marked(12)
+    parts = json.loads((tmp_path / "ck" / "step-000012" / "complete.json").read_text())["parts"]
+    assert sorted(parts) == ["rank0", "rank1"]
+    assert [e["step"] for e in ctl.events if e["kind"] == "checkpoint"] == [4, 8, 12]
