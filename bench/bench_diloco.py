@@ -33,7 +33,7 @@ from bench_compute import PY, ROOT, down, sh, up
 
 sys.path.insert(0, str(ROOT))
 
-from smoltrain.commands.demo_diloco import (
+from smoltrain.demo.diloco import (
     busiest_bytes_per_token,
     loss_at,
     measured_tokens_per_s,
@@ -63,6 +63,7 @@ def main() -> int:
         ap.add_argument(flag, default=default)
     a = ap.parse_args()
     d = Path(tempfile.mkdtemp(prefix="dlbench-"))
+    print(f"working in {d}", flush=True)
     inv = up(d, name=NAME, subnet=SUBNET)
     try:
         sh([PY, "-m", "smolnet", "matrix", "-i", inv, "--duration", "2", "--out", d])

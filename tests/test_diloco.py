@@ -158,6 +158,7 @@ def test_a_member_that_dies_is_dropped_and_a_newcomer_joins_at_an_outer_step(tmp
     proc = subprocess.Popen(
         [sys.executable, "-m", "smoltrain", "run", "--strategy", "diloco", "--local", "3", *SMALL]
         + ["--steps", "20", "--inner-steps", "4", "--pace", "0.25", "--barrier-timeout", "20"]
+        + ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "4"]
         + ["--secret-file", secret_file, "--json", str(report), "--out", str(tmp_path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -179,3 +180,18 @@ def test_a_member_that_dies_is_dropped_and_a_newcomer_joins_at_an_outer_step(tmp
     assert len({r["digest"] for r in last["ranks"]}) == 1
     assert any(b["src"] == "join1" and b["bytes"] > 0 for b in doc["bytes"])
     assert doc["steps"][-1]["loss"] < doc["steps"][0]["loss"]
+    # checkpoints after the leave complete with the members' parts; a resume gives rank2 a member's
+    marks = {e["step"] for e in doc["events"] if e["kind"] == "checkpoint"}
+    assert {s for s in (4, 8, 12, 16, 20) if s > leave} <= marks, (marks, leave)
+    parts = json.loads((tmp_path / "ck" / "step-000020" / "complete.json").read_text())["parts"]
+    assert "rank2" not in parts and {"rank0", "rank1"} <= set(parts)
+    more = tmp_path / "more.json"
+    p = cli(
+        ["run", "--strategy", "diloco", "--local", "3", *SMALL, "--steps", "24", "--inner-steps", "4", "--resume"]
+        + ["--checkpoint-dir", str(tmp_path / "ck"), "--secret-file", secret_file, "--json", str(more)]
+        + ["--out", str(tmp_path)]
+    )
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    resumed = json.loads(more.read_text())
+    assert [s["step"] for s in resumed["steps"]] == [20, 21, 22, 23]
+    assert len({r["digest"] for r in resumed["outer_steps"][-1]["ranks"]}) == 1

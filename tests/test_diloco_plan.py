@@ -1,5 +1,6 @@
 """Planning diloco (issue 24): bytes per outer step to the byte, the H the plan picks, the
-low-communication verdict, and the optimizer and data pieces every strategy now shares."""
+low-communication verdict, the int8 codec, the optimizer and data pieces every strategy now shares, and
+a checkpoint that completes after a member left."""
 
 from __future__ import annotations
 
@@ -95,6 +96,46 @@ def test_the_verdict_names_the_diloco_setting_that_beats_the_single_host():
     assert f"{best['vs_single_host']:.2g}x" in low["sentence"]
 
 
+def test_the_verdicts_h_keeps_communication_within_its_own_nearness():
+    plans, ranks, lm = _plans_on_slow_links()
+
+    def replan(strategy, outer):
+        return make_plan(strategy, TINY, 4, ranks=ranks, lm=lm, outer=outer)
+
+    low = diloco_verdict.low_comm_verdict(plans, replan, target_comm=0.1)  # run's default target is looser
+    near = 1 - diloco_verdict.NEAR
+    assert low["target_comm"] == near
+    for row in low["settings"]:  # each dtype at the smallest H within 5% of the compute-bound pace
+        want = replan("diloco", {"sync_dtype": row["sync_dtype"], "target_comm": near})["inner_steps"]
+        assert row["inner_steps"] == want >= replan("diloco", {"sync_dtype": row["sync_dtype"]})["inner_steps"]
+    strict = diloco_verdict.low_comm_verdict(plans, replan, target_comm=0.02)  # a stricter target is kept
+    assert strict["target_comm"] == 0.02 and strict["best"]["inner_steps"] >= low["best"]["inner_steps"]
+    check_any({"schema": "smoltrain.plans/1", "ranking": [], "plans": [], "skipped": [], "low_communication": low})
+
+
+def test_int8_codec_is_one_scale_per_chunk_and_rounds_to_half_a_step():
+    from smoltrain.comm.quantized import decode_int8, encode_int8
+
+    g = torch.Generator().manual_seed(1)
+    for n in (1, 1000, 1024, 2049, 5000):
+        x = torch.randn(n, generator=g) * 3
+        x[: min(n, 1024)] *= 100  # chunks of different magnitude get their own scale
+        buf = encode_int8(x)
+        assert buf.dtype == torch.uint8 and buf.numel() == diloco.segment_bytes(n, "int8")
+        chunks = -(-n // diloco.INT8_CHUNK)
+        scale = buf[: 4 * chunks].view(torch.float32)
+        padded = torch.cat([x.abs(), x.new_zeros(chunks * diloco.INT8_CHUNK - n)])  # the last chunk may be short
+        want = padded.view(chunks, -1).amax(1) / 127
+        assert torch.equal(scale, want)
+        y = decode_int8(buf, n)
+        step = scale.repeat_interleave(diloco.INT8_CHUNK)[:n]
+        assert bool(((y - x).abs() <= step / 2 * (1 + 1e-6)).all())
+        work = torch.full((n + 3,), float("nan"))  # a dirty scratch buffer changes nothing
+        assert torch.equal(encode_int8(x, work), buf) and torch.equal(decode_int8(buf, n, torch.empty(n)), y)
+    zero = encode_int8(torch.zeros(10))
+    assert torch.equal(zero[:4].view(torch.float32), torch.ones(1)) and not zero[4:].any()
+
+
 def test_the_verdict_says_when_no_setting_would_win_and_stays_quiet_when_sync_wins():
     plans, ranks, lm = _plans_on_slow_links()
 
@@ -154,17 +195,58 @@ def test_the_default_outer_step_fits_the_run_length():
 
 
 def test_diloco_leaves_out_a_host_whose_one_sequence_outlasts_the_others_step():
-    from smoltrain.planner.placement import place
-    from smoltrain.planner.speeds import HostSpeed
+    from dataclasses import replace
 
-    sp = {  # a laptop, and a pi whose fixed cost per step alone exceeds the laptop's whole step
-        "laptop": HostSpeed("laptop", 1e-5, 8e9, fixed_s=0.01),
-        "pi": HostSpeed("pi", 4e-5, 8e9, fixed_s=0.1),
-    }
-    dl = place("diloco", "auto", TINY, list(sp), sp, 8, 64)
+    from smoltrain.planner.placement_plan import place
+    from smoltrain.planner.ranks import Rank, resolve_ranks
+
+    base = resolve_ranks(1)[0].device
+    laptop = Rank("laptop", base, 8e9, fixed_s=0.01, measured=True)
+    # a pi 4x slower whose fixed cost per step alone (0.5 s) exceeds the laptop's whole step
+    slow = replace(base, flops_fp32=base.flops_fp32 / 4, flops_fp16=base.flops_fp16 / 4, mem_bw=base.mem_bw / 4)
+    pi = Rank("pi", slow, 8e9, fixed_s=0.5, measured=True)
+    dl = place("diloco", "auto", TINY, [laptop, pi], batch=8, seq=64)
     assert dl.order == ["laptop"] and dl.shares == [1.0]
     assert [e["name"] for e in dl.excluded] == ["pi"] and "one sequence takes it" in dl.excluded[0]["why"]
-    dp = place("dp", "auto", TINY, list(sp), sp, 8, 64)  # lockstep strategies keep every host
+    dp = place("dp", "auto", TINY, [laptop, pi], batch=8, seq=64)  # lockstep strategies keep every host
     assert sorted(dp.order) == ["laptop", "pi"] and not dp.excluded
-    big = place("diloco", "auto", TINY, list(sp), sp, 256, 64)  # enough work: the pi helps again
+    big = place("diloco", "auto", TINY, [laptop, pi], batch=256, seq=64)  # enough work: the pi helps again
     assert sorted(big.order) == ["laptop", "pi"]
+
+
+def test_a_checkpoint_after_a_member_leaves_completes_with_the_members_parts(tmp_path):
+    """Unit: the controller marks a diloco checkpoint complete once the members still in the run
+    saved theirs, whether the leave arrives before or after their parts."""
+    from rich.console import Console
+
+    from smoltrain.models.spec import get_model
+    from smoltrain.run.config import RunConfig
+    from smoltrain.run.controller import Controller, Placement
+
+    names = ("rank0", "rank1", "rank2")
+    cfg = RunConfig("diloco", "socket", get_model("tiny"), 12, 6, 32, 1e-3, 0, names, ("cpu",) * 3)
+    cfg = cfg.replace(checkpoint_dir=str(tmp_path / "ck"), inner_steps=4)
+    ctl = Controller(cfg, [Placement(n, "127.0.0.1") for n in names], b"k" * 32, Console(quiet=True), str(tmp_path))
+
+    def saved(step, who):
+        (tmp_path / "ck" / f"step-{step:06d}").mkdir(parents=True, exist_ok=True)
+        ctl.handle(who, {"type": "saved", "step": step, "part": who, "sha256": "0" * 64, "bytes": 1}, None)
+
+    def marked(step):
+        return (tmp_path / "ck" / f"step-{step:06d}" / "complete.json").exists()
+
+    for who in names:
+        saved(4, who)
+    assert marked(4)
+    saved(8, "rank0")
+    saved(8, "rank1")
+    assert not marked(8)  # rank2 has not saved and has not left (yet)
+    ctl.handle("rank0", {"type": "event", "step": 7, "kind": "leave", "name": "rank2"}, None)
+    assert marked(8)  # the leave completes it
+    saved(12, "rank0")
+    assert not marked(12)
+    saved(12, "rank1")
+    assert marked(12)
+    parts = json.loads((tmp_path / "ck" / "step-000012" / "complete.json").read_text())["parts"]
+    assert sorted(parts) == ["rank0", "rank1"]
+    assert [e["step"] for e in ctl.events if e["kind"] == "checkpoint"] == [4, 8, 12]

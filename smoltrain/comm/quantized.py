@@ -19,26 +19,43 @@ from smoltrain.planner.diloco import INT8_CHUNK, ring_segments, segment_bytes
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def encode_int8(x: torch.Tensor) -> torch.Tensor:
-    """fp32 values -> uint8 bytes: one fp32 scale per chunk (max |x| / 127), then the int8 values."""
-    n = x.numel()
-    chunks = -(-n // INT8_CHUNK)
-    padded = torch.zeros(chunks * INT8_CHUNK)
-    padded[:n] = x
-    rows = padded.view(chunks, INT8_CHUNK)
-    scale = rows.abs().amax(dim=1) / 127.0
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(rows / scale[:, None]).clamp_(-127, 127).to(torch.int8).reshape(-1)[:n]
-    return torch.cat([scale.view(torch.uint8), q.view(torch.uint8)])
+def encode_int8(x: torch.Tensor, work: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 values -> uint8 bytes: one fp32 scale per chunk (max |x| / 127), then the int8 values.
+
+    In place in one scratch buffer (`work`, at least x.numel() fp32; the ring passes one for
+    the whole all-reduce): a fresh temporary per operation cost more in page faults than the
+    arithmetic (a capped host pays it at every hop)."""
+    n, C = x.numel(), INT8_CHUNK
+    chunks, full = -(-n // C), n // C * C
+    out = torch.empty(4 * chunks + n, dtype=torch.uint8)
+    scale = out[: 4 * chunks].view(torch.float32)
+    w = (torch.empty(n) if work is None else work)[:n]
+    torch.abs(x, out=w)
+    if full:
+        torch.amax(w[:full].view(-1, C), dim=1, out=scale[: full // C])
+    if n > full:  # the last, short chunk
+        torch.amax(w[full:], dim=0, keepdim=True, out=scale[full // C :])
+    scale.div_(127.0).masked_fill_(scale == 0, 1.0)
+    if full:
+        torch.div(x[:full].view(-1, C), scale[: full // C, None], out=w[:full].view(-1, C))
+    if n > full:
+        torch.div(x[full:], scale[full // C :], out=w[full:])
+    out[4 * chunks :].view(torch.int8).copy_(w.round_().clamp_(-127, 127))
+    return out
 
 
-def decode_int8(buf: torch.Tensor, n: int) -> torch.Tensor:
-    """uint8 bytes from encode_int8 -> n fp32 values."""
-    chunks = -(-n // INT8_CHUNK)
+def decode_int8(buf: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """uint8 bytes from encode_int8 -> n fp32 values (into `out` when given)."""
+    C = INT8_CHUNK
+    chunks, full = -(-n // C), n // C * C
     scale = buf[: 4 * chunks].view(torch.float32)
-    q = torch.zeros(chunks * INT8_CHUNK)
-    q[:n] = buf[4 * chunks :].view(torch.int8).float()
-    return (q.view(chunks, INT8_CHUNK) * scale[:, None]).reshape(-1)[:n]
+    out = torch.empty(n) if out is None else out
+    out.copy_(buf[4 * chunks :].view(torch.int8))
+    if full:
+        out[:full].view(-1, C).mul_(scale[: full // C, None])
+    if n > full:
+        out[full:].mul_(scale[full // C :])
+    return out
 
 
 def all_reduce_int8(comm, flat: torch.Tensor) -> None:
@@ -48,6 +65,7 @@ def all_reduce_int8(comm, flat: torch.Tensor) -> None:
         return
     segs = ring_segments(flat.numel(), n)
     nxt, prv = (r + 1) % n, (r - 1) % n
+    work = torch.empty(max(hi - lo for lo, hi in segs))  # the codec's scratch, one for the whole ring
 
     def inbox(i: int) -> torch.Tensor:
         lo, hi = segs[i]
@@ -57,18 +75,18 @@ def all_reduce_int8(comm, flat: torch.Tensor) -> None:
         slo, shi = segs[(r - t) % n]
         g = (r - t - 1) % n
         got = inbox(g)
-        comm.exchange(encode_int8(flat[slo:shi]), nxt, got, prv)
+        comm.exchange(encode_int8(flat[slo:shi], work), nxt, got, prv)
         lo, hi = segs[g]
-        flat[lo:hi] += decode_int8(got, hi - lo)
+        flat[lo:hi] += decode_int8(got, hi - lo, work[: hi - lo])
     lo, hi = segs[(r + 1) % n]  # this rank's finished segment: encoded once, for everyone
-    out = encode_int8(flat[lo:hi])
-    flat[lo:hi] = decode_int8(out, hi - lo)
+    out = encode_int8(flat[lo:hi], work)
+    decode_int8(out, hi - lo, flat[lo:hi])
     for t in range(n - 1):  # all-gather: forward the bytes as received
         g = (r - t) % n
         got = inbox(g)
         comm.exchange(out, nxt, got, prv)
         lo, hi = segs[g]
-        flat[lo:hi] = decode_int8(got, hi - lo)
+        decode_int8(got, hi - lo, flat[lo:hi])
         out = got
 
 

@@ -195,64 +195,55 @@ def _run(args, early) -> int:
     placements, hosts = rank_placements(args.local, args.inventory)
     threads = machine_settings(args, hosts, len(placements))
     early.world, early.names = len(placements), [p.name for p in placements]
-    from smoltrain.planner.placement_plan import for_run
+    data = os.path.abspath(args.data) if args.data else None
 
-    placed = for_run(
-        args.strategy,
-        args.placement,
-        args.compute,
-        spec,
-        [p.name for p in placements],
-        hosts,
-        args.batch,
-        args.seq,
-        args.microbatches,
-        legacy_shares=args.shares,
-    )
+    def config(placements, placed=None):
+        return RunConfig(
+            strategy=args.strategy,
+            backend=args.backend,
+            model=spec,
+            data=data,
+            data_cap=int(args.data_cap_mb * (1 << 20)),
+            steps=args.steps,
+            batch=args.batch,
+            seq=args.seq,
+            lr=args.lr,
+            seed=args.seed,
+            microbatches=args.microbatches,
+            schedule=args.schedule,
+            shares=_shares(args.shares, hosts),
+            checkpoint_every=args.checkpoint_every,
+            barrier_timeout=args.barrier_timeout,
+            # workers give up on a silent peer first, so the error names the link, not just "silence"
+            timeout=max(10.0, args.timeout / 2),
+            pace=args.pace,
+            names=tuple(p.name for p in placements),
+            devices=tuple(p.host.torch_device if p.host else args.device for p in placements),
+            control_port=args.control_port,
+            heartbeat_s=args.heartbeat,
+            keep_checkpoints=args.keep_checkpoints,
+            integrity=args.integrity,
+            placement=placed,
+            dtype=args.dtype,
+            threads=tuple(threads.get(p.name, 0) for p in placements),
+            optimizer=args.optimizer,
+            eval_every=args.eval_every,
+            inner_steps=args.inner_steps or 0,
+            sync_dtype=args.sync_dtype,
+        )
+
+    check_usage(config(placements))  # what the strategy or the model cannot take, before the planner looks
+    from smoltrain.run.planning import plan_run
+
+    planned = plan_run(args, spec, [p.name for p in placements], hosts, console)
+    placed = planned.placement
     if placed is not None:  # rank r runs on placed["order"][r]; hosts the placement leaves out get no rank
         by_name = {p.name: p for p in placements}
         placements = [by_name[n] for n in placed["order"]]
         hosts = [p.host for p in placements] if hosts is not None else None
-        for line in placed.get("why") or []:
-            console.print(f"placement {placed['mode']}: {line}")
-        for e in placed.get("excluded") or []:
-            console.print(f"[bold yellow]placement: {e['name']} gets nothing: {e['why']}")
     world = len(placements)
     early.world, early.names = world, [p.name for p in placements]
-    data = os.path.abspath(args.data) if args.data else None
-    cfg = RunConfig(
-        strategy=args.strategy,
-        backend=args.backend,
-        model=spec,
-        data=data,
-        data_cap=int(args.data_cap_mb * (1 << 20)),
-        steps=args.steps,
-        batch=args.batch,
-        seq=args.seq,
-        lr=args.lr,
-        seed=args.seed,
-        microbatches=args.microbatches,
-        schedule=args.schedule,
-        shares=_shares(args.shares, hosts),
-        checkpoint_every=args.checkpoint_every,
-        barrier_timeout=args.barrier_timeout,
-        # workers give up on a silent peer first, so the error names the link, not just "silence"
-        timeout=max(10.0, args.timeout / 2),
-        pace=args.pace,
-        names=tuple(p.name for p in placements),
-        devices=tuple(p.host.torch_device if p.host else args.device for p in placements),
-        control_port=args.control_port,
-        heartbeat_s=args.heartbeat,
-        keep_checkpoints=args.keep_checkpoints,
-        integrity=args.integrity,
-        placement=placed,
-        dtype=args.dtype,
-        threads=tuple(threads.get(p.name, 0) for p in placements),
-        optimizer=args.optimizer,
-        eval_every=args.eval_every,
-        inner_steps=args.inner_steps or 0,
-        sync_dtype=args.sync_dtype,
-    )
+    cfg = config(placements, placed)
     check_usage(cfg)
 
     from smoltrain.models.data import corpus_digest, load_corpus
@@ -268,9 +259,8 @@ def _run(args, early) -> int:
             raise UsageError("--resume needs --checkpoint-dir")
         from smoltrain.run import checkpoint
 
-        resume = checkpoint.latest(
-            cfg.checkpoint_dir, checkpoint.identity(cfg), info.checkpoint_parts(world), all_here=hosts is None
-        )
+        parts = None if info.elastic else info.checkpoint_parts(world)  # elastic: the members' parts, as marked
+        resume = checkpoint.latest(cfg.checkpoint_dir, checkpoint.identity(cfg), parts, all_here=hosts is None)
         if resume.skipped:
             console.print(resume.skipped_line(), style="bold yellow", markup=False, soft_wrap=True)
         if resume.step >= cfg.steps:
@@ -307,49 +297,7 @@ def _run(args, early) -> int:
         )
         return 0
 
-    plan = None
-    try:
-        from smoltrain.planner import plan_for_run
-    except ImportError:
-        plan_for_run = None
-    if plan_for_run is not None:
-        links = None
-        if args.links:
-            links = preflight.load_links(args.links)
-        elif hosts is not None:
-            from smoltrain.planner.links import find_report
-
-            links = find_report([h.name for h in hosts])  # the latest matrix of these hosts, if any
-            if links:
-                console.print("plan: using reports/links.json (measured links of these hosts)")
-        try:
-            plan = plan_for_run(
-                strategy=args.strategy,
-                model=spec,
-                world=world,
-                dtype="fp32",  # weights, gradients and what crosses the wire; matmuls at --dtype
-                compute_dtype=args.dtype,
-                batch=args.batch,
-                seq=args.seq,
-                microbatches=args.microbatches,
-                hosts=hosts,
-                links=links,
-                compute=getattr(args, "compute", None),
-                placement=placed,
-                outer={"inner_steps": args.inner_steps, "sync_dtype": args.sync_dtype, "target_comm": args.target_comm},
-            )
-            console.print(
-                f"plan: {plan['step_s'] * 1e3:.1f} ms/step predicted, bottleneck "
-                f"{plan['bottleneck']} ({plan.get('bottleneck_where')}), "
-                f"{plan['bytes_per_step'] / 1e6:.2f} MB/step on the busiest rank"
-            )
-            if plan["bottleneck"] == "capacity":
-                console.print(f"[bold yellow]warning: the model does not fit: {plan.get('bottleneck_where')}")
-            elif plan["bottleneck"] in ("link", "latency"):
-                console.print(f"[bold yellow]warning: communication will dominate: {plan.get('bottleneck_where')}")
-        except Exception as e:  # the plan is advice; never block a run on it
-            console.print(f"plan unavailable: {e}")
-
+    plan = planned.plan
     if info.outer_steps:
         cfg = outer_settings(cfg, args, plan, console)
     if args.secret_file or hosts is not None or info.joiners or args.external:
@@ -372,13 +320,14 @@ def _run(args, early) -> int:
     try:
         doc = ctl.run(bind, control_addr, connect_timeout=max(60.0, args.timeout), idle_timeout=args.timeout)
     except (Exception, KeyboardInterrupt) as e:  # the report survives failure and Ctrl-C (exit 1, 130)
-        preflight.write_report(args.json, ctl, e, plan)
+        preflight.write_report(args.json, ctl, e, plan, plan_error=planned.error)
         raise
-    doc = preflight.write_report(None, ctl, None, doc=doc)
+    doc = preflight.write_report(None, ctl, None, doc=doc, plan_error=planned.error)
     import shutil
 
     shutil.rmtree(log_dir, ignore_errors=True)  # kept only when the run failed
-    doc["placement"] = placed
+    if placed is not None:
+        doc["placement"] = placed
     if plan is not None:
         doc["plan"] = plan
     if args.json:

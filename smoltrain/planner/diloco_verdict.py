@@ -71,6 +71,8 @@ def chosen_placement(plan: dict) -> dict | None:
 def low_comm_verdict(plans: list[dict], replan, target_comm: float = TARGET_COMM) -> dict | None:
     """When every synchronous strategy is slower than the best single host: the outer-step
     setting (H, sync dtype) that would beat that host, and by how much, or that none would.
+    Each dtype at the smallest H keeping communication within min(target_comm, 1 - NEAR) of
+    the step (a stricter --target-comm is kept), the fewest bytes per token among the near-fastest.
     `replan(strategy, outer) -> plan` plans an outer-step strategy with those settings."""
     from smoltrain import registry
     from smoltrain.planner.placement_plan import placed_tokens_per_s
@@ -89,9 +91,12 @@ def low_comm_verdict(plans: list[dict], replan, target_comm: float = TARGET_COMM
     if sync_ratio >= 1.0:
         return None
     name = lowcomm[0]["strategy"]
+    # a setting is "as fast" within 1 - NEAR of the fastest, so each dtype's H keeps communication
+    # within that share of its step: within 5% of the pace with no communication at all
+    target = min(target_comm, 1 - NEAR)
     rows = []
     for dtype in SYNC_BYTES:
-        d = replan(name, {"sync_dtype": dtype, "target_comm": target_comm})
+        d = replan(name, {"sync_dtype": dtype, "target_comm": target})
         rows.append(
             {
                 "sync_dtype": dtype,
@@ -125,5 +130,6 @@ def low_comm_verdict(plans: list[dict], replan, target_comm: float = TARGET_COMM
         "best": best,
         "settings": rows,
         "beats_single_host": best["vs_single_host"] > 1.0,
+        "target_comm": target,
         "sentence": sentence,
     }

@@ -95,6 +95,7 @@ class Controller:
         self.state_bytes: dict[str, dict] = {}
         self.threads: dict[str, int] = {}  # torch threads each rank ran at (its `done` says)
         self.saved: dict[int, dict] = {}  # step -> part -> {"sha256", "bytes"}
+        self.marked: set[int] = set()  # steps whose checkpoint is complete
         self.sent: dict[str, int] = {}
         self.shown = cfg.start_step - 1
         self.views: blame.Views | None = None  # every rank's view, gathered once something fails
@@ -172,14 +173,13 @@ class Controller:
             self.events.append({"step": msg["step"], "kind": msg["kind"], "who": msg["name"]})
             if msg["kind"] == "leave":
                 self.left.add(msg["name"])
+                for step in sorted(self.saved):  # a checkpoint that waited for the member that left
+                    self._checkpoint_done(step)
             self.console.print(f"event: {msg['kind']} {msg['name']} at step {msg['step']}")
         elif kind == "saved":
             parts = self.saved.setdefault(msg["step"], {})
             parts[msg["part"]] = {"sha256": str(msg["sha256"]), "bytes": int(msg["bytes"])}
-            if len(parts) == len(self.info.checkpoint_parts(self.world)):
-                checkpoint.mark_complete(self.cfg.checkpoint_dir, msg["step"], checkpoint.identity(self.cfg), parts)
-                checkpoint.prune(self.cfg.checkpoint_dir, self.cfg.keep_checkpoints)
-                self.events.append({"step": msg["step"], "kind": "checkpoint", "who": "all"})
+            self._checkpoint_done(msg["step"])
         elif kind == "done":
             self.finished.add(who)
             for src, dst, n in msg["links"]:
@@ -197,6 +197,18 @@ class Controller:
             if who not in self.finished and not (self.info.elastic and who != self.names[0]):
                 self._gather(who, died=True)
         self._show(progress)
+
+    def _checkpoint_done(self, step: int) -> None:
+        """Mark the checkpoint of `step` complete once the part of every member still in the run
+        is on disk: a member an elastic run dropped writes none, so the marker lists the parts there are."""
+        parts = self.saved.get(step)
+        gone = {f"rank{self.names.index(n)}" for n in self.left if n in self.names}
+        if parts is None or step in self.marked or not set(self.info.checkpoint_parts(self.world)) - gone <= set(parts):
+            return
+        self.marked.add(step)
+        checkpoint.mark_complete(self.cfg.checkpoint_dir, step, checkpoint.identity(self.cfg), parts)
+        checkpoint.prune(self.cfg.checkpoint_dir, self.cfg.keep_checkpoints)
+        self.events.append({"step": step, "kind": "checkpoint", "who": "all"})
 
     def _show(self, progress) -> None:
         need = self.info.loss_reports(self.world)

@@ -63,6 +63,7 @@ def request(args, spec, names: list[str], hosts):
         local=hosts is None,
         strict=True,
         compute_dtype=getattr(args, "dtype", None),  # bf16 matmuls; weights, gradients and the wire stay fp32
+        outer={k: getattr(args, k, None) for k in ("inner_steps", "sync_dtype", "target_comm")},
     )
 
 

@@ -120,6 +120,16 @@ def _sha(cfg: RunConfig, part: str) -> str | None:
     return (cfg.resume_sha256 or {}).get(part)
 
 
+def resume_part(cfg: RunConfig, rank: int) -> str:
+    """The checkpoint part this rank resumes from: its own; in an elastic run a rank that had
+    left when the checkpoint was written takes a member's (diloco's anchor and outer momentum
+    are the same on every member; the local weights and inner optimizer become that member's)."""
+    own, listed = f"rank{rank}", cfg.resume_sha256 or {}
+    if own in listed or not listed or not registry.get(cfg.strategy).elastic:
+        return own
+    return min(listed, key=lambda p: (len(p), p))
+
+
 def blamed_peer(cfg: RunConfig, e: BaseException) -> str | None:
     """The name of the rank this rank's transport blames for `e` (CommError.peer), if any."""
     peer = getattr(e, "peer", None)
@@ -200,7 +210,8 @@ def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, co
     )
     strat = load_strategy(cfg.strategy)(ctx)
     if start and not ps:
-        strat.load_state_tensors(load_part(cfg.checkpoint_dir, start, f"rank{rank}", _sha(cfg, f"rank{rank}")))
+        part = resume_part(cfg, rank)
+        strat.load_state_tensors(load_part(cfg.checkpoint_dir, start, part, _sha(cfg, part)))
     step = start
     try:
         while True:
