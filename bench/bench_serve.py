@@ -212,11 +212,13 @@ def replicas(args, model: str, tmp: str) -> dict:
         doc, old = docs
         out = {"plan_best": doc["best"], "plan": doc, "rows": [], "decode": []}
         rows = out["rows"]
-        for r in (1, 2, 4) if "replicas-sim" in args.parts.split(",") else ():
-            name = "split" if r == 1 else f"{r} replicas"
+        setups = [("1", "split"), ("2", "2 replicas"), ("4", "4 replicas")]
+        if doc["best"] not in {name for _, name in setups}:
+            setups.append(("auto", doc["best"]))  # serve's default runs the plan's best
+        for r, name in setups if "replicas-sim" in args.parts.split(",") else ():
             pred = next(c for c in doc["candidates"] if c["name"] == name)
             before = next(c for c in old["candidates"] if c["name"] == name)
-            where = ["-i", inv, "--model", model, "--strategy", "pp", "--replicas", str(r)]
+            where = ["-i", inv, "--model", model, "--strategy", "pp", "--replicas", r]
             with Served(*where, "--compute", compute, "--links", links, "--max-batch", str(args.clients)) as s:
                 clients(s.port, args.clients, 4, args.prompt)  # warm up
                 m = summary(clients(s.port, args.clients, args.new, args.prompt))
