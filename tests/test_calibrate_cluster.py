@@ -31,6 +31,9 @@ def test_unreachable_host_is_reported_and_the_rest_measured():
         # decode's weight reads, timed per dtype and rows in the layers' own product
         assert sorted(h["decode_bw_bytes_s"]) == ["bf16", "fp32"]
         assert all(sorted(r) == ["1", "4", "8"] and min(r.values()) > 0 for r in h["decode_bw_bytes_s"].values())
+        # and a decode step's per-token cost: one token through the model, timed, shorter than a training step
+        (dec,) = h["decode_step"]
+        assert dec["model"] == "tiny" and 0 < dec["seconds"] < h["train_step"][0]["seconds"]
     check_any({**doc, "hosts": [a, b]})
     assert a["machine_id"] == b["machine_id"]  # one machine: measured one after another
     order = [n for n, w in seen if w == "measuring"]
@@ -112,6 +115,7 @@ def test_repeats_take_each_figures_median_round_by_round():
             "comm_cpu": {"message_s": x, "bytes_s": 1 / x},
             "decode_bw_bytes_s": {"fp32": {"1": 4 * x, "8": 2 * x}},
             "train_step": [{"model": "tiny", "batch": 2, "seq": 64, "seconds": x, "optimizer_seconds": x / 10}],
+            "decode_step": [{"model": "tiny", "seconds": x / 100}],
         }
 
     doc = calibrate_hosts([_local("a"), _local("b")], "tiny", 0.05, probe=fake_probe, repeats=3)
@@ -122,5 +126,6 @@ def test_repeats_take_each_figures_median_round_by_round():
     assert a["comm_cpu"] == {"message_s": 3.0, "bytes_s": 1 / 3}
     assert a["decode_bw_bytes_s"] == {"fp32": {"1": 12.0, "8": 6.0}}
     assert a["train_step"][0]["seconds"] == 3.0 and a["train_step"][0]["optimizer_seconds"] == 0.3
+    assert a["decode_step"][0]["seconds"] == 0.03
     assert a["repeats"] == 3 and a["fp32_flops_each"] == [1e9, 9e9, 3e9]
     assert b["flops"]["fp32"] == 5e9 and doc["settings"]["repeats"] == 3

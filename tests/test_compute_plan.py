@@ -297,3 +297,50 @@ def test_measured_decode_rate_times_the_weight_reads(tmp_path):
     (split,) = doc["candidates"]
     assert split["latency_s_per_token"] == pytest.approx(weights / 0.5e9 + 8 * kv / 5e9, rel=1e-6)
     assert doc["decode_source"] == "decode matmul"
+
+
+def test_a_timed_decode_step_is_the_per_token_cost_beyond_the_reads(tmp_path):
+    """A host whose one-token forward of tiny takes 5 ms, reads at 5 GB/s and computes 10
+    GFLOP/s: the per-token cost is 5 ms less the larger of the reads (4 bytes a parameter)
+    and the FLOPs (2 a parameter); the first pp stage, 3 of tiny's 6 layers, pays its share
+    of it (capacity.fixed_share: 3 of 6 + 1 groups of operations, the head being on the
+    other stage), where without the timed forward a third of the training step's fixed cost
+    (20 ms, all of it outside the optimizer) is charged."""
+    from smoltrain.planner import capacity
+    from smoltrain.schema import check_any
+
+    tiny = get_model("tiny")
+    host = _host("a", 0.02, 1e-9)
+    reads = max(4 * tiny.params() / 5e9, 2 * tiny.params() / 10e9)
+
+    def stage_fixed(h):
+        ranks, _ = measured.apply(resolve_ranks(2, [H("a"), H("b")]), [H("a"), H("b")], _report(tmp_path, h), tiny)
+        (w, _) = capacity.layout("pp", "infer", tiny, 2, 1, 64)
+        share = capacity.fixed_share(w, tiny, "pp")
+        assert share == pytest.approx(3 / 7)
+        return ranks[0], share
+
+    rk, share = stage_fixed([host, dict(host, name="b")])
+    assert rk.decode_fixed_s is None  # no timed forward: the old rule
+    old = rank_time_decode(rk, tiny)
+    assert old == pytest.approx(base_decode(rk, tiny) + 0.02 * share / 3, rel=1e-6)
+    timed = dict(host, decode_step=[{"model": "tiny", "seconds": 5e-3}])
+    check_any({"schema": "smoltrain.compute/1", "created": "x", "hosts": [timed]})
+    rk, share = stage_fixed([timed, dict(timed, name="b")])
+    assert rk.decode_fixed_s == pytest.approx(5e-3 - reads)
+    assert rank_time_decode(rk, tiny) == pytest.approx(base_decode(rk, tiny) + (5e-3 - reads) * share, rel=1e-6)
+
+
+def rank_time_decode(rk, model) -> float:
+    from smoltrain.planner import capacity, rank_time
+
+    (w, _) = capacity.layout("pp", "infer", model, 2, 1, 64)
+    sh = rank_time.Shape("pp", "infer", model, "fp32", 1, 64)
+    return rank_time.decode(rk, w, sh)[0].compute_s
+
+
+def base_decode(rk, model) -> float:
+    """The same step on the same rank without any fixed cost."""
+    from dataclasses import replace
+
+    return rank_time_decode(replace(rk, measured=False), model)

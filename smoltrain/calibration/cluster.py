@@ -86,6 +86,8 @@ def median_probe(docs: list[dict]) -> dict:
         for k in ("seconds", "optimizer_seconds"):
             if k in st:
                 st[k] = med([d["train_step"][i][k] for d in docs])
+    for i, st in enumerate(out.get("decode_step") or []):
+        st["seconds"] = med([d["decode_step"][i]["seconds"] for d in docs if len(d.get("decode_step") or []) > i])
     out["repeats"] = len(docs)
     out["fp32_flops_each"] = [d["flops"]["fp32"] for d in docs]
     return out

@@ -190,6 +190,27 @@ def train_seconds(
     return sec
 
 
+def decode_seconds(torch, model_name: str, window: float, device: str = "cpu") -> float:
+    """Seconds of one token through the whole model without autograd, as a decode step takes it
+    (batch 1, one position): on a small model almost all of it is the per-operation cost
+    (dispatch, Python, small kernels) that a training pass's fixed cost overstates, since that
+    also records the graph, runs the backward and the optimizer."""
+    from smoltrain.models.gpt import build_model
+    from smoltrain.models.spec import get_model
+
+    spec = get_model(model_name)
+    model = build_model(spec, seed=0).to(device).eval()
+    x = torch.randint(0, spec.vocab, (1, 1), device=device)
+
+    def step():
+        with torch.no_grad():
+            y = model(x)
+        if device != "cpu":
+            y.sum().item()  # wait for the device's queue
+
+    return 1.0 / rate(step, window)
+
+
 BIG_FLOATS = 1 << 19
 COMM_WINDOW = 1.0  # seconds per measurement: ten CFS periods, so a cap shows
 
@@ -313,6 +334,7 @@ def probe(
         "usable_memory_bytes": usable_memory(),
         "comm_cpu": comm,
         "train_step": [],
+        "decode_step": [],
     }
     if model and model != "none":
         from smoltrain.models.spec import get_model
@@ -324,6 +346,7 @@ def probe(
             doc["train_step"].append(
                 {"model": model, "batch": b, "seq": s, "seconds": sec, "optimizer_seconds": opt[0]}
             )
+        doc["decode_step"].append({"model": model, "seconds": decode_seconds(torch, model, w, device)})
     return doc
 
 

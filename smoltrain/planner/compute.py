@@ -9,6 +9,7 @@ model. Hosts that share a machine (same machine_id) share its cores when they ru
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,6 +35,7 @@ class HostCompute:
     cpu_period_s: float | None = None  # the CFS period of cpu_limit_cores
     threads: int = 1  # torch threads the probe ran at (the host's smol_threads or usable CPUs)
     decode_bw: tuple = ()  # decode products' weight bytes/s: ((dtype, ((rows, bytes/s), ...)), ...)
+    decode_step: list = field(default_factory=list)  # timed one-token forwards: [{model, seconds}]
 
     def quota(self) -> tuple[float, float] | None:
         """(quota, period) in seconds of a CFS cap whose period was measured, else None."""
@@ -66,6 +68,22 @@ class HostCompute:
             per *= train_flops_per_token(model, a["seq"]) / train_flops_per_token(cal, a["seq"])
             fixed *= model.layers / cal.layers
         return fixed, per, a["seq"]
+
+    def decode_fixed(self, model: ModelSpec) -> float | None:
+        """Seconds a decode step of the whole model pays per token beyond its weight reads and
+        FLOPs: the timed one-token forward less those (another calibrated model's scaled by
+        layers, as the training step's fixed cost is); None where no forward was timed."""
+        steps = [s for s in self.decode_step if s.get("model") == model.name] or list(self.decode_step)
+        if not steps:
+            return None
+        st = steps[0]
+        try:
+            cal = get_model(st["model"])
+        except Exception:
+            return None
+        rate = dict(dict(self.decode_bw).get("fp32") or ()).get(1) or self.mem_bw
+        work = max(4 * cal.params() / rate, 2 * cal.params() / (self.flops.get("fp32") or math.inf))
+        return max(0.0, float(st["seconds"]) - work) * model.layers / cal.layers
 
     def optimizer_s(self, model: ModelSpec) -> float:
         """Seconds of the whole model's AdamW update (part of the fixed cost, paid once per
@@ -104,6 +122,7 @@ def _host(d: dict, origin: str) -> HostCompute:
             (float(d["cpu_period_s"]) if d.get("cpu_period_s") else None),
             int(d.get("threads") or 1),
             decode_rates(d.get("decode_bw_bytes_s")),
+            list(d.get("decode_step") or []),
         )
     except (KeyError, TypeError, ValueError, AttributeError):
         raise UsageError(f"{origin}: host {d.get('name', '?')!r} lacks flops or mem_bw_bytes_s") from None
@@ -240,6 +259,7 @@ def measured_ranks(ranks: list, figs: list[HostCompute], model: ModelSpec, share
                 memory_bytes=f.usable_memory or rk.memory_bytes,
                 fixed_s=fixed / share,
                 optimizer_s=min(fixed, f.optimizer_s(model)) / share,
+                decode_fixed_s=None if f.decode_fixed(model) is None else f.decode_fixed(model) / share,
                 measured=True,
                 comm_cpu=cc,
                 shared=shared,

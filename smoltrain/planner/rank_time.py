@@ -80,7 +80,9 @@ def decode(rk, w: capacity.RankWork, sh: Shape, rows: int = 1, pad: int = 1) -> 
     products = w.tokens * 2 * w.matmul_params  # the rest of per_row is attention over the row's own cache
     t_fl = (n * products + rows * (per_row - products)) / rk.device.flops(sh.compute_dtype or sh.dtype)
     fixed = 0.0
-    if rk.measured:  # one forward pass: a third of a training pass's operations
+    if rk.measured and rk.decode_fixed_s is not None:  # calibrate's timed one-token forward
+        fixed = rk.decode_fixed_s * capacity.fixed_share(w, model, sh.strategy)
+    elif rk.measured:  # an older report: one forward pass, a third of a training pass's operations
         fixed = (rk.fixed_s - rk.optimizer_s) * capacity.fixed_share(w, model, sh.strategy) * DECODE_PASS
     return RankTime(max(t_fl, t_mem) + fixed, t_fl, t_mem, 0.0), source
 

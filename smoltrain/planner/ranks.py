@@ -27,6 +27,7 @@ class Rank:
     comm_core: bool = True  # a core is left for communication while the rank computes
     optimizer_s: float = 0.0  # of fixed_s: the whole model's AdamW update, once per step
     cpu_quota: tuple[float, float] | None = None  # (quota, period) seconds of a measured CFS cap
+    decode_fixed_s: float | None = None  # measured per-token cost of a whole-model decode step beyond its reads
 
 
 def rank_names(world: int, hosts=None) -> list[str]:
@@ -99,6 +100,7 @@ def share_machine(ranks: list[Rank], cores: int | None = None, busy: int | None 
             else None,
             comm_core=r.comm_core and cores / n >= 2,
             optimizer_s=r.optimizer_s / f,
+            decode_fixed_s=None if r.decode_fixed_s is None else r.decode_fixed_s / f,
         )
         for r in ranks
     ]
