@@ -164,3 +164,10 @@ class ProcessGroup:
         for t in threads:
             while t.is_alive() and time.monotonic() < deadline:
                 t.join(0.2)  # short slices, so Ctrl-C gets through
+
+
+def remote_log(log_dir: str, name: str) -> str:
+    """A process's log on its host, named for this run (its local log folder's name): sim hosts
+    share one filesystem and real ones keep old logs, so a fixed path per host name would hand
+    an earlier run's last line to this run's error message."""
+    return f"/tmp/{os.path.basename(os.path.normpath(log_dir))}-{name}.log"

@@ -110,3 +110,14 @@ def test_detached_start_through_remote(tmp_path):
         lambda: not os.path.exists(f"/proc/{pid}") or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2],
         "the detached process was stopped",
     )
+
+
+def test_remote_logs_are_named_for_their_run(tmp_path):
+    """Two runs' ranks on a host of the same name (sim hosts share this filesystem) log to
+    different files, so a rank that dies silently is never quoted with the last run's error."""
+    from smolnet.launcher import remote_log
+
+    a, b = tmp_path / "smoltrain-infer-abc", tmp_path / "smoltrain-infer-xyz"
+    assert remote_log(str(a), "laptop") == "/tmp/smoltrain-infer-abc-laptop.log"
+    assert remote_log(str(a) + "/", "laptop") == remote_log(str(a), "laptop")
+    assert remote_log(str(b), "laptop") != remote_log(str(a), "laptop") != remote_log(str(a), "pi5")

@@ -17,7 +17,7 @@ import threading
 import time
 
 from smolnet import wire
-from smolnet.launcher import ProcessGroup
+from smolnet.launcher import ProcessGroup, remote_log
 from smoltrain.infer.config import InferConfig
 from smoltrain.infer.runner import RankDied, Runner
 
@@ -92,7 +92,7 @@ class Cluster(Runner):
         for r, p in enumerate(self.placements):
             argv = ["-m", "smoltrain.infer.worker", "--control", f"{self.control_addr}:{port}", "--rank", str(r)]
             python = sys.executable if p.host is None else p.host.python
-            self.group.start(p.name, [python, *argv], host=p.host, log=f"/tmp/smoltrain-infer-{p.name}.log")
+            self.group.start(p.name, [python, *argv], host=p.host, log=remote_log(self.log_dir, p.name))
 
     @property
     def procs(self) -> list:

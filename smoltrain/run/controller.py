@@ -21,7 +21,7 @@ from pathlib import Path
 
 from smolnet.errors import SmolError, UsageError
 from smolnet.files import write_json_atomic
-from smolnet.launcher import ProcessGroup
+from smolnet.launcher import ProcessGroup, remote_log
 from smoltrain import registry
 from smoltrain.run import blame, checkpoint
 from smoltrain.run.channel import ControlServer, dead_after
@@ -124,7 +124,7 @@ class Controller:
         for r, p in enumerate(self.placements):
             argv = ["-m", "smoltrain", "worker", "--control", f"{control_addr}:{port}", "--rank", str(r)]
             python = sys.executable if p.host is None else p.host.python
-            self.group.start(p.name, [python, *argv], host=p.host, log=f"/tmp/smoltrain-{p.name}.log")
+            self.group.start(p.name, [python, *argv], host=p.host, log=remote_log(self.log_dir, p.name))
 
     @property
     def procs(self) -> dict[str, object]:
