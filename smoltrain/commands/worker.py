@@ -24,6 +24,9 @@ def run(args) -> int:
     if args.rank < 0 and not args.join:
         raise UsageError("give --rank R, or --join to join an elastic run")
     secret = parse_secret(sys.stdin.buffer.readline(), "stdin")
+    import faulthandler
+
+    faulthandler.enable()  # a native crash leaves its Python stack in the log, not silence
     from smoltrain.run.worker import worker_main
 
     return worker_main(addr, int(port), secret, args.rank, args.join)

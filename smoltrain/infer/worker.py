@@ -144,6 +144,9 @@ def main(argv=None) -> int:
     p.add_argument("--control", required=True)
     p.add_argument("--rank", type=int, required=True)
     a = p.parse_args(argv)
+    import faulthandler
+
+    faulthandler.enable()  # a native crash leaves its Python stack in the log, not silence
     from smolnet.secret import parse_secret
 
     secret = parse_secret(sys.stdin.buffer.readline(), "stdin")
