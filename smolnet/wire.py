@@ -66,6 +66,14 @@ def _remaining(deadline: float | None) -> float | None:
     return left
 
 
+def _early(deadline: float | None) -> bool:
+    """A timeout before our own deadline: a socket's timeout is one setting shared by every
+    thread using it (a control connection reads in one thread and sends from another), so a
+    read meant to wait for ever can be cut short by a send's timeout set in between. Nothing
+    was transferred (the wait timed out first): go on waiting."""
+    return deadline is None or time.monotonic() < deadline
+
+
 def recv_exact_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
     """Fill view completely from sock (short reads looped) or raise."""
     got = 0
@@ -75,6 +83,8 @@ def recv_exact_into(sock: socket.socket, view: memoryview, deadline: float | Non
         try:
             k = sock.recv_into(view[got:], n - got)
         except TimeoutError:
+            if _early(deadline):  # another thread's send set a shorter timeout on this socket
+                continue
             raise TimeoutError("timed out waiting for peer") from None
         if k == 0:
             raise PeerClosed(f"peer closed the connection after {got} of {n} bytes")
@@ -94,6 +104,8 @@ def send_all(sock: socket.socket, data, deadline: float | None = None) -> None:
         try:
             k = sock.send(view)
         except TimeoutError:
+            if _early(deadline):  # another thread's read set a shorter timeout on this socket
+                continue
             raise TimeoutError("timed out sending to peer") from None
         view = view[k:]
 

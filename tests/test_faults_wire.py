@@ -117,3 +117,29 @@ def test_control_channel_frames_are_authenticated():
         assert srv.messages.get(timeout=5)[1]["message"].count("MAC") == 1
     finally:
         srv.close()
+
+
+def test_a_read_without_deadline_outlives_a_timeout_another_thread_set():
+    """A control connection is read by one thread (no deadline: it waits for the next message)
+    and written by another (a send with a 30 s timeout). A socket's timeout is one setting, so
+    the send's can land between the reader's `settimeout(None)` and its wait; the reader must
+    go on waiting rather than report silence. Here every settimeout sets 0.05 s, as if the
+    other thread always won, and the frame comes after 0.3 s."""
+
+    class Racing(socket.socket):
+        def settimeout(self, value):
+            super().settimeout(0.05)
+
+    a, b = socket.socketpair()
+    reader = Racing(fileno=a.detach())
+    timer = threading.Timer(0.3, lambda: wire.send_frame(b, 1, {"type": "late"}))
+    timer.start()
+    try:
+        _, msg, _ = wire.recv_frame(reader, timeout=None, max_payload=0)
+        assert msg == {"type": "late"}
+        with pytest.raises(TimeoutError):  # a real deadline still ends the wait
+            wire.recv_frame(reader, timeout=0.2, max_payload=0)
+    finally:
+        timer.join()
+        reader.close()
+        b.close()
