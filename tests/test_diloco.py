@@ -153,12 +153,15 @@ def test_bad_input_is_one_line_and_starts_nothing(capsys, tmp_path, secret_file,
     assert not (tmp_path / "r.json").exists() and not (tmp_path / "out").exists()
 
 
-def test_a_member_that_dies_is_dropped_and_a_newcomer_joins_at_an_outer_step(tmp_path, secret_file):
+@pytest.mark.parametrize("backend", ["socket", "torch"])
+def test_a_member_that_dies_is_dropped_and_a_newcomer_joins_at_an_outer_step(tmp_path, secret_file, backend):
+    """On either backend: each membership change builds a new group (torch: a new process group
+    on the same port), so the survivors and the newcomer all-reduce without the dead rank."""
     report = tmp_path / "elastic.json"
     proc = subprocess.Popen(
         [sys.executable, "-m", "smoltrain", "run", "--strategy", "diloco", "--local", "3", *SMALL]
         + ["--steps", "20", "--inner-steps", "4", "--pace", "0.25", "--barrier-timeout", "20"]
-        + ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "4"]
+        + ["--backend", backend, "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "4"]
         + ["--secret-file", secret_file, "--json", str(report), "--out", str(tmp_path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -185,6 +188,8 @@ def test_a_member_that_dies_is_dropped_and_a_newcomer_joins_at_an_outer_step(tmp
     assert {s for s in (4, 8, 12, 16, 20) if s > leave} <= marks, (marks, leave)
     parts = json.loads((tmp_path / "ck" / "step-000020" / "complete.json").read_text())["parts"]
     assert "rank2" not in parts and {"rank0", "rank1"} <= set(parts)
+    if backend == "torch":  # the resume below is the backend's ordinary start, checked on socket
+        return
     more = tmp_path / "more.json"
     p = cli(
         ["run", "--strategy", "diloco", "--local", "3", *SMALL, "--steps", "24", "--inner-steps", "4", "--resume"]
@@ -195,3 +200,32 @@ def test_a_member_that_dies_is_dropped_and_a_newcomer_joins_at_an_outer_step(tmp
     resumed = json.loads(more.read_text())
     assert [s["step"] for s in resumed["steps"]] == [20, 21, 22, 23]
     assert len({r["digest"] for r in resumed["outer_steps"][-1]["ranks"]}) == 1
+
+
+def test_under_auto_placement_the_shares_follow_the_measured_pace(tmp_path, secret_file):
+    """The compute report calls rank0 three times faster than rank1; on loopback (a core
+    each) they run alike. The placement gives rank0 three quarters of the sequences for the
+    first outer step; the roster then re-balances from the paces it measured, so the shares
+    move toward equal, and every outer step still covers its batches exactly once."""
+    from computetools import write_compute
+
+    compute = write_compute(tmp_path / "compute.json", ["rank0", "rank1"], "rank0", seq=32)
+    report = tmp_path / "paced.json"
+    p = cli(
+        ["run", "--strategy", "diloco", "--local", "2", "--batch", "12", "--seq", "32", "--seed", "3"]
+        + ["--steps", "24", "--inner-steps", "4", "--placement", "auto", "--compute", str(compute)]
+        + ["--secret-file", secret_file, "--json", str(report), "--out", str(tmp_path)]
+    )
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    doc = check_any(json.loads(report.read_text()))
+    assert doc["placement"]["mode"] == "auto" and "measured pace" in doc["placement"]["sync"]
+    spread = []
+    for o in doc["outer_steps"]:
+        tokens = {r["name"]: r["tokens"] for r in o["ranks"]}
+        assert sum(tokens.values()) == 4 * 12 * 32, o  # four batches of 12 sequences of 32 tokens
+        spread.append(max(tokens.values()) / min(tokens.values()))
+    first = {r["name"]: r["tokens"] for r in doc["outer_steps"][0]["ranks"]}
+    assert first["rank0"] > first["rank1"] and spread[0] >= 2.5, spread  # the calibration's 36 / 12
+    assert spread[-1] < 1.5, spread  # equal hosts: toward equal shares
+    assert len({r["digest"] for r in doc["outer_steps"][-1]["ranks"]}) == 1
+    assert [s["step"] for s in doc["steps"]] == list(range(24))

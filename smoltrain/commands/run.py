@@ -154,13 +154,17 @@ def outer_settings(cfg, args, plan: dict | None, console):
     lr, mu, why = outer_optimizer(args.outer_lr, args.outer_momentum, cfg.steps, h)
     console.print(f"diloco: outer lr {lr:g}, momentum {mu:g} ({why})")
     if cfg.placement is not None:  # the run report's placement says how unequal hosts meet at the sync
-        cfg.placement["sync"] = OUTER_SYNC
+        cfg.placement["sync"] = OUTER_SYNC + (OUTER_PACED if cfg.placement.get("mode") == "auto" else "")
     return cfg.replace(inner_steps=h, outer_lr=lr, outer_momentum=mu)
 
 
 OUTER_SYNC = (
     "batch shares by measured speed, so every rank ends its H inner steps together; "
     "each pseudo-gradient weighted by the tokens its rank trained on"
+)
+OUTER_PACED = (
+    "; re-balanced at every outer step from each rank's measured pace (tokens per second of its "
+    "inner steps; outer_steps[].ranks[].tokens)"
 )
 
 

@@ -157,6 +157,28 @@ def batch_ranges(batch: int, shares: list[float] | None, world: int) -> list[tup
     return [tuple(r) for r in ranges(counts)]
 
 
+def paced_ranges(batch: int, steps: int, counts: list[int]) -> list[list[tuple[int, int]]]:
+    """Per rank, its [lo, hi) of each of `steps` global batches, given the sequences each rank
+    trains over all of them (`counts`, summing to steps x batch): every rank floor(c / steps)
+    or one more in each step (so its inner steps stay alike), the extras dealt out in turn
+    over the steps so each step's ranges cover its batch exactly, ranks in order."""
+    if sum(counts) != steps * batch or min(counts, default=0) < 0:
+        raise PlacementError(f"paced counts {counts} do not cover {steps} batches of {batch}")
+    per = [[c // steps] * steps for c in counts]
+    k = 0
+    for r, c in enumerate(counts):  # each rank's extras land on consecutive steps, modulo steps
+        for _ in range(c % steps):
+            per[r][k % steps] += 1
+            k += 1
+    out: list[list[tuple[int, int]]] = [[] for _ in counts]
+    for j in range(steps):
+        lo = 0
+        for r in range(len(counts)):
+            out[r].append((lo, lo + per[r][j]))
+            lo += per[r][j]
+    return out
+
+
 def named_batch_ranges(batch: int, names: list[str], placement: dict | None) -> dict[str, tuple[int, int]]:
     """The parameter server's split over the members present, by name: the placement's counts
     when every placed host is there; otherwise (a leave or a join) the same speeds renormalised,

@@ -47,9 +47,9 @@ class Reporter:
             msg["weight"] = weight
         self._send(msg)
 
-    def outer(self, step, sync_s, nbytes, wait_s, seconds, digest):
-        keys = ("step", "sync_s", "bytes", "wait_s", "seconds", "digest")
-        self._send(dict(zip(keys, (step, sync_s, nbytes, wait_s, seconds, digest)), type="outer"))
+    def outer(self, step, sync_s, nbytes, wait_s, seconds, digest, tokens):
+        keys = ("step", "sync_s", "bytes", "wait_s", "seconds", "digest", "tokens")
+        self._send(dict(zip(keys, (step, sync_s, nbytes, wait_s, seconds, digest, tokens)), type="outer"))
 
     def loss(self, step, loss):
         self._send({"type": "loss", "step": step, "loss": loss})

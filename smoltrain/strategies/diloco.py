@@ -22,6 +22,12 @@ planner.diloco counts the same bytes and picks H from the links. Membership is d
 at each outer step (smoltrain.strategies.roster): a rank that died is dropped there
 (`leave`) and the rest rebuild their ring; a newcomer is admitted there (`join`), gets
 the anchor and outer momentum from rank 0 and trains from the next step.
+
+Unequal hosts: each rank trains its placement's share of every batch, so all end their H
+inner steps together. Under `--placement auto` the roster also re-balances the shares at
+every outer step from each rank's measured pace (a calibration a few percent off, or a host
+slowed by other work, would otherwise keep the rest waiting every outer step): a rank then
+trains floor(n/H) or one more sequences of each step, n its sequences for the outer step.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ class DiLoCo(Strategy):
         self.lo, self.hi = (0, 0) if self.joiner else ctx.batch_range()
         self.share = 0.0 if self.joiner else (self.hi - self.lo) / ctx.batch  # of the batch, from this step on
         self.weight = self.share  # the part of the batch the last reported loss stands for (Reporter.step)
+        self.plan: list[tuple[int, int]] | None = None  # (lo, hi) per inner step of this outer step, when paced
         self.tokens = 0  # trained on since the last outer step
         self.clock = 0.0  # seconds of inner steps since the last outer step
         self.group, self.epoch, self.names = None, 0, list(run.names)
@@ -75,6 +82,9 @@ class DiLoCo(Strategy):
 
     def train_step(self, step: int) -> float:
         t0 = time.perf_counter()
+        if self.plan is not None and 0 <= step % self.H < len(self.plan):  # paced: this step's slice
+            self.lo, self.hi = self.plan[step % self.H]
+            self.share = (self.hi - self.lo) / self.ctx.batch
         loss_value, self.weight = 0.0, self.share
         if self.hi > self.lo:
             x, y = self.ctx.batches.slice(step, self.lo, self.hi)
@@ -98,7 +108,7 @@ class DiLoCo(Strategy):
             while True:
                 if roster is None:
                     t = time.perf_counter()
-                    roster = self.member.sync(outer, self.tokens)
+                    roster = self.member.sync(outer, self.tokens, self.clock)
                     waited += time.perf_counter() - t
                 ok = True
                 try:
@@ -120,7 +130,9 @@ class DiLoCo(Strategy):
             self.flat.copy_(self.anchor)
         seconds = self.clock + time.perf_counter() - t_in  # this rank's inner steps and the sync
         digest = hashlib.sha256(memoryview(self.anchor.cpu().numpy())).hexdigest()[:16]  # equal on every rank
-        self.ctx.reporter.outer(self.step_of(outer), sync_s, self.sent_bytes() - sent0, waited, seconds, digest)
+        self.ctx.reporter.outer(
+            self.step_of(outer), sync_s, self.sent_bytes() - sent0, waited, seconds, digest, self.tokens
+        )
         self.tokens, self.clock = 0, 0.0
 
     def step_of(self, outer: int) -> int:
@@ -148,6 +160,14 @@ class DiLoCo(Strategy):
                     integrity=run.integrity,
                 )
         self.lo, self.hi = roster["ranges"][self.ctx.name]
+        self.plan = None
+        if roster.get("paced"):  # the next outer step's slices, re-balanced by measured pace
+            from smoltrain.planner.placement import paced_ranges
+
+            paced = roster["paced"]
+            counts = [int(paced["counts"][n]) for n in names]
+            self.plan = paced_ranges(self.ctx.batch, int(paced["steps"]), counts)[names.index(self.ctx.name)]
+            self.lo, self.hi = self.plan[0]
         if roster["joined"] and self.group is not None:  # newcomers start from the shared state
             shared = torch.cat([self.anchor, self.momentum]).cpu()
             self.group.broadcast(shared, 0)

@@ -11,7 +11,11 @@ step is two rounds on it:
            drops the missing (`leave`), admits whoever connected since (`join`), and
            answers every member ROSTER {epoch, names, ranges, tokens}: the group for
            this all-reduce (a new epoch when it changed), each one's slice of the
-           batch, and the tokens the pseudo-gradients are averaged over;
+           batch, and the tokens the pseudo-gradients are averaged over; under
+           `--placement auto` also `paced`: the sequences each member trains in the next
+           outer step, from the pace (tokens per second of inner steps) each one showed
+           so far, so a host faster or slower than its calibration stops keeping the
+           others waiting (planner.placement.paced_ranges lays them over the steps);
   commit:  after the all-reduce each member sends CHECKIN {ok}; the answer is ok only
            if every member of the round succeeded. Otherwise (a member died mid-ring)
            everyone goes back to sync with what it holds and the step is redone, so no
@@ -31,7 +35,7 @@ import time
 
 from smolnet import wire
 from smolnet.server import AuthListener
-from smoltrain.planner.placement import named_batch_ranges
+from smoltrain.planner.placement import named_batch_ranges, split_batch
 from smoltrain.strategies.parameter_server import close_all
 
 HELLO, CHECKIN, ROSTER, VERDICT, STOP = 21, 22, 23, 24, 25
@@ -57,6 +61,10 @@ class Roster:
         self.placement = run.placement or (
             {"order": list(run.names), "shares": list(run.shares)} if run.shares else None
         )
+        # re-balanced at every outer step from the measured pace (--placement auto only: an
+        # even or hand-given split stays as given, and the run reproduces bit for bit)
+        self.paced = bool(run.placement and run.placement.get("mode") == "auto")
+        self.pace: dict[str, float] = {}  # member -> tokens per second of its inner steps
         self.members: list[_Conn] = []
         self.pending: list[_Conn] = []
         self.lock = threading.Lock()
@@ -140,6 +148,7 @@ class Roster:
         now = [m.name for m in self.members]
         ranges = named_batch_ranges(self.ctx.batch, now, self.placement)
         tokens = sum(int(got[m].get("tokens", 0)) for m in self.members if m in got)
+        paced = self._paced(outer, got, now)
         meta = {
             "outer": outer,
             "epoch": self.epoch,
@@ -149,8 +158,30 @@ class Roster:
             "tokens": tokens,
             "joined": [m.name for m in new],
         }
+        if paced:
+            meta["paced"] = paced
         for m in list(self.members):
             self._send(m, ROSTER, meta, outer)
+
+    def _paced(self, outer: int, got: dict, now: list[str]) -> dict | None:
+        """The next outer step's sequences per member, in proportion to the pace each showed
+        in the last outer step it trained in. A host's fixed cost per step makes its pace grow
+        with its share, so this moves toward equal times in steps rather than at once; equal
+        times are its fixed point. None where a member has no pace yet (a newcomer: then the
+        placement's shares, renormalised, for one outer step)."""
+        if not self.paced:
+            return None
+        for m, meta in got.items():
+            secs, toks = float(meta.get("seconds") or 0.0), int(meta.get("tokens") or 0)
+            if secs > 0 and toks > 0:  # the latest: a pace depends on the share it was measured at
+                self.pace[m.name] = toks / secs
+        run = self.ctx.run
+        steps = min((outer + 2) * run.inner_steps, run.steps) - (outer + 1) * run.inner_steps
+        total = steps * self.ctx.batch
+        if steps < 1 or total < len(now) or any(n not in self.pace for n in now):
+            return None
+        cuts = split_batch(total, [self.pace[n] for n in now])  # at least one sequence each: paces stay measured
+        return {"steps": steps, "counts": {n: hi - lo for n, (lo, hi) in zip(now, cuts)}}
 
     def _serve(self) -> None:
         try:
@@ -225,9 +256,11 @@ class Member:
             raise wire.WireError(f"roster sent frame {kind}, expected {want}")
         return got
 
-    def sync(self, outer: int, tokens: int) -> dict:
-        """This outer step's group: {epoch, names, ranges, tokens, joined}."""
-        return self._ask({"outer": outer, "phase": "sync", "tokens": tokens}, ROSTER, self.timeout)
+    def sync(self, outer: int, tokens: int, seconds: float = 0.0) -> dict:
+        """This outer step's group: {epoch, names, ranges, tokens, joined[, paced]}; `seconds`:
+        the inner steps' compute time behind `tokens`, the member's pace."""
+        meta = {"outer": outer, "phase": "sync", "tokens": tokens, "seconds": seconds}
+        return self._ask(meta, ROSTER, self.timeout)
 
     def commit(self, outer: int, ok: bool) -> bool:
         return bool(self._ask({"outer": outer, "phase": "commit", "ok": ok}, VERDICT, self.timeout)["ok"])
