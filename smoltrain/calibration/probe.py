@@ -228,60 +228,68 @@ def _loop(c, t, rank: int, window: float) -> tuple[int, float]:
         n += 1
 
 
+RING = 3  # probe ranks: a ring of three, so each rank has a distinct next and previous peer
+
+
 def comm_cpu(torch, window: float = COMM_WINDOW) -> dict | None:
-    """What smoltrain's own communication costs this host's CPU (under its cap): two ranks
-    of SocketComm on this host all-reduce a small and a large tensor over a window, on
-    ports checked free (a clash would lose the measurement). Per-message seconds and
-    per-end bytes/s, or None when it cannot be measured."""
+    """What smoltrain's own communication costs this host's CPU (under its cap): a ring of
+    RING ranks of SocketComm on this host all-reduce a small and a large tensor over a
+    window, on ports checked free (a clash would lose the measurement). Three ranks, not
+    two: in every ring of three or more hosts a rank sends to one peer and waits on another
+    (two sockets, a wake-up for each), which costs it about 1.7x the CPU per step of a pair
+    that trades on one socket (measured on loopback: 103 against 60 us). Per-message
+    seconds and per-end bytes/s, or None when it cannot be measured."""
     import secrets
 
     from smoltrain.comm import make_comm
     from smoltrain.comm.group import free_port_base
 
     secret = secrets.token_bytes(32)
-    port = free_port_base(2)
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            c = make_comm("socket", 1, 2, "127.0.0.1", port, secret, timeout=60.0)
-            _loop(c, torch.zeros(64), 1, window)
-            _loop(c, torch.zeros(BIG_FLOATS), 1, window)
-            c.close()
-            code = 0
-        finally:
-            os._exit(code)
+    port = free_port_base(RING)
+    pids = []
+    for rank in range(1, RING):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                c = make_comm("socket", rank, RING, "127.0.0.1", port, secret, timeout=60.0)
+                _loop(c, torch.zeros(64), rank, window)
+                _loop(c, torch.zeros(BIG_FLOATS), rank, window)
+                c.close()
+                code = 0
+            finally:
+                os._exit(code)
+        pids.append(pid)
     try:
-        c = make_comm("socket", 0, 2, "127.0.0.1", port, secret, timeout=60.0)
+        c = make_comm("socket", 0, RING, "127.0.0.1", port, secret, timeout=60.0)
         n, el = _loop(c, torch.zeros(64), 0, window)
         t_small = el / (n + 1)
         n, el = _loop(c, torch.zeros(BIG_FLOATS), 0, window)
         t_big = el / (n + 1)
         c.close()
     except Exception:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
+        for pid in pids:
+            os.kill(pid, 9)
+        for pid in pids:
+            os.waitpid(pid, 0)
         return None
-    os.waitpid(pid, 0)
-    return per_message(t_small, t_big, shares_core(), BIG_FLOATS * 4)
-
-
-def shares_core() -> bool:
-    """Do the probe's two ranks share one core? Under a cap below 2 cores, or pinned to one CPU."""
+    for pid in pids:
+        os.waitpid(pid, 0)
     from smolnet.cpus import usable_cpus
 
-    return usable_cpus() < 2
+    return per_message(t_small, t_big, usable_cpus(), BIG_FLOATS * 4)
 
 
-def per_message(t_small: float, t_big: float, shared: bool, big_bytes: int) -> dict:
+def per_message(t_small: float, t_big: float, cpus: int, big_bytes: int, ranks: int = RING) -> dict:
     """One rank's cost per message and bytes/s per end, from the wall time of one all-reduce
-    round of a small and of a `big_bytes` buffer between two ranks on this host. A ring
-    all-reduce of 2 ranks is 2 steps (reduce-scatter, all-gather), each one message of half
-    the buffer per rank: / 2. Where both ranks share one core they also take turns: / 2
-    again; on a host with a core each they run at once and the wall time is one rank's."""
-    div = 4 if shared else 2
+    of a small and of a `big_bytes` buffer by `ranks` ranks on this host with `cpus` usable
+    CPUs. A ring all-reduce is 2(N-1) steps, each one message of 1/N of the buffer per rank;
+    the ranks run at once as far as there are CPUs for them and take turns beyond that (on
+    one capped core all of them: the wall time is every rank's CPU time in a row)."""
+    steps = 2 * (ranks - 1)
+    div = steps * ranks / min(ranks, max(1, cpus))
     msg = t_small / div
-    chunk = big_bytes / 2
+    chunk = big_bytes / ranks
     per_byte = max(1e-12, (t_big / div - msg) / chunk)
     return {"message_s": msg, "bytes_s": 1 / per_byte}
 

@@ -115,6 +115,7 @@ def build(
             "bytes_per_token": busiest / steps if steps else None,
             # CPU seconds of all ranks together: what the split costs, whatever else loads the machine
             "cpu_s": sum(s.get("decode_cpu_s", 0.0) for s in stats),
+            "cpu_s_per_rank": {name: s.get("decode_cpu_s", 0.0) for name, s in zip(cfg.names, stats)},
             # weights read per generated token, all ranks, and the memory-bandwidth bound they set
             "weight_bytes_per_token": sum(s.get("weight_bytes_per_token") or 0 for s in stats) or None,
             "roofline_tokens_per_s": roofline(cfg, stats, bandwidth),
