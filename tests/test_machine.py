@@ -61,6 +61,9 @@ def test_int8_equals_fp32_and_decode_reports_its_bound(local):
     assert d32["weight_bytes_per_token"] > d8["weight_bytes_per_token"] > d4["weight_bytes_per_token"]
     for d in (d32, d8, d4):
         assert d["roofline_tokens_per_s"] > 0
+        # each rank's decode CPU, by name, adding up to the total
+        assert set(d["cpu_s_per_rank"]) == {"rank0"} and d["cpu_s_per_rank"]["rank0"] == pytest.approx(d["cpu_s"])
+        assert d["cpu_s"] > 0
 
 
 def inventory(tmp_path) -> tuple[str, str]:
