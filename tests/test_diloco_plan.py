@@ -250,3 +250,28 @@ def test_a_checkpoint_after_a_member_leaves_completes_with_the_members_parts(tmp
     parts = json.loads((tmp_path / "ck" / "step-000012" / "complete.json").read_text())["parts"]
     assert sorted(parts) == ["rank0", "rank1"]
     assert [e["step"] for e in ctl.events if e["kind"] == "checkpoint"] == [4, 8, 12]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_paced_ranges_cover_every_batch_once_and_keep_each_ranks_steps_alike(seed):
+    """Any split of the outer step's steps x batch sequences: in every step the ranks' ranges
+    tile the batch in order; each rank gets its count over the steps, floor(c/steps) or one
+    more in each."""
+    import random
+
+    from smoltrain.planner.placement import paced_ranges
+
+    rng = random.Random(seed)
+    for _ in range(200):
+        steps, batch = rng.randint(1, 17), rng.randint(1, 20)
+        n = rng.randint(1, min(5, batch))
+        total = steps * batch
+        cuts = sorted(rng.sample(range(1, total), n - 1)) if n > 1 else []
+        counts = [b - a for a, b in zip([0] + cuts, cuts + [total])]
+        got = paced_ranges(batch, steps, counts)
+        for j in range(steps):
+            assert got[0][j][0] == 0 and got[-1][j][1] == batch
+            assert all(got[r][j][1] == got[r + 1][j][0] for r in range(n - 1))
+        for r in range(n):
+            sizes = [hi - lo for lo, hi in got[r]]
+            assert sum(sizes) == counts[r] and max(sizes) - min(sizes) <= 1

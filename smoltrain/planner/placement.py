@@ -170,13 +170,8 @@ def paced_ranges(batch: int, steps: int, counts: list[int]) -> list[list[tuple[i
         for _ in range(c % steps):
             per[r][k % steps] += 1
             k += 1
-    out: list[list[tuple[int, int]]] = [[] for _ in counts]
-    for j in range(steps):
-        lo = 0
-        for r in range(len(counts)):
-            out[r].append((lo, lo + per[r][j]))
-            lo += per[r][j]
-    return out
+    by_step = [ranges([p[j] for p in per]) for j in range(steps)]
+    return [[tuple(by_step[j][r]) for j in range(steps)] for r in range(len(counts))]
 
 
 def named_batch_ranges(batch: int, names: list[str], placement: dict | None) -> dict[str, tuple[int, int]]:

@@ -167,7 +167,7 @@ class Controller:
                 rec.setdefault("weights", {})[who] = msg["weight"]
         elif kind == "outer":
             self.outer.setdefault(msg["step"], {})[who] = {
-                k: msg[k] for k in ("sync_s", "bytes", "wait_s", "seconds", "digest", "tokens") if k in msg
+                k: msg[k] for k in ("sync_s", "bytes", "wait_s", "seconds", "digest", "tokens")
             }
         elif kind == "event":
             self.events.append({"step": msg["step"], "kind": msg["kind"], "who": msg["name"]})

@@ -175,8 +175,7 @@ class Roster:
             secs, toks = float(meta.get("seconds") or 0.0), int(meta.get("tokens") or 0)
             if secs > 0 and toks > 0:  # the latest: a pace depends on the share it was measured at
                 self.pace[m.name] = toks / secs
-        run = self.ctx.run
-        steps = min((outer + 2) * run.inner_steps, run.steps) - (outer + 1) * run.inner_steps
+        steps = self._step_of(outer + 1) - self._step_of(outer)  # of the next outer step
         total = steps * self.ctx.batch
         if steps < 1 or total < len(now) or any(n not in self.pace for n in now):
             return None
@@ -256,7 +255,7 @@ class Member:
             raise wire.WireError(f"roster sent frame {kind}, expected {want}")
         return got
 
-    def sync(self, outer: int, tokens: int, seconds: float = 0.0) -> dict:
+    def sync(self, outer: int, tokens: int, seconds: float) -> dict:
         """This outer step's group: {epoch, names, ranges, tokens, joined[, paced]}; `seconds`:
         the inner steps' compute time behind `tokens`, the member's pace."""
         meta = {"outer": outer, "phase": "sync", "tokens": tokens, "seconds": seconds}
