@@ -115,8 +115,9 @@ def cpu_seconds(fn, calls: int = DECODE_CALLS, warm: bool = True) -> float:
 
 def decode_bw(torch, mem_bw: float, copy_bytes: int) -> dict:
     """Weight bytes per second a decode step reads, per dtype and rows: what the layers'
-    own kernel (models.quant.Linear: oneDNN for fp32) makes of DECODE_BYTES of weights times
-    1, 4 and 8 rows. Few-row products stream weights slower than a copy moves them (1-row
+    own kernel (models.quant.Linear: for fp32 numpy's BLAS at one row, as `generate` holds
+    its layers, oneDNN for serve's batches) makes of DECODE_BYTES of weights times 1, 4 and
+    8 rows. Few-row products stream weights slower than a copy moves them (1-row
     fp32 at 0.6-0.8 of the copy here, 8 rows at 0.35), so the plan reads them at this rate.
 
     A few calls only (well under a second): each is timed in CPU seconds, as a ratio to
@@ -131,13 +132,13 @@ def decode_bw(torch, mem_bw: float, copy_bytes: int) -> dict:
         try:
             zeros = torch.zeros(DECODE_TILE, DECODE_TILE)  # values do not change the time (no denormals)
             k = max(1, DECODE_BYTES // (DECODE_TILE * DECODE_TILE * zeros.to(dt[name]).element_size()))
-            layers = [Linear(zeros, None, dt[name]) for _ in range(k)]
-            nbytes = sum(lin.nbytes for lin in layers)
+            held = {one: [Linear(zeros, None, dt[name], one_row=one) for _ in range(k)] for one in (True, False)}
             rates: dict = {}
             for rows in DECODE_ROWS:
+                layers = held[rows == 1]  # as a one-row stage (generate) or a batched one (serve) holds them
                 x = torch.ones(rows, DECODE_TILE, dtype=dt[name])
-                cpu = cpu_seconds(_products(layers, x), warm=not rates)  # the first call touches the weights
-                rates[str(rows)] = nbytes / cpu / copy_rate * mem_bw
+                cpu = cpu_seconds(_products(layers, x))
+                rates[str(rows)] = sum(lin.nbytes for lin in layers) / cpu / copy_rate * mem_bw
             out[name] = rates
         except (RuntimeError, TypeError):  # this torch cannot run the product in that dtype here
             continue
@@ -252,6 +253,9 @@ def comm_cpu(torch, window: float = COMM_WINDOW) -> dict | None:
         if pid == 0:
             code = 1
             try:
+                # a forked child must not enter the OpenMP pool its parent started (it is not
+                # there: a crash); one thread runs every operation inline, as a rank of 1 would
+                torch.set_num_threads(1)
                 c = make_comm("socket", rank, RING, "127.0.0.1", port, secret, timeout=60.0)
                 _loop(c, torch.zeros(64), rank, window)
                 _loop(c, torch.zeros(BIG_FLOATS), rank, window)
