@@ -116,8 +116,7 @@ class Ours:
         from smoltrain.models.stage import Stage
 
         ck = Checkpoint(model)
-        self.stage = Stage(ck, 0, ck.config.layers, True, True, quantize=quantize)
-        self.stage.min_rows = 1  # batch-1 decode, as `generate` runs it (serve pads its batches)
+        self.stage = Stage(ck, 0, ck.config.layers, True, True, quantize=quantize, batched=False)  # as `generate`
 
     def first_logits(self, prompt):
         import torch
@@ -141,18 +140,33 @@ class Ours:
 def matmul_share(stage, steps: int = 8) -> float:
     """Share of a decode step's CPU time spent in the matmul kernels (torch profiler)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from smoltrain.models.quant import Linear
 
     stage.open(0, len(PROMPT) + steps + 4)
     stage(torch.tensor([PROMPT]), [0])
     tok = torch.tensor([[7]])
-    with profile(activities=[ProfilerActivity.CPU]) as p:
-        for _ in range(steps):
-            stage(tok, [0])
+    call = Linear.__call__
+
+    def named(self, x):  # numpy's product is no torch operation: give the profiler a range for it
+        if self.kernel != "blas":
+            return call(self, x)
+        with record_function("blas"):
+            return call(self, x)
+
+    Linear.__call__ = named
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as p:
+            for _ in range(steps):
+                stage(tok, [0])
+    finally:
+        Linear.__call__ = call
     kernels = (
         "aten::mm",
         "aten::addmm",
         "aten::mkldnn_linear",
+        "blas",  # numpy's one-row product (models.quant), a range of its own (above)
         "quantized::linear_dynamic",
         "aten::_weight_int8pack_mm",
         "aten::_weight_int4pack_mm_for_cpu",
@@ -189,9 +203,9 @@ def agree(a: list[int], b: list[int]) -> int:
 
 
 def bench(args, threads: int) -> dict:
-    import torch
+    from smoltrain.host import set_threads
 
-    torch.set_num_threads(threads)
+    set_threads(threads)
     engines = {"fp32": Ours(args.model, None), "int8": Ours(args.model, "int8"), "q4": Ours(args.model, "q4")}
     wbytes = {k: e.stage.weight_bytes_per_token() for k, e in engines.items()}
     files = None
@@ -257,8 +271,9 @@ def train_step_s(threads: int) -> float:
     import torch
 
     from smoltrain.calibration.probe import train_seconds
+    from smoltrain.host import set_threads
 
-    torch.set_num_threads(threads)
+    set_threads(threads)
     return train_seconds(torch, "tiny", 8, 64, 1.0)
 
 

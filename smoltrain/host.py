@@ -57,12 +57,22 @@ def check_dtype(dtype: str, device: str) -> None:
         raise UsageError(f"--dtype {dtype}: torch on this host cannot compute in it on {device} ({line})") from None
 
 
+def set_threads(n: int) -> None:
+    """torch's threads and those of the BLAS numpy links (a one-row decode product runs there,
+    models.quant), which would otherwise start one per core whatever `smol_threads` says."""
+    import numpy  # noqa: F401  (threadpoolctl finds the BLAS of the libraries already loaded)
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    torch.set_num_threads(n)
+    threadpool_limits(n, user_api="blas")
+
+
 def setup(threads: int | None, device: str | None = "cpu", dtype: str | None = None) -> tuple[int, str]:
     """Set torch's thread count, settle the device and check the dtype: (threads, device)."""
-    import torch
 
     n = check_threads(threads or None)
-    torch.set_num_threads(n)
+    set_threads(n)
     dev = resolve_device(device)
     if dtype:
         check_dtype(dtype, dev)

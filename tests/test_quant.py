@@ -46,6 +46,41 @@ def test_kernel_equals_dequantised_reference(kind):
     assert (lin.dequantized() - w).abs().max() < (0.02 if kind == "int8" else 0.2) * w.abs().max()
 
 
+def test_one_row_layer_is_the_same_product_in_numpys_blas():
+    """A one-row stage's fp32 layer holds W transposed for numpy's BLAS; decode rows (1) and a
+    prefill (several) both equal F.linear to float rounding, bias included."""
+    g = torch.Generator().manual_seed(2)
+    w, b = torch.randn(48, 80, generator=g), torch.randn(48, generator=g)
+    lin = quant.Linear(w, b, torch.float32, one_row=True)
+    assert lin.kernel == "blas" and lin.weight.shape == (80, 48) and lin.weight.is_contiguous()
+    assert torch.equal(lin.dequantized(), w) and lin.nbytes == (48 * 80 + 48) * 4
+    for shape in ((1, 1, 80), (1, 5, 80)):
+        x = torch.randn(*shape, generator=g)
+        got = lin(x)
+        assert got.shape == (*shape[:-1], 48) and got.dtype == torch.float32
+        assert torch.allclose(got, torch.nn.functional.linear(x, w, b), atol=1e-5)
+    # a batched stage's layer keeps oneDNN; a quantised one ignores the hint
+    assert quant.Linear(w, b, torch.float32).kernel in ("onednn", None)
+    assert quant.Linear(w, None, torch.float32, "int8", one_row=True).kind == "int8"
+
+
+def test_numpys_blas_runs_at_the_rank_thread_count():
+    """host.set_threads holds numpy's BLAS to the rank's count, as torch's: unheld, OpenBLAS
+    starts one thread per core."""
+    from threadpoolctl import threadpool_info
+
+    from smoltrain.host import set_threads
+
+    before = torch.get_num_threads()
+    try:
+        set_threads(1)
+        blas = [i for i in threadpool_info() if i["user_api"] == "blas"]
+        assert blas and all(i["num_threads"] == 1 for i in blas)
+        assert torch.get_num_threads() == 1
+    finally:
+        set_threads(before)
+
+
 def test_fallback_without_kernel_is_the_same_layer():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(40, 64, generator=g)  # 40 rows: not a multiple of 16, so int4pack cannot take it

@@ -32,8 +32,17 @@ class LocalRunner(Runner):
 
         super().__init__()
         threads, device = host.setup(cfg.rank_threads(0), cfg.rank_device(0), cfg.dtype)
-        stage = Stage(ckpt, 0, ckpt.config.layers, True, True, dtype=cfg.dtype, quantize=cfg.quantize, device=device)
-        stage.min_rows = stage.min_rows if cfg.max_batch > 1 else 1  # one sequence at a time: nothing to pad for
+        stage = Stage(
+            ckpt,
+            0,
+            ckpt.config.layers,
+            True,
+            True,
+            dtype=cfg.dtype,
+            quantize=cfg.quantize,
+            device=device,
+            batched=cfg.max_batch > 1,
+        )
         self.engine = Engine(stage)
         self.machine = host.rank_facts(stage, threads, device)
         self.batcher = Batcher(cfg.max_batch, 1, self._tokens, self._done)

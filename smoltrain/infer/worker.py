@@ -92,8 +92,8 @@ def serve(ctl: Control, rank: int, secret: bytes) -> None:
         dtype=cfg.dtype,
         quantize=cfg.quantize,
         device=device,
+        batched=cfg.max_batch > 1,
     )
-    stage.min_rows = stage.min_rows if cfg.max_batch > 1 else 1  # one sequence at a time: nothing to pad for
     engine = make_engine(cfg.strategy, stage, comm, rank, world, cfg.wire_dtype)
     machine = host.rank_facts(stage, threads, device)
     batcher = admissions = None

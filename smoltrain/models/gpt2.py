@@ -16,15 +16,15 @@ from smoltrain.models.quant import Linear
 
 
 class GPT2Block(torch.nn.Module):
-    def __init__(self, cfg: HFConfig, w: dict, heads: int, quantize: str | None = None):
+    def __init__(self, cfg: HFConfig, w: dict, heads: int, quantize: str | None = None, one_row=False):
         super().__init__()
         self.cfg, self.w, self.heads = cfg, w, heads
         dt = w["ln_1.weight"].dtype
         # Conv1D stores [in, out]; a Linear holds [out, in]. Output biases come after the tp reduce.
-        self.qkv = Linear(w.pop("attn.c_attn.weight").t(), w.pop("attn.c_attn.bias"), dt, quantize)
-        self.proj = Linear(w.pop("attn.c_proj.weight").t(), None, dt, quantize)
-        self.fc = Linear(w.pop("mlp.c_fc.weight").t(), w.pop("mlp.c_fc.bias"), dt, quantize)
-        self.down = Linear(w.pop("mlp.c_proj.weight").t(), None, dt, quantize)
+        self.qkv = Linear(w.pop("attn.c_attn.weight").t(), w.pop("attn.c_attn.bias"), dt, quantize, one_row=one_row)
+        self.proj = Linear(w.pop("attn.c_proj.weight").t(), None, dt, quantize, one_row=one_row)
+        self.fc = Linear(w.pop("mlp.c_fc.weight").t(), w.pop("mlp.c_fc.bias"), dt, quantize, one_row=one_row)
+        self.down = Linear(w.pop("mlp.c_proj.weight").t(), None, dt, quantize, one_row=one_row)
         self.caches: dict[int, KVCache] = {}  # slot -> its sequence's cache
 
     def weight_bytes(self) -> int:
@@ -50,7 +50,9 @@ class GPT2Block(torch.nn.Module):
         return x + (reduce(self.down(m)) + w["mlp.c_proj.bias"])
 
 
-def load_block(ckpt, i: int, rank: int, world: int, dtype, quantize: str | None = None, device="cpu") -> GPT2Block:
+def load_block(
+    ckpt, i: int, rank: int, world: int, dtype, quantize: str | None = None, device="cpu", one_row=False
+) -> GPT2Block:
     cfg = ckpt.config
     h, n, hd = cfg.hidden, cfg.heads // world, cfg.head_dim
     f = cfg.ffn // world
@@ -75,7 +77,7 @@ def load_block(ckpt, i: int, rank: int, world: int, dtype, quantize: str | None 
         "mlp.c_proj.weight": rd("mlp.c_proj.weight", (rank * f, (rank + 1) * f)),
         "mlp.c_proj.bias": rd("mlp.c_proj.bias"),
     }
-    return GPT2Block(cfg, w, n, quantize)
+    return GPT2Block(cfg, w, n, quantize, one_row)
 
 
 class _LN(torch.nn.Module):
@@ -87,7 +89,7 @@ class _LN(torch.nn.Module):
         return F.layer_norm(x, (x.shape[-1],), self.w, self.b, self.eps)
 
 
-def load_ends(ckpt, first: bool, last: bool, dtype, quantize: str | None = None, device="cpu") -> dict:
+def load_ends(ckpt, first: bool, last: bool, dtype, quantize: str | None = None, device="cpu", one_row=False) -> dict:
     out = {}
     if first or (last and ckpt.config.tied):
         out["embed"] = ckpt.read("wte.weight").to(device, dtype)
@@ -97,7 +99,9 @@ def load_ends(ckpt, first: bool, last: bool, dtype, quantize: str | None = None,
         ln = [ckpt.read(f"ln_f.{k}").to(device, dtype) for k in ("weight", "bias")]
         out["norm"] = _LN(*ln, ckpt.config.eps)
         w = out["embed"] if ckpt.config.tied else ckpt.read("lm_head.weight").to(device)
-        out["head"] = Linear(w, None, dtype, None if ckpt.config.tied else quantize, pack=not ckpt.config.tied)
+        out["head"] = Linear(
+            w, None, dtype, None if ckpt.config.tied else quantize, pack=not ckpt.config.tied, one_row=one_row
+        )
     return out
 
 

@@ -99,19 +99,19 @@ def attend_rows(caches: dict, rows, q, k, v, heads: int, kv_heads: int):
 
 
 class LlamaBlock(torch.nn.Module):
-    def __init__(self, cfg: HFConfig, w: dict, heads: int, kv_heads: int, quantize: str | None = None):
+    def __init__(self, cfg: HFConfig, w: dict, heads: int, kv_heads: int, quantize: str | None = None, one_row=False):
         super().__init__()
         self.cfg, self.heads, self.kv_heads = cfg, heads, kv_heads
         dt = w["input_layernorm.weight"].dtype
         self.ln1, self.ln2 = w["input_layernorm.weight"], w["post_attention_layernorm.weight"]
         qkv = [f"self_attn.{p}_proj" for p in "qkv"]
         bias = torch.cat([w[n + ".bias"] for n in qkv]) if cfg.bias else None
-        self.qkv = Linear(torch.cat([w.pop(n + ".weight") for n in qkv]), bias, dt, quantize)
-        self.o = Linear(w.pop("self_attn.o_proj.weight"), None, dt, quantize)
+        self.qkv = Linear(torch.cat([w.pop(n + ".weight") for n in qkv]), bias, dt, quantize, one_row=one_row)
+        self.o = Linear(w.pop("self_attn.o_proj.weight"), None, dt, quantize, one_row=one_row)
         self.o_bias = w.get("self_attn.o_proj.bias")  # added once, after the tp reduce
         gate_up = torch.cat([w.pop("mlp.gate_proj.weight"), w.pop("mlp.up_proj.weight")])
-        self.gate_up = Linear(gate_up, None, dt, quantize)
-        self.down = Linear(w.pop("mlp.down_proj.weight"), None, dt, quantize)
+        self.gate_up = Linear(gate_up, None, dt, quantize, one_row=one_row)
+        self.down = Linear(w.pop("mlp.down_proj.weight"), None, dt, quantize, one_row=one_row)
         self.caches: dict[int, KVCache] = {}  # slot -> its sequence's cache
         self.rope: dict[int, tuple] = {}  # slot -> its sequence's RoPE table
 
@@ -181,17 +181,19 @@ def shard_windows(cfg: HFConfig, rank: int, world: int) -> dict:
     return out
 
 
-def load_block(ckpt, i: int, rank: int, world: int, dtype, quantize: str | None = None, device="cpu") -> LlamaBlock:
+def load_block(
+    ckpt, i: int, rank: int, world: int, dtype, quantize: str | None = None, device="cpu", one_row=False
+) -> LlamaBlock:
     """One layer (this tp rank's slice of it), quantised as it is read: only this layer is ever at full width."""
     cfg = ckpt.config
     w = {
         k: ckpt.read(f"model.layers.{i}.{k}", rows, cols).to(device, dtype)
         for k, (rows, cols) in shard_windows(cfg, rank, world).items()
     }
-    return LlamaBlock(cfg, w, cfg.heads // world, cfg.kv_heads // world, quantize)
+    return LlamaBlock(cfg, w, cfg.heads // world, cfg.kv_heads // world, quantize, one_row)
 
 
-def load_ends(ckpt, first: bool, last: bool, dtype, quantize: str | None = None, device="cpu") -> dict:
+def load_ends(ckpt, first: bool, last: bool, dtype, quantize: str | None = None, device="cpu", one_row=False) -> dict:
     """Embedding (first stage) and final norm + head (last stage); an untied head is quantised like
     the layers, a tied one stays the embedding table at `dtype`."""
     out = {}
@@ -201,7 +203,7 @@ def load_ends(ckpt, first: bool, last: bool, dtype, quantize: str | None = None,
     if last:
         out["norm"] = RMSNorm(ckpt.read("model.norm.weight").to(device, dtype), ckpt.config.eps)
         w = out["embed"] if tied else ckpt.read("lm_head.weight").to(device)
-        out["head"] = Linear(w, None, dtype, None if tied else quantize, pack=not tied)
+        out["head"] = Linear(w, None, dtype, None if tied else quantize, pack=not tied, one_row=one_row)
     return out
 
 

@@ -21,7 +21,12 @@ the weight is dequantised on the fly: correct, not fast.
 
 Full-width fp32 layers on the CPU go through oneDNN (`mkldnn_linear`, the weight held in
 its own layout): MKL's batch-1 sgemv read 14 GB/s where a copy moves 23 on the machine of
-BENCHMARKS.md (an AMD EPYC, which MKL serves a generic path), oneDNN 18.
+BENCHMARKS.md (an AMD EPYC, which MKL serves a generic path), oneDNN 18. A layer that only
+ever multiplies one row (`one_row`: `generate`, one sequence at a time) holds its weight
+transposed, [in, out], for the BLAS numpy links (OpenBLAS in its Linux wheels, Accelerate
+on macOS): its one-row product read 17-21 GB/s there on the layer shapes of a 1k-wide Llama where
+oneDNN read 13-19, and needs no conversion of the activations either way. With 2
+or more rows oneDNN is the faster (2x at 4 rows), so batches (`serve`) stay there.
 """
 
 from __future__ import annotations
@@ -88,9 +93,16 @@ class Linear:
     the load. `nbytes` is what one batch-1 token reads of it (weights, scales, bias)."""
 
     def __init__(
-        self, w: torch.Tensor, bias: torch.Tensor | None, dtype, quantize: str | None = None, pack: bool = True
+        self,
+        w: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype,
+        quantize: str | None = None,
+        pack: bool = True,
+        one_row: bool = False,
     ):
-        """`pack` False: keep a full-width weight as the tensor given (a tied head shares the embedding)."""
+        """`pack` False: keep a full-width weight as the tensor given (a tied head shares the embedding);
+        `one_row`: the layer multiplies one row at a time (decode) but for a prefill now and then."""
         if quantize not in (None, *QUANTIZE):
             raise ValueError(f"unknown quantisation {quantize!r} (one of {', '.join(QUANTIZE)})")
         if quantize == "q4" and w.shape[1] % GROUP:
@@ -100,12 +112,14 @@ class Linear:
         self.bias = None if bias is None else bias.to(dtype)
         cpu = w.device.type == "cpu"
         if quantize is None:
-            self.weight = w.to(dtype).contiguous()
-            self.kernel = (
-                "onednn" if pack and cpu and dtype == torch.float32 and torch.backends.mkldnn.is_available() else None
-            )
-            if self.kernel:
-                self.weight = self.weight.to_mkldnn()
+            fp32_cpu = pack and cpu and dtype == torch.float32
+            if fp32_cpu and one_row:
+                self.kernel, self.weight = "blas", w.to(dtype).t().contiguous()  # [in, out], numpy's matmul
+            else:
+                self.weight = w.to(dtype).contiguous()
+                self.kernel = "onednn" if fp32_cpu and torch.backends.mkldnn.is_available() else None
+                if self.kernel:
+                    self.weight = self.weight.to_mkldnn()
         elif quantize == "int8":
             q, s = quantize_int8(w)
             self.kernel = "fbgemm" if cpu and _fbgemm() else "int8pack" if cpu and _has("_weight_int8pack_mm") else None
@@ -137,7 +151,8 @@ class Linear:
     def dequantized(self) -> torch.Tensor:
         """The weight this layer multiplies by, at fp32 (the reference the kernels are tested against)."""
         if self.kind is None:
-            return (self.weight.to_dense() if self.kernel else self.weight).float()
+            dense = {"onednn": self.weight.to_dense, "blas": self.weight.t}.get(self.kernel, lambda: self.weight)
+            return dense().float()
         if self.kind == "int8" and self.kernel == "fbgemm":
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -150,6 +165,10 @@ class Linear:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.q, GROUP, self.scale.float()).t().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "blas":
+            rows = x.reshape(-1, self.in_features).contiguous().numpy()
+            y = torch.from_numpy(rows @ self.weight.numpy()).view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
         if self.kind is None and self.kernel:
             y = torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.weight).to_dense()
             return y if self.bias is None else y + self.bias

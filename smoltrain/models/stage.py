@@ -11,8 +11,9 @@ others gets exactly the tokens it gets alone): attention runs row by row, and a 
 batch of fewer than MIN_ROWS rows is padded to MIN_ROWS, because the CPU's matrix
 multiply takes another code path (another summation order) for fewer rows: below 2 rows
 for oneDNN's fp32 product, below 4 for MKL's (a tied head). Where nothing is ever
-batched (`generate`: at most one sequence), `min_rows = 1` skips the padding and its
-compute.
+batched (`batched=False`: `generate`, one sequence at a time) nothing is padded, and the
+fp32 layers are held for the one-row product (models.quant: numpy's BLAS, 1.3x oneDNN
+on a whole decode step).
 """
 
 from __future__ import annotations
@@ -90,9 +91,11 @@ class Stage(torch.nn.Module):
         dtype: str | None = None,
         quantize: str | None = None,
         device: str = "cpu",
+        batched: bool = True,
     ):
         """`quantize` (int8, q4): the matmul weights of these layers (and an untied head), each
-        quantised as it is read; `device`: where the weights and the KV cache live."""
+        quantised as it is read; `device`: where the weights and the KV cache live; `batched`
+        False: one sequence at a time (decode steps of one row)."""
         super().__init__()
         cfg = ckpt.config
         self.cfg, self.first, self.last, self.is_first, self.is_last = cfg, first, last, is_first, is_last
@@ -103,12 +106,14 @@ class Stage(torch.nn.Module):
             check_tp(cfg, tp_world)
         mod = ARCH[cfg.arch]
         self.mod = mod
+        one = not batched
         self.blocks = [
-            mod.load_block(ckpt, i, tp_rank, tp_world, self.dtype, quantize, self.device) for i in range(first, last)
+            mod.load_block(ckpt, i, tp_rank, tp_world, self.dtype, quantize, self.device, one)
+            for i in range(first, last)
         ]
-        self.ends = mod.load_ends(ckpt, is_first, is_last, self.dtype, quantize, self.device)
+        self.ends = mod.load_ends(ckpt, is_first, is_last, self.dtype, quantize, self.device, one)
         self.pos: dict[int, int] = {}  # slot -> positions its sequence has so far
-        self.min_rows = MIN_ROWS  # decode batches are padded to this many rows
+        self.min_rows = MIN_ROWS if batched else 1  # decode batches are padded to this many rows
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads here: every matmul weight (at its width, scales
