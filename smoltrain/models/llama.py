@@ -89,6 +89,9 @@ def attend(q, k, v, heads: int, kv_heads: int, causal: bool):
 def attend_rows(caches: dict, rows, q, k, v, heads: int, kv_heads: int):
     """q, k, v: [rows, heads, T, head_dim]; each row writes its keys and values into its slot's
     cache and attends over that cache alone (padding rows, slot None, give zeros)."""
+    if len(rows.slots) == 1:  # one sequence (generate): no gathering of rows
+        kk, vv = caches[rows.slots[0]].update(k, v, rows.pos[0])
+        return attend(q, kk, vv, heads, kv_heads, causal=q.shape[2] > 1)
     out = torch.zeros_like(q)
     for i, (slot, pos) in enumerate(zip(rows.slots, rows.pos)):
         if slot is None:
@@ -129,18 +132,20 @@ class LlamaBlock(torch.nn.Module):
         self.rope[slot] = rope_table(self.cfg.rope_theta, self.cfg.head_dim, max_len, dtype, str(dev))
 
     def _rope(self, rows, T: int):
-        """cos, sin [rows, T, hd]: each row's positions from its own sequence's table (a padding row
-        borrows the first row's)."""
-        tables = [self.rope[s if s is not None else rows.slots[0]] for s in rows.slots]
-        cos = torch.stack([c[p : p + T] for (c, _), p in zip(tables, rows.pos)])
-        sin = torch.stack([s[p : p + T] for (_, s), p in zip(tables, rows.pos)])
-        return cos, sin
+        """cos, sin [rows, T, 1, hd]: each row's positions from its own sequence's table (a padding
+        row borrows the first row's). Every layer of a stage has the same tables, so the first
+        block of a forward builds them and the others take them from `rows.cache`."""
+        if "rope" not in rows.cache:
+            tables = [self.rope[s if s is not None else rows.slots[0]] for s in rows.slots]
+            cos = torch.stack([c[p : p + T] for (c, _), p in zip(tables, rows.pos)])
+            sin = torch.stack([s[p : p + T] for (_, s), p in zip(tables, rows.pos)])
+            rows.cache["rope"] = cos[:, :, None], sin[:, :, None]
+        return rows.cache["rope"]
 
     def forward(self, x, rows, reduce):
         hd, (n, T), H, KV = self.cfg.head_dim, x.shape[:2], self.heads, self.kv_heads
         qkv = self.qkv(rms_norm(x, self.ln1, self.cfg.eps)).view(n, T, H + 2 * KV, hd)
-        cos, sin = self._rope(rows, T)
-        qk = apply_rope(qkv[:, :, : H + KV], cos[:, :, None], sin[:, :, None])  # q and k heads rotated together
+        qk = apply_rope(qkv[:, :, : H + KV], *self._rope(rows, T))  # q and k heads rotated together
         q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
         a = attend_rows(self.caches, rows, q, k, qkv[:, :, H + KV :].transpose(1, 2), H, KV)
         a = reduce(self.o(a.transpose(1, 2).reshape(n, T, H * hd)))
