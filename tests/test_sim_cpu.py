@@ -162,3 +162,39 @@ def test_default_caps_are_dropped_where_cgroups_cannot_be_written(monkeypatch):
     assert [h["cpu_cores"] for h in hosts] == [None, None]
     with pytest.raises(cgroup.CgroupError, match="cannot cap CPU"):
         cgroup.check_caps([{"cpu_cores": 0.5}], explicit=True)
+
+
+def test_hosts_that_share_this_machine_unseen_are_given_their_part_of_its_cpus(monkeypatch):
+    """smol_threads in the sim's inventory: hosts with no cpuset and no cap they can read share
+    the machine's CPUs (8 here over 3 such hosts: 2 each); a visible cap or a cpuset of its own
+    lets the host decide; the loopback fallback splits CPUs in the controller (run/threads)."""
+    import yaml
+
+    import smolnet.cpus
+    from smolnet.sim.inventory import inventory_text
+
+    monkeypatch.setattr(smolnet.cpus, "affinity_cpus", lambda: 8)
+
+    def host(name, **kw):
+        base = {"name": name, "address": "10.0.0.1", "mtu": 1500, "device": "generic", "netns": "n"}
+        return {**base, "port_mtu": 1500, "up_mbit": 100, "down_mbit": 100, **kw}
+
+    hosts = [
+        host("free"),
+        host("hidden", cgroup="/sys/fs/cgroup/cpu/x", cpu_cores=0.5, cpu_hidden=True),
+        host("also-free"),
+        host("capped", cgroup="/sys/fs/cgroup/cpu/y", cpu_cores=0.5),
+        host("own-core", cpuset_cgroup="/sys/fs/cgroup/cpuset/z", cpuset="1"),
+    ]
+    st = {"state_dir": "/tmp/x", "mode": "netns", "hosts": hosts, "name": "t", "scenario": "home", "created": "now"}
+    got = yaml.safe_load(inventory_text(st))["all"]["children"]["cluster"]["hosts"]
+    assert {n: v.get("smol_threads") for n, v in got.items()} == {
+        "free": 2,
+        "hidden": 2,
+        "also-free": 2,
+        "capped": None,
+        "own-core": None,
+    }
+    st["mode"] = "loopback"
+    got = yaml.safe_load(inventory_text(st))["all"]["children"]["cluster"]["hosts"]
+    assert not any("smol_threads" in v for v in got.values())

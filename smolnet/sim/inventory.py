@@ -2,6 +2,13 @@
 
 The controller reaches every host over SSH with the sim's own key and a real known_hosts;
 the loopback fallback writes the same hosts as `ansible_connection: local`.
+
+Namespaced hosts that see no limit of their own (no cpuset, no CPU cap they can read)
+would each run a thread per CPU of this machine, which they all share: four hosts at two
+threads on two cores spin against each other, 50-90x slower per step than at one thread
+each (`run --local 4 --threads 2` against `--threads 1`, tiny8). The sim says how many
+they may use (`smol_threads`: this machine's CPUs over the hosts sharing them), as a
+person would of machines they know share a box.
 """
 
 from __future__ import annotations
@@ -41,6 +48,9 @@ def inventory_text(st: dict) -> str:
                 "smol_known_hosts_file": kh,
             }
         )
+    from smolnet.cpus import affinity_cpus
+
+    shared = [h for h in st["hosts"] if not loop and not h.get("cpuset_cgroup") and sees_no_cap(h)]
     hosts = {}
     for h in st["hosts"]:
         v = {"ansible_host": h["address"], "cluster_ip": h["address"], "mtu": h["mtu"], "device": h["device"]}
@@ -61,6 +71,8 @@ def inventory_text(st: dict) -> str:
                     v["smol_sim_cpu_hidden"] = True
             if h.get("cpuset_cgroup"):
                 v["smol_sim_cpuset"] = h["cpuset"]
+            if h in shared:
+                v["smol_threads"] = max(1, affinity_cpus() // len(shared))
         hosts[h["name"]] = v
     first = st["hosts"][0]["name"]
     doc = {
@@ -77,6 +89,11 @@ def inventory_text(st: dict) -> str:
         f"at {st['created']}.\n# `smolnet sim down --name {st['name']}` deletes it; edits are lost.\n"
     )
     return header + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)
+
+
+def sees_no_cap(h: dict) -> bool:
+    """The host reads no CPU quota of its own: none was set, or the sim hides it."""
+    return not h.get("cgroup") or bool(h.get("cpu_hidden"))
 
 
 def remove_inventory(st: dict) -> None:
