@@ -184,11 +184,11 @@ def replicas(args, model: str, tmp: str) -> dict:
     from smolnet.sim import cluster as sim
 
     inv = os.path.join(tmp, "sv2.yml")
-    sim_up("sv2", 4, "10.64.2.0/24", inv, CAPS)
+    sim_up("sv2", 4, "10.64.2.0/24", inv, args.caps)
     try:
         compute, links, plan = (os.path.join(tmp, f) for f in ("compute.json", "links.json", "plan.json"))
         py = sys.executable
-        run([py, "-m", "smoltrain", "calibrate", "-i", inv, "--out", compute, "--model", "none"], tmp)
+        run([py, "-m", "smoltrain", "calibrate", "-i", inv, "--out", compute, "--model", args.calibrate_model], tmp)
         run([py, "-m", "smolnet", "matrix", "-i", inv, "--duration", "1", "--out", tmp, "--json", links], tmp)
         seq = str(args.prompt + args.new // 2)  # the KV cache a step reads, on average
         from dataclasses import asdict
@@ -341,6 +341,10 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--parts", default="local,pp-sim,replicas-sim,decode-sim")
+    ap.add_argument(
+        "--calibrate-model", default="none", help="calibrate's --model: tiny8 times a one-token forward (decode's fixed cost)"
+    )
+    ap.add_argument("--caps", default=CAPS, help="the 4-host sim's CPU caps, cores per host")
     ap.add_argument("--json")
     a = ap.parse_args()
     parts = a.parts.split(",")
@@ -374,7 +378,7 @@ def main() -> int:
             f"{r['ratio']:.2f}x | {r['ttft_one_s']:.2f} | {r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} |"
         )
     if out.get("replicas", {}).get("rows"):
-        print(f"\n4-host sim (caps {CAPS} cores), {a.clients} clients; plan's best: {out['replicas']['plan_best']}")
+        print(f"\n4-host sim (caps {a.caps} cores), {a.clients} clients; plan's best: {out['replicas']['plan_best']}")
         print(
             "| setup | groups | measured tok/s | plan tok/s | measured/plan | copy-bw plan tok/s | measured/copy-bw plan "
             "| TTFT p50 s | p99 s | plan TTFT s |"
@@ -388,7 +392,7 @@ def main() -> int:
                 f"{r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | {r['plan_ttft_s']:.2f} |"
             )
     if out.get("replicas", {}).get("decode"):
-        print(f"\ngenerate (batch-1 decode) over the 4-host sim (caps {CAPS} cores), placed auto")
+        print(f"\ngenerate (batch-1 decode) over the 4-host sim (caps {a.caps} cores), placed auto")
         print(
             "| model | strategy | order | measured tok/s | plan tok/s | measured/plan | copy-bw plan tok/s | measured/copy-bw |"
         )
