@@ -342,7 +342,9 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--parts", default="local,pp-sim,replicas-sim,decode-sim")
     ap.add_argument(
-        "--calibrate-model", default="none", help="calibrate's --model: tiny8 times a one-token forward (decode's fixed cost)"
+        "--calibrate-model",
+        default="none",
+        help="calibrate's --model: tiny8 times a one-token forward (decode's fixed cost)",
     )
     ap.add_argument("--caps", default=CAPS, help="the 4-host sim's CPU caps, cores per host")
     ap.add_argument("--json")
