@@ -69,8 +69,8 @@ def set_threads(n: int) -> None:
 
 
 def setup(threads: int | None, device: str | None = "cpu", dtype: str | None = None) -> tuple[int, str]:
-    """Set torch's thread count, settle the device and check the dtype: (threads, device)."""
-
+    """Set the thread count (torch's and numpy's BLAS), settle the device and check the dtype:
+    (threads, device)."""
     n = check_threads(threads or None)
     set_threads(n)
     dev = resolve_device(device)
