@@ -131,6 +131,13 @@ def test_pp_decode_sends_hidden_and_returns_token_id():
         ("rank3", "rank0"): 8,
     }  # h*2 bytes and the step's 32-byte header; int64 token id
     assert d["bytes_per_token"] == 8224 and d["batch"] == 1
+    # infer/pp.py sends the header and the hidden state as two messages a hop: latency is paid
+    # twice on each forward hop, once on the token's way back (7 round trips' halves a token)
+    msgs = {(ln["src"], ln["dst"]): ln["messages_per_step"] for ln in d["links"]}
+    assert msgs == {("rank0", "rank1"): 2, ("rank1", "rank2"): 2, ("rank2", "rank3"): 2, ("rank3", "rank0"): 1}
+    alpha = from_class("1gbe").get("rank0", "rank1").alpha_s
+    wire = from_class("1gbe").get("rank0", "rank1").bytes_per_s
+    assert d["comm_s_per_step"] == pytest.approx(7 * alpha + (3 * 8224 + 8) / wire)
 
 
 def test_ep_all_to_all_and_dense_all_reduce():

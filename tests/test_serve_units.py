@@ -187,6 +187,16 @@ def test_serve_plan_arithmetic():
     assert by["best host"]["tokens_per_s"] == pytest.approx(4 / step)
     assert by["4 replicas"]["tokens_per_s"] == pytest.approx(4 * by["best host"]["tokens_per_s"])
     assert doc["best"] == "4 replicas"
+    # a split over 2 hosts serving 2 rows: one lane per stage; a hop is two messages (the step's
+    # header, then the hidden states: infer/pp.py), the way back one (the token ids)
+    lm, names = from_class("10gbe"), ["m0", "m1"]
+    works = capacity.layout("pp", "infer", m, 2, 1, 256)
+    t = [serve._rank_seconds(w, m, rk, "pp", "bf16", 1, 256, serve.PAD_ROWS)[0] for w, rk in zip(works, ranks)]
+    ln = lm.get("m0", "m1")
+    there = 2 * ln.alpha_s + (m.hidden * 2 + serve.STEP_HEADER_BYTES) / ln.bytes_per_s
+    back = ln.alpha_s + serve.TOKEN_ID_BYTES / ln.bytes_per_s
+    got = serve.group_step(m, ranks[:2], names, lm, "pp", "bf16", 2, 256)
+    assert got["lanes"] == 2 and got["step_s"] == pytest.approx(max(sum(t) + there + back, 2 * max(t)))
     # 8B in fp32 (32 GB) fits no 16 GB Mac alone: only the split serves it
     big = serve.plan(get_model("llama-3.1-8b"), ranks, from_class("10gbe"), concurrency=4, seq=256)
     by = {c["name"]: c for c in big["candidates"]}

@@ -66,9 +66,9 @@ def _rank_seconds(w, model, rk, strategy: str, dtype: str, n: int, seq: int, pad
     return t.compute_s, t.bound
 
 
-def _hop(lm, src: str, dst: str, nbytes: float) -> float:
+def _hop(lm, src: str, dst: str, nbytes: float, msgs: int = 1) -> float:
     ln = lm.get(src, dst)
-    return ln.alpha_s + nbytes / ln.bytes_per_s if ln.up else math.inf
+    return msgs * ln.alpha_s + nbytes / ln.bytes_per_s if ln.up else math.inf
 
 
 def group_step(
@@ -101,7 +101,8 @@ def group_step(
         lanes = min(k, rows)
         per_lane = math.ceil(rows / lanes)
         t = [_rank_seconds(w, model, rk, s, dtype, per_lane, seq, pad) for w, rk in zip(works, ranks)]
-        hops = [_hop(lm, names[r], names[r + 1], per_lane * h * a + STEP_HEADER_BYTES) for r in range(k - 1)]
+        # a header, then the lane's hidden states: two messages a hop (infer/pp.py)
+        hops = [_hop(lm, names[r], names[r + 1], per_lane * h * a + STEP_HEADER_BYTES, 2) for r in range(k - 1)]
         if k > 1:
             hops.append(_hop(lm, names[-1], names[0], per_lane * TOKEN_ID_BYTES))
         trip = sum(x for x, _ in t) + sum(hops)

@@ -296,10 +296,10 @@ def sharded_gather_infer(tr: Traffic, s: Step) -> None:
 
 def layer_chain_infer(tr: Traffic, s: Step) -> None:
     N = s.world
-    hop = s.act + STEP_HEADER_BYTES
-    tr.phases += [Phase(f"hidden state stage {r} -> {r + 1}", [Transfer(r, r + 1, hop)]) for r in range(N - 1)]
+    hop = s.act + STEP_HEADER_BYTES  # two messages: the step's header, then the hidden state (infer/pp.py)
+    tr.phases += [Phase(f"hidden state stage {r} -> {r + 1}", [Transfer(r, r + 1, hop, 2)]) for r in range(N - 1)]
     if N > 1:
-        tr.notes.append(f"each hop also carries the step's {STEP_HEADER_BYTES}-byte header")
+        tr.notes.append(f"each hop also carries the step's {STEP_HEADER_BYTES}-byte header, a message of its own")
         tr.phases.append(Phase("sampled token id back to stage 0", [Transfer(N - 1, 0, TOKEN_ID_BYTES)]))
         tr.notes.append("the last stage returns the sampled token id to stage 0 as one int64 (8 bytes)")
 
