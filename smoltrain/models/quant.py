@@ -151,8 +151,9 @@ class Linear:
     def dequantized(self) -> torch.Tensor:
         """The weight this layer multiplies by, at fp32 (the reference the kernels are tested against)."""
         if self.kind is None:
-            dense = {"onednn": self.weight.to_dense, "blas": self.weight.t}.get(self.kernel, lambda: self.weight)
-            return dense().float()
+            if self.kernel == "onednn":
+                return self.weight.to_dense().float()
+            return (self.weight.t() if self.kernel == "blas" else self.weight).float()
         if self.kind == "int8" and self.kernel == "fbgemm":
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 
 from smoltrain.planner import capacity, rank_time
-from smoltrain.planner.traffic import STEP_HEADER_BYTES, TOKEN_ID_BYTES, dtype_bytes
+from smoltrain.planner.traffic import HOP_MESSAGES, STEP_HEADER_BYTES, TOKEN_ID_BYTES, dtype_bytes
 
 SCHEMA = "smoltrain.serveplan/1"
 PAD_ROWS = 4  # a decode step computes at least 4 rows (smoltrain/models/stage.py MIN_ROWS)
@@ -101,8 +101,8 @@ def group_step(
         lanes = min(k, rows)
         per_lane = math.ceil(rows / lanes)
         t = [_rank_seconds(w, model, rk, s, dtype, per_lane, seq, pad) for w, rk in zip(works, ranks)]
-        # a header, then the lane's hidden states: two messages a hop (infer/pp.py)
-        hops = [_hop(lm, names[r], names[r + 1], per_lane * h * a + STEP_HEADER_BYTES, 2) for r in range(k - 1)]
+        lane_hop = per_lane * h * a + STEP_HEADER_BYTES
+        hops = [_hop(lm, names[r], names[r + 1], lane_hop, HOP_MESSAGES) for r in range(k - 1)]
         if k > 1:
             hops.append(_hop(lm, names[-1], names[0], per_lane * TOKEN_ID_BYTES))
         trip = sum(x for x, _ in t) + sum(hops)

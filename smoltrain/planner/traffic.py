@@ -28,6 +28,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 BUCKET_BYTES = 1e6  # smoltrain's dp bucket size (bucket_mb=1.0)
 TOKEN_ID_BYTES = 8  # the sampled token id returns to stage 0 as one int64
 STEP_HEADER_BYTES = 32  # each decode step starts with rank 0's header: 4 int64 (smoltrain/infer/batching.py)
+HOP_MESSAGES = 2  # a pp decode hop: the step's header, then the hidden states, each a message (infer/pp.py)
 LSE_BYTES = 4  # ring-attention decode carries one fp32 log-sum-exp per head
 
 
@@ -296,8 +297,10 @@ def sharded_gather_infer(tr: Traffic, s: Step) -> None:
 
 def layer_chain_infer(tr: Traffic, s: Step) -> None:
     N = s.world
-    hop = s.act + STEP_HEADER_BYTES  # two messages: the step's header, then the hidden state (infer/pp.py)
-    tr.phases += [Phase(f"hidden state stage {r} -> {r + 1}", [Transfer(r, r + 1, hop, 2)]) for r in range(N - 1)]
+    hop = s.act + STEP_HEADER_BYTES
+    tr.phases += [
+        Phase(f"hidden state stage {r} -> {r + 1}", [Transfer(r, r + 1, hop, HOP_MESSAGES)]) for r in range(N - 1)
+    ]
     if N > 1:
         tr.notes.append(f"each hop also carries the step's {STEP_HEADER_BYTES}-byte header, a message of its own")
         tr.phases.append(Phase("sampled token id back to stage 0", [Transfer(N - 1, 0, TOKEN_ID_BYTES)]))
