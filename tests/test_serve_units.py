@@ -216,3 +216,64 @@ def test_plan_mode_serve_command(tmp_path, capsys):
     assert f"best here: {doc['best']}" in capsys.readouterr().out
     assert main(["plan", "--mode", "serve", "--strategy", "dp", "--model", "tiny"]) == 2
     assert "pp or tp" in capsys.readouterr().err
+
+
+def test_serve_pp_group_balances_its_stages():
+    """With a lane per stage in flight, a pp group's round is `lanes` times its slowest stage,
+    so serve cuts the layers to balance the stages (batch-1 decode sums them: it piles layers
+    on the fastest host), and `plan --mode serve` plans the very cut serve runs."""
+    import itertools
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from smoltrain.infer.report import decode_request
+    from smoltrain.models.spec import get_model
+    from smoltrain.planner import serve
+    from smoltrain.planner.links import from_class
+    from smoltrain.planner.placement_plan import Ask, search
+    from smoltrain.planner.plan import resolve_ranks
+    from smoltrain.planner.request import build_plan
+
+    class H:
+        def __init__(self, n, dev):
+            self.name, self.device, self.local, self.link_rate_mbit, self.vars = n, dev, False, None, {}
+
+    hosts = [H("jet", "jetson-orin-nano"), H("mini", "mac-mini-m4"), H("lap", "rtx4050-laptop")]
+    ranks, lm, m = resolve_ranks(3, hosts, None), from_class("1gbe"), get_model("gpt2-124m")
+    one = search(Ask("pp", "auto", m, ranks, lm, "infer", "fp32", 1, 256))
+    a = Ask("pp", "auto", m, ranks, lm, "infer", "fp32", 1, 256, lanes=3)
+    three = search(a)
+    by = {rk.name: rk for rk in ranks}
+
+    def stages(order, layers):  # each stage's compute and its hops, as the cut's search charges them
+        n = len(order)
+        out = []
+        for r, (name, (lo, hi)) in enumerate(zip(order, layers)):
+            w = serve.capacity.stage_work(m, r, n, hi - lo, "infer", 1, 256, 1, False)
+            hop = sum(a.link_s(name, order[j], m.hidden * 4) for j in (r - 1, r + 1) if 0 <= j < n)
+            out.append(a.seconds(by[name], w) + hop)
+        return out
+
+    assert max(stages(three.order, three.layers)) < max(stages(one.order, one.layers))
+    # no cut of these layers in this order has a quicker slowest stage
+    best = min(
+        max(stages(three.order, [[lo, hi] for lo, hi in zip((0,) + c, c + (m.layers,))]))
+        for c in itertools.combinations(range(1, m.layers), 2)
+    )
+    assert max(stages(three.order, three.layers)) == pytest.approx(best)
+    # serve's run (decode_request, lanes from --max-batch) and its plan cut alike
+    mc = SimpleNamespace(spec=lambda: m, ctx=4096, dtype="fp32")
+    args = SimpleNamespace(strategy="pp", dtype="fp32", placement="auto", max_batch=8, links=None, compute=False)
+    req = replace(decode_request(args, mc, 3, hosts, 256), link_class="1gbe")
+    assert req.lanes == 3 and decode_request(replace_ns(args, max_batch=2), mc, 3, hosts, 256).lanes == 2
+    ran = build_plan(req)["placement"]
+    got = serve.group_step(m, ranks, [h.name for h in hosts], lm, "pp", "fp32", 8, 256, placement="auto")
+    assert (got["order"], got["layers"]) == (ran["order"], ran["layers"]) == (three.order, three.layers)
+    generate = SimpleNamespace(**{k: v for k, v in vars(args).items() if k != "max_batch"})  # one request
+    assert decode_request(generate, mc, 3, hosts, 256).lanes == 1
+
+
+def replace_ns(ns, **kw):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{**vars(ns), **kw})

@@ -72,8 +72,9 @@ def add_arguments(p) -> None:
 _write_json = write_json_atomic
 
 
-def _serve(args, con, model, ranks, lm) -> int:
-    """`--mode serve`: the candidate splits for --concurrency requests (planner/serve.py)."""
+def _serve(args, con, model, ranks, lm, placement: str) -> int:
+    """`--mode serve`: the candidate splits for --concurrency requests (planner/serve.py);
+    `placement`: how a pp group cuts its layers, as `serve` would."""
     from smoltrain.planner import serve
 
     doc = serve.plan(
@@ -85,6 +86,7 @@ def _serve(args, con, model, ranks, lm) -> int:
         concurrency=args.concurrency,
         max_batch=args.max_batch,
         seq=args.seq,
+        placement=placement,
     )
     serve.render(con, doc)
     best = next(c for c in doc["candidates"] if c["name"] == doc["best"])
@@ -205,7 +207,8 @@ def run(args) -> int:
     if args.mode == "serve":  # planner/serve.py places its own candidates on these ranks and links
         serve_req = replace(request(args, run_doc), strategy=args.strategy, mode="infer")
         st = resolve(serve_req)
-        return _serve(args, con, st.model, st.ranks, st.lm)
+        how = placement_plan.default_mode(args.placement, st.compute_source == "measured")
+        return _serve(args, con, st.model, st.ranks, st.lm, how)
     from smoltrain.planner import diloco, diloco_verdict
 
     diloco.check_args(args, args.strategy == "all" or registry.get(args.strategy).outer_steps)

@@ -61,6 +61,7 @@ def choose(args, placements, hosts) -> tuple[list[list[int]] | None, str]:
     from smoltrain.planner import serve as sp
     from smoltrain.planner.devices import load_calibration
     from smoltrain.planner.links import find_report, link_model, read_report
+    from smoltrain.planner.placement_plan import default_mode
     from smoltrain.planner.plan import resolve_ranks, share_machine
     from smoltrain.planner.serve import split_evenly
 
@@ -69,7 +70,7 @@ def choose(args, placements, hosts) -> tuple[list[list[int]] | None, str]:
         mc = read_config(os.path.abspath(args.model))
         model = mc.spec()
         ranks = resolve_ranks(len(names), hosts, load_calibration(None))
-        ranks, _ = measured.apply(ranks, hosts, args.compute, model)
+        ranks, source = measured.apply(ranks, hosts, args.compute, model)
         if hosts is None:
             ranks = share_machine(ranks, busy=len(names))
         links = (read_report(args.links) if args.links else find_report(names)) if hosts else None
@@ -83,6 +84,7 @@ def choose(args, placements, hosts) -> tuple[list[list[int]] | None, str]:
             concurrency=args.concurrency or args.max_batch,
             max_batch=args.max_batch,
             seq=min(mc.ctx, 256),
+            placement=default_mode(args.placement, source == "measured"),  # as open_model places a group
         )
     except Exception as e:  # the plan is advice: say why it is missing
         if args.replicas != "auto":

@@ -10,6 +10,8 @@ def decode_request(args, mc, world: int, hosts, seq: int, placement=None):
     from smoltrain.planner.request import PlanRequest
 
     links = getattr(args, "links", None)
+    # serve deals its requests into a lane per pp stage (infer.pp): its stages are balanced, not summed
+    lanes = min(world, getattr(args, "max_batch", 1)) if args.strategy == "pp" else 1
     return PlanRequest(
         args.strategy if args.strategy != "local" else "pp",
         mc.spec(),
@@ -26,6 +28,7 @@ def decode_request(args, mc, world: int, hosts, seq: int, placement=None):
         strict=True,
         quantize=getattr(args, "quantize", None),
         wire_dtype=getattr(args, "wire_dtype", None),
+        lanes=lanes,
     )
 
 

@@ -72,6 +72,7 @@ class Ask:
     microbatches: int = 1
     overlap: bool = True
     widths: dict | None = None  # compute_dtype, quantize, wire_dtype (planner.widths), as the plan's
+    lanes: int = 1  # decode steps in flight through a pp chain (serve keeps one per stage)
 
     @property
     def info(self):
@@ -138,12 +139,14 @@ class Ask:
         )
 
     def best(self, candidates: list[dict], excluded: list[dict], describe) -> Placement:
-        """The candidate whose whole plan predicts the shortest step (ties: the first)."""
+        """The candidate whose whole plan predicts the shortest step, or with lanes the shortest
+        round (ties: the first)."""
         scored = []
         for i, c in enumerate(candidates):
             p = self.plan(c)
             ok = all(r["fits"] for r in p["ranks"])
-            step = float(f"{p['step_s']:.9g}") if p["step_s"] is not None else math.inf  # near-ties: the first
+            step = lane_round(p, self.lanes) if not self.train else p["step_s"]
+            step = float(f"{step:.9g}") if step is not None else math.inf  # near-ties: the first
             scored.append(((not ok, step, i), c, p))
         (unfit, _, _), c, p = min(scored, key=lambda t: t[0])
         if unfit:
@@ -294,10 +297,11 @@ def _idle(a: Ask, rk, piece, counts: dict) -> dict:
 
 def _cut(a: Ask, order: list, stage, hop_bytes: float) -> list[int] | None:
     """Best contiguous layer counts for this order (dynamic programming), or None when they
-    cannot fit: the slowest stage (a training pipeline) or the sum of stages (mp, decode)."""
+    cannot fit: the slowest stage (a training pipeline, or decode with several lanes in
+    flight) or the sum of stages (mp, batch-1 decode)."""
     N, L = len(order), a.model.layers
     by = {rk.name: rk for rk in a.ranks}
-    pipelined = a.info.microbatched and a.train
+    pipelined = (a.info.microbatched and a.train) or a.lanes > 1
     best = {0: (0.0, [])}
     for r, name in enumerate(order):
         rk = by[name]
@@ -408,6 +412,15 @@ def _order_words(order, topology, link_s, nbytes) -> list[str]:
 
 # --- the plan's `placement` section ---
 KEEP = ("mode", "strategy", "order", "shares", "layers", "heads", "ffn")
+
+
+def lane_round(plan: dict, lanes: int) -> float | None:
+    """Seconds between one lane's decode steps when `lanes` steps are in flight through a
+    chain: a step's trip through every stage and hop (the infer plan's step), or, when the
+    lanes keep every stage busy, `lanes` times the slowest stage's work."""
+    if plan["step_s"] is None:
+        return None
+    return max(plan["step_s"], lanes * max(plan["compute_s_per_rank"])) if lanes > 1 else plan["step_s"]
 
 
 def predicted_of(plan: dict) -> dict:

@@ -43,6 +43,7 @@ class PlanRequest:
     quantize: str | None = None  # inference weights' format
     wire_dtype: str | None = None  # inference activations on the wire
     outer: dict | None = None  # an outer-step strategy's settings (planner.diloco.options)
+    lanes: int = 1  # infer: decode steps in flight through a pp chain (serve: one per stage, up to its batch)
 
     @property
     def widths(self) -> dict:
@@ -158,6 +159,7 @@ def build_plan(req: PlanRequest, setting: Setting | None = None) -> dict:
             req.microbatches,
             req.overlap,
             req.widths,
+            req.lanes,
         )
         try:
             chosen = placement_plan.search(ask)

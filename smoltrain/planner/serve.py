@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 
 from smoltrain.planner import capacity, rank_time
+from smoltrain.planner.placement import PlacementError
 from smoltrain.planner.traffic import HOP_MESSAGES, STEP_HEADER_BYTES, TOKEN_ID_BYTES, dtype_bytes
 
 SCHEMA = "smoltrain.serveplan/1"
@@ -71,14 +72,40 @@ def _hop(lm, src: str, dst: str, nbytes: float, msgs: int = 1) -> float:
     return msgs * ln.alpha_s + nbytes / ln.bytes_per_s if ln.up else math.inf
 
 
+def lane_placement(model, ranks: list, lm, dtype: str, seq: int, lanes: int, mode: str) -> dict:
+    """The layer cut and rank order a pp group of `serve` runs (infer.report.decode_request asks
+    the same search): with several lanes in flight the stages are balanced."""
+    from smoltrain.planner.placement_plan import Ask, place_dict, search
+
+    return place_dict(search(Ask("pp", mode, model, list(ranks), lm, "infer", dtype, 1, seq, lanes=lanes)))
+
+
 def group_step(
-    model, ranks: list, names: list[str], lm, strategy: str, dtype: str, rows: int, seq: int, pad: int = PAD_ROWS
+    model,
+    ranks: list,
+    names: list[str],
+    lm,
+    strategy: str,
+    dtype: str,
+    rows: int,
+    seq: int,
+    pad: int = PAD_ROWS,
+    placement: str = "even",
 ) -> dict:
     """A group serving `rows` requests at once: round seconds (each request's time per token),
-    tokens/s, prefill seconds per prompt token, what bounds it, and whether it fits."""
+    tokens/s, prefill seconds per prompt token, what bounds it, and whether it fits. A pp
+    group runs the layer cut and order `lane_placement` gives (`placement`: even or auto)."""
     k, a, h = len(ranks), dtype_bytes(dtype), model.hidden
     s = strategy if k > 1 else "pp"
-    works = capacity.layout(s, "infer", model, k, 1, seq)
+    cut = None
+    if s == "pp" and k > 1:
+        try:
+            cut = lane_placement(model, ranks, lm, dtype, seq, min(k, rows), placement)
+        except PlacementError:  # no cut fits: the even one below says so (fits: false)
+            cut = {"order": names, "layers": None}
+        by = {rk.name: rk for rk in ranks}
+        ranks, names = [by[n] for n in cut["order"]], list(cut["order"])
+    works = capacity.layout(s, "infer", model, k, 1, seq, placement=cut if cut and cut["layers"] else None)
     mem_ok = all(
         capacity.memory(w, model, "infer", dtype, seq, s).weights + rows * 2 * w.layers * model.kv_dim * seq * a
         <= rk.memory_bytes * capacity.HEADROOM
@@ -117,6 +144,8 @@ def group_step(
         "lanes": lanes,
         "bottleneck": bound,
         "fits": mem_ok,
+        "layers": cut["layers"] if cut else None,  # None: one rank, tp, or no cut that fits
+        "order": names,
     }
 
 
@@ -143,8 +172,10 @@ def plan(
     max_batch: int = 8,
     seq: int = 256,
     prompt: int = 32,
+    placement: str = "even",
 ) -> dict:
-    """Every candidate split of these ranks (hosts) for `concurrency` requests; the best named."""
+    """Every candidate split of these ranks (hosts) for `concurrency` requests; the best named.
+    `placement`: how a pp group cuts its layers (even, or auto by measured speed), as serve runs it."""
     names = [r.name for r in ranks]
     # decode reads weights: the rate a served step (max_batch rows) reads them at is speed
     speeds = [r.device.weight_rate(dtype, max(max_batch, PAD_ROWS))[0] for r in ranks]
@@ -155,7 +186,8 @@ def plan(
         for g, c in zip(groups, share):
             rows = max(1, min(c, max_batch))
             hosts = ([ranks[i] for i in g], [names[i] for i in g])
-            st = group_step(model, *hosts, lm, strategy, dtype, rows, seq, PAD_ROWS if max_batch > 1 else 1)
+            pad = PAD_ROWS if max_batch > 1 else 1
+            st = group_step(model, *hosts, lm, strategy, dtype, rows, seq, pad, placement)
             st["queued"] = max(0, c - max_batch)
             per.append(st)
             ok = ok and st["fits"]
@@ -168,6 +200,7 @@ def plan(
                 "name": name,
                 "replicas": len(groups),
                 "groups": [[names[i] for i in g] for g in groups],
+                "layers": [st["layers"] for st in per],  # each pp group's cut, in its rank order
                 "group_index": groups,
                 "strategy": strategy,
                 "requests_per_replica": share,
