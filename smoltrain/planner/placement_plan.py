@@ -145,7 +145,7 @@ class Ask:
         for i, c in enumerate(candidates):
             p = self.plan(c)
             ok = all(r["fits"] for r in p["ranks"])
-            step = lane_round(p, self.lanes) if not self.train else p["step_s"]
+            step = p["step_s"] if self.train else lane_round(p, self.lanes)
             step = float(f"{step:.9g}") if step is not None else math.inf  # near-ties: the first
             scored.append(((not ok, step, i), c, p))
         (unfit, _, _), c, p = min(scored, key=lambda t: t[0])
@@ -418,9 +418,7 @@ def lane_round(plan: dict, lanes: int) -> float | None:
     """Seconds between one lane's decode steps when `lanes` steps are in flight through a
     chain: a step's trip through every stage and hop (the infer plan's step), or, when the
     lanes keep every stage busy, `lanes` times the slowest stage's work."""
-    if plan["step_s"] is None:
-        return None
-    return max(plan["step_s"], lanes * max(plan["compute_s_per_rank"])) if lanes > 1 else plan["step_s"]
+    return None if plan["step_s"] is None else max(plan["step_s"], lanes * max(plan["compute_s_per_rank"]))
 
 
 def predicted_of(plan: dict) -> dict:
