@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 from smolnet.inventory import Host
 from smoltrain.calibration.cluster import COMPUTE_SCHEMA, calibrate_hosts
 from smoltrain.cli import main
@@ -31,6 +33,10 @@ def test_unreachable_host_is_reported_and_the_rest_measured():
         # decode's weight reads, timed per dtype and rows in the layers' own product
         assert sorted(h["decode_bw_bytes_s"]) == ["bf16", "fp32"]
         assert all(sorted(r) == ["1", "4", "8"] and min(r.values()) > 0 for r in h["decode_bw_bytes_s"].values())
+        # and what a layer costs beyond its products, timed in a real block: more with more rows
+        assert sorted(h["decode_layer_s"]) == ["bf16", "fp32"]
+        fp = h["decode_layer_s"]["fp32"]
+        assert sorted(fp) == ["1", "4", "8"] and 0 < fp["1"] < fp["8"]
         # and a decode step's per-token cost: one token through the model, timed, shorter than a training step
         (dec,) = h["decode_step"]
         assert dec["model"] == "tiny" and 0 < dec["seconds"] < h["train_step"][0]["seconds"]
@@ -114,6 +120,7 @@ def test_repeats_take_each_figures_median_round_by_round():
             "usable_memory_bytes": int(100 * x),
             "comm_cpu": {"message_s": x, "bytes_s": 1 / x},
             "decode_bw_bytes_s": {"fp32": {"1": 4 * x, "8": 2 * x}},
+            "decode_layer_s": {"fp32": {"1": x / 10, "8": x / 5}},
             "train_step": [{"model": "tiny", "batch": 2, "seq": 64, "seconds": x, "optimizer_seconds": x / 10}],
             "decode_step": [{"model": "tiny", "seconds": x / 100}],
         }
@@ -125,6 +132,7 @@ def test_repeats_take_each_figures_median_round_by_round():
     assert a["usable_memory_bytes"] == 100  # the least memory any round saw
     assert a["comm_cpu"] == {"message_s": 3.0, "bytes_s": 1 / 3}
     assert a["decode_bw_bytes_s"] == {"fp32": {"1": 12.0, "8": 6.0}}
+    assert a["decode_layer_s"] == {"fp32": {"1": pytest.approx(0.3), "8": pytest.approx(0.6)}}
     assert a["train_step"][0]["seconds"] == 3.0 and a["train_step"][0]["optimizer_seconds"] == 0.3
     assert a["decode_step"][0]["seconds"] == 0.03
     assert a["repeats"] == 3 and a["fp32_flops_each"] == [1e9, 9e9, 3e9]

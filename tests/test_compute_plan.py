@@ -329,18 +329,35 @@ def test_a_timed_decode_step_is_the_per_token_cost_beyond_the_reads(tmp_path):
     rk, share = stage_fixed([timed, dict(timed, name="b")])
     assert rk.decode_fixed_s == pytest.approx(5e-3 - reads)
     assert rank_time_decode(rk, tiny) == pytest.approx(base_decode(rk, tiny) + (5e-3 - reads) * share, rel=1e-6)
+    # a timed inference block (decode_layer_s) replaces that: each layer's cost beyond its
+    # products at the step's rows, linear between the rows timed (6 rows: halfway from 4 to
+    # 8, 0.6 ms), the stage's 3 layers each; serve's padded rows (2 -> 4) pay the 4-row cost
+    layered = dict(timed, decode_layer_s={"fp32": {"1": 2e-4, "4": 4e-4, "8": 8e-4}})
+    check_any({"schema": "smoltrain.compute/1", "created": "x", "hosts": [layered]})
+    rk, _ = stage_fixed([layered, dict(layered, name="b")])
+    assert rk.device.layer_overhead("fp32", 6) == pytest.approx(6e-4)
+    assert rk.device.layer_overhead("bf16", 1) == pytest.approx(2e-4)  # untimed dtype: fp32's
+    assert rank_time_decode(rk, tiny) == pytest.approx(base_decode(rk, tiny) + 3 * 2e-4, rel=1e-6)
+    assert rank_time_decode(rk, tiny, rows=2, pad=4) == pytest.approx(base_decode(rk, tiny, 2, 4) + 3 * 4e-4, rel=1e-6)
+    # a rank with half the machine (two ranks on it) takes each layer twice as long
+    from dataclasses import replace
+
+    from smoltrain.planner.ranks import share_machine
+
+    (half,) = share_machine([replace(rk, shared=False)], busy=2, cores=1)
+    assert half.device.layer_overhead("fp32", 1) == pytest.approx(4e-4)
 
 
-def rank_time_decode(rk, model) -> float:
+def rank_time_decode(rk, model, rows: int = 1, pad: int = 1) -> float:
     from smoltrain.planner import capacity, rank_time
 
     (w, _) = capacity.layout("pp", "infer", model, 2, 1, 64)
     sh = rank_time.Shape("pp", "infer", model, "fp32", 1, 64)
-    return rank_time.decode(rk, w, sh)[0].compute_s
+    return rank_time.decode(rk, w, sh, rows, pad)[0].compute_s
 
 
-def base_decode(rk, model) -> float:
+def base_decode(rk, model, rows: int = 1, pad: int = 1) -> float:
     """The same step on the same rank without any fixed cost."""
     from dataclasses import replace
 
-    return rank_time_decode(replace(rk, measured=False), model)
+    return rank_time_decode(replace(rk, measured=False), model, rows, pad)

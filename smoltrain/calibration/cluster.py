@@ -75,10 +75,11 @@ def median_probe(docs: list[dict]) -> dict:
         out["flops"][k] = med(got) if got else None
     out["mem_bw_bytes_s"] = med([d["mem_bw_bytes_s"] for d in docs])
     out["usable_memory_bytes"] = min(d["usable_memory_bytes"] for d in docs)
-    for dt, by_rows in (out.get("decode_bw_bytes_s") or {}).items():
-        for rows in by_rows:
-            each = [(d.get("decode_bw_bytes_s") or {}).get(dt, {}).get(rows) for d in docs]
-            by_rows[rows] = med([x for x in each if x is not None])
+    for key in ("decode_bw_bytes_s", "decode_layer_s"):
+        for dt, by_rows in (out.get(key) or {}).items():
+            for rows in by_rows:
+                each = [(d.get(key) or {}).get(dt, {}).get(rows) for d in docs]
+                by_rows[rows] = med([x for x in each if x is not None])
     if all(d.get("comm_cpu") for d in docs):
         for k in out["comm_cpu"]:
             out["comm_cpu"][k] = med([d["comm_cpu"][k] for d in docs])

@@ -145,6 +145,82 @@ def decode_bw(torch, mem_bw: float, copy_bytes: int) -> dict:
     return out
 
 
+# A small Llama layer (SmolLM2-135M's: grouped-query attention, 64-wide heads): what a served
+# layer does beyond its matrix products (norms, rotary tables, each row's attention over its
+# own KV cache, activations) is mostly per-operation cost, about the same whatever the width.
+OVERHEAD_LAYER = dict(hidden=576, heads=9, kv_heads=3, head_dim=64, ffn=1536)
+OVERHEAD_POS = 48  # positions already in each row's KV cache
+
+
+def decode_overhead(torch, mem_bw: float, copy_bytes: int) -> dict:
+    """Seconds per layer a decode step of 1, 4 and 8 rows spends beyond its matrix products,
+    per dtype: a real inference block (models.llama) of OVERHEAD_LAYER's shape, each row with
+    its own KV cache, as `generate` (1 row) and `serve` (batched) run it, less the same
+    block's products timed alone. At one thread: these operations gain nothing from more,
+    and CPU time counts every thread, a BLAS pool's spinning ones too. CPU seconds, times
+    the host's pace (a capped host's CPU second takes 1/cap seconds; at least 1)."""
+    from smoltrain import host
+
+    threads = torch.get_num_threads()
+    host.set_threads(1)
+    try:
+        return _overhead(torch, max(1.0, 2 * copy_bytes / cpu_seconds(_copy(torch, copy_bytes)) / mem_bw))
+    finally:
+        host.set_threads(threads)
+
+
+def _overhead(torch, pace: float) -> dict:
+    from smoltrain.models.hf import HFConfig
+    from smoltrain.models.llama import LlamaBlock
+    from smoltrain.models.stage import Rows
+
+    L = OVERHEAD_LAYER
+    cfg = HFConfig("llama", 256, L["hidden"], 1, L["heads"], L["kv_heads"], L["head_dim"], L["ffn"], 256, 1e-5)
+    H, q, kv, f = cfg.hidden, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.ffn
+    shapes = {"q": (q, H), "k": (kv, H), "v": (kv, H), "o": (H, q), "gate": (f, H), "up": (f, H), "down": (H, f)}
+    out: dict = {}
+    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        try:
+            per: dict = {}
+            for rows in DECODE_ROWS:
+                w = {f"self_attn.{p}_proj.weight": torch.randn(*shapes[p]) * 0.02 for p in "qkvo"}
+                w.update({f"mlp.{p}_proj.weight": torch.randn(*shapes[p]) * 0.02 for p in ("gate", "up", "down")})
+                w = {k: v.to(dt) for k, v in w.items()}
+                w["input_layernorm.weight"] = w["post_attention_layernorm.weight"] = torch.ones(H, dtype=dt)
+                block = LlamaBlock(cfg, w, cfg.heads, cfg.kv_heads, one_row=rows == 1)
+                for slot in range(rows):
+                    block.open(slot, OVERHEAD_POS + 8, dt)
+                x = torch.randn(rows, 1, H).to(dt)
+                lins = (block.qkv, block.o, block.gate_up, block.down)
+                ins = [torch.randn(rows, lin.in_features).to(dt) for lin in lins]
+
+                def layer(rows=rows, block=block, x=x):
+                    with torch.no_grad():
+                        block(x, Rows(list(range(rows)), [OVERHEAD_POS] * rows), lambda t: t)
+
+                def products(lins=lins, ins=ins):
+                    with torch.no_grad():
+                        for lin, a in zip(lins, ins):
+                            lin(a)
+
+                whole, alone = (cpu_seconds(_repeat(fn, OVERHEAD_LAYERS), OVERHEAD_CALLS) for fn in (layer, products))
+                # more rows never cost a layer less: a noisy pair (a capped host's cold slices)
+                # keeps the fewer rows' figure
+                per[str(rows)] = max([max(0.0, whole - alone) / OVERHEAD_LAYERS * pace] + list(per.values()))
+            out[name] = per
+        except (RuntimeError, TypeError):  # this torch cannot run the block in that dtype here
+            continue
+    return out
+
+
+OVERHEAD_LAYERS = 5  # layers per timed call: the rest is some hundred microseconds a layer
+OVERHEAD_CALLS = 5  # calls timed, the median kept
+
+
+def _repeat(fn, n: int):
+    return lambda: [fn() for _ in range(n)]
+
+
 def _copy(torch, nbytes: int):
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
@@ -343,6 +419,7 @@ def probe(
         "flops": flops,
         "mem_bw_bytes_s": mem_bw,
         "decode_bw_bytes_s": decode_bw(torch, mem_bw, host.COPY_BYTES) if device == "cpu" else {},
+        "decode_layer_s": decode_overhead(torch, mem_bw, host.COPY_BYTES) if device == "cpu" else {},
         "usable_memory_bytes": usable_memory(),
         "comm_cpu": comm,
         "train_step": [],

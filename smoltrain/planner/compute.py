@@ -36,6 +36,7 @@ class HostCompute:
     threads: int = 1  # torch threads the probe ran at (the host's smol_threads or usable CPUs)
     decode_bw: tuple = ()  # decode products' weight bytes/s: ((dtype, ((rows, bytes/s), ...)), ...)
     decode_step: list = field(default_factory=list)  # timed one-token forwards: [{model, seconds}]
+    decode_layer: tuple = ()  # seconds per layer beyond the products: ((dtype, ((rows, s), ...)), ...)
 
     def quota(self) -> tuple[float, float] | None:
         """(quota, period) in seconds of a CFS cap whose period was measured, else None."""
@@ -123,13 +124,15 @@ def _host(d: dict, origin: str) -> HostCompute:
             int(d.get("threads") or 1),
             decode_rates(d.get("decode_bw_bytes_s")),
             list(d.get("decode_step") or []),
+            decode_rates(d.get("decode_layer_s")),
         )
     except (KeyError, TypeError, ValueError, AttributeError):
         raise UsageError(f"{origin}: host {d.get('name', '?')!r} lacks flops or mem_bw_bytes_s") from None
 
 
 def decode_rates(doc: dict | None) -> tuple:
-    """The report's decode_bw_bytes_s ({dtype: {rows: bytes/s}}) as DeviceProfile.decode_bw, rows ascending."""
+    """The report's decode_bw_bytes_s or decode_layer_s ({dtype: {rows: figure}}) as
+    DeviceProfile.decode_bw or decode_layer, rows ascending."""
     return tuple(
         (dt, tuple(sorted((int(r), float(b)) for r, b in by_rows.items())))
         for dt, by_rows in sorted((doc or {}).items())
@@ -242,8 +245,9 @@ def measured_ranks(ranks: list, figs: list[HostCompute], model: ModelSpec, share
             + (f" (cap {f.cpu_limit_cores:g} cores)" if f.cpu_limit_cores else ""),
             achieved * rbf * share,
             decode_bw=f.decode_bw,
+            decode_layer=f.decode_layer,
         )
-        prof = replace(prof, decode_bw=prof.decode_scaled(share))
+        prof = replace(prof, **prof.decode_scaled(share))
         cc = None
         if f.comm_cpu and f.comm_cpu.get("message_s") and f.comm_cpu.get("bytes_s"):
             cc = {

@@ -35,6 +35,8 @@ class DeviceProfile:
     flops_bf16: float | None = None  # measured apart from fp16 where calibrated (None: as flops_fp16)
     # weight bytes/s of a decode step's matrix products where calibrated: ((dtype, ((rows, bytes/s), ...)), ...)
     decode_bw: tuple = ()
+    # seconds per layer a decode step spends beyond its products where calibrated: same layout
+    decode_layer: tuple = ()
 
     def flops(self, dtype: str) -> float:
         if dtype == "bf16" and self.flops_bf16:
@@ -58,9 +60,25 @@ class DeviceProfile:
             return 1 / (1 / b1 + (rows - r1) * slope), DECODE_FROM_MATMUL
         return 1 / (1 / b0 + (rows - r0) * slope), DECODE_FROM_MATMUL
 
-    def decode_scaled(self, f: float) -> tuple:
-        """decode_bw with every rate times f (a rank's share of a machine)."""
-        return tuple((dt, tuple((r, b * f) for r, b in pts)) for dt, pts in self.decode_bw)
+    def layer_overhead(self, dtype: str, rows: int) -> float | None:
+        """Seconds per layer of a decode step of `rows` rows beyond its matrix products (the
+        measured block's norms, rotary tables, attention, activations), linear in the rows
+        between the row counts timed; None where not calibrated."""
+        pts = dict(self.decode_layer).get(dtype) or dict(self.decode_layer).get("fp32")
+        if not pts:
+            return None
+        if len(pts) == 1 or rows <= pts[0][0]:
+            return pts[0][1]
+        (r0, s0), (r1, s1) = next(((a, b) for a, b in zip(pts, pts[1:]) if rows <= b[0]), pts[-2:])
+        return max(0.0, s0 + (rows - r0) * (s1 - s0) / (r1 - r0))
+
+    def decode_scaled(self, f: float) -> dict:
+        """decode_bw and decode_layer for a rank with a share f of a machine (rates times f,
+        seconds over f), as `replace` arguments."""
+        return {
+            "decode_bw": tuple((dt, tuple((r, b * f) for r, b in pts)) for dt, pts in self.decode_bw),
+            "decode_layer": tuple((dt, tuple((r, t / f) for r, t in pts)) for dt, pts in self.decode_layer),
+        }
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -70,7 +70,9 @@ def decode(rk, w: capacity.RankWork, sh: Shape, rows: int = 1, pad: int = 1) -> 
     rank, and where its weight-read rate came from: the weights read at the rank's rate for
     that many rows (DeviceProfile.weight_rate: calibrate's timed few-row product, else the
     memory bandwidth) and each sequence's KV cache at the memory bandwidth, or the FLOPs,
-    whichever is slower; on measured hosts plus a forward pass's share of the timed fixed cost."""
+    whichever is slower; on measured hosts plus what each layer costs beyond its products
+    (calibrate's timed block at that many rows), else a forward pass's share of the timed
+    fixed cost."""
     model, a = sh.model, dtype_bytes(sh.dtype)
     n = max(rows, pad)
     rate, source = rk.device.weight_rate(None if sh.quantize else sh.dtype, n)
@@ -80,7 +82,10 @@ def decode(rk, w: capacity.RankWork, sh: Shape, rows: int = 1, pad: int = 1) -> 
     products = w.tokens * 2 * w.matmul_params  # the rest of per_row is attention over the row's own cache
     t_fl = (n * products + rows * (per_row - products)) / rk.device.flops(sh.compute_dtype or sh.dtype)
     fixed = 0.0
-    if rk.measured and rk.decode_fixed_s is not None:  # calibrate's timed one-token forward
+    over = rk.device.layer_overhead(sh.compute_dtype or sh.dtype, n) if rk.measured else None
+    if over is not None:  # calibrate's timed inference block, less its products, at this many rows
+        fixed = over * w.layers
+    elif rk.measured and rk.decode_fixed_s is not None:  # calibrate's timed one-token forward
         fixed = rk.decode_fixed_s * capacity.fixed_share(w, model, sh.strategy)
     elif rk.measured:  # an older report: one forward pass, a third of a training pass's operations
         fixed = (rk.fixed_s - rk.optimizer_s) * capacity.fixed_share(w, model, sh.strategy) * DECODE_PASS

@@ -90,7 +90,7 @@ def share_machine(ranks: list[Rank], cores: int | None = None, busy: int | None 
                 flops_fp16=r.device.flops_fp16 * f,
                 flops_bf16=r.device.flops_bf16 * f if r.device.flops_bf16 else None,
                 mem_bw=r.device.mem_bw * f,
-                decode_bw=r.device.decode_scaled(f),
+                **r.device.decode_scaled(f),
             ),
             r.memory_bytes / n,
             r.fixed_s / f,
