@@ -150,6 +150,8 @@ def decode_bw(torch, mem_bw: float, copy_bytes: int) -> dict:
 # own KV cache, activations) is mostly per-operation cost, about the same whatever the width.
 OVERHEAD_LAYER = dict(hidden=576, heads=9, kv_heads=3, head_dim=64, ffn=1536)
 OVERHEAD_POS = 48  # positions already in each row's KV cache
+OVERHEAD_LAYERS = 5  # layers per timed call: the rest is some hundred microseconds a layer
+OVERHEAD_CALLS = 5  # calls timed, the median kept
 
 
 def decode_overhead(torch, mem_bw: float, copy_bytes: int) -> dict:
@@ -211,10 +213,6 @@ def _overhead(torch, pace: float) -> dict:
         except (RuntimeError, TypeError):  # this torch cannot run the block in that dtype here
             continue
     return out
-
-
-OVERHEAD_LAYERS = 5  # layers per timed call: the rest is some hundred microseconds a layer
-OVERHEAD_CALLS = 5  # calls timed, the median kept
 
 
 def _repeat(fn, n: int):
