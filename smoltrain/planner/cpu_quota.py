@@ -7,12 +7,15 @@ for compute plus sends). Everything else (an uncapped Pi or Mac, a host whose ca
 read, a rank sharing a machine) never reaches these terms, and the plan for it is the plain
 alpha-beta and FLOP model of timing.py and capacity.py.
 
-Two behaviours of CFS, both measured on the sim and both standard Linux semantics:
+Behaviours of CFS, measured on the sim and standard Linux semantics:
 
 - quota bursts: a process that idled at least a period starts its next stretch of work on
   a whole period's quota at full speed, then continues at the cap's average pace;
 - a capped end pays CPU and wire in turn: once its quota is spent nothing drains its
-  socket until the next period, so its per-byte CPU time and the wire's add up.
+  socket until the next period, so its per-byte CPU time and the wire's add up;
+- a batch-1 decode chain (one token in flight) runs each stage at full speed while its
+  quota lasts, and no host spends more than its quota over time: a token takes the
+  chain's work at full speed, or the busiest host's work at its cap's pace if longer.
 """
 
 from __future__ import annotations
@@ -98,3 +101,28 @@ def pipeline_hops(nbytes: float, names: list[str], ranks: list, wire_lm, cpu_lm,
 
     n = len(names)
     return [hop(r, r + 1) for r in range(n - 1)], [hop(r + 1, r) for r in range(n - 1)]
+
+
+def decode_chain(stage_s: list, ranks: list, tr, names: list[str], wire) -> float | None:
+    """Seconds per token of a batch-1 decode chain (pp) with a quota host among its ranks;
+    None when none is held to a quota. Each rank's work per token is its stage plus its
+    messages (comm_cpu: a message's cost is per ring step, one sent and one received, so a
+    message handled is half of it), all at the rank's pace as measured. A token crosses
+    every stage in turn at full speed (a quota host's pace times its cap) plus the wire's
+    latency and bytes; over many tokens a quota host does its own work at no more than its
+    cap: its pace. The longer of the two."""
+    if not any(rk.cpu_quota for rk in ranks):
+        return None
+    msgs, nbytes = tr.link_msgs(), tr.link_bytes()
+    chain, busiest = 0.0, 0.0
+    for i, rk in enumerate(ranks):
+        cc = rk.comm_cpu
+        handled = sum(m for (s, d), m in msgs.items() if i in (s, d))
+        moved = sum(b for (s, d), b in nbytes.items() if i in (s, d))
+        work = stage_s[i] + (handled * cc["message_s"] + moved / cc["bytes_s"]) / 2 if cc else stage_s[i]
+        chain += work * (rk.cpu_quota[0] / rk.cpu_quota[1] if rk.cpu_quota else 1.0)
+        busiest = max(busiest, work)
+    for (s, d), m in msgs.items():
+        ln = wire.get(names[s], names[d])
+        chain += m * ln.alpha_s + nbytes[(s, d)] / ln.bytes_per_s if ln.up else math.inf
+    return max(chain, busiest)

@@ -9,6 +9,7 @@ function with `@step_time("kind")` and names it in `kind_of`, and the plan uses 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -111,13 +112,18 @@ def server(s: Setting) -> StepTime:
 def layers(s: Setting) -> StepTime:
     """A chain of stages. Training: the GPipe schedule over the boundary hops (timing.pipeline),
     plus whatever else crosses (tied embeddings); a one-microbatch pipeline on CPU-quota hosts
-    runs in bursts (cpu_quota.py). Decode: the stages one after another."""
+    runs in bursts (cpu_quota.py). Decode: the stages one after another (on quota hosts,
+    cpu_quota.decode_chain)."""
     cc = timing.comm_cost(s.tr, s.names, s.lm)
     if s.world == 1:
         return StepTime(max(s.compute_s), cc.total_s, cc)
     stage = list(s.compute_s)
     if not s.train:
-        return StepTime(sum(stage), cc.total_s, cc)
+        t = cpu_quota.decode_chain(stage, s.ranks, s.tr, s.names, s.wire)
+        if t is None or not math.isfinite(cc.total_s):
+            return StepTime(sum(stage), cc.total_s, cc)
+        f = t / (sum(stage) + cc.total_s)  # the same parts, run in bursts: each in proportion
+        return StepTime(sum(stage) * f, cc.total_s * f, cc)
     mb = s.batch * s.seq * s.model.hidden * dtype_bytes(s.dtype) / s.microbatches
     burst = cpu_quota.idles(s.ranks, s.microbatches)
     hop_f, hop_b = cpu_quota.pipeline_hops(mb, s.names, s.ranks, s.wire, s.lm, burst)
