@@ -51,26 +51,16 @@ class DeviceProfile:
         pts = dict(self.decode_bw).get(dtype) if dtype else None
         if not pts:
             return self.mem_bw, DECODE_FROM_BANDWIDTH
-        if len(pts) == 1 or rows <= pts[0][0]:
+        if rows <= pts[0][0]:  # the timed rate itself
             return pts[0][1], DECODE_FROM_MATMUL
-        (r0, b0), (r1, b1) = next(((a, b) for a, b in zip(pts, pts[1:]) if rows <= b[0]), pts[-2:])
-        slope = (1 / b1 - 1 / b0) / (r1 - r0)
-        if rows > r1:  # more rows than timed: never cheaper per byte than the most timed
-            slope = max(0.0, slope)
-            return 1 / (1 / b1 + (rows - r1) * slope), DECODE_FROM_MATMUL
-        return 1 / (1 / b0 + (rows - r0) * slope), DECODE_FROM_MATMUL
+        return 1 / by_rows(tuple((r, 1 / b) for r, b in pts), rows), DECODE_FROM_MATMUL
 
     def layer_overhead(self, dtype: str, rows: int) -> float | None:
         """Seconds per layer of a decode step of `rows` rows beyond its matrix products (the
         measured block's norms, rotary tables, attention, activations), linear in the rows
         between the row counts timed; None where not calibrated."""
         pts = dict(self.decode_layer).get(dtype) or dict(self.decode_layer).get("fp32")
-        if not pts:
-            return None
-        if len(pts) == 1 or rows <= pts[0][0]:
-            return pts[0][1]
-        (r0, s0), (r1, s1) = next(((a, b) for a, b in zip(pts, pts[1:]) if rows <= b[0]), pts[-2:])
-        return max(0.0, s0 + (rows - r0) * (s1 - s0) / (r1 - r0))
+        return by_rows(pts, rows) if pts else None
 
     def decode_scaled(self, f: float) -> dict:
         """decode_bw and decode_layer for a rank with a share f of a machine (rates times f,
@@ -82,6 +72,19 @@ class DeviceProfile:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def by_rows(pts: tuple, rows: int) -> float:
+    """A cost timed at a few row counts ((rows, cost), ascending), at `rows`: linear between
+    the rows timed, the first below them; beyond the last the last two's slope goes on,
+    never downward (more rows never cost less than the most timed)."""
+    if len(pts) == 1 or rows <= pts[0][0]:
+        return pts[0][1]
+    (r0, c0), (r1, c1) = next(((a, b) for a, b in zip(pts, pts[1:]) if rows <= b[0]), pts[-2:])
+    slope = (c1 - c0) / (r1 - r0)
+    if rows > r1:
+        return c1 + (rows - r1) * max(0.0, slope)
+    return c0 + (rows - r0) * slope
 
 
 DECODE_FROM_MATMUL = "decode matmul"  # calibrate timed this host's few-row products (decode_bw_bytes_s)

@@ -102,10 +102,11 @@ def group_step(
         try:
             cut = lane_placement(model, ranks, lm, dtype, seq, min(k, rows), placement)
         except PlacementError:  # no cut fits: the even one below says so (fits: false)
-            cut = {"order": names, "layers": None}
-        by = {rk.name: rk for rk in ranks}
-        ranks, names = [by[n] for n in cut["order"]], list(cut["order"])
-    works = capacity.layout(s, "infer", model, k, 1, seq, placement=cut if cut and cut["layers"] else None)
+            pass
+        else:
+            by = {rk.name: rk for rk in ranks}
+            ranks, names = [by[n] for n in cut["order"]], list(cut["order"])
+    works = capacity.layout(s, "infer", model, k, 1, seq, placement=cut)
     mem_ok = all(
         capacity.memory(w, model, "infer", dtype, seq, s).weights + rows * 2 * w.layers * model.kv_dim * seq * a
         <= rk.memory_bytes * capacity.HEADROOM
