@@ -198,3 +198,48 @@ def test_hosts_that_share_this_machine_unseen_are_given_their_part_of_its_cpus(m
     st["mode"] = "loopback"
     got = yaml.safe_load(inventory_text(st))["all"]["children"]["cluster"]["hosts"]
     assert not any("smol_threads" in v for v in got.values())
+
+
+PACED = r"""
+import json, sys
+import torch
+from smoltrain.calibration import probe
+pace = probe.pace()
+print(json.dumps({"pace": pace, "comm": probe.comm_cpu(torch, window=0.5, pace=pace)}))
+"""
+
+
+def test_a_capped_host_measures_its_pace_and_its_messages_at_it():
+    """Calibration's pace is what a hidden cap does to a busy thread (1/cap, read from no
+    cgroup file), and the probe's per-message cost is CPU seconds at that pace: the same
+    probe under a 0.25-core cap and uncapped differ by the pace, not by the periods the
+    quota chops a window into."""
+    import json
+    import subprocess
+    import sys
+
+    from need import need_cgroup
+
+    need_cgroup()
+    g = cgroup.create("smol-test-pace", 0.25)
+    try:
+        runs = {}
+        for name, pre in (("capped", f"echo $$ > {g}/cgroup.procs && "), ("free", "")):
+            r = subprocess.run(
+                ["sh", "-c", pre + 'exec "$@"', "sh", sys.executable, "-c", PACED],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert r.returncode == 0, r.stderr[-500:]
+            runs[name] = json.loads(r.stdout.strip().splitlines()[-1])
+    finally:
+        assert cgroup.remove(g)
+    # a 0.25-core cap: 4 wall seconds per CPU second, whatever else the machine runs (it only
+    # adds); uncapped, this 2-vCPU machine's tests leave a thread most of a CPU
+    assert 3.6 < runs["capped"]["pace"] < 6.0, runs
+    assert runs["free"]["pace"] < 2.5, runs
+    # per message: the same CPU work times the pace (CPU time itself moves some 30% between
+    # runs on a shared machine: the ratio is held loosely, the direction firmly)
+    ratio = runs["capped"]["comm"]["message_s"] / runs["free"]["comm"]["message_s"]
+    assert 2.0 < ratio < 9.0, runs

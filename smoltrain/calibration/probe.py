@@ -154,19 +154,32 @@ OVERHEAD_LAYERS = 5  # layers per timed call: the rest is some hundred microseco
 OVERHEAD_CALLS = 5  # calls timed, the median kept
 
 
-def decode_overhead(torch, mem_bw: float, copy_bytes: int) -> dict:
+PACE_WINDOW = 0.5  # seconds: thirty CFS periods of the sim's slowest host
+
+
+def pace(window: float = PACE_WINDOW) -> float:
+    """Wall seconds a CPU second of one busy thread takes here: 1/cap on a capped host, more
+    where other programs take turns on its CPU, at least 1. A spin timed both ways over
+    `window`: no host can read a hidden cap, but every host runs at it."""
+    t0, c0 = time.perf_counter(), time.thread_time()
+    while time.perf_counter() - t0 < window:
+        sum(range(1000))
+    return max(1.0, (time.perf_counter() - t0) / max(1e-9, time.thread_time() - c0))
+
+
+def decode_overhead(torch, pace: float) -> dict:
     """Seconds per layer a decode step of 1, 4 and 8 rows spends beyond its matrix products,
     per dtype: a real inference block (models.llama) of OVERHEAD_LAYER's shape, each row with
     its own KV cache, as `generate` (1 row) and `serve` (batched) run it, less the same
     block's products timed alone. At one thread: these operations gain nothing from more,
     and CPU time counts every thread, a BLAS pool's spinning ones too. CPU seconds, times
-    the host's pace (a capped host's CPU second takes 1/cap seconds; at least 1)."""
+    the host's `pace`."""
     from smoltrain import host
 
     threads = torch.get_num_threads()
     host.set_threads(1)
     try:
-        return _overhead(torch, max(1.0, 2 * copy_bytes / cpu_seconds(_copy(torch, copy_bytes)) / mem_bw))
+        return _overhead(torch, pace)
     finally:
         host.set_threads(threads)
 
@@ -290,30 +303,37 @@ BIG_FLOATS = 1 << 19
 COMM_WINDOW = 1.0  # seconds per measurement: ten CFS periods, so a cap shows
 
 
-def _loop(c, t, rank: int, window: float) -> tuple[int, float]:
-    """All-reduce `t` until rank 0 has spent `window`; element 0 carries rank 0's "go on"."""
-    n, t0 = 0, time.perf_counter()
+def _loop(c, t, rank: int, window: float) -> float:
+    """All-reduce `t` until rank 0 has spent `window`; element 0 carries rank 0's "go on".
+    Returns this thread's CPU seconds per all-reduce."""
+    n, t0, c0 = 0, time.perf_counter(), time.thread_time()
     while True:
         t.zero_()
         if rank == 0:
             t[0] = 1.0 if (time.perf_counter() - t0 < window or n < 3) else 0.0
         c.all_reduce(t)
-        if t[0] == 0:
-            return n, time.perf_counter() - t0
         n += 1
+        if t[0] == 0:
+            return (time.thread_time() - c0) / n
 
 
 RING = 3  # probe ranks: a ring of three, so each rank has a distinct next and previous peer
 
 
-def comm_cpu(torch, window: float = COMM_WINDOW) -> dict | None:
-    """What smoltrain's own communication costs this host's CPU (under its cap): a ring of
-    RING ranks of SocketComm on this host all-reduce a small and a large tensor over a
-    window, on ports checked free (a clash would lose the measurement). Three ranks, not
-    two: in every ring of three or more hosts a rank sends to one peer and waits on another
-    (two sockets, a wake-up for each), which costs it about 1.7x the CPU per step of a pair
-    that trades on one socket (measured on loopback: 103 against 60 us). Per-message
-    seconds and per-end bytes/s, or None when it cannot be measured."""
+def comm_cpu(torch, window: float = COMM_WINDOW, pace: float = 1.0) -> dict | None:
+    """What smoltrain's own communication costs this host's CPU: a ring of RING ranks of
+    SocketComm all-reduce a small and a large tensor over a window, on ports checked free
+    (a clash would lose the measurement), and rank 0 counts its own CPU seconds. Three
+    ranks, not two: in every ring of three or more hosts a rank sends to one peer and
+    waits on another (two sockets, a wake-up for each), about 1.7x the CPU per step of a
+    pair that trades on one socket (103 against 60 us on loopback).
+
+    The ranks share one CPU and take turns, so a rank's CPU time is its own work: spread
+    over two vCPUs that are hyperthreads of one core, each ran at half speed while charged
+    in full, and on the 0.15-core sim host the same probe read 98-196 us of CPU a message
+    from run to run (wall time, which the quota's periods chop, 0.7-1.9 ms); on one CPU,
+    95-102 us. CPU seconds times the host's `pace` (a capped host's CPU second is 1/cap
+    seconds of wall time): per-message seconds and per-end bytes/s, or None."""
     import secrets
 
     from smoltrain.comm import make_comm
@@ -321,55 +341,57 @@ def comm_cpu(torch, window: float = COMM_WINDOW) -> dict | None:
 
     secret = secrets.token_bytes(32)
     port = free_port_base(RING)
+    pinned = hasattr(os, "sched_setaffinity")
+    if pinned:  # the calling thread's CPUs; the forked ranks inherit them
+        allowed = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {min(allowed)})
     pids = []
-    for rank in range(1, RING):
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                # a forked child must not enter the OpenMP pool its parent started (it is not
-                # there: a crash); one thread runs every operation inline, as a rank of 1 would
-                torch.set_num_threads(1)
-                c = make_comm("socket", rank, RING, "127.0.0.1", port, secret, timeout=60.0)
-                _loop(c, torch.zeros(64), rank, window)
-                _loop(c, torch.zeros(BIG_FLOATS), rank, window)
-                c.close()
-                code = 0
-            finally:
-                os._exit(code)
-        pids.append(pid)
     try:
-        c = make_comm("socket", 0, RING, "127.0.0.1", port, secret, timeout=60.0)
-        n, el = _loop(c, torch.zeros(64), 0, window)
-        t_small = el / (n + 1)
-        n, el = _loop(c, torch.zeros(BIG_FLOATS), 0, window)
-        t_big = el / (n + 1)
-        c.close()
-    except Exception:
-        for pid in pids:
-            os.kill(pid, 9)
-        for pid in pids:
-            os.waitpid(pid, 0)
-        return None
-    for pid in pids:
-        os.waitpid(pid, 0)
-    from smolnet.cpus import usable_cpus
+        for rank in range(1, RING):
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    # a forked child must not enter the OpenMP pool its parent started (it is
+                    # not there: a crash); one thread runs every operation inline
+                    torch.set_num_threads(1)
+                    c = make_comm("socket", rank, RING, "127.0.0.1", port, secret, timeout=60.0)
+                    for n in (64, 64, BIG_FLOATS):
+                        _loop(c, torch.zeros(n), rank, window)
+                    c.close()
+                    code = 0
+                finally:
+                    os._exit(code)
+            pids.append(pid)
+        try:
+            c = make_comm("socket", 0, RING, "127.0.0.1", port, secret, timeout=60.0)
+            _loop(c, torch.zeros(64), 0, window / 4)  # warm: first messages, buffers, caches
+            cpu_small = _loop(c, torch.zeros(64), 0, window)
+            cpu_big = _loop(c, torch.zeros(BIG_FLOATS), 0, window)
+            c.close()
+        except Exception:
+            for pid in pids:
+                os.kill(pid, 9)
+            return None
+        finally:
+            for pid in pids:
+                os.waitpid(pid, 0)
+    finally:
+        if pinned:
+            os.sched_setaffinity(0, allowed)
+    return per_message(cpu_small, cpu_big, BIG_FLOATS * 4, pace=pace)
 
-    return per_message(t_small, t_big, usable_cpus(), BIG_FLOATS * 4)
 
-
-def per_message(t_small: float, t_big: float, cpus: int, big_bytes: int, ranks: int = RING) -> dict:
-    """One rank's cost per message and bytes/s per end, from the wall time of one all-reduce
-    of a small and of a `big_bytes` buffer by `ranks` ranks on this host with `cpus` usable
-    CPUs. A ring all-reduce is 2(N-1) steps, each one message of 1/N of the buffer per rank;
-    the ranks run at once as far as there are CPUs for them and take turns beyond that (on
-    one capped core all of them: the wall time is every rank's CPU time in a row)."""
+def per_message(cpu_small: float, cpu_big: float, big_bytes: int, ranks: int = RING, pace: float = 1.0) -> dict:
+    """One rank's cost per message and bytes/s per end, from one rank's CPU seconds per
+    all-reduce of a small and of a `big_bytes` buffer among `ranks` ranks: a ring all-reduce
+    is 2(N-1) steps, each one message of 1/N of the buffer per rank. Wall time on this
+    host: CPU seconds times `pace`."""
     steps = 2 * (ranks - 1)
-    div = steps * ranks / min(ranks, max(1, cpus))
-    msg = t_small / div
+    msg = cpu_small / steps
     chunk = big_bytes / ranks
-    per_byte = max(1e-12, (t_big / div - msg) / chunk)
-    return {"message_s": msg, "bytes_s": 1 / per_byte}
+    per_byte = max(1e-12, (cpu_big / steps - msg) / chunk)
+    return {"message_s": msg * pace, "bytes_s": 1 / (per_byte * pace)}
 
 
 def usable_memory() -> int:
@@ -402,9 +424,10 @@ def probe(
     from smoltrain import host
 
     threads, device = host.setup(threads, device)
-    comm = comm_cpu(torch) if hasattr(os, "fork") else None
     flops = dtype_flops(torch, w, device)
     mem_bw = copy_bw(torch, host.COPY_BYTES, w)
+    cpu_pace = pace(max(PACE_WINDOW, w))
+    comm = comm_cpu(torch, pace=cpu_pace) if hasattr(os, "fork") else None
     cap = own_quota()
     doc = {
         "machine_id": machine_id(),
@@ -417,7 +440,7 @@ def probe(
         "flops": flops,
         "mem_bw_bytes_s": mem_bw,
         "decode_bw_bytes_s": decode_bw(torch, mem_bw, host.COPY_BYTES) if device == "cpu" else {},
-        "decode_layer_s": decode_overhead(torch, mem_bw, host.COPY_BYTES) if device == "cpu" else {},
+        "decode_layer_s": decode_overhead(torch, cpu_pace) if device == "cpu" else {},
         "usable_memory_bytes": usable_memory(),
         "comm_cpu": comm,
         "train_step": [],
