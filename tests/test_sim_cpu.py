@@ -204,7 +204,7 @@ PACED = r"""
 import json, sys
 import torch
 from smoltrain.calibration import probe
-pace = probe.pace()
+pace = probe.cpu_pace()
 print(json.dumps({"pace": pace, "comm": probe.comm_cpu(torch, window=0.5, pace=pace)}))
 """
 

@@ -157,7 +157,7 @@ OVERHEAD_CALLS = 5  # calls timed, the median kept
 PACE_WINDOW = 0.5  # seconds: thirty CFS periods of the sim's slowest host
 
 
-def pace(window: float = PACE_WINDOW) -> float:
+def cpu_pace(window: float = PACE_WINDOW) -> float:
     """Wall seconds a CPU second of one busy thread takes here: 1/cap on a capped host, more
     where other programs take turns on its CPU, at least 1. A spin timed both ways over
     `window`: no host can read a hidden cap, but every host runs at it."""
@@ -341,6 +341,9 @@ def comm_cpu(torch, window: float = COMM_WINDOW, pace: float = 1.0) -> dict | No
 
     secret = secrets.token_bytes(32)
     port = free_port_base(RING)
+    # a warm-up (first messages, buffers, caches), then a small and a large all-reduce; rank 0
+    # decides when each ends, the others follow
+    loops = ((64, window / 4), (64, window), (BIG_FLOATS, window))
     pinned = hasattr(os, "sched_setaffinity")
     if pinned:  # the calling thread's CPUs; the forked ranks inherit them
         allowed = os.sched_getaffinity(0)
@@ -356,8 +359,8 @@ def comm_cpu(torch, window: float = COMM_WINDOW, pace: float = 1.0) -> dict | No
                     # not there: a crash); one thread runs every operation inline
                     torch.set_num_threads(1)
                     c = make_comm("socket", rank, RING, "127.0.0.1", port, secret, timeout=60.0)
-                    for n in (64, 64, BIG_FLOATS):
-                        _loop(c, torch.zeros(n), rank, window)
+                    for n, w in loops:
+                        _loop(c, torch.zeros(n), rank, w)
                     c.close()
                     code = 0
                 finally:
@@ -365,9 +368,7 @@ def comm_cpu(torch, window: float = COMM_WINDOW, pace: float = 1.0) -> dict | No
             pids.append(pid)
         try:
             c = make_comm("socket", 0, RING, "127.0.0.1", port, secret, timeout=60.0)
-            _loop(c, torch.zeros(64), 0, window / 4)  # warm: first messages, buffers, caches
-            cpu_small = _loop(c, torch.zeros(64), 0, window)
-            cpu_big = _loop(c, torch.zeros(BIG_FLOATS), 0, window)
+            _, cpu_small, cpu_big = (_loop(c, torch.zeros(n), 0, w) for n, w in loops)
             c.close()
         except Exception:
             for pid in pids:
@@ -426,8 +427,8 @@ def probe(
     threads, device = host.setup(threads, device)
     flops = dtype_flops(torch, w, device)
     mem_bw = copy_bw(torch, host.COPY_BYTES, w)
-    cpu_pace = pace(max(PACE_WINDOW, w))
-    comm = comm_cpu(torch, pace=cpu_pace) if hasattr(os, "fork") else None
+    pace = cpu_pace(max(PACE_WINDOW, w))
+    comm = comm_cpu(torch, pace=pace) if hasattr(os, "fork") else None
     cap = own_quota()
     doc = {
         "machine_id": machine_id(),
@@ -440,7 +441,7 @@ def probe(
         "flops": flops,
         "mem_bw_bytes_s": mem_bw,
         "decode_bw_bytes_s": decode_bw(torch, mem_bw, host.COPY_BYTES) if device == "cpu" else {},
-        "decode_layer_s": decode_overhead(torch, cpu_pace) if device == "cpu" else {},
+        "decode_layer_s": decode_overhead(torch, pace) if device == "cpu" else {},
         "usable_memory_bytes": usable_memory(),
         "comm_cpu": comm,
         "train_step": [],
