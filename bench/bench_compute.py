@@ -229,8 +229,10 @@ def run_set(inv: Path, d: Path, set_name: str, cfg: dict, steps: str, strategies
             + ["--json", run, "--out", d],
             ok=(0, 1, 2, 4),
         )
-        if not run.exists():
-            rows.append({"strategy": s, "error": (r.stdout + r.stderr).strip().splitlines()[-1][:120]})
+        failed = json.loads(run.read_text()).get("error") if run.exists() else None
+        if not run.exists() or failed:
+            why = failed or ((r.stdout + r.stderr).strip().splitlines() or ["no report"])[-1]
+            rows.append({"strategy": s, "error": str(why)[:120]})
             continue
         sh(
             [PY, "-m", "smoltrain", "plan", "--compare", run, "--links", d / "links.json"]

@@ -26,6 +26,13 @@ def check_threads(n: int | None, where: str = "this host", cpus: int | None = No
     return n
 
 
+def spare_core(threads: int) -> bool:
+    """Whether this process may use a CPU beside its `threads` torch threads: where a
+    transport thread can send while they compute (the plan's `comm_core`, from the same
+    affinity, cpuset and quota)."""
+    return usable_cpus() - threads >= 1
+
+
 def resolve_device(want: str | None) -> str:
     """`smol_device`: auto picks cuda, then mps, then cpu; an explicit device must exist."""
     import torch

@@ -185,3 +185,25 @@ def test_comm_probe_takes_a_free_port_when_its_first_pick_is_held():
     assert r.returncode == 0, r.stderr[-500:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got is not None and got["message_s"] > 0 and got["bytes_s"] > 0
+
+
+SPARE = """
+import json, os
+from smoltrain.host import spare_core
+cpus = sorted(os.sched_getaffinity(0))
+os.sched_setaffinity(0, cpus[:1])
+one = [spare_core(1)]
+os.sched_setaffinity(0, cpus[:2])
+print(json.dumps(one + [spare_core(1), spare_core(2)]))
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_a_core_is_spare_for_sends_only_beside_fewer_threads_than_cpus():
+    """dp overlaps its all-reduces with backward only where this says a core is free: one CPU
+    and one thread has none, two CPUs and one thread one, two and two none."""
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-c", SPARE], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-500:]
+    assert json.loads(r.stdout) == [False, True, False]

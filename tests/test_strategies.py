@@ -26,6 +26,7 @@ REL_TOL = 1e-5
 RUNS = {
     "ref": ("dp", 1, "socket", 20, []),
     "dp2": ("dp", 2, "socket", 20, []),
+    "dp2-after": ("dp", 2, "socket", 10, ["--threads", "2"]),  # no core to spare: buckets after backward
     "fsdp2": ("fsdp", 2, "socket", 10, []),
     "syncps2": ("syncps", 2, "socket", 10, []),
     "mp2": ("mp", 2, "socket", 10, []),

@@ -15,6 +15,12 @@ a fixed order on every rank. Each rank sends 2(N-1)/N of the gradient bytes
 (4 bytes per parameter in fp32) per step; nothing else crosses. The step's
 comm_s is the time spent inside those all-reduces, most of it hidden behind
 backward, so comm_s + compute can exceed step_s.
+
+That overlap needs a core the rank's torch threads leave free (host.spare_core, the
+plan's `comm_core`). Without one the transport's thread and backward take turns on
+the same core, and the buckets go after backward instead, on the main thread: on the
+whole-core sim (one core per host) overlapped steps measured 0.99-1.26x their plan and
+reduced-after steps 0.97-1.05x, 5-20% faster (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import threading
 
 import torch
 
+from smoltrain.host import spare_core
 from smoltrain.models.gpt import build_model, loss_sum
 from smoltrain.models.optim import make_optimizer
 from smoltrain.strategies import Context, Strategy
@@ -40,7 +47,8 @@ class Bucket:
 
 
 class DataParallel(Strategy):
-    def __init__(self, ctx: Context, bucket_mb: float = 1.0):
+    def __init__(self, ctx: Context, bucket_mb: float = 1.0, overlap: bool | None = None):
+        """`overlap`: reduce buckets during backward (None: where a core is spare for it)."""
         super().__init__(ctx)
         self.model = build_model(ctx.spec, ctx.seed).to(ctx.device)
         self.params = list(self.model.parameters())
@@ -58,7 +66,8 @@ class DataParallel(Strategy):
             self.buckets.append(Bucket(cur))
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.error: BaseException | None = None
-        if ctx.world > 1:
+        self.overlap = ctx.world > 1 and (spare_core(torch.get_num_threads()) if overlap is None else overlap)
+        if self.overlap:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
 
@@ -90,7 +99,7 @@ class DataParallel(Strategy):
             b.ready.clear()
             b.done.clear()
         worker = None
-        if self.ctx.world > 1:
+        if self.overlap:
             worker = threading.Thread(target=self._reduce_buckets, daemon=True)
             worker.start()
         loss = loss_sum(self.model(x), y, self.ctx.global_tokens)
@@ -99,6 +108,11 @@ class DataParallel(Strategy):
             worker.join(WAIT_S)
             if self.error or worker.is_alive():
                 raise self.error or TimeoutError("gradient all-reduce did not finish")
+        elif self.ctx.world > 1:  # no core to spare: the same buckets, in the same order, now
+            for b in self.buckets:
+                torch.cat([q.grad.reshape(-1) for q in b.params], out=b.flat)
+                self.ctx.comm.all_reduce(b.flat, op="sum")
+        if self.ctx.world > 1:
             for b in self.buckets:  # copy the summed gradients back
                 off = 0
                 for p in b.params:
