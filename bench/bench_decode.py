@@ -111,12 +111,21 @@ class LlamaCpp:
 
 # --- ours ---
 class Ours:
-    def __init__(self, model: str, quantize: str | None):
+    def __init__(self, model: str, quantize: str | None, native: bool = True):
+        """`native` False: q4 on torch's int4 kernel instead of ours (models.q4_native), for the A/B."""
+        from smoltrain.models import q4_native
         from smoltrain.models.hf import Checkpoint
         from smoltrain.models.stage import Stage
 
         ck = Checkpoint(model)
-        self.stage = Stage(ck, 0, ck.config.layers, True, True, quantize=quantize, batched=False)  # as `generate`
+        build = q4_native.library
+        if not native:
+            q4_native.library = lambda: None
+        try:
+            self.stage = Stage(ck, 0, ck.config.layers, True, True, quantize=quantize, batched=False)  # as `generate`
+        finally:
+            q4_native.library = build
+        self.kernel = self.stage.blocks[0].qkv.kernel
 
     def first_logits(self, prompt):
         import torch
@@ -149,10 +158,10 @@ def matmul_share(stage, steps: int = 8) -> float:
     tok = torch.tensor([[7]])
     call = Linear.__call__
 
-    def named(self, x):  # numpy's product is no torch operation: give the profiler a range for it
-        if self.kernel != "blas":
+    def named(self, x):  # numpy's product and ours are no torch operations: a range of their own
+        if self.kernel not in ("blas", "q4_0"):
             return call(self, x)
-        with record_function("blas"):
+        with record_function(self.kernel):
             return call(self, x)
 
     Linear.__call__ = named
@@ -167,6 +176,7 @@ def matmul_share(stage, steps: int = 8) -> float:
         "aten::addmm",
         "aten::mkldnn_linear",
         "blas",  # numpy's one-row product (models.quant), a range of its own (above)
+        "q4_0",  # ours (models.q4_native), likewise
         "quantized::linear_dynamic",
         "aten::_weight_int8pack_mm",
         "aten::_weight_int4pack_mm_for_cpu",
@@ -207,6 +217,8 @@ def bench(args, threads: int) -> dict:
 
     set_threads(threads)
     engines = {"fp32": Ours(args.model, None), "int8": Ours(args.model, "int8"), "q4": Ours(args.model, "q4")}
+    if engines["q4"].kernel == "q4_0":  # ours; torch's int4 kernel beside it
+        engines["q4 torch int4"] = Ours(args.model, "q4", native=False)
     wbytes = {k: e.stage.weight_bytes_per_token() for k, e in engines.items()}
     files = None
     if not args.no_llama:
@@ -239,7 +251,8 @@ def bench(args, threads: int) -> dict:
         "tokens_per_cpu_s": {k: v["cpu"] for k, v in med.items()},
         "roofline_tokens_per_s": {k: mem_bw / b for k, b in wbytes.items()},
         "roofline_tokens_per_cpu_s": {k: mem_bw_cpu / b for k, b in wbytes.items()},
-        "matmul_share": {k: matmul_share(engines[k].stage) for k in ("fp32", "int8", "q4")},
+        "kernels": {k: e.kernel for k, e in engines.items() if isinstance(e, Ours)},
+        "matmul_share": {k: matmul_share(engines[k].stage) for k in engines if isinstance(engines[k], Ours)},
         "agreement": {
             "int8 vs fp32": agree(tokens["int8"], tokens["fp32"]),
             "q4 vs fp32": agree(tokens["q4"], tokens["fp32"]),
@@ -253,7 +266,8 @@ def bench(args, threads: int) -> dict:
         out["llama_f32_logit_max_abs_diff"] = float(np.abs(f32.first_logits(PROMPT) - ref).max())
         out["logit_rms_error_vs_fp32"] = {
             k: float(np.sqrt(((engines[k].first_logits(PROMPT) - ref) ** 2).mean()))
-            for k in ("int8", "q4", "llama.cpp Q8_0", "llama.cpp Q4_0")
+            for k in ("int8", "q4", "q4 torch int4", "llama.cpp Q8_0", "llama.cpp Q4_0")
+            if k in engines
         }
         out["logit_std"] = float(ref.std())
         out["agreement"].update(
@@ -264,6 +278,10 @@ def bench(args, threads: int) -> dict:
                 "q4 vs llama.cpp Q4_0": agree(tokens["q4"], tokens["llama.cpp Q4_0"]),
             }
         )
+        if "q4 torch int4" in tokens:
+            out["agreement"]["q4 torch int4 vs llama.cpp Q4_0"] = agree(
+                tokens["q4 torch int4"], tokens["llama.cpp Q4_0"]
+            )
     return out
 
 
@@ -301,6 +319,8 @@ def report(d: dict) -> None:
         f"int8/fp32 {t['int8'] / t['fp32']:.2f}x, q4/fp32 {t['q4'] / t['fp32']:.2f}x (CPU time: "
         f"{tc['int8'] / tc['fp32']:.2f}x, {tc['q4'] / tc['fp32']:.2f}x)"
     )
+    if "q4 torch int4" in t:
+        print(f"q4 on our Q4_0 kernel / on torch's int4 kernel: {t['q4'] / t['q4 torch int4']:.2f}x")
     if "llama.cpp Q8_0" in t:
         print(
             f"int8 / llama.cpp Q8_0 {t['int8'] / t['llama.cpp Q8_0']:.2f}x, q4 / llama.cpp Q4_0 "

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The Debian/Ubuntu packages the sim, the probes, provisioning and the tests drive for real.
+# The Debian/Ubuntu packages the sim, the probes, provisioning and the tests drive for real
+# (gcc builds the q4 decode kernel, smoltrain/models/q4_0.c).
 # Installed with apt when run as root; otherwise the exact command is printed and the exit
 # status is 2, so `make demo` and `make test` stop instead of degrading silently.
 #   --list    print the package names and exit
@@ -8,7 +9,7 @@
 set -euo pipefail
 
 PACKAGES=(openssh-server openssh-client iperf3 iputils-ping ethtool iproute2 kmod
-          nfs-ganesha nfs-ganesha-vfs libnfs-utils make)
+          nfs-ganesha nfs-ganesha-vfs libnfs-utils make gcc)
 
 if [[ "${1:-}" == "--list" ]]; then
   printf '%s\n' "${PACKAGES[@]}"

@@ -29,15 +29,21 @@ def test_int8_is_symmetric_per_output_channel():
     assert q.tolist() == [[127, -50, 50], [127, 3, -127]]
 
 
-@pytest.mark.parametrize("kind", ["int8", "q4"])
-def test_kernel_equals_dequantised_reference(kind):
-    """torch's low-bit kernel (fbgemm / int8pack, int4pack) against F.linear with the weight
-    it dequantises to; the activations are rounded on the way in (bf16 for the packed kernels,
-    a per-call int8 scale for fbgemm), so the agreement is to that precision."""
+@pytest.mark.parametrize("kind,native", [("int8", True), ("q4", True), ("q4", False)])
+def test_kernel_equals_dequantised_reference(kind, native, monkeypatch):
+    """The low-bit kernel (fbgemm / int8pack; q4: ours, or torch's int4pack without a compiler)
+    against F.linear with the weight it dequantises to; the activations are rounded on the way
+    in (bf16 for the packed kernels, a per-call int8 scale for fbgemm and ours), so the
+    agreement is to that precision."""
+    if not native:
+        monkeypatch.setattr(quant.q4_native, "library", lambda: None)
+    elif kind == "q4" and quant.q4_native.library() is None:
+        pytest.skip("no C compiler or no AVX2 here: q4 runs torch's kernel (the case below)")
     g = torch.Generator().manual_seed(0)
     w = torch.randn(64, 128, generator=g)
     x = torch.randn(3, 128, generator=g)
     lin = quant.Linear(w, None, torch.float32, kind)
+    assert lin.kernel == {"int8": lin.kernel, "q4": "q4_0" if native else "int4pack"}[kind]
     assert lin.kernel is not None  # the CPU kernel runs, not the fallback
     ref = torch.nn.functional.linear(x, lin.dequantized())
     got = lin(x)
@@ -81,7 +87,8 @@ def test_numpys_blas_runs_at_the_rank_thread_count():
         set_threads(before)
 
 
-def test_fallback_without_kernel_is_the_same_layer():
+def test_fallback_without_kernel_is_the_same_layer(monkeypatch):
+    monkeypatch.setattr(quant.q4_native, "library", lambda: None)  # no C compiler: torch's kernels
     g = torch.Generator().manual_seed(1)
     w = torch.randn(40, 64, generator=g)  # 40 rows: not a multiple of 16, so int4pack cannot take it
     lin = quant.Linear(w, None, torch.float32, "q4")
@@ -187,3 +194,42 @@ def test_plan_counts_quantised_weights_and_int8_wire():
     # tp at int8: per all-reduce an all-gather, (N-1) x (256 + 4) bytes per rank; 2 per layer; rank 0's header
     assert tp["bytes_per_token"] == 4 * 2 * (256 + 4) + 32
     assert q4["wire_dtype"] == "int8" and q4["quantize"] == "q4"
+
+
+def _q8_0(x: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's Q8_0 of activation rows, dequantised: int8 per group of 32, scale absmax/127."""
+    m, k = x.shape
+    g = x.reshape(m, k // 32, 32)
+    d = g.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(g / torch.where(d > 0, d, torch.ones_like(d))) * d).reshape(m, k)
+
+
+@pytest.mark.skipif(quant.q4_native.library() is None, reason="no C compiler or no AVX2 here")
+@pytest.mark.parametrize("n,k,m", [(64, 128, 1), (48, 96, 3), (40, 2816, 9)])
+def test_q4_0_kernel_is_q4_0_times_q8_0_exactly(n, k, m):
+    """Our kernel is llama.cpp's product: Q4_0 weights times the activations at Q8_0, in
+    float64 here, to float rounding; shapes with an odd number of groups (96: 3) take the
+    one-group path, 9 rows the four-row blocks and their remainder."""
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+    q, d = quant.quantize_q4(w)
+    qs = quant.q4_native.pack(q)
+    assert qs.shape == (n, k // 2) and qs.dtype == torch.uint8
+    assert torch.equal(quant.q4_native.unpack(qs), q)
+    # byte j of a group: q[j] in the low nibble, q[j + 16] in the high (llama.cpp's block_q4_0)
+    assert int(qs[0, 0]) == int(q[0, 0]) | int(q[0, 16]) << 4
+    got = quant.q4_native.mm(x, qs, d.contiguous())
+    ref = _q8_0(x).double() @ quant.dequantize_q4(q, d).double().t()
+    assert (got.double() - ref).abs().max() < 1e-5 * ref.abs().max()
+
+
+@pytest.mark.skipif(quant.q4_native.library() is None, reason="no C compiler or no AVX2 here")
+def test_q4_0_kernel_answers_a_row_alike_alone_or_batched():
+    """Every row is summed in the same order whatever rows share its block, so a request
+    served in a batch gets the bits it gets alone (docs/serving.md)."""
+    g = torch.Generator().manual_seed(4)
+    lin = quant.Linear(torch.randn(96, 256, generator=g), None, torch.float32, "q4")
+    x = torch.randn(6, 256, generator=g)
+    batched = lin(x)
+    for i in range(6):
+        assert torch.equal(lin(x[i : i + 1]), batched[i : i + 1])
