@@ -112,19 +112,19 @@ class LlamaCpp:
 # --- ours ---
 class Ours:
     def __init__(self, model: str, quantize: str | None, native: bool = True):
-        """`native` False: q4 on torch's int4 kernel instead of ours (models.q4_native), for the A/B."""
-        from smoltrain.models import q4_native
+        """`native` False: torch's kernels (and numpy's BLAS) instead of ours (models.native), for the A/B."""
+        from smoltrain.models import native as kernels
         from smoltrain.models.hf import Checkpoint
         from smoltrain.models.stage import Stage
 
         ck = Checkpoint(model)
-        build = q4_native.library
+        build = kernels.library
         if not native:
-            q4_native.library = lambda: None
+            kernels.library = lambda: None
         try:
             self.stage = Stage(ck, 0, ck.config.layers, True, True, quantize=quantize, batched=False)  # as `generate`
         finally:
-            q4_native.library = build
+            kernels.library = build
         self.kernel = self.stage.blocks[0].qkv.kernel
 
     def first_logits(self, prompt):
@@ -159,7 +159,7 @@ def matmul_share(stage, steps: int = 8) -> float:
     call = Linear.__call__
 
     def named(self, x):  # numpy's product and ours are no torch operations: a range of their own
-        if self.kernel not in ("blas", "q4_0"):
+        if self.kernel not in ("blas", "gemv", "q4_0"):
             return call(self, x)
         with record_function(self.kernel):
             return call(self, x)
@@ -176,7 +176,8 @@ def matmul_share(stage, steps: int = 8) -> float:
         "aten::addmm",
         "aten::mkldnn_linear",
         "blas",  # numpy's one-row product (models.quant), a range of its own (above)
-        "q4_0",  # ours (models.q4_native), likewise
+        "gemv",  # ours (models.native), likewise
+        "q4_0",
         "quantized::linear_dynamic",
         "aten::_weight_int8pack_mm",
         "aten::_weight_int4pack_mm_for_cpu",
@@ -217,6 +218,8 @@ def bench(args, threads: int) -> dict:
 
     set_threads(threads)
     engines = {"fp32": Ours(args.model, None), "int8": Ours(args.model, "int8"), "q4": Ours(args.model, "q4")}
+    if engines["fp32"].kernel == "gemv":  # ours; numpy's BLAS beside it
+        engines["fp32 numpy BLAS"] = Ours(args.model, None, native=False)
     if engines["q4"].kernel == "q4_0":  # ours; torch's int4 kernel beside it
         engines["q4 torch int4"] = Ours(args.model, "q4", native=False)
     wbytes = {k: e.stage.weight_bytes_per_token() for k, e in engines.items()}
@@ -319,6 +322,8 @@ def report(d: dict) -> None:
         f"int8/fp32 {t['int8'] / t['fp32']:.2f}x, q4/fp32 {t['q4'] / t['fp32']:.2f}x (CPU time: "
         f"{tc['int8'] / tc['fp32']:.2f}x, {tc['q4'] / tc['fp32']:.2f}x)"
     )
+    if "fp32 numpy BLAS" in t:
+        print(f"fp32 on our one-row product / on numpy's BLAS: {t['fp32'] / t['fp32 numpy BLAS']:.2f}x")
     if "q4 torch int4" in t:
         print(f"q4 on our Q4_0 kernel / on torch's int4 kernel: {t['q4'] / t['q4 torch int4']:.2f}x")
     if "llama.cpp Q8_0" in t:

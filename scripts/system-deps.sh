@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The Debian/Ubuntu packages the sim, the probes, provisioning and the tests drive for real
-# (gcc builds the q4 decode kernel, smoltrain/models/q4_0.c).
+# (gcc builds the decode kernels, smoltrain/models/kernels.c).
 # Installed with apt when run as root; otherwise the exact command is printed and the exit
 # status is 2, so `make demo` and `make test` stop instead of degrading silently.
 #   --list    print the package names and exit

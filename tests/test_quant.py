@@ -36,8 +36,8 @@ def test_kernel_equals_dequantised_reference(kind, native, monkeypatch):
     in (bf16 for the packed kernels, a per-call int8 scale for fbgemm and ours), so the
     agreement is to that precision."""
     if not native:
-        monkeypatch.setattr(quant.q4_native, "library", lambda: None)
-    elif kind == "q4" and quant.q4_native.library() is None:
+        monkeypatch.setattr(quant.native, "library", lambda: None)
+    elif kind == "q4" and quant.native.library() is None:
         pytest.skip("no C compiler or no AVX2 here: q4 runs torch's kernel (the case below)")
     g = torch.Generator().manual_seed(0)
     w = torch.randn(64, 128, generator=g)
@@ -52,15 +52,24 @@ def test_kernel_equals_dequantised_reference(kind, native, monkeypatch):
     assert (lin.dequantized() - w).abs().max() < (0.02 if kind == "int8" else 0.2) * w.abs().max()
 
 
-def test_one_row_layer_is_the_same_product_in_numpys_blas():
-    """A one-row stage's fp32 layer holds W transposed for numpy's BLAS; decode rows (1) and a
-    prefill (several) both equal F.linear to float rounding, bias included."""
+@pytest.mark.parametrize("native", [True, False])
+def test_one_row_layer_is_the_same_product(native, monkeypatch):
+    """A one-row stage's fp32 layer runs our one-row product (or, without it, holds W transposed
+    for numpy's BLAS); decode rows (1) and a prefill (several) both equal F.linear to float
+    rounding, bias included. 83 columns: the vector loop's remainder too."""
+    if not native:
+        monkeypatch.setattr(quant.native, "library", lambda: None)
+    elif quant.native.library() is None:
+        pytest.skip("no C compiler or no AVX2 here: numpy's BLAS (the case below)")
     g = torch.Generator().manual_seed(2)
-    w, b = torch.randn(48, 80, generator=g), torch.randn(48, generator=g)
+    w, b = torch.randn(48, 83, generator=g), torch.randn(48, generator=g)
     lin = quant.Linear(w, b, torch.float32, one_row=True)
-    assert lin.kernel == "blas" and lin.weight.shape == (80, 48) and lin.weight.is_contiguous()
-    assert torch.equal(lin.dequantized(), w) and lin.nbytes == (48 * 80 + 48) * 4
-    for shape in ((1, 1, 80), (1, 5, 80)):
+    if native:
+        assert lin.kernel == "gemv" and lin.weight.shape == (48, 83)
+    else:
+        assert lin.kernel == "blas" and lin.weight.shape == (83, 48) and lin.weight.is_contiguous()
+    assert torch.equal(lin.dequantized(), w) and lin.nbytes == (48 * 83 + 48) * 4
+    for shape in ((1, 1, 83), (1, 5, 83)):
         x = torch.randn(*shape, generator=g)
         got = lin(x)
         assert got.shape == (*shape[:-1], 48) and got.dtype == torch.float32
@@ -88,7 +97,7 @@ def test_numpys_blas_runs_at_the_rank_thread_count():
 
 
 def test_fallback_without_kernel_is_the_same_layer(monkeypatch):
-    monkeypatch.setattr(quant.q4_native, "library", lambda: None)  # no C compiler: torch's kernels
+    monkeypatch.setattr(quant.native, "library", lambda: None)  # no C compiler: torch's kernels
     g = torch.Generator().manual_seed(1)
     w = torch.randn(40, 64, generator=g)  # 40 rows: not a multiple of 16, so int4pack cannot take it
     lin = quant.Linear(w, None, torch.float32, "q4")
@@ -204,7 +213,7 @@ def _q8_0(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(g / torch.where(d > 0, d, torch.ones_like(d))) * d).reshape(m, k)
 
 
-@pytest.mark.skipif(quant.q4_native.library() is None, reason="no C compiler or no AVX2 here")
+@pytest.mark.skipif(quant.native.library() is None, reason="no C compiler or no AVX2 here")
 @pytest.mark.parametrize("n,k,m", [(64, 128, 1), (48, 96, 3), (40, 2816, 9)])
 def test_q4_0_kernel_is_q4_0_times_q8_0_exactly(n, k, m):
     """Our kernel is llama.cpp's product: Q4_0 weights times the activations at Q8_0, in
@@ -213,17 +222,17 @@ def test_q4_0_kernel_is_q4_0_times_q8_0_exactly(n, k, m):
     g = torch.Generator().manual_seed(3)
     w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
     q, d = quant.quantize_q4(w)
-    qs = quant.q4_native.pack(q)
+    qs = quant.native.pack(q)
     assert qs.shape == (n, k // 2) and qs.dtype == torch.uint8
-    assert torch.equal(quant.q4_native.unpack(qs), q)
+    assert torch.equal(quant.native.unpack(qs), q)
     # byte j of a group: q[j] in the low nibble, q[j + 16] in the high (llama.cpp's block_q4_0)
     assert int(qs[0, 0]) == int(q[0, 0]) | int(q[0, 16]) << 4
-    got = quant.q4_native.mm(x, qs, d.contiguous())
+    got = quant.native.q4_mm(x, qs, d.contiguous())
     ref = _q8_0(x).double() @ quant.dequantize_q4(q, d).double().t()
     assert (got.double() - ref).abs().max() < 1e-5 * ref.abs().max()
 
 
-@pytest.mark.skipif(quant.q4_native.library() is None, reason="no C compiler or no AVX2 here")
+@pytest.mark.skipif(quant.native.library() is None, reason="no C compiler or no AVX2 here")
 def test_q4_0_kernel_answers_a_row_alike_alone_or_batched():
     """Every row is summed in the same order whatever rows share its block, so a request
     served in a batch gets the bits it gets alone (docs/serving.md)."""

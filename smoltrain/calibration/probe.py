@@ -115,7 +115,7 @@ def cpu_seconds(fn, calls: int = DECODE_CALLS, warm: bool = True) -> float:
 
 def decode_bw(torch, mem_bw: float, copy_bytes: int) -> dict:
     """Weight bytes per second a decode step reads, per dtype and rows: what the layers'
-    own kernel (models.quant.Linear: for fp32 numpy's BLAS at one row, as `generate` holds
+    own kernel (models.quant.Linear: for fp32 the one-row product at one row, as `generate` holds
     its layers, oneDNN for serve's batches) makes of DECODE_BYTES of weights times 1, 4 and
     8 rows. Few-row products stream weights slower than a copy moves them (1-row
     fp32 at 0.6-0.8 of the copy here, 8 rows at 0.35), so the plan reads them at this rate.

@@ -13,9 +13,9 @@ bytes per weight is more tokens per second. torch's own CPU kernels do the low-b
   Measured on a 1024x2816 batch-1 shape, one thread: 3.4x fp32 `F.linear`, where
   `_weight_int8pack_mm` (int8 weights, bf16 activations) made 1.6x and with fp32
   activations 0.36x. Elsewhere (ARM) `_weight_int8pack_mm` with bf16 activations.
-- q4 on x86: our own Q4_0 x Q8_0 kernel (models/q4_0.c, built for the machine on first
-  use: q4_native), which multiplies the nibbles by int8 activations as llama.cpp does:
-  31-37 ns per thousand multiply-adds where torch's kernel below takes 53-57 (it widens every
+- q4 on x86: our own Q4_0 x Q8_0 kernel (models/kernels.c, built for the machine on first
+  use: models.native), which multiplies the nibbles by int8 activations as llama.cpp does:
+  28-36 ns per thousand multiply-adds where torch's kernel below takes 53-57 (it widens every
   weight to float). Elsewhere, or with no C compiler, `_weight_int4pack_mm_for_cpu` with bf16
   activations (4.6x fp32 on that shape; with fp32 activations it is 6x slower than fp32).
 
@@ -25,10 +25,11 @@ the weight is dequantised on the fly: correct, not fast.
 Full-width fp32 layers on the CPU go through oneDNN (`mkldnn_linear`, the weight held in
 its own layout): MKL's batch-1 sgemv read 14 GB/s where a copy moves 23 on the machine of
 BENCHMARKS.md (an AMD EPYC, which MKL serves a generic path), oneDNN 18. A layer that only
-ever multiplies one row (`one_row`: `generate`, one sequence at a time) holds its weight
-transposed, [in, out], for the BLAS numpy links (OpenBLAS in its Linux wheels, Accelerate
-on macOS): its one-row product read 17-21 GB/s there on the layer shapes of a 1k-wide Llama where
-oneDNN read 13-19, and needs no conversion of the activations either way. With 2
+ever multiplies one row (`one_row`: `generate`, one sequence at a time) runs our own
+one-row product on x86 (models.native: a dot product per weight row, 28 GB/s on the decode
+shapes there) and a prefill's several rows through F.linear on the same weight. Without
+it, the weight is held transposed, [in, out], for the BLAS numpy links (OpenBLAS in its
+Linux wheels, Accelerate on macOS): 17-25 GB/s there, where oneDNN read 13-19. With 2
 or more rows oneDNN is the faster (2x at 4 rows), so batches (`serve`) stay there.
 """
 
@@ -39,7 +40,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from smoltrain.models import q4_native
+from smoltrain.models import native
 
 QUANTIZE = ("int8", "q4")
 GROUP = 32  # Q4_0's group along the input dimension
@@ -118,7 +119,9 @@ class Linear:
         cpu = w.device.type == "cpu"
         if quantize is None:
             fp32_cpu = pack and cpu and dtype == torch.float32
-            if fp32_cpu and one_row:
+            if fp32_cpu and one_row and native.library():
+                self.kernel, self.weight = "gemv", w.to(dtype).contiguous()
+            elif fp32_cpu and one_row:
                 self.kernel, self.weight = "blas", w.to(dtype).t().contiguous()  # [in, out], numpy's matmul
             else:
                 self.weight = w.to(dtype).contiguous()
@@ -135,9 +138,9 @@ class Linear:
         else:
             q, d = quantize_q4(w)
             fits = cpu and _has("_weight_int4pack_mm_for_cpu") and self.out_features % 16 == 0
-            self.kernel = "q4_0" if cpu and q4_native.library() else "int4pack" if fits else None
+            self.kernel = "q4_0" if cpu and native.library() else "int4pack" if fits else None
             if self.kernel == "q4_0":
-                self.q, self.scale = q4_native.pack(q), d.contiguous()  # Q4_0's bytes; fp32 scales
+                self.q, self.scale = native.pack(q), d.contiguous()  # Q4_0's bytes; fp32 scales
             elif self.kernel:
                 self.q = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
                 zeros = torch.zeros_like(d)  # the kernel computes (q - 8) * scale + zero; Q4_0 has no zero
@@ -170,11 +173,16 @@ class Linear:
         if not self.kernel:
             return dequantize_q4(self.q.to(torch.int32), self.scale)
         if self.kernel == "q4_0":
-            return dequantize_q4(q4_native.unpack(self.q), self.scale)
+            return dequantize_q4(native.unpack(self.q), self.scale)
         eye = torch.eye(self.in_features)  # the kernel applied to the identity gives W^T exactly
         return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.q, GROUP, self.scale.float()).t().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "gemv":
+            if x.numel() != self.in_features:  # a prefill's rows
+                return F.linear(x, self.weight, self.bias)
+            y = native.gemv(x, self.weight).view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
         if self.kernel == "blas":
             rows = x.reshape(-1, self.in_features).contiguous().numpy()
             y = torch.from_numpy(rows @ self.weight.numpy()).view(*x.shape[:-1], self.out_features)
@@ -194,7 +202,7 @@ class Linear:
         elif self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x2.to(KERNEL_DTYPE), self.q, self.scale)
         elif self.kernel == "q4_0":
-            y = q4_native.mm(x2, self.q, self.scale)
+            y = native.q4_mm(x2, self.q, self.scale)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(KERNEL_DTYPE), self.q, GROUP, self.scale)
         y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)

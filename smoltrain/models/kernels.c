@@ -1,16 +1,22 @@
-/* Q4_0 weights times Q8_0 activations, as llama.cpp multiplies them on a CPU.
+/* The decode products we write ourselves, built for the machine they run on (models/native.py).
 
-   Weights: groups of 32 along a row, 16 bytes each (byte j holds q[j] in its low nibble and
-   q[j+16] in its high, q in 0..15, the weight (q - 8) * d) and one fp32 scale d per group.
-   Activations: each row quantised per group of 32 to int8 with one scale (absmax / 127).
-   A group's product is then an integer dot product of 32 bytes by 32 bytes, scaled once:
-       sum_i (q_i - 8) x_i = sum_i q_i x_i - 8 sum_i x_i,
-   so the weights' nibbles stay unsigned (what the x86 byte dot instructions take) and the
-   offset is paid once per group through the activations' sum.
+   Batch-1 decode reads every weight once per token, so a step is as fast as its products
+   stream weights. Two products are here because the kernels torch reaches do not stream
+   them fast enough on the CPUs we measured (BENCHMARKS.md):
 
-   Built by smoltrain/models/q4_native.py with the machine's own instructions
-   (-march=native): AVX512-VNNI's dpbusd where there is one, AVX2's maddubs otherwise, plain C
-   elsewhere. Threads: OpenMP over the weight's rows. */
+   - q4: Q4_0 weights times Q8_0 activations, as llama.cpp multiplies them. Weights: groups of
+     32 along a row, 16 bytes each (byte j holds q[j] in its low nibble and q[j+16] in its
+     high, q in 0..15, the weight (q - 8) * d) and one fp32 scale d per group. Activations: each
+     row quantised per group of 32 to int8 with one scale (absmax / 127). A group's product is
+     an integer dot product of 32 bytes by 32 bytes, scaled once:
+         sum_i (q_i - 8) x_i = sum_i q_i x_i - 8 sum_i x_i,
+     so the weights' nibbles stay unsigned (what the x86 byte dot instructions take) and the
+     offset is paid once per group through the activations' sum.
+   - fp32, one row: y = W x with W [n, k] row-major, a dot product per row.
+
+   Paths: AVX512 (with VNNI for q4) where there is one, AVX2 otherwise, plain C elsewhere
+   (native.py does not use a plain-C build: torch's kernels are faster). Threads: OpenMP over
+   the weight's rows. */
 
 #include <math.h>
 #include <stdint.h>
@@ -168,8 +174,8 @@ static void row_dot(const uint8_t *w, const float *dw, int ng, int m, const int8
 #endif
 }
 
-/* Which path this build multiplies with: 2 AVX512-VNNI, 1 AVX2, 0 plain C (slow: not used). */
-int q4_0_simd(void) {
+/* Which path this build multiplies with: 2 AVX512 (VNNI for q4), 1 AVX2, 0 plain C (not used). */
+int simd(void) {
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
     return 2;
 #elif defined(__AVX2__)
@@ -224,5 +230,41 @@ int q4_0_mm(const float *x, int m, int k, const uint8_t *qs, const float *d, int
         }
     }
     free(qx), free(dx), free(dsum);
+    return 0;
+}
+
+/* y [n] = W [n, k] x [k], fp32, one row (decode). */
+int f32_gemv(const float *x, int k, const float *w, int n, float *y, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int j = 0; j < n; j++) {
+        const float *r = w + (size_t)j * k;
+        int i = 0;
+        float tail = 0.f;
+#if defined(__AVX512F__)
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (; i + 64 <= k; i += 64) {
+            for (int c = 0; c < 64; c += 16) /* the lines about to be read: 1.07x here, measured */
+                _mm_prefetch((const char *)(r + i + c), _MM_HINT_T0);
+            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(r + i), _mm512_loadu_ps(x + i), a0);
+            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(r + i + 16), _mm512_loadu_ps(x + i + 16), a1);
+            a2 = _mm512_fmadd_ps(_mm512_loadu_ps(r + i + 32), _mm512_loadu_ps(x + i + 32), a2);
+            a3 = _mm512_fmadd_ps(_mm512_loadu_ps(r + i + 48), _mm512_loadu_ps(x + i + 48), a3);
+        }
+        float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+#elif defined(__AVX2__)
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (; i + 32 <= k; i += 32) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(r + i), _mm256_loadu_ps(x + i), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(r + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(r + i + 16), _mm256_loadu_ps(x + i + 16), a2);
+            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(r + i + 24), _mm256_loadu_ps(x + i + 24), a3);
+        }
+        float sum = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#else
+        float sum = 0.f;
+#endif
+        for (; i < k; i++) tail += r[i] * x[i];
+        y[j] = sum + tail;
+    }
     return 0;
 }

@@ -1,0 +1,126 @@
+"""kernels.c built for this machine and called through ctypes: the decode products we write ourselves.
+
+Why our own kernels (BENCHMARKS.md, the x86 machine there, one thread):
+- q4: torch's int4 CPU kernel (`_weight_int4pack_mm_for_cpu`) widens every weight to float and
+  multiplies in float, 53-57 ns per thousand multiply-adds, which held q4 decode under half of
+  llama.cpp's speed whatever else was cut. Multiplying the bytes as integers (activations
+  quantised to int8 per group of 32, llama.cpp's Q4_0 x Q8_0) is what the CPU's byte
+  dot-product instructions are for: 28-36 ns.
+- fp32 at one row (`generate`): a dot product per weight row streamed the decode shapes at
+  28 GB/s where the BLAS numpy links (OpenBLAS) made 25 and oneDNN less.
+
+The C file is compiled once per machine (-march=native: the cache key holds the CPU's flags,
+so hosts sharing a home directory over NFS each get their own) into ~/.cache/smolcluster,
+atomically, so ranks starting together do not trip over each other. Where no C compiler is
+found, or the CPU has no AVX2, `library()` is None and `models.quant` keeps torch's kernels
+(and numpy's BLAS). SMOL_NATIVE=0 asks for those too (an A/B switch for benchmarks).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("kernels.c")
+GROUP = 32
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "smolcluster"
+
+
+def _build(lib: Path) -> bool:
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        return False
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=lib.parent, suffix=".so")
+    os.close(fd)
+    cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", tmp, "-lm"]
+    try:
+        ok = subprocess.run(cmd, capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    if ok:
+        os.replace(tmp, lib)
+    else:
+        os.unlink(tmp)
+    return ok
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The built kernels, or None: no C compiler, no x86 vector instructions (AVX2 at least),
+    or SMOL_NATIVE=0."""
+    if os.environ.get("SMOL_NATIVE", "1") == "0":
+        return None
+    key = hashlib.sha256(SOURCE.read_bytes() + platform.machine().encode() + _cpu_flags().encode()).hexdigest()
+    lib = _cache_dir() / f"kernels-{key[:16]}.so"
+    if not lib.exists() and not _build(lib):
+        return None
+    try:
+        so = ctypes.CDLL(str(lib))
+    except OSError:
+        return None
+    p, i = ctypes.c_void_p, ctypes.c_int
+    so.q4_0_mm.argtypes = [p, i, i, p, p, i, p, i]
+    so.f32_gemv.argtypes = [p, i, p, i, p, i]
+    so.q4_0_mm.restype = so.f32_gemv.restype = so.simd.restype = i
+    return so if so.simd() > 0 else None  # plain C would be slower than torch's kernels
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """q int [N, K] in 0..15 -> Q4_0's bytes [N, K/2]: in each group of 32, byte j holds q[j]
+    (low nibble) and q[j+16] (high)."""
+    n, k = q.shape
+    g = q.to(torch.uint8).reshape(n, k // GROUP, 2, GROUP // 2)
+    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack(qs: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack`: q int32 [N, K]."""
+    n, half = qs.shape
+    g = qs.reshape(n, half // (GROUP // 2), GROUP // 2)
+    return torch.stack([g & 0x0F, g >> 4], dim=2).reshape(n, half * 2).to(torch.int32)
+
+
+def q4_mm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x fp32 [M, K] times the Q4_0 weight (qs [N, K/2], d fp32 [N, K/32]) transposed: [M, N]."""
+    x = x.float().contiguous()
+    m, k = x.shape
+    y = torch.empty(m, qs.shape[0])
+    rc = library().q4_0_mm(x.data_ptr(), m, k, qs.data_ptr(), d.data_ptr(), qs.shape[0], y.data_ptr(), _threads())
+    if rc != 0:
+        raise MemoryError(f"q4_0_mm failed on a [{m}, {k}] x [{qs.shape[0]}, {k}] product")
+    return y
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """One fp32 row x [K] times W [N, K] transposed: [N]."""
+    x = x.float().contiguous()
+    y = torch.empty(w.shape[0])
+    library().f32_gemv(x.data_ptr(), w.shape[1], w.data_ptr(), w.shape[0], y.data_ptr(), _threads())
+    return y
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
