@@ -242,3 +242,15 @@ def test_q4_0_kernel_answers_a_row_alike_alone_or_batched():
     batched = lin(x)
     for i in range(6):
         assert torch.equal(lin(x[i : i + 1]), batched[i : i + 1])
+
+
+def test_calibrates_decode_product_reads_its_bytes_from_memory():
+    """calibrate's decode product (probe.decode_bw) streams DECODE_BYTES of weights, each layer
+    its own: a one-row layer that keeps the tensor it is given must not be handed one tile
+    over and over (it then read from cache, and planned fp32 decode 2x too fast)."""
+    from smoltrain.calibration import probe
+
+    layers = probe.decode_layers(torch, "fp32", True)
+    assert layers[0].kernel in ("gemv", "blas")
+    assert len({lin.weight.data_ptr() for lin in layers}) == len(layers)
+    assert sum(lin.nbytes for lin in layers) >= probe.DECODE_BYTES

@@ -113,6 +113,17 @@ def cpu_seconds(fn, calls: int = DECODE_CALLS, warm: bool = True) -> float:
     return sorted(spent)[len(spent) // 2]
 
 
+def decode_layers(torch, dtype: str, one_row: bool) -> list:
+    """DECODE_BYTES of weights as the layers' own kernel holds them, each layer its own memory
+    (a kernel that keeps the tensor it is given would otherwise read one tile from cache)."""
+    from smoltrain.models.quant import Linear
+
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    k = max(1, DECODE_BYTES // (DECODE_TILE * DECODE_TILE * torch.empty(0, dtype=dt).element_size()))
+    # zeros: values do not change the time (no denormals)
+    return [Linear(torch.zeros(DECODE_TILE, DECODE_TILE), None, dt, one_row=one_row) for _ in range(k)]
+
+
 def decode_bw(torch, mem_bw: float, copy_bytes: int) -> dict:
     """Weight bytes per second a decode step reads, per dtype and rows: what the layers'
     own kernel (models.quant.Linear: for fp32 the one-row product at one row, as `generate` holds
@@ -123,20 +134,15 @@ def decode_bw(torch, mem_bw: float, copy_bytes: int) -> dict:
     A few calls only (well under a second): each is timed in CPU seconds, as a ratio to
     the copy timed the same way, and that ratio scales `mem_bw`, the copy measured over
     whole windows: the windows see the host's cap, and the ratio does not need to."""
-    from smoltrain.models.quant import Linear
-
     copy_rate = 2 * copy_bytes / cpu_seconds(_copy(torch, copy_bytes))
-    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}
     out: dict = {}
     for name in DECODE_DTYPES:
         try:
-            zeros = torch.zeros(DECODE_TILE, DECODE_TILE)  # values do not change the time (no denormals)
-            k = max(1, DECODE_BYTES // (DECODE_TILE * DECODE_TILE * zeros.to(dt[name]).element_size()))
-            held = {one: [Linear(zeros, None, dt[name], one_row=one) for _ in range(k)] for one in (True, False)}
+            held = {one: decode_layers(torch, name, one) for one in (True, False)}
             rates: dict = {}
             for rows in DECODE_ROWS:
                 layers = held[rows == 1]  # as a one-row stage (generate) or a batched one (serve) holds them
-                x = torch.ones(rows, DECODE_TILE, dtype=dt[name])
+                x = torch.ones(rows, DECODE_TILE, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[name])
                 cpu = cpu_seconds(_products(layers, x))
                 rates[str(rows)] = sum(lin.nbytes for lin in layers) / cpu / copy_rate * mem_bw
             out[name] = rates
