@@ -254,3 +254,21 @@ def test_calibrates_decode_product_reads_its_bytes_from_memory():
     assert layers[0].kernel in ("gemv", "blas")
     assert len({lin.weight.data_ptr() for lin in layers}) == len(layers)
     assert sum(lin.nbytes for lin in layers) >= probe.DECODE_BYTES
+
+
+@pytest.mark.skipif(quant.native.library() is None, reason="no C compiler or no AVX2 here")
+@pytest.mark.parametrize("march,path", [("x86-64-v3", 1), ("native", None)])
+def test_each_instruction_path_is_the_same_product(tmp_path, march, path):
+    """kernels.c built for AVX2 alone (x86-64-v3: the maddubs dot, 256-bit sums) and for this
+    machine: Q4_0 x Q8_0 and the one-row fp32 product against their references."""
+    so = quant.native.load(tmp_path / "k.so") if quant.native.build(tmp_path / "k.so", march) else None
+    assert so is not None
+    if path is not None:
+        assert so.simd() == path
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(40, 2816, generator=g), torch.randn(3, 2816, generator=g)
+    q, d = quant.quantize_q4(w)
+    got = quant.native.q4_mm(x, quant.native.pack(q), d.contiguous(), so)
+    ref = _q8_0(x).double() @ quant.dequantize_q4(q, d).double().t()
+    assert (got.double() - ref).abs().max() < 1e-5 * ref.abs().max()
+    assert torch.allclose(quant.native.gemv(x[0], w, so), w @ x[0], atol=1e-3)

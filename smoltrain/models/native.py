@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("kernels.c")
-GROUP = 32
+GROUP = 32  # Q4_0's group along the input dimension
 
 
 def _cpu_flags() -> str:
@@ -48,14 +48,15 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "smolcluster"
 
 
-def _build(lib: Path) -> bool:
+def build(lib: Path, march: str = "native") -> bool:
+    """Compile kernels.c into `lib` for `march` (the tests build each instruction path)."""
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
     if not cc:
         return False
     lib.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=lib.parent, suffix=".so")
     os.close(fd)
-    cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", tmp, "-lm"]
+    cmd = [cc, "-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", tmp, "-lm"]
     try:
         ok = subprocess.run(cmd, capture_output=True, timeout=120).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
@@ -67,16 +68,7 @@ def _build(lib: Path) -> bool:
     return ok
 
 
-@functools.lru_cache(maxsize=1)
-def library() -> ctypes.CDLL | None:
-    """The built kernels, or None: no C compiler, no x86 vector instructions (AVX2 at least),
-    or SMOL_NATIVE=0."""
-    if os.environ.get("SMOL_NATIVE", "1") == "0":
-        return None
-    key = hashlib.sha256(SOURCE.read_bytes() + platform.machine().encode() + _cpu_flags().encode()).hexdigest()
-    lib = _cache_dir() / f"kernels-{key[:16]}.so"
-    if not lib.exists() and not _build(lib):
-        return None
+def load(lib: Path) -> ctypes.CDLL | None:
     try:
         so = ctypes.CDLL(str(lib))
     except OSError:
@@ -85,7 +77,21 @@ def library() -> ctypes.CDLL | None:
     so.q4_0_mm.argtypes = [p, i, i, p, p, i, p, i]
     so.f32_gemv.argtypes = [p, i, p, i, p, i]
     so.q4_0_mm.restype = so.f32_gemv.restype = so.simd.restype = i
-    return so if so.simd() > 0 else None  # plain C would be slower than torch's kernels
+    return so
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The built kernels, or None: no C compiler, no x86 vector instructions (AVX2 at least),
+    or SMOL_NATIVE=0."""
+    if os.environ.get("SMOL_NATIVE", "1") == "0":
+        return None
+    key = hashlib.sha256(SOURCE.read_bytes() + platform.machine().encode() + _cpu_flags().encode()).hexdigest()
+    lib = _cache_dir() / f"kernels-{key[:16]}.so"
+    if not lib.exists() and not build(lib):
+        return None
+    so = load(lib)
+    return so if so is not None and so.simd() > 0 else None  # plain C would be slower than torch's kernels
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:
@@ -103,22 +109,23 @@ def unpack(qs: torch.Tensor) -> torch.Tensor:
     return torch.stack([g & 0x0F, g >> 4], dim=2).reshape(n, half * 2).to(torch.int32)
 
 
-def q4_mm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+def q4_mm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, so: ctypes.CDLL | None = None) -> torch.Tensor:
     """x fp32 [M, K] times the Q4_0 weight (qs [N, K/2], d fp32 [N, K/32]) transposed: [M, N]."""
     x = x.float().contiguous()
     m, k = x.shape
     y = torch.empty(m, qs.shape[0])
-    rc = library().q4_0_mm(x.data_ptr(), m, k, qs.data_ptr(), d.data_ptr(), qs.shape[0], y.data_ptr(), _threads())
+    so = so or library()
+    rc = so.q4_0_mm(x.data_ptr(), m, k, qs.data_ptr(), d.data_ptr(), qs.shape[0], y.data_ptr(), _threads())
     if rc != 0:
         raise MemoryError(f"q4_0_mm failed on a [{m}, {k}] x [{qs.shape[0]}, {k}] product")
     return y
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def gemv(x: torch.Tensor, w: torch.Tensor, so: ctypes.CDLL | None = None) -> torch.Tensor:
     """One fp32 row x [K] times W [N, K] transposed: [N]."""
     x = x.float().contiguous()
     y = torch.empty(w.shape[0])
-    library().f32_gemv(x.data_ptr(), w.shape[1], w.data_ptr(), w.shape[0], y.data_ptr(), _threads())
+    (so or library()).f32_gemv(x.data_ptr(), w.shape[1], w.data_ptr(), w.shape[0], y.data_ptr(), _threads())
     return y
 
 

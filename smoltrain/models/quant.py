@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from smoltrain.models import native
 
 QUANTIZE = ("int8", "q4")
-GROUP = 32  # Q4_0's group along the input dimension
+GROUP = native.GROUP  # Q4_0's group along the input dimension
 KERNEL_DTYPE = torch.bfloat16  # activations the low-bit CPU kernels are fast with
 
 
