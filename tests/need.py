@@ -84,3 +84,12 @@ def sim_cluster(tmp_path_factory, name: str, **kw):
         yield st, inv, d
     finally:
         sim.down(name=name)
+
+
+def need_native() -> None:
+    """The decode kernels (smoltrain/models/kernels.c) build here: gcc is a system package, and
+    the machines this project tests on are x86 with AVX2. Never a skip."""
+    from smoltrain.models import native
+
+    if native.library() is None:
+        pytest.fail(f"the decode kernels did not build (no C compiler, or no AVX2 on this CPU); {FIX}", pytrace=False)

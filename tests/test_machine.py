@@ -198,12 +198,13 @@ print(json.dumps(one + [spare_core(1), spare_core(2)]))
 """
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 def test_a_core_is_spare_for_sends_only_beside_fewer_threads_than_cpus():
     """dp overlaps its all-reduces with backward only where this says a core is free: one CPU
-    and one thread has none, two CPUs and one thread one, two and two none."""
+    and one thread has none, two CPUs and one thread one, two and two none (a one-CPU machine
+    checks the first)."""
     import subprocess
 
     r = subprocess.run([sys.executable, "-c", SPARE], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-500:]
-    assert json.loads(r.stdout) == [False, True, False]
+    want = [False, True, False] if len(os.sched_getaffinity(0)) >= 2 else [False, False, False]
+    assert json.loads(r.stdout) == want

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from need import need_native
 
 from smoltrain.infer.activations import Codec
 from smoltrain.models import quant
@@ -37,8 +38,8 @@ def test_kernel_equals_dequantised_reference(kind, native, monkeypatch):
     agreement is to that precision."""
     if not native:
         monkeypatch.setattr(quant.native, "library", lambda: None)
-    elif kind == "q4" and quant.native.library() is None:
-        pytest.skip("no C compiler or no AVX2 here: q4 runs torch's kernel (the case below)")
+    elif kind == "q4":
+        need_native()
     g = torch.Generator().manual_seed(0)
     w = torch.randn(64, 128, generator=g)
     x = torch.randn(3, 128, generator=g)
@@ -59,8 +60,8 @@ def test_one_row_layer_is_the_same_product(native, monkeypatch):
     rounding, bias included. 83 columns: the vector loop's remainder too."""
     if not native:
         monkeypatch.setattr(quant.native, "library", lambda: None)
-    elif quant.native.library() is None:
-        pytest.skip("no C compiler or no AVX2 here: numpy's BLAS (the case below)")
+    else:
+        need_native()
     g = torch.Generator().manual_seed(2)
     w, b = torch.randn(48, 83, generator=g), torch.randn(48, generator=g)
     lin = quant.Linear(w, b, torch.float32, one_row=True)
@@ -213,12 +214,12 @@ def _q8_0(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(g / torch.where(d > 0, d, torch.ones_like(d))) * d).reshape(m, k)
 
 
-@pytest.mark.skipif(quant.native.library() is None, reason="no C compiler or no AVX2 here")
 @pytest.mark.parametrize("n,k,m", [(64, 128, 1), (48, 96, 3), (40, 2816, 9)])
 def test_q4_0_kernel_is_q4_0_times_q8_0_exactly(n, k, m):
     """Our kernel is llama.cpp's product: Q4_0 weights times the activations at Q8_0, in
     float64 here, to float rounding; shapes with an odd number of groups (96: 3) take the
     one-group path, 9 rows the four-row blocks and their remainder."""
+    need_native()
     g = torch.Generator().manual_seed(3)
     w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
     q, d = quant.quantize_q4(w)
@@ -232,10 +233,10 @@ def test_q4_0_kernel_is_q4_0_times_q8_0_exactly(n, k, m):
     assert (got.double() - ref).abs().max() < 1e-5 * ref.abs().max()
 
 
-@pytest.mark.skipif(quant.native.library() is None, reason="no C compiler or no AVX2 here")
 def test_q4_0_kernel_answers_a_row_alike_alone_or_batched():
     """Every row is summed in the same order whatever rows share its block, so a request
     served in a batch gets the bits it gets alone (docs/serving.md)."""
+    need_native()
     g = torch.Generator().manual_seed(4)
     lin = quant.Linear(torch.randn(96, 256, generator=g), None, torch.float32, "q4")
     x = torch.randn(6, 256, generator=g)
@@ -256,11 +257,11 @@ def test_calibrates_decode_product_reads_its_bytes_from_memory():
     assert sum(lin.nbytes for lin in layers) >= probe.DECODE_BYTES
 
 
-@pytest.mark.skipif(quant.native.library() is None, reason="no C compiler or no AVX2 here")
 @pytest.mark.parametrize("march,path", [("x86-64-v3", 1), ("native", None)])
 def test_each_instruction_path_is_the_same_product(tmp_path, march, path):
     """kernels.c built for AVX2 alone (x86-64-v3: the maddubs dot, 256-bit sums) and for this
     machine: Q4_0 x Q8_0 and the one-row fp32 product against their references."""
+    need_native()
     so = quant.native.load(tmp_path / "k.so") if quant.native.build(tmp_path / "k.so", march) else None
     assert so is not None
     if path is not None:
