@@ -33,10 +33,11 @@ def test_unreachable_host_is_reported_and_the_rest_measured():
         # decode's weight reads, timed per dtype and rows in the layers' own product
         assert sorted(h["decode_bw_bytes_s"]) == ["bf16", "fp32"]
         assert all(sorted(r) == ["1", "4", "8"] and min(r.values()) > 0 for r in h["decode_bw_bytes_s"].values())
-        # and what a layer costs beyond its products, timed in a real block: more with more rows
+        # and what a layer costs beyond its products, timed in a real block: never less with more
+        # rows (a noisy pair keeps the fewer rows' figure, so equal is possible on a busy machine)
         assert sorted(h["decode_layer_s"]) == ["bf16", "fp32"]
         fp = h["decode_layer_s"]["fp32"]
-        assert sorted(fp) == ["1", "4", "8"] and 0 < fp["1"] < fp["8"]
+        assert sorted(fp) == ["1", "4", "8"] and 0 < fp["1"] <= fp["4"] <= fp["8"]
         # and a decode step's per-token cost: one token through the model, timed, shorter than a training step
         (dec,) = h["decode_step"]
         assert dec["model"] == "tiny" and 0 < dec["seconds"] < h["train_step"][0]["seconds"]
