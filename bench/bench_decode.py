@@ -111,20 +111,24 @@ class LlamaCpp:
 
 # --- ours ---
 class Ours:
-    def __init__(self, model: str, quantize: str | None, native: bool = True):
-        """`native` False: torch's kernels (and numpy's BLAS) instead of ours (models.native), for the A/B."""
+    def __init__(self, model: str, quantize: str | None, native: bool = True, huge: bool = True):
+        """For the A/Bs: `native` False: torch's kernels and operations (and numpy's BLAS) instead of
+        ours (models.native); `huge` False: the weights in 4 KB pages (models.hugepages)."""
+        from smoltrain.models import hugepages
         from smoltrain.models import native as kernels
         from smoltrain.models.hf import Checkpoint
         from smoltrain.models.stage import Stage
 
         ck = Checkpoint(model)
-        build = kernels.library
+        saved = kernels.library, hugepages.available
         if not native:
             kernels.library = lambda: None
+        if not huge:
+            hugepages.available = lambda: False
         try:
             self.stage = Stage(ck, 0, ck.config.layers, True, True, quantize=quantize, batched=False)  # as `generate`
         finally:
-            kernels.library = build
+            kernels.library, hugepages.available = saved
         self.kernel = self.stage.blocks[0].qkv.kernel
 
     def first_logits(self, prompt):
@@ -187,14 +191,18 @@ def matmul_share(stage, steps: int = 8) -> float:
     return sum(r.self_cpu_time_total for r in rows if r.key in kernels) / total if total else 0.0
 
 
-def copy_bw(seconds: float = 0.5) -> tuple[float, float]:
-    """(wall, CPU-time) bytes/s of a 64 MB copy (read + write), past any last-level cache."""
+def copy_bw(seconds: float = 0.5, huge: bool = False) -> tuple[float, float]:
+    """(wall, CPU-time) bytes/s of a 64 MB copy (read + write), past any last-level cache: in
+    torch's memory as calibrate times it, or (`huge`) in huge pages as the decode weights are held."""
     import torch
 
     from smoltrain.host import COPY_BYTES
+    from smoltrain.models import hugepages
 
     src = torch.ones(COPY_BYTES // 4)
     dst = torch.empty_like(src)
+    if huge:
+        src, dst = hugepages.hold(src), hugepages.hold(dst)
     dst.copy_(src)
     n, t0, c0 = 0, time.perf_counter(), time.process_time()
     while time.perf_counter() - t0 < seconds or n < 3:
@@ -215,11 +223,14 @@ def agree(a: list[int], b: list[int]) -> int:
 
 def bench(args, threads: int) -> dict:
     from smoltrain.host import set_threads
+    from smoltrain.models import hugepages
 
     set_threads(threads)
     engines = {"fp32": Ours(args.model, None), "int8": Ours(args.model, "int8"), "q4": Ours(args.model, "q4")}
-    if engines["fp32"].kernel == "gemv":  # ours; numpy's BLAS beside it
+    if engines["fp32"].kernel == "gemv":  # ours; numpy's BLAS and torch's operations beside it
         engines["fp32 numpy BLAS"] = Ours(args.model, None, native=False)
+    if hugepages.available():  # the same engine with its weights in 4 KB pages
+        engines["fp32 4K pages"] = Ours(args.model, None, huge=False)
     if engines["q4"].kernel == "q4_0":  # ours; torch's int4 kernel beside it
         engines["q4 torch int4"] = Ours(args.model, "q4", native=False)
     wbytes = {k: e.stage.weight_bytes_per_token() for k, e in engines.items()}
@@ -229,12 +240,13 @@ def bench(args, threads: int) -> dict:
         engines["llama.cpp Q8_0"] = LlamaCpp(files["q8_0"], threads)
         engines["llama.cpp Q4_0"] = LlamaCpp(files["q4_0"], threads)
     rows = {k: {"wall": [], "cpu": []} for k in engines}
-    bw, bw_cpu = [], []
+    bw, bw_cpu, bw_huge = [], [], []
     tokens: dict[str, list[int]] = {}
     for r in range(args.rounds):
         wall, cpu = copy_bw()
         bw.append(wall)
         bw_cpu.append(cpu)
+        bw_huge.append(copy_bw(huge=True)[0])
         for k, e in engines.items():
             ids, wall, cpu = e.decode(PROMPT, args.tokens)
             rows[k]["wall"].append((args.tokens - 1) / wall)
@@ -249,6 +261,7 @@ def bench(args, threads: int) -> dict:
         "rounds": args.rounds,
         "mem_bw_bytes_s": mem_bw,
         "mem_bw_bytes_per_cpu_s": mem_bw_cpu,
+        "mem_bw_huge_pages_bytes_s": statistics.median(bw_huge),
         "weight_bytes_per_token": wbytes,
         "tokens_per_s": {k: v["wall"] for k, v in med.items()},
         "tokens_per_cpu_s": {k: v["cpu"] for k, v in med.items()},
@@ -323,7 +336,15 @@ def report(d: dict) -> None:
         f"{tc['int8'] / tc['fp32']:.2f}x, {tc['q4'] / tc['fp32']:.2f}x)"
     )
     if "fp32 numpy BLAS" in t:
-        print(f"fp32 on our one-row product / on numpy's BLAS: {t['fp32'] / t['fp32 numpy BLAS']:.2f}x")
+        print(
+            f"fp32 on our one-row kernels / on numpy's BLAS and torch's operations: {t['fp32'] / t['fp32 numpy BLAS']:.2f}x"
+        )
+    if "fp32 4K pages" in t:
+        huge = d["mem_bw_huge_pages_bytes_s"]
+        print(
+            f"fp32 in huge pages / in 4 KB pages: {t['fp32'] / t['fp32 4K pages']:.2f}x; the copy in huge pages "
+            f"{huge / 1e9:.1f} GB/s, fp32 at {t['fp32'] * d['weight_bytes_per_token']['fp32'] / huge:.0%} of that bound"
+        )
     if "q4 torch int4" in t:
         print(f"q4 on our Q4_0 kernel / on torch's int4 kernel: {t['q4'] / t['q4 torch int4']:.2f}x")
     if "llama.cpp Q8_0" in t:

@@ -273,3 +273,117 @@ def test_each_instruction_path_is_the_same_product(tmp_path, march, path):
     ref = _q8_0(x).double() @ quant.dequantize_q4(q, d).double().t()
     assert (got.double() - ref).abs().max() < 1e-5 * ref.abs().max()
     assert torch.allclose(quant.native.gemv(x[0], w, so), w @ x[0], atol=1e-3)
+
+
+@pytest.mark.parametrize("heads,kv_heads,pos", [(4, 2, 0), (4, 2, 6), (8, 8, 3), (6, 1, 9)])
+def test_row_kernels_are_the_torch_layer_arithmetic(heads, kv_heads, pos):
+    """One fp32 decode row through models.native (RMSNorm, RoPE with the cache and attention,
+    SwiGLU) against the torch operations LlamaBlock runs otherwise: the same cache contents,
+    and outputs equal to float rounding, grouped kv heads (6 over 1: MQA) and the first position."""
+    need_native()
+    from smoltrain.models import llama
+
+    g = torch.Generator().manual_seed(6)
+    hd, max_len = 16, 12
+    x, w = torch.randn(1, 1, 96, generator=g), torch.randn(96, generator=g)
+    assert torch.allclose(quant.native.rms_norm(x, w, 1e-5), llama.rms_norm(x, w, 1e-5), atol=1e-6)
+    gu = torch.randn(1, 1, 2 * 40, generator=g)
+    g_, u = gu.chunk(2, dim=-1)
+    assert torch.allclose(quant.native.swiglu(gu), torch.nn.functional.silu(g_) * u, atol=1e-6)
+
+    rope = llama.rope_table(500.0, hd, max_len, torch.float32)
+    ours, ref = (llama.KVCache(kv_heads, hd, max_len, torch.float32) for _ in range(2))
+    history = torch.randn(1, kv_heads, pos, hd, generator=g)  # positions before this one, in both caches
+    for c in (ours, ref):
+        c.k[:, :, :pos], c.v[:, :, :pos] = history, -history
+    qkv = torch.randn(1, 1, (heads + 2 * kv_heads) * hd, generator=g)
+    got = quant.native.attend(qkv, heads, kv_heads, ours.k, ours.v, rope, pos)
+
+    t = qkv.view(1, 1, heads + 2 * kv_heads, hd)
+    qk = llama.apply_rope(t[:, :, : heads + kv_heads], rope[0][pos : pos + 1, None], rope[1][pos : pos + 1, None])
+    q, k, v = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2), t[:, :, heads + kv_heads :]
+    kk, vv = ref.update(k, v.transpose(1, 2), pos)
+    want = llama.attend(q, kk, vv, heads, kv_heads, causal=False).transpose(1, 2).reshape(1, 1, heads * hd)
+    assert torch.allclose(ours.k, ref.k, atol=1e-6) and torch.equal(ours.v, ref.v)
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
+
+
+def test_one_token_decode_takes_the_row_kernels_and_keeps_the_logits(tmp_path, monkeypatch):
+    """A `generate` stage (batched=False) at fp32 runs each decode step's layers through the row
+    kernels and its prefill through torch; logits of a 12-step decode equal the all-torch
+    stage's to float rounding, and the greedy tokens are the same."""
+    need_native()
+    from infer_models import make_checkpoint
+
+    from smoltrain.models import native
+    from smoltrain.models.hf import Checkpoint
+    from smoltrain.models.stage import Stage
+
+    ck = Checkpoint(make_checkpoint(str(tmp_path / "m"), "llama", layers=3))
+    calls = []
+    attend = native.attend
+    monkeypatch.setattr(native, "attend", lambda *a: calls.append(a[-1]) or attend(*a))
+
+    def decode(stage):
+        stage.open(0, 20)
+        logits = [stage(torch.tensor([[1, 5, 9, 3]]), [0])[0]]
+        for _ in range(12):
+            logits.append(stage(torch.tensor([[int(logits[-1].argmax())]]), [0])[0])
+        return torch.stack(logits)
+
+    fast = Stage(ck, 0, 3, True, True, batched=False)
+    assert all(b.row_kernels for b in fast.blocks)
+    got = decode(fast)
+    assert calls == [p for p in range(4, 16) for _ in range(3)]  # every decode step, every layer; no prefill
+    slow = Stage(ck, 0, 3, True, True, batched=False)
+    for b in slow.blocks:
+        b.row_kernels = False
+    want = decode(slow)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert torch.allclose(got, want, atol=1e-5 * want.abs().max())
+    # batched stages (serve) and other dtypes keep torch's operations
+    assert not any(b.row_kernels for b in Stage(ck, 0, 3, True, True).blocks)
+    assert not any(b.row_kernels for b in Stage(ck, 0, 3, True, True, dtype="bf16", batched=False).blocks)
+
+
+def _huge_kb(ptr: int) -> int:
+    """AnonHugePages (kB) of the mapping of this process that holds address `ptr`."""
+    from pathlib import Path
+
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(a, 16) for a in head.split("-"))
+            inside = lo <= ptr < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+def test_decode_weights_are_held_in_huge_pages(monkeypatch):
+    """A one-row layer's fp32 weight and a q4 layer's bytes sit in memory Linux backs with 2 MB
+    pages (/proc/self/smaps says so): the same values, 2 MB aligned. Under one huge page, or
+    with SMOL_HUGEPAGES=0, torch's own memory is kept."""
+    need_native()
+    from smoltrain.models import hugepages
+
+    assert hugepages.available(), f"no transparent huge pages here ({hugepages.THP}: `madvise` is Debian's default)"
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(1024, 2048, generator=g)  # 8 MB at fp32
+    lin = quant.Linear(w, None, torch.float32, one_row=True)
+    assert lin.kernel == "gemv" and torch.equal(lin.weight, w) and lin.weight.data_ptr() % hugepages.HUGE == 0
+    assert _huge_kb(lin.weight.data_ptr()) >= 2048
+    x = torch.randn(2048, generator=g)
+    assert torch.allclose(lin(x), w @ x, atol=1e-3)
+    q4 = quant.Linear(torch.randn(4096, 2048, generator=g), None, torch.float32, "q4")  # 4 MB of nibbles
+    assert q4.q.data_ptr() % hugepages.HUGE == 0 and _huge_kb(q4.q.data_ptr()) >= 2048
+    small = torch.randn(64, 64)
+    assert hugepages.hold(small) is small
+    monkeypatch.setenv("SMOL_HUGEPAGES", "0")
+    hugepages.available.cache_clear()
+    try:
+        assert hugepages.hold(w) is w
+    finally:
+        monkeypatch.delenv("SMOL_HUGEPAGES")
+        hugepages.available.cache_clear()

@@ -1,4 +1,4 @@
-/* The decode products we write ourselves, built for the machine they run on (models/native.py).
+/* The decode kernels we write ourselves, built for the machine they run on (models/native.py).
 
    Batch-1 decode reads every weight once per token, so a step is as fast as its products
    stream weights. Two products are here because the kernels torch reaches do not stream
@@ -13,6 +13,7 @@
      so the weights' nibbles stay unsigned (what the x86 byte dot instructions take) and the
      offset is paid once per group through the activations' sum.
    - fp32, one row: y = W x with W [n, k] row-major, a dot product per row.
+   Below them, the rest of a one-row fp32 decode step (norms, RoPE, the cache, attention, SwiGLU).
 
    Paths: AVX512 (with VNNI for q4) where there is one, AVX2 otherwise, plain C elsewhere
    (native.py does not use a plain-C build: torch's kernels are faster). Threads: OpenMP over
@@ -267,4 +268,76 @@ int f32_gemv(const float *x, int k, const float *w, int n, float *y, int threads
         y[j] = sum + tail;
     }
     return 0;
+}
+
+/* ---- the rest of a one-row fp32 decode step: RMSNorm, RoPE with the KV cache and attention, SwiGLU ----
+   At one row each of these is a few thousand multiply-adds, while the torch operations they
+   replace (about 25 a layer: norms, RoPE's muls and roll, the cache writes, attention, SiLU)
+   cost 2-40 us each in dispatch: 1.7 ms of an 8 ms q4 step (BENCHMARKS.md). Plain C; the
+   compiler vectorises the `omp simd` loops. */
+
+/* y = w * (x / sqrt(mean(x^2) + eps)), transformers' LlamaRMSNorm at fp32. */
+void rms_norm_row(const float *x, const float *w, int k, float eps, float *y) {
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int i = 0; i < k; i++) ss += x[i] * x[i];
+    float r = 1.f / sqrtf(ss / (float)k + eps);
+#pragma omp simd
+    for (int i = 0; i < k; i++) y[i] = w[i] * (x[i] * r);
+}
+
+/* Rotate-half RoPE of one head: y = x cos + roll(x, hd/2) sin, with sin signed (llama.rope_table). */
+static void rope_head(const float *x, const float *cos, const float *sin, int hd, float *y) {
+    int h = hd / 2;
+    for (int i = 0; i < h; i++) {
+        y[i] = x[i] * cos[i] + x[i + h] * sin[i];
+        y[i + h] = x[i + h] * cos[i + h] + x[i] * sin[i + h];
+    }
+}
+
+/* One new position of one sequence. qkv: [heads + 2 kv_heads, hd], the position's q, k, v heads;
+   cos, sin: the RoPE table's row for `pos`; kc, vc: the cache [kv_heads, max_len, hd]. The
+   rotated keys and the values go into the cache at `pos`; query head h attends over positions
+   0..pos of kv head h / (heads / kv_heads), scaled by 1/sqrt(hd); out: [heads, hd].
+   Returns 1 where scratch memory ran out (nothing is written to out then). */
+int attend_row(const float *qkv, int heads, int kv_heads, int hd, const float *cos, const float *sin, float *kc,
+               float *vc, int max_len, int pos, float *out, int threads) {
+    int n = pos + 1, group = heads / kv_heads;
+    float scale = 1.f / sqrtf((float)hd);
+    for (int j = 0; j < kv_heads; j++) {
+        size_t at = ((size_t)j * max_len + pos) * hd;
+        rope_head(qkv + (size_t)(heads + j) * hd, cos, sin, hd, kc + at);
+        for (int i = 0; i < hd; i++) vc[at + i] = qkv[(size_t)(heads + kv_heads + j) * hd + i];
+    }
+    float *scratch = malloc(sizeof(float) * (size_t)heads * (n + hd));
+    if (!scratch) return 1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int h = 0; h < heads; h++) {
+        float *s = scratch + (size_t)h * (n + hd), *q = s + n, *o = out + (size_t)h * hd;
+        const float *K = kc + (size_t)(h / group) * max_len * hd, *V = vc + (size_t)(h / group) * max_len * hd;
+        rope_head(qkv + (size_t)h * hd, cos, sin, hd, q);
+        float peak = -INFINITY, z = 0.f;
+        for (int t = 0; t < n; t++) {
+            float d = 0.f;
+#pragma omp simd reduction(+ : d)
+            for (int i = 0; i < hd; i++) d += q[i] * K[(size_t)t * hd + i];
+            s[t] = d * scale;
+            peak = fmaxf(peak, s[t]);
+        }
+        for (int t = 0; t < n; t++) z += (s[t] = expf(s[t] - peak));
+        for (int i = 0; i < hd; i++) o[i] = 0.f;
+        for (int t = 0; t < n; t++) {
+            float p = s[t] / z;
+#pragma omp simd
+            for (int i = 0; i < hd; i++) o[i] += p * V[(size_t)t * hd + i];
+        }
+    }
+    free(scratch);
+    return 0;
+}
+
+/* y = silu(g) * u for gu = [g | u], f values each (the gate and up products' one matmul). */
+void swiglu_row(const float *gu, int f, float *y) {
+#pragma omp simd
+    for (int i = 0; i < f; i++) y[i] = gu[i] / (1.f + expf(-gu[i])) * gu[f + i];
 }

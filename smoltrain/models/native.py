@@ -1,4 +1,4 @@
-"""kernels.c built for this machine and called through ctypes: the decode products we write ourselves.
+"""kernels.c built for this machine and called through ctypes: the decode kernels we write ourselves.
 
 Why our own kernels (BENCHMARKS.md, the x86 machine there, one thread):
 - q4: torch's int4 CPU kernel (`_weight_int4pack_mm_for_cpu`) widens every weight to float and
@@ -8,6 +8,9 @@ Why our own kernels (BENCHMARKS.md, the x86 machine there, one thread):
   dot-product instructions are for: 28-36 ns.
 - fp32 at one row (`generate`): a dot product per weight row streamed the decode shapes at
   28 GB/s where the BLAS numpy links (OpenBLAS) made 25 and oneDNN less.
+- the rest of a one-row fp32 decode step (`llama.LlamaBlock._one_token`): RMSNorm, RoPE with
+  the cache writes and attention, SwiGLU, each one call where torch ran several operations
+  at a few microseconds of dispatch each (0.7 ms of a step left where there were 1.7).
 
 The C file is compiled once per machine (-march=native: the cache key holds the CPU's flags,
 so hosts sharing a home directory over NFS each get their own) into ~/.cache/smolcluster,
@@ -76,7 +79,12 @@ def load(lib: Path) -> ctypes.CDLL | None:
     p, i = ctypes.c_void_p, ctypes.c_int
     so.q4_0_mm.argtypes = [p, i, i, p, p, i, p, i]
     so.f32_gemv.argtypes = [p, i, p, i, p, i]
-    so.q4_0_mm.restype = so.f32_gemv.restype = so.simd.restype = i
+    f = ctypes.c_float
+    so.rms_norm_row.argtypes = [p, p, i, f, p]
+    so.attend_row.argtypes = [p, i, i, i, p, p, p, p, i, i, p, i]
+    so.swiglu_row.argtypes = [p, i, p]
+    so.q4_0_mm.restype = so.f32_gemv.restype = so.simd.restype = so.attend_row.restype = i
+    so.rms_norm_row.restype = so.swiglu_row.restype = None
     return so
 
 
@@ -126,6 +134,52 @@ def gemv(x: torch.Tensor, w: torch.Tensor, so: ctypes.CDLL | None = None) -> tor
     x = x.float().contiguous()
     y = torch.empty(w.shape[0])
     (so or library()).f32_gemv(x.data_ptr(), w.shape[1], w.data_ptr(), w.shape[0], y.data_ptr(), _threads())
+    return y
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm of one fp32 row (x [..., k], one row in all)."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    library().rms_norm_row(x.data_ptr(), w.data_ptr(), x.shape[-1], eps, y.data_ptr())
+    return y
+
+
+def attend(qkv: torch.Tensor, heads: int, kv_heads: int, k: torch.Tensor, v: torch.Tensor, rope, pos: int):
+    """One new position of one sequence at fp32: qkv [..., (heads + 2 kv_heads) hd] (one row);
+    RoPE from `rope` = (cos, sin) [max_len, hd] at row `pos`; the rotated keys and the values
+    written into the cache k, v [1, kv_heads, max_len, hd] at `pos`; each query head attends
+    over positions 0..pos of its kv head. Returns [..., heads hd]."""
+    cos, sin = rope
+    max_len, hd = k.shape[2], k.shape[3]
+    qkv = qkv.contiguous()
+    out = torch.empty(*qkv.shape[:-1], heads * hd)
+    at = 4 * pos * hd  # bytes into the tables' row `pos`
+    rc = library().attend_row(
+        qkv.data_ptr(),
+        heads,
+        kv_heads,
+        hd,
+        cos.data_ptr() + at,
+        sin.data_ptr() + at,
+        k.data_ptr(),
+        v.data_ptr(),
+        max_len,
+        pos,
+        out.data_ptr(),
+        _threads(),
+    )
+    if rc != 0:
+        raise MemoryError(f"attend_row: no scratch memory for {heads} heads over {pos + 1} positions")
+    return out
+
+
+def swiglu(gu: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u for one fp32 row gu = [g | u]: [..., 2f] -> [..., f]."""
+    gu = gu.contiguous()
+    f = gu.shape[-1] // 2
+    y = torch.empty(*gu.shape[:-1], f)
+    library().swiglu_row(gu.data_ptr(), f, y.data_ptr())
     return y
 
 

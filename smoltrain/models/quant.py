@@ -31,6 +31,9 @@ shapes there) and a prefill's several rows through F.linear on the same weight. 
 it, the weight is held transposed, [in, out], for the BLAS numpy links (OpenBLAS in its
 Linux wheels, Accelerate on macOS): 17-25 GB/s there, where oneDNN read 13-19. With 2
 or more rows oneDNN is the faster (2x at 4 rows), so batches (`serve`) stay there.
+
+The weights our kernels and numpy's stream are held in transparent huge pages where Linux
+offers them (models.hugepages): 1.2x on a whole fp32 decode step.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from smoltrain.models import native
+from smoltrain.models import hugepages, native
 
 QUANTIZE = ("int8", "q4")
 GROUP = native.GROUP  # Q4_0's group along the input dimension
@@ -120,9 +123,9 @@ class Linear:
         if quantize is None:
             fp32_cpu = pack and cpu and dtype == torch.float32
             if fp32_cpu and one_row and native.library():
-                self.kernel, self.weight = "gemv", w.to(dtype).contiguous()
-            elif fp32_cpu and one_row:
-                self.kernel, self.weight = "blas", w.to(dtype).t().contiguous()  # [in, out], numpy's matmul
+                self.kernel, self.weight = "gemv", hugepages.hold(w.to(dtype).contiguous())
+            elif fp32_cpu and one_row:  # [in, out], numpy's matmul
+                self.kernel, self.weight = "blas", hugepages.hold(w.to(dtype).t().contiguous())
             else:
                 self.weight = w.to(dtype).contiguous()
                 self.kernel = "onednn" if fp32_cpu and torch.backends.mkldnn.is_available() else None
@@ -140,7 +143,7 @@ class Linear:
             fits = cpu and _has("_weight_int4pack_mm_for_cpu") and self.out_features % 16 == 0
             self.kernel = "q4_0" if cpu and native.library() else "int4pack" if fits else None
             if self.kernel == "q4_0":
-                self.q, self.scale = native.pack(q), d.contiguous()  # Q4_0's bytes; fp32 scales
+                self.q, self.scale = hugepages.hold(native.pack(q)), d.contiguous()  # Q4_0's bytes; fp32 scales
             elif self.kernel:
                 self.q = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
                 zeros = torch.zeros_like(d)  # the kernel computes (q - 8) * scale + zero; Q4_0 has no zero

@@ -16,9 +16,9 @@ SCALE_BYTES = 4  # int8 on the wire: one fp32 absmax scale per token (llama.cpp'
 def weight_bytes(quantize: str | None, dtype: str) -> float:
     """Bytes a matmul layer reads per weight, scales included (models.quant.Linear.nbytes).
 
-    int8: 1, plus one 16-bit scale per output row (negligible next to the row). q4 holds
-    Q4_0's 4.5 bits of information per weight, but torch's packed CPU kernel keeps a 16-bit
-    zero point (always 0 here) beside each group's 16-bit scale: 4 + 32/32 = 5 bits read."""
+    int8: 1, plus a scale per output row (negligible next to the row). q4: Q4_0's nibble per
+    weight and an fp32 scale per group of 32 (models.native; torch's packed kernel, the
+    fallback, holds a bf16 scale and a bf16 zero point instead): 4 + 32/32 = 5 bits read."""
     if quantize is None:
         return float(ELEMENT_BYTES[dtype])
     if quantize == "int8":
