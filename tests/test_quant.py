@@ -290,6 +290,12 @@ def test_row_kernels_are_the_torch_layer_arithmetic(heads, kv_heads, pos):
     gu = torch.randn(1, 1, 2 * 40, generator=g)
     g_, u = gu.chunk(2, dim=-1)
     assert torch.allclose(quant.native.swiglu(gu), torch.nn.functional.silu(g_) * u, atol=1e-6)
+    b = torch.randn(96, generator=g)  # GPT-2's LayerNorm and both GELUs
+    ln = torch.nn.functional.layer_norm(3 * x + 1, (96,), w, b, 1e-5)
+    assert torch.allclose(quant.native.layer_norm(3 * x + 1, w, b, 1e-5), ln, atol=1e-5)
+    for approx in ("tanh", "none"):
+        want = torch.nn.functional.gelu(gu, approximate=approx)
+        assert torch.allclose(quant.native.gelu(gu, approx), want, atol=1e-6)
 
     rope = llama.rope_table(500.0, hd, max_len, torch.float32)
     ours, ref = (llama.KVCache(kv_heads, hd, max_len, torch.float32) for _ in range(2))
@@ -306,9 +312,18 @@ def test_row_kernels_are_the_torch_layer_arithmetic(heads, kv_heads, pos):
     want = llama.attend(q, kk, vv, heads, kv_heads, causal=False).transpose(1, 2).reshape(1, 1, heads * hd)
     assert torch.allclose(ours.k, ref.k, atol=1e-6) and torch.equal(ours.v, ref.v)
     assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
+    with pytest.raises(IndexError, match="outside a KV cache of 12"):  # never written past the cache
+        quant.native.attend(qkv, heads, kv_heads, ours.k, ours.v, rope, max_len)
+    # no RoPE (GPT-2): the keys go into the cache as they came
+    plain = quant.native.attend(qkv, heads, kv_heads, ours.k, ours.v, None, pos)
+    kk, vv = ref.update(t[:, :, heads : heads + kv_heads].transpose(1, 2), v.transpose(1, 2), pos)
+    q = t[:, :, :heads].transpose(1, 2)
+    want = llama.attend(q, kk, vv, heads, kv_heads, causal=False).transpose(1, 2).reshape(1, 1, heads * hd)
+    assert torch.allclose(ours.k, ref.k, atol=1e-6) and torch.allclose(plain, want, atol=1e-5)
 
 
-def test_one_token_decode_takes_the_row_kernels_and_keeps_the_logits(tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_one_token_decode_takes_the_row_kernels_and_keeps_the_logits(arch, tmp_path, monkeypatch):
     """A `generate` stage (batched=False) at fp32 runs each decode step's layers through the row
     kernels and its prefill through torch; logits of a 12-step decode equal the all-torch
     stage's to float rounding, and the greedy tokens are the same."""
@@ -319,7 +334,7 @@ def test_one_token_decode_takes_the_row_kernels_and_keeps_the_logits(tmp_path, m
     from smoltrain.models.hf import Checkpoint
     from smoltrain.models.stage import Stage
 
-    ck = Checkpoint(make_checkpoint(str(tmp_path / "m"), "llama", layers=3))
+    ck = Checkpoint(make_checkpoint(str(tmp_path / "m"), arch, layers=3))
     calls = []
     attend = native.attend
     monkeypatch.setattr(native, "attend", lambda *a: calls.append(a[-1]) or attend(*a))

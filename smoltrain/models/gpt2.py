@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from smoltrain.models import native
 from smoltrain.models.hf import GELUS, HFConfig
 from smoltrain.models.llama import KVCache, attend_rows
 from smoltrain.models.quant import Linear
@@ -26,6 +27,9 @@ class GPT2Block(torch.nn.Module):
         self.fc = Linear(w.pop("mlp.c_fc.weight").t(), w.pop("mlp.c_fc.bias"), dt, quantize, one_row=one_row)
         self.down = Linear(w.pop("mlp.c_proj.weight").t(), None, dt, quantize, one_row=one_row)
         self.caches: dict[int, KVCache] = {}  # slot -> its sequence's cache
+        # one sequence's next token at fp32 on the CPU runs the row kernels (`_one_token`)
+        cpu32 = dt == torch.float32 and w["ln_1.weight"].device.type == "cpu"
+        self.row_kernels = one_row and cpu32 and native.library() is not None
 
     def weight_bytes(self) -> int:
         """Bytes of weights one token reads in this block."""
@@ -40,6 +44,8 @@ class GPT2Block(torch.nn.Module):
         return F.layer_norm(x, (x.shape[-1],), self.w[name + ".weight"], self.w[name + ".bias"], self.cfg.eps)
 
     def forward(self, x, rows, reduce):
+        if self.row_kernels and x.shape[0] * x.shape[1] == 1:
+            return self._one_token(x, rows, reduce)
         w, hd, (B, T), n = self.w, self.cfg.head_dim, x.shape[:2], self.heads
         y = self._ln(x, "ln_1")
         q, k, v = (t.view(B, T, n, hd).transpose(1, 2) for t in self.qkv(y).split(n * hd, dim=-1))
@@ -47,6 +53,16 @@ class GPT2Block(torch.nn.Module):
         x = x + (reduce(self.proj(a)) + w["attn.c_proj.bias"])
         y = self._ln(x, "ln_2")
         m = F.gelu(self.fc(y), approximate=GELUS[self.cfg.act])
+        return x + (reduce(self.down(m)) + w["mlp.c_proj.bias"])
+
+    def _one_token(self, x, rows, reduce):
+        """`forward` for one sequence's next token at fp32 (`generate`'s decode steps): the norms,
+        the cache write with attention and GELU each one call into models.native."""
+        w, eps, cache = self.w, self.cfg.eps, self.caches[rows.slots[0]]
+        qkv = self.qkv(native.layer_norm(x, w["ln_1.weight"], w["ln_1.bias"], eps))
+        a = native.attend(qkv, self.heads, self.heads, cache.k, cache.v, None, rows.pos[0])
+        x = x + (reduce(self.proj(a)) + w["attn.c_proj.bias"])
+        m = native.gelu(self.fc(native.layer_norm(x, w["ln_2.weight"], w["ln_2.bias"], eps)), GELUS[self.cfg.act])
         return x + (reduce(self.down(m)) + w["mlp.c_proj.bias"])
 
 

@@ -13,7 +13,7 @@
      so the weights' nibbles stay unsigned (what the x86 byte dot instructions take) and the
      offset is paid once per group through the activations' sum.
    - fp32, one row: y = W x with W [n, k] row-major, a dot product per row.
-   Below them, the rest of a one-row fp32 decode step (norms, RoPE, the cache, attention, SwiGLU).
+   Below them, the rest of a one-row fp32 decode step (norms, RoPE, the cache, attention, activations).
 
    Paths: AVX512 (with VNNI for q4) where there is one, AVX2 otherwise, plain C elsewhere
    (native.py does not use a plain-C build: torch's kernels are faster). Threads: OpenMP over
@@ -270,7 +270,7 @@ int f32_gemv(const float *x, int k, const float *w, int n, float *y, int threads
     return 0;
 }
 
-/* ---- the rest of a one-row fp32 decode step: RMSNorm, RoPE with the KV cache and attention, SwiGLU ----
+/* ---- the rest of a one-row fp32 decode step: the norms, RoPE with the KV cache and attention, the MLP's activation ----
    At one row each of these is a few thousand multiply-adds, while the torch operations they
    replace (about 25 a layer: norms, RoPE's muls and roll, the cache writes, attention, SiLU)
    cost 2-40 us each in dispatch: 1.7 ms of an 8 ms q4 step (BENCHMARKS.md). Plain C; the
@@ -296,7 +296,7 @@ static void rope_head(const float *x, const float *cos, const float *sin, int hd
 }
 
 /* One new position of one sequence. qkv: [heads + 2 kv_heads, hd], the position's q, k, v heads;
-   cos, sin: the RoPE table's row for `pos`; kc, vc: the cache [kv_heads, max_len, hd]. The
+   cos, sin: the RoPE table's row for `pos` (NULL: no RoPE, GPT-2); kc, vc: the cache [kv_heads, max_len, hd]. The
    rotated keys and the values go into the cache at `pos`; query head h attends over positions
    0..pos of kv head h / (heads / kv_heads), scaled by 1/sqrt(hd); out: [heads, hd].
    Returns 1 where scratch memory ran out (nothing is written to out then). */
@@ -306,8 +306,9 @@ int attend_row(const float *qkv, int heads, int kv_heads, int hd, const float *c
     float scale = 1.f / sqrtf((float)hd);
     for (int j = 0; j < kv_heads; j++) {
         size_t at = ((size_t)j * max_len + pos) * hd;
-        rope_head(qkv + (size_t)(heads + j) * hd, cos, sin, hd, kc + at);
-        for (int i = 0; i < hd; i++) vc[at + i] = qkv[(size_t)(heads + kv_heads + j) * hd + i];
+        const float *k = qkv + (size_t)(heads + j) * hd, *v = qkv + (size_t)(heads + kv_heads + j) * hd;
+        for (int i = 0; i < hd; i++) kc[at + i] = k[i], vc[at + i] = v[i];
+        if (cos) rope_head(k, cos, sin, hd, kc + at);
     }
     float *scratch = malloc(sizeof(float) * (size_t)heads * (n + hd));
     if (!scratch) return 1;
@@ -315,7 +316,11 @@ int attend_row(const float *qkv, int heads, int kv_heads, int hd, const float *c
     for (int h = 0; h < heads; h++) {
         float *s = scratch + (size_t)h * (n + hd), *q = s + n, *o = out + (size_t)h * hd;
         const float *K = kc + (size_t)(h / group) * max_len * hd, *V = vc + (size_t)(h / group) * max_len * hd;
-        rope_head(qkv + (size_t)h * hd, cos, sin, hd, q);
+        const float *qh = qkv + (size_t)h * hd;
+        if (cos)
+            rope_head(qh, cos, sin, hd, q);
+        else
+            for (int i = 0; i < hd; i++) q[i] = qh[i];
         float peak = -INFINITY, z = 0.f;
         for (int t = 0; t < n; t++) {
             float d = 0.f;
@@ -334,6 +339,28 @@ int attend_row(const float *qkv, int heads, int kv_heads, int hd, const float *c
     }
     free(scratch);
     return 0;
+}
+
+/* y = (x - mean) / sqrt(var + eps) * w + b, torch's LayerNorm of one row (GPT-2). */
+void layer_norm_row(const float *x, const float *w, const float *b, int k, float eps, float *y) {
+    float sum = 0.f, sq = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int i = 0; i < k; i++) sum += x[i];
+    float mean = sum / (float)k;
+#pragma omp simd reduction(+ : sq)
+    for (int i = 0; i < k; i++) sq += (x[i] - mean) * (x[i] - mean);
+    float r = 1.f / sqrtf(sq / (float)k + eps);
+#pragma omp simd
+    for (int i = 0; i < k; i++) y[i] = (x[i] - mean) * r * w[i] + b[i];
+}
+
+/* GELU of n values: tanh's approximation (GPT-2's gelu_new) when `tanh_approx`, else erf's. */
+void gelu_row(const float *x, int n, int tanh_approx, float *y) {
+    if (tanh_approx)
+        for (int i = 0; i < n; i++)
+            y[i] = 0.5f * x[i] * (1.f + tanhf(0.7978845608f * (x[i] + 0.044715f * x[i] * x[i] * x[i])));
+    else
+        for (int i = 0; i < n; i++) y[i] = 0.5f * x[i] * (1.f + erff(x[i] * 0.70710678f));
 }
 
 /* y = silu(g) * u for gu = [g | u], f values each (the gate and up products' one matmul). */

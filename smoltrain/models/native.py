@@ -8,9 +8,10 @@ Why our own kernels (BENCHMARKS.md, the x86 machine there, one thread):
   dot-product instructions are for: 28-36 ns.
 - fp32 at one row (`generate`): a dot product per weight row streamed the decode shapes at
   28 GB/s where the BLAS numpy links (OpenBLAS) made 25 and oneDNN less.
-- the rest of a one-row fp32 decode step (`llama.LlamaBlock._one_token`): RMSNorm, RoPE with
-  the cache writes and attention, SwiGLU, each one call where torch ran several operations
-  at a few microseconds of dispatch each (0.7 ms of a step left where there were 1.7).
+- the rest of a one-row fp32 decode step (`_one_token` of llama.LlamaBlock and gpt2.GPT2Block):
+  the norms, RoPE with the cache writes and attention, the MLP's activation, each one call
+  where torch ran several operations at a few microseconds of dispatch each (on a q4 step
+  0.7 ms left where there were 1.7).
 
 The C file is compiled once per machine (-march=native: the cache key holds the CPU's flags,
 so hosts sharing a home directory over NFS each get their own) into ~/.cache/smolcluster,
@@ -83,8 +84,10 @@ def load(lib: Path) -> ctypes.CDLL | None:
     so.rms_norm_row.argtypes = [p, p, i, f, p]
     so.attend_row.argtypes = [p, i, i, i, p, p, p, p, i, i, p, i]
     so.swiglu_row.argtypes = [p, i, p]
+    so.layer_norm_row.argtypes = [p, p, p, i, f, p]
+    so.gelu_row.argtypes = [p, i, i, p]
     so.q4_0_mm.restype = so.f32_gemv.restype = so.simd.restype = so.attend_row.restype = i
-    so.rms_norm_row.restype = so.swiglu_row.restype = None
+    so.rms_norm_row.restype = so.swiglu_row.restype = so.layer_norm_row.restype = so.gelu_row.restype = None
     return so
 
 
@@ -145,23 +148,41 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return y
 
 
+def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) -> torch.Tensor:
+    """torch's LayerNorm of one fp32 row (GPT-2)."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    library().layer_norm_row(x.data_ptr(), w.data_ptr(), b.data_ptr(), x.shape[-1], eps, y.data_ptr())
+    return y
+
+
+def gelu(x: torch.Tensor, approximate: str) -> torch.Tensor:
+    """F.gelu of one fp32 row; `approximate` "tanh" or "none", as F.gelu takes it."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    library().gelu_row(x.data_ptr(), x.numel(), approximate == "tanh", y.data_ptr())
+    return y
+
+
 def attend(qkv: torch.Tensor, heads: int, kv_heads: int, k: torch.Tensor, v: torch.Tensor, rope, pos: int):
     """One new position of one sequence at fp32: qkv [..., (heads + 2 kv_heads) hd] (one row);
-    RoPE from `rope` = (cos, sin) [max_len, hd] at row `pos`; the rotated keys and the values
-    written into the cache k, v [1, kv_heads, max_len, hd] at `pos`; each query head attends
-    over positions 0..pos of its kv head. Returns [..., heads hd]."""
-    cos, sin = rope
+    RoPE from `rope` = (cos, sin) [max_len, hd] at row `pos` (None: none, GPT-2); the rotated
+    keys and the values written into the cache k, v [1, kv_heads, max_len, hd] at `pos`; each
+    query head attends over positions 0..pos of its kv head. Returns [..., heads hd]."""
     max_len, hd = k.shape[2], k.shape[3]
+    if not 0 <= pos < max_len:  # torch's slice assignment refuses this; C would write past the cache
+        raise IndexError(f"position {pos} outside a KV cache of {max_len} positions")
     qkv = qkv.contiguous()
     out = torch.empty(*qkv.shape[:-1], heads * hd)
     at = 4 * pos * hd  # bytes into the tables' row `pos`
+    cos, sin = (None, None) if rope is None else (rope[0].data_ptr() + at, rope[1].data_ptr() + at)
     rc = library().attend_row(
         qkv.data_ptr(),
         heads,
         kv_heads,
         hd,
-        cos.data_ptr() + at,
-        sin.data_ptr() + at,
+        cos,
+        sin,
         k.data_ptr(),
         v.data_ptr(),
         max_len,
