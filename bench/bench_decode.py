@@ -8,7 +8,10 @@ itself with `pure` (every matrix, head included, at Q8_0 or Q4_0, as smolcluster
 round decodes --tokens greedy tokens with each engine one after another and measures a copy's
 memory bandwidth beside them; figures are medians over rounds, so a slow spell of a shared
 machine hits every engine alike. Both wall-clock and CPU-time rates are kept: on a machine
-other programs share, tokens per CPU-second is the steadier of the two.
+other programs share, tokens per CPU-second is the steadier of the two. Beside our engines
+run the A/Bs: fp32 on numpy's BLAS and torch's operations instead of our kernels, fp32 with
+its weights in 4 KB pages instead of huge pages, q4 on torch's int4 kernel; and a second
+copy, in huge pages.
 
 Checks on the way: llama.cpp's f32 logits of the first decode step against ours (the
 converted model is the same model); each quantised engine's logits against our fp32 ones
