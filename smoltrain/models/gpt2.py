@@ -27,9 +27,7 @@ class GPT2Block(torch.nn.Module):
         self.fc = Linear(w.pop("mlp.c_fc.weight").t(), w.pop("mlp.c_fc.bias"), dt, quantize, one_row=one_row)
         self.down = Linear(w.pop("mlp.c_proj.weight").t(), None, dt, quantize, one_row=one_row)
         self.caches: dict[int, KVCache] = {}  # slot -> its sequence's cache
-        # one sequence's next token at fp32 on the CPU runs the row kernels (`_one_token`)
-        cpu32 = dt == torch.float32 and w["ln_1.weight"].device.type == "cpu"
-        self.row_kernels = one_row and cpu32 and native.library() is not None
+        self.row_kernels = native.row_path(one_row, dt, w["ln_1.weight"].device)  # `_one_token`
 
     def weight_bytes(self) -> int:
         """Bytes of weights one token reads in this block."""

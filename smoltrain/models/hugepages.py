@@ -1,9 +1,10 @@
 """Decode weights in transparent huge pages (2 MB) where Linux offers them.
 
-A batch-1 decode step streams every weight once. With 4 KB pages that is a TLB miss every
-4 KB, a page walk the hardware prefetcher cannot run ahead of; with 2 MB pages one every
-2 MB. On the machine of BENCHMARKS.md the fp32 one-row product read its weights 1.2x faster
-from huge pages (a copy 1.16x). Linux gives them to memory asked for with
+A batch-1 decode step streams every weight once, a row at a time. With 4 KB pages that is
+a TLB miss every 4 KB, a page walk the hardware prefetcher cannot run ahead of; with 2 MB
+pages one every 2 MB. On the machine of BENCHMARKS.md a whole fp32 decode step ran
+1.14-1.20x faster with its weights in huge pages (a plain 64 MB copy, the bound, moved
+about the same either way). Linux gives them to memory asked for with
 madvise(MADV_HUGEPAGE) when /sys/kernel/mm/transparent_hugepage/enabled is `always` or
 `madvise` (the default of Debian and most distributions). torch's allocator does not ask,
 so `hold` copies a weight into an anonymous mapping that does, aligned to 2 MB. Elsewhere

@@ -118,9 +118,7 @@ class LlamaBlock(torch.nn.Module):
         self.down = Linear(w.pop("mlp.down_proj.weight"), None, dt, quantize, one_row=one_row)
         self.caches: dict[int, KVCache] = {}  # slot -> its sequence's cache
         self.rope: dict[int, tuple] = {}  # slot -> its sequence's RoPE table
-        # one sequence's next token at fp32 on the CPU runs the row kernels (`_one_token`)
-        cpu32 = dt == torch.float32 and self.ln1.device.type == "cpu"
-        self.row_kernels = one_row and cpu32 and native.library() is not None
+        self.row_kernels = native.row_path(one_row, dt, self.ln1.device)  # `_one_token`
 
     def weight_bytes(self) -> int:
         """Bytes of weights one token reads in this block."""

@@ -140,6 +140,13 @@ def gemv(x: torch.Tensor, w: torch.Tensor, so: ctypes.CDLL | None = None) -> tor
     return y
 
 
+def row_path(one_row: bool, dtype, device) -> bool:
+    """Whether an inference block runs one sequence's decode steps through the row kernels
+    below (`_one_token` of llama.LlamaBlock and gpt2.GPT2Block): a one-row (`generate`)
+    block at fp32 on the CPU, where the kernels built."""
+    return one_row and dtype == torch.float32 and torch.device(device).type == "cpu" and library() is not None
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm of one fp32 row (x [..., k], one row in all)."""
     x = x.contiguous()
