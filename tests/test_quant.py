@@ -361,19 +361,25 @@ def test_one_token_decode_takes_the_row_kernels_and_keeps_the_logits(arch, tmp_p
     assert not any(b.row_kernels for b in Stage(ck, 0, 3, True, True, dtype="bf16", batched=False).blocks)
 
 
-def _huge_kb(ptr: int) -> int:
-    """AnonHugePages (kB) of the mapping of this process that holds address `ptr`."""
+def _smaps(ptr: int) -> dict:
+    """/proc/self/smaps of the mapping (VMA) of this process that holds address `ptr`: {field: text}."""
     from pathlib import Path
 
-    inside = False
+    out, inside = {}, False
     for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
+        head, _, rest = line.partition(" ")
+        if "-" in head and not head.endswith(":"):
             lo, hi = (int(a, 16) for a in head.split("-"))
+            if inside:
+                break
             inside = lo <= ptr < hi
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1])
-    return 0
+        elif inside:
+            out[head.rstrip(":")] = rest.strip()
+    return out
+
+
+def _huge_kb(ptr: int) -> int:
+    return int(_smaps(ptr)["AnonHugePages"].split()[0])
 
 
 def test_decode_weights_are_held_in_huge_pages(monkeypatch):
@@ -395,6 +401,11 @@ def test_decode_weights_are_held_in_huge_pages(monkeypatch):
     assert q4.q.data_ptr() % hugepages.HUGE == 0 and _huge_kb(q4.q.data_ptr()) >= 2048
     small = torch.randn(64, 64)
     assert hugepages.hold(small) is small
+    # a tail short of a huge page is never advised: 3 MB and a bit get one huge page, not two
+    odd = hugepages.hold(torch.randn((3 << 20) // 4 + 1000, generator=g))
+    last = odd.data_ptr() + odd.numel() * 4 - 1
+    assert _huge_kb(odd.data_ptr()) == 2048 and "hg" in _smaps(odd.data_ptr())["VmFlags"].split()
+    assert "hg" not in _smaps(last)["VmFlags"].split() and _huge_kb(last) == 0
     monkeypatch.setenv("SMOL_HUGEPAGES", "0")
     hugepages.available.cache_clear()
     try:

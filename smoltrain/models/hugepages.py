@@ -41,9 +41,11 @@ def hold(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cpu" or nbytes < HUGE or not available():
         return t
     mm = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mm.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: the pages are faulted in huge
     raw = torch.frombuffer(mm, dtype=torch.uint8)  # keeps `mm` alive
     at = -raw.data_ptr() % HUGE
+    # before the first touch, so they are faulted in huge; only whole huge pages, so the tail
+    # of a weight costs 4 KB pages, not up to 2 MB of memory nothing reads
+    mm.madvise(mmap.MADV_HUGEPAGE, at, nbytes // HUGE * HUGE)
     out = raw[at : at + nbytes].view(t.dtype).view(t.shape)
     out.copy_(t)
     return out
