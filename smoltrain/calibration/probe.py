@@ -142,7 +142,7 @@ def decode_bw(torch, mem_bw: float, copy_bytes: int) -> dict:
             rates: dict = {}
             for rows in DECODE_ROWS:
                 layers = held[rows == 1]  # as a one-row stage (generate) or a batched one (serve) holds them
-                x = torch.ones(rows, DECODE_TILE, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[name])
+                x = torch.ones(rows, DECODE_TILE, dtype=layers[0].dtype)
                 cpu = cpu_seconds(_products(layers, x))
                 rates[str(rows)] = sum(lin.nbytes for lin in layers) / cpu / copy_rate * mem_bw
             out[name] = rates
