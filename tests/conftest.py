@@ -43,6 +43,7 @@ TIERS = {
         "test_serve_units.py",
         "test_quant.py",
         "test_diloco_plan.py",
+        "test_cost_core.py",
     ],
     "process": [
         "test_agent.py",

@@ -20,8 +20,6 @@ Behaviours of CFS, measured on the sim and standard Linux semantics:
 
 from __future__ import annotations
 
-import math
-
 
 def quota_seconds(t: float, quota: tuple[float, float] | None) -> float:
     """Wall seconds of a stretch of work that takes `t` at a CFS-capped host's average pace,
@@ -70,7 +68,7 @@ def quota_hop_seconds(nbytes: float, wire, ends: list) -> float | None:
     if not held or not wire.up:
         return None
     cpu = max(quota_seconds(r.comm_cpu["message_s"] + nbytes / r.comm_cpu["bytes_s"], r.cpu_quota) for r in held)
-    return wire.alpha_s + nbytes / wire.bytes_per_s + cpu
+    return wire.seconds(nbytes) + cpu
 
 
 def in_turn_mbit(rate_mbit: float, wire_mbit: float, capped_cpu_mbit: list[float]) -> float:
@@ -96,8 +94,7 @@ def pipeline_hops(nbytes: float, names: list[str], ranks: list, wire_lm, cpu_lm,
         t = quota_hop_seconds(nbytes, wire_lm.get(names[s], names[d]), [ranks[s], ranks[d]]) if burst else None
         if t is not None:
             return t
-        ln = cpu_lm.get(names[s], names[d])
-        return ln.alpha_s + nbytes / ln.bytes_per_s if ln.up else math.inf
+        return cpu_lm.get(names[s], names[d]).seconds(nbytes)
 
     n = len(names)
     return [hop(r, r + 1) for r in range(n - 1)], [hop(r + 1, r) for r in range(n - 1)]
@@ -123,6 +120,5 @@ def decode_chain(stage_s: list, ranks: list, tr, names: list[str], wire) -> floa
         chain += work * (rk.cpu_quota[0] / rk.cpu_quota[1] if rk.cpu_quota else 1.0)
         busiest = max(busiest, work)
     for (s, d), m in msgs.items():
-        ln = wire.get(names[s], names[d])
-        chain += m * ln.alpha_s + nbytes[(s, d)] / ln.bytes_per_s if ln.up else math.inf
+        chain += wire.get(names[s], names[d]).seconds(nbytes[(s, d)], m)
     return max(chain, busiest)

@@ -7,6 +7,7 @@ round trip (one way), which already includes a Python peer on each end.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,11 @@ class Link:
     @property
     def alpha_s(self) -> float:
         return self.rtt_us / 2 * 1e-6
+
+    def seconds(self, nbytes: float, messages: float = 1) -> float:
+        """The one link-time formula of the planner: messages x alpha + bytes / goodput
+        (inf on a down link). Every plan times its transfers here, so they cannot drift."""
+        return messages * self.alpha_s + nbytes / self.bytes_per_s if self.up else math.inf
 
 
 @dataclass

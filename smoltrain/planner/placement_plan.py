@@ -109,8 +109,7 @@ class Ask:
         return cpu_links(self.lm, self.ranks)
 
     def link_s(self, a: str, b: str, nbytes: float) -> float:
-        ln = self.cpu.get(a, b)
-        return ln.alpha_s + nbytes / ln.bytes_per_s if ln.up else math.inf
+        return self.cpu.get(a, b).seconds(nbytes)
 
     def orders(self, names: list[str], topology: str, nbytes: float) -> list[list[str]]:
         if self.mode == "even" or len(names) < 2:

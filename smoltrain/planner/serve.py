@@ -68,8 +68,7 @@ def _rank_seconds(w, model, rk, strategy: str, dtype: str, n: int, seq: int, pad
 
 
 def _hop(lm, src: str, dst: str, nbytes: float, msgs: int = 1) -> float:
-    ln = lm.get(src, dst)
-    return msgs * ln.alpha_s + nbytes / ln.bytes_per_s if ln.up else math.inf
+    return lm.get(src, dst).seconds(nbytes, msgs)
 
 
 def lane_placement(model, ranks: list, lm, dtype: str, seq: int, lanes: int, mode: str) -> dict:

@@ -27,8 +27,7 @@ class PhaseCost:
 def transfer_seconds(t, names: list[str], lm: LinkModel) -> tuple[float, float]:
     """(latency, whole time) of one transfer on its link: messages x alpha + bytes / goodput."""
     ln = lm.get(names[t.src], names[t.dst])
-    alpha = t.msgs * ln.alpha_s
-    return alpha, alpha + (t.nbytes / ln.bytes_per_s if ln.up else math.inf)
+    return t.msgs * ln.alpha_s, ln.seconds(t.nbytes, t.msgs)
 
 
 def phase_cost(ph: Phase, names: list[str], lm: LinkModel) -> PhaseCost:
@@ -127,8 +126,7 @@ def link_seconds(tr: Traffic, names: list[str], lm: LinkModel) -> dict[tuple[int
     out: dict[tuple[int, int], float] = {}
     for ph in tr.phases:
         for t in ph.transfers:
-            ln = lm.get(names[t.src], names[t.dst])
-            sec = ph.repeat * (t.msgs * ln.alpha_s + (t.nbytes / ln.bytes_per_s if ln.up else math.inf))
+            sec = ph.repeat * lm.get(names[t.src], names[t.dst]).seconds(t.nbytes, t.msgs)
             out[(t.src, t.dst)] = out.get((t.src, t.dst), 0.0) + sec
     return out
 
