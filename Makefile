@@ -11,11 +11,18 @@ export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
 setup: $(STAMP)
 
+# The Python that makes the venv: 3.11+ (the pinned numpy and ansible-core need it).
+PYTHON ?= python3
+# torch's CPU build on x86-64 Linux, where PyPI's default is the multi-GB CUDA one. auto: PyTorch's
+# CPU index unless pip already has its own source (PIP_FIND_LINKS, PIP_INDEX_URL, a pip.conf
+# find-links or index: a local wheel or a mirror); TORCH_INDEX= for none, TORCH_INDEX=URL for another.
+TORCH_INDEX ?= auto
+
 # Reinstall only when the project's declared dependencies change.
 $(STAMP): pyproject.toml constraints.txt
-	@test -x $(PY) || python3 -m venv $(VENV)
+	@test -x $(PY) || bash scripts/make-venv.sh "$(PYTHON)" "$(VENV)"
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	$(BIN)/pip install -q -c constraints.txt $$(bash scripts/torch-index.sh "$(TORCH_INDEX)" "$(BIN)/pip") -e '.[dev]'
 	@touch $(STAMP)
 
 # The Debian packages the sim, probes and playbooks drive: apt as root, else the exact command, exit 2.
@@ -38,11 +45,14 @@ demo: system-deps setup
 check-inventory:
 	@test -f "$(INVENTORY)" || { echo "error: $(INVENTORY) not found; copy inventory/hosts.example.yml to $(INVENTORY) and edit it (or use INVENTORY=inventory/sim.yml after 'make sim-up')" >&2; exit 2; }
 
+# ASK_BECOME=1: ask for the sudo password once (-K), for hosts without passwordless sudo.
+BECOME_ARGS := $(if $(filter 1 yes true,$(ASK_BECOME)),--ask-become-pass)
+
 provision: setup check-inventory
-	$(BIN)/ansible-playbook -i $(INVENTORY) playbooks/site.yml
+	$(BIN)/ansible-playbook -i $(INVENTORY) $(BECOME_ARGS) playbooks/site.yml
 
 verify: setup check-inventory
-	$(BIN)/ansible-playbook -i $(INVENTORY) playbooks/verify.yml
+	$(BIN)/ansible-playbook -i $(INVENTORY) $(BECOME_ARGS) playbooks/verify.yml
 
 matrix: setup check-inventory
 	$(BIN)/smolnet matrix -i $(INVENTORY)

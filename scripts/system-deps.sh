@@ -9,7 +9,8 @@
 set -euo pipefail
 
 PACKAGES=(openssh-server openssh-client iperf3 iputils-ping ethtool iproute2 kmod
-          nfs-ganesha nfs-ganesha-vfs libnfs-utils make gcc)
+          nfs-ganesha nfs-ganesha-vfs libnfs-utils make gcc
+          python3-venv)  # make setup's `python3 -m venv`
 
 if [[ "${1:-}" == "--list" ]]; then
   printf '%s\n' "${PACKAGES[@]}"
