@@ -63,3 +63,64 @@ def test_link_seconds_is_latency_per_message_plus_bytes_over_goodput():
     assert ln.seconds(0, 0) == 0.0
     assert math.isinf(Link(None, 300.0).seconds(1))
     assert math.isinf(Link(800.0, 300.0, "down").seconds(1))
+
+
+def _tp_group():
+    """Three unlike hosts whose CPUs cost their messages, on links slow one way round the ring."""
+    from smoltrain.models.spec import get_model
+    from smoltrain.planner.devices import get_device
+    from smoltrain.planner.links import LinkModel
+    from smoltrain.planner.ranks import Rank
+
+    names = ["mini", "jet", "lap"]
+    devs = ["mac-mini-m4", "jetson-orin-nano", "rtx4050-laptop"]
+    cpu = {"message_s": 3e-4, "bytes_s": 200e6}
+    ranks = [Rank(n, get_device(d), get_device(d).memory_bytes, comm_cpu=cpu) for n, d in zip(names, devs)]
+    slow = {("mini", "jet"), ("jet", "lap"), ("lap", "mini")}  # the given order's ring is the slow way
+    links = {(a, b): Link(100.0 if (a, b) in slow else 900.0, 400.0) for a in names for b in names if a != b}
+    return get_model("gpt2-124m"), ranks, LinkModel({"kind": "test"}, links)
+
+
+def test_a_serve_tp_group_is_the_infer_plan_of_that_group():
+    """plan --mode serve's tp group and plan --mode infer over the same hosts: the same ring
+    order, the same KV cache per rank (a head share's, times the rows), the same messages
+    timed on the same CPU-adjusted links at the same wire width, so the same step."""
+    from smoltrain.planner import serve
+    from smoltrain.planner.compute import cpu_links
+    from smoltrain.planner.placement_plan import Ask, place_dict, search
+    from smoltrain.planner.plan import make_plan
+
+    m, ranks, lm = _tp_group()
+    names = [rk.name for rk in ranks]
+    assert cpu_links(lm, ranks).get("mini", "jet").alpha_s > lm.get("mini", "jet").alpha_s  # CPU adds to hops
+    for wire in ("int8", None):
+        widths = {"wire_dtype": wire} if wire else {}
+        cut = place_dict(search(Ask("tp", "auto", m, ranks, lm, "infer", "fp32", 1, 256, widths=widths or None)))
+        by = {rk.name: rk for rk in ranks}
+        infer = make_plan(
+            "tp",
+            m,
+            3,
+            "fp32",
+            1,
+            256,
+            mode="infer",
+            ranks=[by[n] for n in cut["order"]],
+            lm=lm,
+            single=False,
+            placement=cut,
+            **widths,
+        )
+        assert cut["order"] != names  # the search turned the ring round; serve must follow it
+        got = serve.group_step(m, ranks, names, lm, "tp", "fp32", 1, 256, pad=1, placement="auto", wire=wire)
+        assert got["order"] == cut["order"]
+        assert got["kv_cache_bytes"] == pytest.approx([r["memory"]["kv_cache"] for r in infer["ranks"]])
+        assert sum(got["kv_cache_bytes"]) == pytest.approx(2 * m.layers * m.kv_dim * 256 * 4)  # one cache, split
+        assert got["step_s"] == pytest.approx(infer["step_s"])
+        assert got["step_s"] - max(infer["compute_s_per_rank"]) == pytest.approx(infer["comm_s_per_step"])
+        four = serve.group_step(m, ranks, names, lm, "tp", "fp32", 4, 256, pad=1, placement="auto", wire=wire)
+        assert four["kv_cache_bytes"] == pytest.approx([4 * r["memory"]["kv_cache"] for r in infer["ranks"]])
+    # the int8 wire all-gathers a quarter-width vector: its step differs from the fp32 one
+    int8 = serve.group_step(m, ranks, names, lm, "tp", "fp32", 1, 256, pad=1, placement="auto", wire="int8")
+    fp32 = serve.group_step(m, ranks, names, lm, "tp", "fp32", 1, 256, pad=1, placement="auto")
+    assert int8["step_s"] != pytest.approx(fp32["step_s"])

@@ -163,6 +163,7 @@ def test_serve_plan_arithmetic():
     from smoltrain.planner import capacity, serve
     from smoltrain.planner.links import from_class
     from smoltrain.planner.plan import resolve_ranks
+    from smoltrain.planner.traffic import STEP_HEADER_BYTES, TOKEN_ID_BYTES
 
     assert serve.split_evenly(5, 2) == [[0, 1, 2], [3, 4]]
     assert serve.split_by_speed([4.0, 1.0, 1.0, 4.0], 2) == [[0, 1], [2, 3]]
@@ -193,8 +194,8 @@ def test_serve_plan_arithmetic():
     works = capacity.layout("pp", "infer", m, 2, 1, 256)
     t = [serve._rank_seconds(w, m, rk, "pp", "bf16", 1, 256, serve.PAD_ROWS)[0] for w, rk in zip(works, ranks)]
     ln = lm.get("m0", "m1")
-    there = 2 * ln.alpha_s + (m.hidden * 2 + serve.STEP_HEADER_BYTES) / ln.bytes_per_s
-    back = ln.alpha_s + serve.TOKEN_ID_BYTES / ln.bytes_per_s
+    there = 2 * ln.alpha_s + (m.hidden * 2 + STEP_HEADER_BYTES) / ln.bytes_per_s
+    back = ln.alpha_s + TOKEN_ID_BYTES / ln.bytes_per_s
     got = serve.group_step(m, ranks[:2], names, lm, "pp", "bf16", 2, 256)
     assert got["lanes"] == 2 and got["step_s"] == pytest.approx(max(sum(t) + there + back, 2 * max(t)))
     # 8B in fp32 (32 GB) fits no 16 GB Mac alone: only the split serves it

@@ -17,7 +17,7 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
     p.add_argument("--quantize", choices=("int8", "q4"), help="--mode infer: weights at this width (contract §9)")
     p.add_argument(
-        "--wire-dtype", choices=("fp32", "bf16", "fp16", "int8"), help="--mode infer: hidden states on the wire"
+        "--wire-dtype", choices=("fp32", "bf16", "fp16", "int8"), help="--mode infer, serve: hidden states on the wire"
     )
     p.add_argument("--batch", type=validate.BATCH, default=8, help="global batch in sequences (train)")
     p.add_argument("--seq", type=validate.SEQ, default=64, help="sequence length (train) or context length (infer)")
@@ -87,6 +87,7 @@ def _serve(args, con, model, ranks, lm, placement: str) -> int:
         max_batch=args.max_batch,
         seq=args.seq,
         placement=placement,
+        wire=getattr(args, "wire_dtype", None),
     )
     serve.render(con, doc)
     best = next(c for c in doc["candidates"] if c["name"] == doc["best"])

@@ -85,6 +85,7 @@ def choose(args, placements, hosts) -> tuple[list[list[int]] | None, str]:
             max_batch=args.max_batch,
             seq=min(mc.ctx, 256),
             placement=default_mode(args.placement, source == "measured"),  # as open_model places a group
+            wire=getattr(args, "wire_dtype", None),
         )
     except Exception as e:  # the plan is advice: say why it is missing
         if args.replicas != "auto":

@@ -15,6 +15,10 @@ serves its share of the requests batched (at most `max_batch`):
 - tp over k hosts: every rank works on every step, then 2 all-reduces per layer (one
   round trip each on the slowest link) and rank 0's header.
 
+A group is the infer plan of those hosts at n rows: the same placement search (a pp cut, a
+tp ring order), each rank's own KV cache (a tp rank holds its heads' share), and the same
+messages (traffic.py, at the wire dtype) timed on the same CPU-adjusted links.
+
 Replicas add up; the router keeps their open requests equal, so each of R groups serves
 C/R. Per-request latency is the round of its group. Time to first token is for C requests
 that arrive together: prompts are prefilled one after another (compute-bound), before
@@ -27,9 +31,9 @@ from __future__ import annotations
 
 import math
 
-from smoltrain.planner import capacity, rank_time
+from smoltrain.planner import capacity, rank_time, timing
 from smoltrain.planner.placement import PlacementError
-from smoltrain.planner.traffic import HOP_MESSAGES, STEP_HEADER_BYTES, TOKEN_ID_BYTES, dtype_bytes
+from smoltrain.planner.traffic import traffic
 
 SCHEMA = "smoltrain.serveplan/1"
 PAD_ROWS = 4  # a decode step computes at least 4 rows (smoltrain/models/stage.py MIN_ROWS)
@@ -67,16 +71,15 @@ def _rank_seconds(w, model, rk, strategy: str, dtype: str, n: int, seq: int, pad
     return t.compute_s, t.bound
 
 
-def _hop(lm, src: str, dst: str, nbytes: float, msgs: int = 1) -> float:
-    return lm.get(src, dst).seconds(nbytes, msgs)
-
-
-def lane_placement(model, ranks: list, lm, dtype: str, seq: int, lanes: int, mode: str) -> dict:
-    """The layer cut and rank order a pp group of `serve` runs (infer.report.decode_request asks
-    the same search): with several lanes in flight the stages are balanced."""
+def group_placement(model, ranks: list, lm, strategy: str, dtype: str, seq: int, lanes: int, mode: str, wire=None):
+    """The placement a group of `serve` runs (a pp layer cut, a tp ring order and heads):
+    the infer plan's search (infer.report.decode_request asks the same). With several lanes in
+    flight a pp group's stages are balanced."""
     from smoltrain.planner.placement_plan import Ask, place_dict, search
 
-    return place_dict(search(Ask("pp", mode, model, list(ranks), lm, "infer", dtype, 1, seq, lanes=lanes)))
+    widths = {"wire_dtype": wire} if wire else None
+    ask = Ask(strategy, mode, model, list(ranks), lm, "infer", dtype, 1, seq, widths=widths, lanes=lanes)
+    return place_dict(search(ask))
 
 
 def group_step(
@@ -90,53 +93,49 @@ def group_step(
     seq: int,
     pad: int = PAD_ROWS,
     placement: str = "even",
+    wire: str | None = None,
 ) -> dict:
     """A group serving `rows` requests at once: round seconds (each request's time per token),
-    tokens/s, prefill seconds per prompt token, what bounds it, and whether it fits. A pp
-    group runs the layer cut and order `lane_placement` gives (`placement`: even or auto)."""
-    k, a, h = len(ranks), dtype_bytes(dtype), model.hidden
+    tokens/s, prefill seconds per prompt token, what bounds it, and whether it fits. The group
+    is the infer plan at these rows: its placement (`group_placement`; `placement`: even or
+    auto), each rank's KV cache per sequence, and its messages (traffic, `wire` dtype) timed on
+    the CPU-adjusted links (compute.cpu_links), as `plan --mode infer` times them."""
+    from smoltrain.planner.compute import cpu_links
+
+    k = len(ranks)
     s = strategy if k > 1 else "pp"
+    lanes = min(k, rows) if s == "pp" else 1
     cut = None
-    if s == "pp" and k > 1:
+    if k > 1:
         try:
-            cut = lane_placement(model, ranks, lm, dtype, seq, min(k, rows), placement)
-        except PlacementError:  # no cut fits: the even one below says so (fits: false)
+            cut = group_placement(model, ranks, lm, s, dtype, seq, lanes, placement, wire)
+        except PlacementError:  # no placement fits: the even one below says so (fits: false)
             pass
         else:
             by = {rk.name: rk for rk in ranks}
             ranks, names = [by[n] for n in cut["order"]], list(cut["order"])
+    sh = rank_time.Shape(s, "infer", model, dtype, 1, seq)
     works = capacity.layout(s, "infer", model, k, 1, seq, placement=cut)
-    mem_ok = all(
-        capacity.memory(w, model, "infer", dtype, seq, s).weights + rows * 2 * w.layers * model.kv_dim * seq * a
-        <= rk.memory_bytes * capacity.HEADROOM
-        for w, rk in zip(works, ranks)
-    )
+    mem = [rank_time.memory(w, sh) for w in works]
+    mem_ok = all(m.total + (rows - 1) * m.kv_cache <= rank_time.available(rk) for m, rk in zip(mem, ranks))
     prefill = [2 * w.matmul_params / rk.device.flops(dtype) for w, rk in zip(works, ranks)]
+    per_msg = math.ceil(rows / lanes)  # the rows one step's messages carry: a lane's (pp), all (tp)
+    t = [_rank_seconds(w, model, rk, s, dtype, per_msg, seq, pad) for w, rk in zip(works, ranks)]
+    comm = 0.0
+    if k > 1:
+        tr = traffic(s, "infer", model, k, dtype, 1, seq, wire=wire, rows=per_msg)
+        comm = timing.comm_cost(tr, names, cpu_links(lm, ranks)).total_s
     if s == "tp" and k > 1:
-        t = [_rank_seconds(w, model, rk, s, dtype, rows, seq, pad) for w, rk in zip(works, ranks)]
-        ring = [(names[r], names[(r + 1) % k]) for r in range(k)]
-        slowest = max(ring, key=lambda p: _hop(lm, *p, rows * h * a / k))
-        ar = 2 * (k - 1) * _hop(lm, *slowest, rows * h * a / k)
-        header = sum(_hop(lm, names[r], names[r + 1], STEP_HEADER_BYTES) for r in range(k - 1))
-        comm = 2 * model.layers * ar + header
         compute = max(x for x, _ in t)
         step = compute + comm
         bound = "link" if comm > compute else max(t)[1]
         pre = max(prefill) + comm
-        lanes = 1
     else:
-        lanes = min(k, rows)
-        per_lane = math.ceil(rows / lanes)
-        t = [_rank_seconds(w, model, rk, s, dtype, per_lane, seq, pad) for w, rk in zip(works, ranks)]
-        lane_hop = per_lane * h * a + STEP_HEADER_BYTES
-        hops = [_hop(lm, names[r], names[r + 1], lane_hop, HOP_MESSAGES) for r in range(k - 1)]
-        if k > 1:
-            hops.append(_hop(lm, names[-1], names[0], per_lane * TOKEN_ID_BYTES))
-        trip = sum(x for x, _ in t) + sum(hops)
+        trip = sum(x for x, _ in t) + comm
         busy = lanes * max(x for x, _ in t)
         step = max(trip, busy)
-        bound = "link" if sum(hops) > sum(x for x, _ in t) else max(t)[1]
-        pre = sum(prefill) + sum(hops)
+        bound = "link" if comm > sum(x for x, _ in t) else max(t)[1]
+        pre = sum(prefill) + comm
     return {
         "step_s": step,
         "tokens_per_s": rows / step if step > 0 and math.isfinite(step) else 0.0,
@@ -144,7 +143,8 @@ def group_step(
         "lanes": lanes,
         "bottleneck": bound,
         "fits": mem_ok,
-        "layers": cut["layers"] if cut else None,  # None: one rank, tp, or no cut that fits
+        "kv_cache_bytes": [rows * x.kv_cache for x in mem],  # each rank's, in `order`
+        "layers": cut.get("layers") if cut else None,  # None: one rank, tp, or no cut that fits
         "order": names,
     }
 
@@ -173,9 +173,11 @@ def plan(
     seq: int = 256,
     prompt: int = 32,
     placement: str = "even",
+    wire: str | None = None,
 ) -> dict:
     """Every candidate split of these ranks (hosts) for `concurrency` requests; the best named.
-    `placement`: how a pp group cuts its layers (even, or auto by measured speed), as serve runs it."""
+    `placement`: how a group is placed (even, or auto by measured speed), as serve runs it;
+    `wire`: the dtype hidden states cross the links at (default `dtype`)."""
     names = [r.name for r in ranks]
     # decode reads weights: the rate a served step (max_batch rows) reads them at is speed
     speeds = [r.device.weight_rate(dtype, max(max_batch, PAD_ROWS))[0] for r in ranks]
@@ -187,7 +189,7 @@ def plan(
             rows = max(1, min(c, max_batch))
             hosts = ([ranks[i] for i in g], [names[i] for i in g])
             pad = PAD_ROWS if max_batch > 1 else 1
-            st = group_step(model, *hosts, lm, strategy, dtype, rows, seq, pad, placement)
+            st = group_step(model, *hosts, lm, strategy, dtype, rows, seq, pad, placement, wire)
             st["queued"] = max(0, c - max_batch)
             per.append(st)
             ok = ok and st["fits"]
@@ -223,6 +225,7 @@ def plan(
         "seq": seq,
         "prompt": prompt,
         "strategy": strategy,
+        "wire_dtype": wire or dtype,
         "hosts": names,
         "decode_source": rank_time.decode_source(ranks, rank_time.Shape(strategy, "infer", model, dtype, 1, seq)),
         "candidates": rows_out,

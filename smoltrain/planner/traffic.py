@@ -195,6 +195,7 @@ class Step:
     microbatches: int
     act: float = 0.0  # bytes of one token's hidden state on the wire (infer; planner.widths)
     wire: str = "fp32"
+    rows: int = 1  # infer: sequences a decode message carries (serve batches them; planner.serve)
 
 
 # --- train: one optimizer step ---
@@ -297,13 +298,13 @@ def sharded_gather_infer(tr: Traffic, s: Step) -> None:
 
 def layer_chain_infer(tr: Traffic, s: Step) -> None:
     N = s.world
-    hop = s.act + STEP_HEADER_BYTES
+    hop = s.rows * s.act + STEP_HEADER_BYTES
     tr.phases += [
         Phase(f"hidden state stage {r} -> {r + 1}", [Transfer(r, r + 1, hop, HOP_MESSAGES)]) for r in range(N - 1)
     ]
     if N > 1:
         tr.notes.append(f"each hop also carries the step's {STEP_HEADER_BYTES}-byte header, a message of its own")
-        tr.phases.append(Phase("sampled token id back to stage 0", [Transfer(N - 1, 0, TOKEN_ID_BYTES)]))
+        tr.phases.append(Phase("sampled token id back to stage 0", [Transfer(N - 1, 0, s.rows * TOKEN_ID_BYTES)]))
         tr.notes.append("the last stage returns the sampled token id to stage 0 as one int64 (8 bytes)")
 
 
@@ -314,10 +315,17 @@ def tensor_allreduce_infer(tr: Traffic, s: Step) -> None:
         tr.phases.append(Phase("step header from rank 0 (broadcast)", chain, serial=True))
     if N > 1 and s.wire == "int8":  # int8 cannot be summed on the wire: all-gather, add up locally
         tr.phases.append(
-            _ring(N, s.act, 2 * s.model.layers * (N - 1), "all-gather int8 hidden state (2 per layer), summed locally")
+            _ring(
+                N,
+                s.rows * s.act,
+                2 * s.model.layers * (N - 1),
+                "all-gather int8 hidden state (2 per layer), summed locally",
+            )
         )
     elif N > 1:
-        tr.phases.append(_ring(N, s.act / N, 2 * s.model.layers * 2 * (N - 1), "all-reduce hidden state (2 per layer)"))
+        tr.phases.append(
+            _ring(N, s.rows * s.act / N, 2 * s.model.layers * 2 * (N - 1), "all-reduce hidden state (2 per layer)")
+        )
 
 
 def expert_all_to_all_infer(tr: Traffic, s: Step) -> None:
@@ -384,9 +392,11 @@ def traffic(
     seq: int = 64,
     microbatches: int = 1,
     wire: str | None = None,
+    rows: int = 1,
 ) -> Traffic:
     """Every byte the strategy sends per step (train) or per generated token (infer); `wire`:
-    the dtype inference hidden states cross the links at (default `dtype`)."""
+    the dtype inference hidden states cross the links at (default `dtype`); `rows`: the
+    sequences one decode step carries (pp, tp; a served batch)."""
     from smoltrain.planner.widths import wire_bytes
 
     validate(strategy, mode, model, world, batch, seq, microbatches)
@@ -394,7 +404,8 @@ def traffic(
     tr = Traffic(strategy, mode, world)
     wire = wire or dtype
     act = wire_bytes(model.hidden, wire)
-    model_for(info, mode)(tr, Step(info, model, world, dtype_bytes(dtype), batch, seq, microbatches, act, wire))
+    step = Step(info, model, world, dtype_bytes(dtype), batch, seq, microbatches, act, wire, rows)
+    model_for(info, mode)(tr, step)
     return tr
 
 
