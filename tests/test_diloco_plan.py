@@ -13,6 +13,7 @@ import torch
 
 from smolnet.errors import UsageError
 from smoltrain import registry
+from smoltrain.comm import layout
 from smoltrain.models.data import Batches
 from smoltrain.models.optim import SGD, make_optimizer
 from smoltrain.models.spec import get_model
@@ -26,13 +27,13 @@ TINY = get_model("tiny")
 
 def test_bytes_per_outer_step_follow_the_ring_segments_with_int8_scales():
     n, world = 1001, 3  # segments 334, 334, 333 elements
-    assert diloco.ring_segments(n, world) == [(0, 334), (334, 668), (668, 1001)]
+    assert layout.ring_segments(n, world) == [(0, 334), (334, 668), (668, 1001)]
     seg = {"fp32": [1336, 1336, 1332], "int8": [334 + 4, 334 + 4, 333 + 4]}
     for dtype, s in seg.items():
         assert [diloco.rank_bytes(n, dtype, world, r) for r in range(world)] == [
             2 * sum(s) - s[(r + 1) % 3] - s[(r + 2) % 3] for r in range(world)
         ]
-    assert diloco.segment_bytes(2049, "int8") == 2049 + 3 * 4 and diloco.segment_bytes(5, "bf16") == 10
+    assert layout.segment_bytes(2049, "int8") == 2049 + 3 * 4 and layout.segment_bytes(5, "bf16") == 10
     assert diloco.rank_bytes(n, "fp32", 1, 0) == 0 and diloco.rank_bytes(n, "fp32", 2, 1) == n * 4
 
 
@@ -89,7 +90,7 @@ def test_the_verdict_names_the_diloco_setting_that_beats_the_single_host():
 
     low = diloco_verdict.low_comm_verdict(plans, replan)
     assert low["beats_single_host"] and low["best"]["vs_single_host"] > 1
-    assert {r["sync_dtype"] for r in low["settings"]} == set(diloco.SYNC_BYTES)
+    assert {r["sync_dtype"] for r in low["settings"]} == set(layout.SYNC_BYTES)
     best = low["best"]
     assert best["sync_dtype"] == "int8"  # fewest bytes on a slow link: the smallest H, the least overhead
     assert f"H={best['inner_steps']}" in low["sentence"] and "int8" in low["sentence"]
@@ -121,14 +122,14 @@ def test_int8_codec_is_one_scale_per_chunk_and_rounds_to_half_a_step():
         x = torch.randn(n, generator=g) * 3
         x[: min(n, 1024)] *= 100  # chunks of different magnitude get their own scale
         buf = encode_int8(x)
-        assert buf.dtype == torch.uint8 and buf.numel() == diloco.segment_bytes(n, "int8")
-        chunks = -(-n // diloco.INT8_CHUNK)
+        assert buf.dtype == torch.uint8 and buf.numel() == layout.segment_bytes(n, "int8")
+        chunks = -(-n // layout.INT8_CHUNK)
         scale = buf[: 4 * chunks].view(torch.float32)
-        padded = torch.cat([x.abs(), x.new_zeros(chunks * diloco.INT8_CHUNK - n)])  # the last chunk may be short
+        padded = torch.cat([x.abs(), x.new_zeros(chunks * layout.INT8_CHUNK - n)])  # the last chunk may be short
         want = padded.view(chunks, -1).amax(1) / 127
         assert torch.equal(scale, want)
         y = decode_int8(buf, n)
-        step = scale.repeat_interleave(diloco.INT8_CHUNK)[:n]
+        step = scale.repeat_interleave(layout.INT8_CHUNK)[:n]
         assert bool(((y - x).abs() <= step / 2 * (1 + 1e-6)).all())
         work = torch.full((n + 3,), float("nan"))  # a dirty scratch buffer changes nothing
         assert torch.equal(encode_int8(x, work), buf) and torch.equal(decode_int8(buf, n, torch.empty(n)), y)

@@ -7,14 +7,14 @@ scale per INT8_CHUNK elements) cannot be summed on the wire, so it is a ring wri
 adds its own fp32 segment and re-encodes it for the next hop; the owner of a finished
 segment encodes it once and those bytes go round unchanged in the all-gather, the owner
 keeping the decoded copy too. So every rank ends with bit-identical values, and each
-segment costs `planner.diloco.segment_bytes` on the wire (scales included), as the plan counts.
+segment costs `comm.layout.segment_bytes` on the wire (scales included), as the plan counts.
 """
 
 from __future__ import annotations
 
 import torch
 
-from smoltrain.planner.diloco import INT8_CHUNK, ring_segments, segment_bytes
+from smoltrain.comm.layout import INT8_CHUNK, ring_segments, segment_bytes
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

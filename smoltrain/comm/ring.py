@@ -9,7 +9,7 @@ against, `ring_allreduce_bytes`) can be read without the connection and failure 
 from __future__ import annotations
 
 from smoltrain.comm.exchange import _byte_view
-from smoltrain.planner.diloco import ring_segments as _segments  # the planner counts the same split
+from smoltrain.comm.layout import ring_segments as _segments  # the planner counts the same split
 
 # Two ranks and at most this many bytes: swap whole buffers instead of running the ring.
 SMALL_BYTES = 64 * 1024

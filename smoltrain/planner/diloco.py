@@ -11,8 +11,8 @@ links carry one all-reduce of the parameters every H steps instead of every step
 
 Segments are the ring's N nearly equal element ranges (the first numel % N get one more);
 a segment costs its elements at the sync dtype's size, and in int8 one fp32 scale per
-INT8_CHUNK elements more (the transport, smoltrain.comm.quantized, reads this layout from
-here, so plan and wire count the same bytes). Without `--inner-steps` the plan picks the
+INT8_CHUNK elements more: the transport's own layout (smoltrain.comm.layout), which the
+plan reads, so plan and wire count the same bytes. Without `--inner-steps` the plan picks the
 smallest H that keeps communication at or under `--target-comm` of the step time.
 """
 
@@ -21,34 +21,15 @@ from __future__ import annotations
 import math
 
 from smolnet.errors import UsageError
+from smoltrain.comm.layout import SYNC_BYTES, ring_segments, segment_bytes
 from smoltrain.planner.bottleneck import human_bytes, human_s
 from smoltrain.planner.traffic import Phase, Traffic, Transfer
 
-SYNC_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
-INT8_CHUNK = 1024  # int8 pseudo-gradients: one fp32 scale per this many elements
-SCALE_BYTES = 4
 TARGET_COMM = 0.1  # default share of the step time communication may take
 MAX_INNER_STEPS = 10_000
 FALLBACK_INNER_STEPS = 16  # `run` without a plan to pick H from
 MOMENTUM_FROM = 200  # outer steps from which the default outer step is Nesterov 0.7 / 0.9 (else plain averaging)
 UPDATE_PASSES = 12  # fp32 passes over the parameters per outer step (pseudo-gradient, casts, Nesterov, copy)
-
-
-def ring_segments(numel: int, world: int) -> list[tuple[int, int]]:
-    """Element ranges of the ring's segments: numel // world each, the first numel % world one more."""
-    base, extra = divmod(numel, world)
-    out, lo = [], 0
-    for i in range(world):
-        hi = lo + base + (1 if i < extra else 0)
-        out.append((lo, hi))
-        lo = hi
-    return out
-
-
-def segment_bytes(numel: int, dtype: str) -> int:
-    """Bytes one segment of `numel` pseudo-gradient elements takes on the wire."""
-    scales = SCALE_BYTES * math.ceil(numel / INT8_CHUNK) if dtype == "int8" else 0
-    return numel * SYNC_BYTES[dtype] + scales
 
 
 def rank_bytes(numel: int, dtype: str, world: int, rank: int) -> int:

@@ -8,8 +8,9 @@ setting (H, sync dtype) would beat it and by how much, or that none would.
 
 from __future__ import annotations
 
+from smoltrain.comm.layout import SYNC_BYTES
 from smoltrain.planner.bottleneck import human_bytes
-from smoltrain.planner.diloco import SYNC_BYTES, TARGET_COMM
+from smoltrain.planner.diloco import TARGET_COMM
 
 NEAR = 0.95  # the verdict's setting: the fewest bytes per token among those within 5% of the fastest
 
