@@ -15,7 +15,9 @@ def add_arguments(p) -> None:
     where.add_argument("--local", type=validate.RANKS, metavar="N", help="run N worker processes on loopback")
     where.add_argument("-i", "--inventory", help="run one worker per `cluster` host of this inventory")
     p.add_argument("--backend", default="socket", choices=("socket", "torch"))
-    p.add_argument("--model", default="tiny", help="built-in model name or a .json shape (default tiny)")
+    p.add_argument(
+        "--model", default="tiny", help="built-in model name, a .json shape or a Hugging Face folder (default tiny)"
+    )
     p.add_argument("--data", help="text file or folder (default: this Python's standard library sources)")
     p.add_argument("--steps", type=validate.STEPS, default=20)
     p.add_argument("--batch", type=validate.BATCH, default=8, help="global batch, in sequences")
@@ -168,6 +170,33 @@ OUTER_PACED = (
 )
 
 
+def check_checkpoint(spec) -> None:
+    """A Hugging Face folder the run can train: its tensors as config.json says, and a tokenizer."""
+    import os
+
+    from smoltrain.models.hf import Checkpoint, CheckpointError
+
+    if not os.path.isfile(os.path.join(spec.source, "tokenizer.json")):
+        raise UsageError(f"--model {spec.source}: no tokenizer.json (the run tokenizes --data with it)")
+    try:
+        Checkpoint(spec.source).check()
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
+
+
+def check_tokens(spec, corpus: bytes, seq: int) -> None:
+    """The corpus in the checkpoint's tokens: enough for a window, and every id inside the vocabulary."""
+    from smoltrain.models.data import tokenize
+
+    ids = tokenize(corpus, spec.source)
+    if len(ids) <= seq + 1:
+        raise UsageError(f"--data has {len(ids)} tokens, fewer than --seq {seq} + 1")
+    if int(ids.max()) >= spec.vocab:
+        raise UsageError(
+            f"--model {spec.source}: tokenizer.json gives id {int(ids.max())}, past the model's vocab {spec.vocab}"
+        )
+
+
 def run(args) -> int:
     from smoltrain.run.preflight import EarlyReport
 
@@ -192,6 +221,8 @@ def _run(args, early) -> int:
         spec = get_model(args.model)
     except ModelSpecError as e:
         raise UsageError(str(e)) from None
+    if spec.source:
+        check_checkpoint(spec)
 
     from smoltrain.run.config import RunConfig
     from smoltrain.run.controller import Controller, check_usage, plot_losses, rank_placements, route_source, write_json
@@ -253,6 +284,8 @@ def _run(args, early) -> int:
     from smoltrain.models.data import corpus_digest, load_corpus
 
     corpus = load_corpus(data, cfg.data_cap)
+    if spec.source:
+        check_tokens(spec, corpus, cfg.seq)
     cfg = cfg.replace(data_bytes=len(corpus), data_digest=corpus_digest(corpus))
     early.cfg = cfg
 

@@ -113,7 +113,12 @@ class GPT(nn.Module):
 
 
 def build_model(spec: ModelSpec, seed: int) -> GPT:
-    """The full model with GPT-2 style initialisation, a function of the seed only."""
+    """The full model with GPT-2 style initialisation, a function of the seed only; a Hugging Face
+    checkpoint's shape (`spec.source`) is that checkpoint's weights instead (models.causal)."""
+    if spec.source:
+        from smoltrain.models.causal import build
+
+        return build(spec)
     gen = torch.Generator().manual_seed(seed)
     model = GPT(spec)
     for name, p in model.named_parameters():
@@ -133,8 +138,11 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor, total_tokens: int) -> 
 
     Summing these shares over ranks gives the mean over the global batch, and so
     do their gradients: no rank needs to know how the batch was split.
+    Targets of -100 (transformers' ignore_index: prompt tokens, padding) carry no loss, and
+    `total_tokens` counts only the targets that do.
     """
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum") / total_tokens
+    logits = logits.reshape(-1, logits.shape[-1]).float()
+    return F.cross_entropy(logits, targets.reshape(-1), reduction="sum", ignore_index=-100) / total_tokens
 
 
 def split_units(n_units: int, layers: int, stages: int) -> list[range]:

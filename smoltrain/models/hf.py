@@ -26,7 +26,7 @@ class CheckpointError(SmolError):
 
 @dataclass(frozen=True)
 class HFConfig:
-    arch: str  # "llama" or "gpt2"
+    arch: str  # "llama", "qwen2", "qwen3" or "gpt2"
     vocab: int
     hidden: int
     layers: int
@@ -43,12 +43,23 @@ class HFConfig:
     eos: int | None = None
     name: str = ""
     act: str = "silu"  # gpt2: gelu_new (tanh) or gelu (exact)
+    qkv_bias: bool = False  # qwen2: biases on q, k, v only (none on o_proj)
+    qk_norm: bool = False  # qwen3: RMSNorm over each head of q and k, before RoPE
+    rope_scaling: tuple | None = None  # llama3: (factor, low_freq_factor, high_freq_factor, original_max)
+
+    @property
+    def family(self) -> str:
+        """The block code an arch runs: qwen2 and qwen3 are Llama blocks with biases or q/k norms."""
+        return "gpt2" if self.arch == "gpt2" else "llama"
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> HFConfig:
+        d = dict(d)
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = tuple(d["rope_scaling"])
         return cls(**d)
 
     def spec(self):
@@ -65,8 +76,13 @@ class HFConfig:
             ffn=self.ffn,
             ctx=self.ctx,
             tied_embeddings=self.tied,
-            gated_mlp=self.arch == "llama",
+            gated_mlp=self.family == "llama",
             learned_pos=self.arch == "gpt2",
+            arch=self.arch,
+            head_size=self.head_dim,
+            qkv_bias=self.bias or self.qkv_bias,
+            o_bias=self.bias,
+            qk_norm=self.qk_norm,
         )
 
 
@@ -88,30 +104,8 @@ def read_config(model_dir: str) -> HFConfig:
     dtype = TORCH_DTYPES.get(str(c.get("dtype") or c.get("torch_dtype") or "float32"), "fp32")
     name = Path(model_dir).resolve().name
     try:
-        if kind == "llama":
-            heads = int(c["num_attention_heads"])
-            rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-            if rope and rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-                raise CheckpointError(f"{path}: rope scaling {rope.get('rope_type')!r} is not supported")
-            theta = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
-            return HFConfig(
-                "llama",
-                vocab=int(c["vocab_size"]),
-                hidden=int(c["hidden_size"]),
-                layers=int(c["num_hidden_layers"]),
-                heads=heads,
-                kv_heads=int(c.get("num_key_value_heads") or heads),
-                head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
-                ffn=int(c["intermediate_size"]),
-                ctx=int(c["max_position_embeddings"]),
-                eps=float(c.get("rms_norm_eps", 1e-6)),
-                rope_theta=theta,
-                tied=bool(c.get("tie_word_embeddings", False)),
-                dtype=dtype,
-                bias=bool(c.get("attention_bias", False)),
-                eos=_first_eos(c.get("eos_token_id")),
-                name=name,
-            )
+        if kind in LLAMA_LIKE:
+            return _llama_like(kind, c, path, dtype, name)
         if kind == "gpt2":
             h, heads = int(c["n_embd"]), int(c["n_head"])
             return HFConfig(
@@ -134,14 +128,71 @@ def read_config(model_dir: str) -> HFConfig:
             )
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: missing or bad field {e}") from None
-    raise CheckpointError(f"{path}: unknown architecture {kind!r} (supported: llama, gpt2)")
+    raise CheckpointError(f"{path}: unknown architecture {kind!r} (supported: llama, qwen2, qwen3, gpt2)")
+
+
+LLAMA_LIKE = ("llama", "qwen2", "qwen3")
+
+
+def _rope(c: dict, path) -> tuple[float, tuple | None]:
+    """theta and the llama3 frequency scaling; any other rope type is named and refused."""
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    theta = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
+    if kind in ("default", None):
+        return theta, None
+    if kind == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        return theta, tuple(float(rope[k]) for k in keys)
+    raise CheckpointError(f"{path}: rope scaling type {kind!r} is not supported (default, llama3)")
+
+
+def _check_full_attention(c: dict, path) -> None:
+    """Sliding-window attention (Qwen's use_sliding_window, Mistral's window) is refused by name."""
+    types = c.get("layer_types")
+    if types and any(t != "full_attention" for t in types):
+        bad = sorted({t for t in types if t != "full_attention"})
+        raise CheckpointError(f"{path}: layer_types {bad} are not supported (full_attention only)")
+    if c.get("use_sliding_window") or (c.get("sliding_window") is not None and "use_sliding_window" not in c):
+        raise CheckpointError(f"{path}: sliding_window {c.get('sliding_window')} is not supported (full attention)")
+
+
+def _llama_like(kind: str, c: dict, path, dtype: str, name: str) -> HFConfig:
+    heads = int(c["num_attention_heads"])
+    theta, scaling = _rope(c, path)
+    _check_full_attention(c, path)
+    if c.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{path}: hidden_act {c.get('hidden_act')!r} is not supported (silu)")
+    if kind == "llama" and c.get("mlp_bias"):
+        raise CheckpointError(f"{path}: mlp_bias is not supported")
+    return HFConfig(
+        kind,
+        vocab=int(c["vocab_size"]),
+        hidden=int(c["hidden_size"]),
+        layers=int(c["num_hidden_layers"]),
+        heads=heads,
+        kv_heads=int(c.get("num_key_value_heads") or heads),
+        head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
+        ffn=int(c["intermediate_size"]),
+        ctx=int(c["max_position_embeddings"]),
+        eps=float(c.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        tied=bool(c.get("tie_word_embeddings", False)),
+        dtype=dtype,
+        bias=bool(c.get("attention_bias", False)) and kind != "qwen2",
+        eos=_first_eos(c.get("eos_token_id")),
+        name=name,
+        qkv_bias=kind == "qwen2",
+        qk_norm=kind == "qwen3",
+        rope_scaling=scaling,
+    )
 
 
 def expected_tensors(cfg: HFConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the model reads, by its checkpoint name (without a `transformer.` prefix), with its shape."""
     h, f, q, kv = cfg.hidden, cfg.ffn, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     out: dict[str, tuple[int, ...]] = {}
-    if cfg.arch == "llama":
+    if cfg.family == "llama":
         out["model.embed_tokens.weight"] = (cfg.vocab, h)
         for i in range(cfg.layers):
             p = f"model.layers.{i}."
@@ -158,14 +209,14 @@ def expected_tensors(cfg: HFConfig) -> dict[str, tuple[int, ...]]:
                     p + "post_attention_layernorm.weight": (h,),
                 }
             )
+            if cfg.bias or cfg.qkv_bias:
+                out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,)})
+                out[p + "self_attn.v_proj.bias"] = (kv,)
             if cfg.bias:
+                out[p + "self_attn.o_proj.bias"] = (h,)
+            if cfg.qk_norm:
                 out.update(
-                    {
-                        p + "self_attn.q_proj.bias": (q,),
-                        p + "self_attn.k_proj.bias": (kv,),
-                        p + "self_attn.v_proj.bias": (kv,),
-                        p + "self_attn.o_proj.bias": (h,),
-                    }
+                    {p + "self_attn.q_norm.weight": (cfg.head_dim,), p + "self_attn.k_norm.weight": (cfg.head_dim,)}
                 )
         out["model.norm.weight"] = (h,)
         if not cfg.tied:

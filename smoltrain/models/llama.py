@@ -20,6 +20,7 @@ over that row's own cache, exactly as the row would alone.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -49,13 +50,30 @@ class RMSNorm(torch.nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+def inv_freq(theta: float, head_dim: int, scaling: tuple | None = None) -> torch.Tensor:
+    """RoPE's inverse frequencies; `scaling` (factor, low, high, original context): Llama 3's
+    rescaling of the long wavelengths (transformers' _compute_llama3_parameters)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv
+    factor, low, high, orig = scaling
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > orig / low, inv / factor, inv)
+    smooth = (orig / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < orig / high) & ~(wavelen > orig / low)
+    return torch.where(medium, blended, scaled)
+
+
 @functools.lru_cache(maxsize=8)
-def rope_table(theta: float, head_dim: int, max_len: int, dtype, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def rope_table(
+    theta: float, head_dim: int, max_len: int, dtype, device="cpu", scaling: tuple | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin [max_len, head_dim] for positions 0..max_len-1.
 
     rotate_half(x) = cat(-x2, x1) = roll(x, hd/2) * sign, with sign -1 on the first half, so
     x*cos + rotate_half(x)*sin = x*cos + roll(x)*(sign*sin): the same products, fewer ops."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    inv = inv_freq(theta, head_dim, scaling)
     freqs = torch.arange(max_len).float()[:, None] * inv[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     sign = torch.cat((-torch.ones(head_dim // 2), torch.ones(head_dim // 2)))
@@ -109,7 +127,8 @@ class LlamaBlock(torch.nn.Module):
         dt = w["input_layernorm.weight"].dtype
         self.ln1, self.ln2 = w["input_layernorm.weight"], w["post_attention_layernorm.weight"]
         qkv = [f"self_attn.{p}_proj" for p in "qkv"]
-        bias = torch.cat([w[n + ".bias"] for n in qkv]) if cfg.bias else None
+        bias = torch.cat([w[n + ".bias"] for n in qkv]) if cfg.bias or cfg.qkv_bias else None
+        self.q_norm, self.k_norm = w.get("self_attn.q_norm.weight"), w.get("self_attn.k_norm.weight")  # qwen3
         self.qkv = Linear(torch.cat([w.pop(n + ".weight") for n in qkv]), bias, dt, quantize, one_row=one_row)
         self.o = Linear(w.pop("self_attn.o_proj.weight"), None, dt, quantize, one_row=one_row)
         self.o_bias = w.get("self_attn.o_proj.bias")  # added once, after the tp reduce
@@ -118,11 +137,12 @@ class LlamaBlock(torch.nn.Module):
         self.down = Linear(w.pop("mlp.down_proj.weight"), None, dt, quantize, one_row=one_row)
         self.caches: dict[int, KVCache] = {}  # slot -> its sequence's cache
         self.rope: dict[int, tuple] = {}  # slot -> its sequence's RoPE table
-        self.row_kernels = native.row_path(one_row, dt, self.ln1.device)  # `_one_token`
+        # `_one_token` (its kernel has no per-head q/k norm: qwen3 takes the torch path)
+        self.row_kernels = native.row_path(one_row, dt, self.ln1.device) and self.q_norm is None
 
     def weight_bytes(self) -> int:
         """Bytes of weights one token reads in this block."""
-        small = [t for t in (self.ln1, self.ln2, self.o_bias) if t is not None]
+        small = [t for t in (self.ln1, self.ln2, self.o_bias, self.q_norm, self.k_norm) if t is not None]
         return sum(lin.nbytes for lin in (self.qkv, self.o, self.gate_up, self.down)) + sum(
             t.numel() * t.element_size() for t in small
         )
@@ -131,7 +151,8 @@ class LlamaBlock(torch.nn.Module):
         """A new sequence in this slot: a fresh cache of max_len positions and its RoPE table."""
         dev = self.ln1.device
         self.caches[slot] = KVCache(self.kv_heads, self.cfg.head_dim, max_len, dtype, dev)
-        self.rope[slot] = rope_table(self.cfg.rope_theta, self.cfg.head_dim, max_len, dtype, str(dev))
+        scaling = tuple(self.cfg.rope_scaling) if self.cfg.rope_scaling else None
+        self.rope[slot] = rope_table(self.cfg.rope_theta, self.cfg.head_dim, max_len, dtype, str(dev), scaling)
 
     def _rope(self, rows, T: int):
         """cos, sin [rows, T, 1, hd]: each row's positions from its own sequence's table (a padding
@@ -149,7 +170,13 @@ class LlamaBlock(torch.nn.Module):
             return self._one_token(x, rows, reduce)
         hd, (n, T), H, KV = self.cfg.head_dim, x.shape[:2], self.heads, self.kv_heads
         qkv = self.qkv(rms_norm(x, self.ln1, self.cfg.eps)).view(n, T, H + 2 * KV, hd)
-        qk = apply_rope(qkv[:, :, : H + KV], *self._rope(rows, T))  # q and k heads rotated together
+        qk = qkv[:, :, : H + KV]
+        if self.q_norm is not None:
+            qk = torch.cat(
+                [rms_norm(qk[:, :, :H], self.q_norm, self.cfg.eps), rms_norm(qk[:, :, H:], self.k_norm, self.cfg.eps)],
+                2,
+            )
+        qk = apply_rope(qk, *self._rope(rows, T))  # q and k heads rotated together
         q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
         a = attend_rows(self.caches, rows, q, k, qkv[:, :, H + KV :].transpose(1, 2), H, KV)
         a = reduce(self.o(a.transpose(1, 2).reshape(n, T, H * hd)))
@@ -193,15 +220,13 @@ def shard_windows(cfg: HFConfig, rank: int, world: int) -> dict:
         "input_layernorm.weight": (None, None),
         "post_attention_layernorm.weight": (None, None),
     }
+    if cfg.bias or cfg.qkv_bias:
+        out.update({"self_attn.q_proj.bias": (q, None), "self_attn.k_proj.bias": (kv, None)})
+        out["self_attn.v_proj.bias"] = (kv, None)
     if cfg.bias:
-        out.update(
-            {
-                "self_attn.q_proj.bias": (q, None),
-                "self_attn.k_proj.bias": (kv, None),
-                "self_attn.v_proj.bias": (kv, None),
-                "self_attn.o_proj.bias": (None, None),
-            }
-        )
+        out["self_attn.o_proj.bias"] = (None, None)
+    if cfg.qk_norm:
+        out.update({"self_attn.q_norm.weight": (None, None), "self_attn.k_norm.weight": (None, None)})
     return out
 
 

@@ -33,31 +33,55 @@ class ModelSpec:
     experts: int = 1  # MoE experts per layer (1 = dense)
     top_k: int = 1  # experts each token visits
     learned_pos: bool = True  # learned position embeddings (GPT) vs rotary (Llama)
+    # A Hugging Face checkpoint (models.hf): its architecture, folder, and what the counts need
+    arch: str = ""  # "" (built-in shape), "llama", "qwen2", "qwen3" or "gpt2"
+    source: str = ""  # the checkpoint folder the trainer loads (models.causal); "" builds from the seed
+    head_size: int = 0  # head_dim when it is not hidden/heads (qwen3); 0: hidden // heads
+    qkv_bias: bool = False  # biases on q, k, v (qwen2, gpt2)
+    o_bias: bool = False  # a bias on the attention output (gpt2, llama attention_bias)
+    qk_norm: bool = False  # per-head RMSNorm of q and k (qwen3)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
+    @property
+    def rms(self) -> bool:
+        """RMSNorm (weight only) rather than LayerNorm (weight and bias): the Llama family."""
+        return self.arch in ("llama", "qwen2", "qwen3")
+
     def attn_params(self) -> int:
-        h = self.hidden
-        return h * h + 2 * h * self.kv_dim + h * h  # q, k, v, out
+        h, q = self.hidden, self.q_dim
+        bias = (q + 2 * self.kv_dim if self.qkv_bias else 0) + (h if self.o_bias else 0)
+        return 2 * h * q + 2 * h * self.kv_dim + bias  # q, k, v, out
 
     def mlp_params(self) -> int:
         per = (3 if self.gated_mlp else 2) * self.hidden * self.ffn
+        if self.arch == "gpt2":
+            per += self.ffn + self.hidden  # c_fc and c_proj biases
         return per * self.experts + (self.hidden * self.experts if self.experts > 1 else 0)
 
+    def norm_params(self) -> int:
+        """One norm's parameters: RMSNorm a weight, LayerNorm a weight and a bias."""
+        return self.hidden if self.rms else 2 * self.hidden
+
     def layer_params(self) -> int:
-        return self.attn_params() + self.mlp_params() + 4 * self.hidden  # + norms
+        qk = 2 * self.head_dim if self.qk_norm else 0
+        return self.attn_params() + self.mlp_params() + 2 * self.norm_params() + qk
 
     def embedding_params(self) -> int:
         emb = self.vocab * self.hidden
         pos = self.ctx * self.hidden if self.learned_pos else 0
         head = 0 if self.tied_embeddings else self.vocab * self.hidden
-        return emb + pos + head + 2 * self.hidden  # + final norm
+        return emb + pos + head + self.norm_params()  # + final norm
 
     def params(self) -> int:
         return self.layers * self.layer_params() + self.embedding_params()
@@ -131,10 +155,18 @@ BUILTIN: dict[str, ModelSpec] = {
 
 
 def get_model(name_or_file: str) -> ModelSpec:
-    """A built-in name, or a JSON file with ModelSpec's fields."""
+    """A built-in name, a JSON file with ModelSpec's fields, or a Hugging Face checkpoint folder
+    (its exact shape, with `source` set so the trainer loads its weights)."""
     if name_or_file in BUILTIN:
         return BUILTIN[name_or_file]
     p = Path(name_or_file)
+    if p.is_dir():
+        from smoltrain.models.hf import CheckpointError, read_config
+
+        try:
+            return replace(read_config(str(p)).spec(), source=str(p.resolve()))
+        except CheckpointError as e:
+            raise ModelSpecError(str(e)) from None
     if p.suffix == ".json" and p.exists():
         try:
             d = json.loads(p.read_text())
@@ -146,7 +178,9 @@ def get_model(name_or_file: str) -> ModelSpec:
         if spec.hidden % spec.heads or spec.heads % spec.kv_heads:
             raise ModelSpecError(f"{p}: hidden must divide by heads and heads by kv_heads")
         return spec
-    raise ModelSpecError(f"unknown model {name_or_file!r} (built-in: {', '.join(BUILTIN)}, or a .json file)")
+    raise ModelSpecError(
+        f"unknown model {name_or_file!r} (built-in: {', '.join(BUILTIN)}, a .json file or a Hugging Face folder)"
+    )
 
 
 def with_overrides(spec: ModelSpec, **kw) -> ModelSpec:

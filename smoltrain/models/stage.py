@@ -25,7 +25,7 @@ import torch
 from smoltrain.models import gpt2, llama
 from smoltrain.models.hf import Checkpoint, CheckpointError, expected_tensors
 
-ARCH = {"llama": llama, "gpt2": gpt2}
+ARCH = {"llama": llama, "gpt2": gpt2}  # by HFConfig.family
 TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MIN_ROWS = 4
 
@@ -104,7 +104,7 @@ class Stage(torch.nn.Module):
         ckpt.check(stage_tensors(cfg, first, last, is_first, is_last))
         if tp_world > 1:
             check_tp(cfg, tp_world)
-        mod = ARCH[cfg.arch]
+        mod = ARCH[cfg.family]
         self.mod = mod
         one = not batched
         self.blocks = [

@@ -114,7 +114,7 @@ def fsdp_units(model: ModelSpec) -> list[int]:
     A tied LM head is the embedding matrix: it is one parameter, gathered and reduced once
     (with the embedding unit), so the head unit holds only the final norm then."""
     emb = model.vocab * model.hidden + (model.ctx * model.hidden if model.learned_pos else 0)
-    head = 2 * model.hidden + (0 if model.tied_embeddings else model.vocab * model.hidden)
+    head = model.norm_params() + (0 if model.tied_embeddings else model.vocab * model.hidden)
     return [emb] + [model.layer_params()] * model.layers + [head]
 
 

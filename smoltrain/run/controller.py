@@ -150,6 +150,8 @@ class Controller:
             rec["step_s"] = max(rec["step_s"], msg["step_s"])
             rec["comm_s"] = max(rec["comm_s"], msg["comm_s"])
             rec.setdefault("by", {})[who] = (msg["step_s"], msg["comm_s"])  # per-rank timings (run/timings.py)
+            if msg.get("loss_tokens") is not None:
+                rec["loss_tokens"] = msg["loss_tokens"]
             if msg.get("loss") is not None:
                 rec["parts"][who] = msg["loss"]
                 if msg.get("weight") is not None:
@@ -353,7 +355,8 @@ class Controller:
                     continue
                 raise SmolError(f"step {k}: no loss reported")
             loss = step_loss(rec)
-            rows.append({"step": k, "loss": loss, "step_s": rec["step_s"], "comm_s": rec["comm_s"], "tokens": tokens})
+            row = {"step": k, "loss": loss, "step_s": rec["step_s"], "comm_s": rec["comm_s"], "tokens": tokens}
+            rows.append(dict(row, loss_tokens=rec.get("loss_tokens", tokens)))
         total_s = sum(r["step_s"] for r in rows)
         order = {n: i for i, n in enumerate(self.names)}
         from smoltrain.run.timings import rank_timings
@@ -385,6 +388,7 @@ class Controller:
             "tokens_per_s": (tokens * len(rows) / total_s) if total_s > 0 else None,
             "state_bytes": self.state_bytes,
             "threads": self.threads,
+            **model_sections(self.cfg),
             **self.extra_sections(tokens),
         }
 
@@ -417,6 +421,16 @@ class Controller:
             rows = sum(1 for k in self.steps if k >= self.cfg.start_step)
             out["tokens_per_s"] = tokens * rows / wall if wall > 0 else None
         return out
+
+
+def model_sections(cfg: RunConfig) -> dict:
+    """The report's `model` {name, arch, params}, `trainable_params` and `lora` (contract section 11)."""
+    spec = cfg.model
+    return {
+        "model": {"name": spec.name, "arch": spec.arch or "gpt", "params": spec.params()},
+        "trainable_params": spec.params(),
+        "lora": None,
+    }
 
 
 def step_loss(rec: dict) -> float:

@@ -16,7 +16,7 @@ import traceback
 import torch
 
 from smoltrain import registry
-from smoltrain.models.data import Batches, corpus_digest
+from smoltrain.models.data import corpus_digest, make_batches
 from smoltrain.run.channel import ControlClient
 from smoltrain.run.checkpoint import load_part, save_part
 from smoltrain.run.config import RunConfig
@@ -35,8 +35,10 @@ class Reporter:
         except (OSError, TimeoutError) as e:
             raise ConnectionError(f"lost the controller: {e}") from None
 
-    def step(self, step, loss, step_s, comm_s, sent, weight=None):
+    def step(self, step, loss, step_s, comm_s, sent, weight=None, loss_tokens=None):
         msg = {"type": "step", "step": step, "loss": loss, "step_s": step_s, "comm_s": comm_s, "sent": sent}
+        if loss_tokens is not None:  # targets of the global batch that carry loss (the same on every rank)
+            msg["loss_tokens"] = loss_tokens
         if weight is not None:  # the share of the batch this loss stands for (elastic: members change)
             msg["weight"] = weight
         self._send(msg)
@@ -162,7 +164,7 @@ def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, co
     torch.manual_seed(cfg.seed)
     if corpus_digest(corpus) != cfg.data_digest:
         raise ValueError("the corpus received from the controller does not match its digest")
-    batches = Batches(corpus, cfg.batch, cfg.seq, cfg.seed, holdout=cfg.eval_every > 0)
+    batches = make_batches(cfg, corpus)
     world = cfg.world_size
     info = registry.get(cfg.strategy, trainable=True)
     ps = info.parameter_server
@@ -227,7 +229,8 @@ def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, co
             step_s = time.perf_counter() - t0
             comm_s = (comm.take_seconds() if comm else 0.0) + ctx.comm_timer.take()
             sent = strat.sent_bytes()
-            rep.step(step, loss if strat.loss_owner else None, step_s, comm_s, sent, strat.weight)
+            loss_tokens = batches.loss_tokens(step) if strat.loss_owner else None
+            rep.step(step, loss if strat.loss_owner else None, step_s, comm_s, sent, strat.weight, loss_tokens)
             if eval_due(cfg, step):
                 held_out(strat, batches, comm, ctx.comm_timer, rep, step, device)
             if not ps and checkpoint_due(cfg, step + 1):

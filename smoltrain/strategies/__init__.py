@@ -185,6 +185,11 @@ def check_world(strategy: str, spec, world: int) -> None:
             f"{strategy}: {spec.kv_heads} KV head groups of {spec.name} do not divide over {world} ranks "
             f"(at most one rank per group)"
         )
+    if info.splits == "layers" and world > 1 and spec.source and spec.tied_embeddings:
+        raise UsageError(
+            f"{strategy}: {spec.name} ties its LM head to its embeddings, which would sit on two stages; "
+            "train it with dp, syncps, diloco or tp"
+        )
     if info.shards_params and spec.tied_embeddings:
         raise UsageError(f"{strategy}: {spec.name} ties its embeddings across units; use an untied model such as tiny")
 

@@ -93,10 +93,18 @@ class TensorParallel(Strategy):
         units = list(full.units)
         if ctx.world > 1:
             heads, ffn = ctx.head_range()  # the placement's split: uneven by speed, whole KV groups
-            units = [units[0]] + [ParallelBlock(b, heads, ffn, ctx.comm) for b in units[1:-1]] + [units[-1]]
+            units = [units[0]] + [self._split(b, heads, ffn) for b in units[1:-1]] + [units[-1]]
         self.model = nn.Sequential(*units).to(ctx.device)
         self.params = list(self.model.parameters())
         self.opt = make_optimizer(ctx.run.optimizer, self.params, ctx.lr)
+
+    def _split(self, block, heads, ffn):
+        """A Hugging Face block slices itself (models.causal: its biases once, on rank 0)."""
+        comm = self.ctx.comm
+        if not hasattr(block, "tp_slice"):
+            return ParallelBlock(block, heads, ffn, comm)
+        enter, leave = (lambda t: _AllReduceBackward.apply(t, comm)), (lambda t: _AllReduceForward.apply(t, comm))
+        return block.tp_slice(heads, ffn, enter, leave, keep_bias=self.ctx.rank == 0)
 
     def train_step(self, step: int) -> float | None:
         x, y = self.ctx.batches.global_batch(step)
