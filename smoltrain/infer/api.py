@@ -33,6 +33,7 @@ class BadRequest(SmolError):
 class Limits:
     max_body: int = 1 << 20  # bytes of JSON per request
     max_tokens: int = 4096  # the most one request may ask for (the context caps it too)
+    max_prompt: int | None = None  # prompt tokens (--max-prompt-tokens; None: the model's context)
 
 
 @dataclass
@@ -61,6 +62,10 @@ def parse_json(raw: bytes) -> dict:
         raise BadRequest(f"the body is not JSON: {e}") from None
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
+    try:  # a lone surrogate (\ud800) is valid JSON but no text: the tokenizer would fail on it
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest("the body holds a lone surrogate (\\ud800-\\udfff): not text") from None
     return body
 
 
@@ -151,6 +156,10 @@ def request(body: dict, chat: bool, svc, limits: Limits) -> tuple[Request, Optio
     top_p = _number(body, "top_p", 0.0, 1.0, 1.0, lo_open=True)
     seed = _int(body, "seed", SEED_RANGE[0], SEED_RANGE[1] - 1, 0)
     ids = svc.chat_ids(check_messages(body.get("messages"))) if chat else svc.encode(body.get("prompt"))
+    if limits.max_prompt is not None and len(ids) > limits.max_prompt:
+        raise BadRequest(
+            f"the prompt is {len(ids)} tokens; this server takes at most {limits.max_prompt} (--max-prompt-tokens)"
+        )
     room = svc.mc.ctx - len(ids)
     if room < 1:
         raise BadRequest(f"the prompt is {len(ids)} tokens; the model's context is {svc.mc.ctx}")

@@ -179,13 +179,22 @@ class Batcher:
         for lv, reason in done:
             self._leave(lv, reason)
 
-    def _leave(self, lv: Live, reason: str) -> None:
+    def fail(self, item: Item, why: str) -> None:
+        """The engine could not run this step: its requests end with reason `error`, the rest go on."""
+        if item.kind == PREFILL:
+            self.prefilling.discard(item.slots[0])
+        else:
+            self.in_flight.discard(item.lane)
+        for s in item.slots:
+            self._leave(self.live[s], "error", why)
+
+    def _leave(self, lv: Live, reason: str, error: str | None = None) -> None:
         if lv.lane is not None:
             self.lanes[lv.lane].remove(lv.slot)
         del self.live[lv.slot]
         self.free.append(lv.slot)
         self.free.sort()
-        self.on_done(lv.req.rid, reason, self._stats(lv))
+        self.on_done(lv.req.rid, reason, dict(self._stats(lv), error=error) if error else self._stats(lv))
 
     @staticmethod
     def _stats(lv: Live) -> dict:
@@ -203,12 +212,20 @@ class Batcher:
 
 def lead(engine, batcher: Batcher, keepalive_s: float = 10.0) -> None:
     """Rank 0's step loop: keep up to engine.depth steps in flight, take their tokens back in
-    order, and when idle tell the other ranks so every `keepalive_s` (they wait on the wire)."""
+    order, and when idle tell the other ranks so every `keepalive_s` (they wait on the wire).
+    A one-process engine (world 1) that raises on a step fails that step's requests alone: no
+    other rank has seen the step, so nothing is out of step; across ranks it ends the model."""
     inflight: deque = deque()
     while True:
         item = batcher.next_item() if len(inflight) < engine.depth else None
         if item is not None:
-            engine.issue(item)
+            try:
+                engine.issue(item)
+            except Exception as e:
+                if getattr(engine, "world", 1) != 1:
+                    raise
+                batcher.fail(item, f"the model failed this request: {type(e).__name__}: {e}")
+                continue
             inflight.append(item)
         elif inflight:
             done = inflight.popleft()

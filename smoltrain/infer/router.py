@@ -4,14 +4,17 @@
 Cluster, or one process). Each request goes to the replica with the fewest requests
 open (ties: the first). A replica that dies (a rank exits, fails, or stops answering
 the health check) leaves the rotation with a log line and the others go on; a
-request it failed before sending a single token is sent to another replica.
+request it was running when it died, before sending a single token, is sent to one
+other replica (once: a request that kills replicas must not kill them all). A request
+whose own submission failed its replica, or that failed alone (RequestFailed, reason
+`error`), is never sent again.
 """
 
 from __future__ import annotations
 
 import threading
 
-from smoltrain.infer.runner import RankDied
+from smoltrain.infer.runner import RankDied, RequestFailed
 
 
 class Ticket:
@@ -24,17 +27,24 @@ class Ticket:
         self.tokens = 0
         self.tried: set[int] = set()
         self.cancelled = False
+        self.lock = threading.Lock()
+        self.submitting = False  # a replica's failure now is this submit's: it raises, never re-sent
+        self.held = None  # such a failure when the submit went through after all: delivered after it
 
     def _token(self, tok: int) -> None:
         self.tokens += 1
         self.on_token(tok)
 
     def _done(self, reason, stats, error) -> None:
-        if error and not self.tokens and not self.cancelled:
+        with self.lock:
+            if self.submitting and error and reason is None:
+                self.held = (reason, stats, error)
+                return
+        if error and reason is None and not self.tokens and not self.cancelled and len(self.tried) < 2:
             self.router.log(f"replica {self.replica} failed request before its first token ({error}); retrying")
             try:
                 return self.router._place(self)
-            except RankDied as e:
+            except (RankDied, RequestFailed) as e:
                 error = str(e)
         self.on_done(reason, stats, error)
 
@@ -68,19 +78,27 @@ class Router:
         return t
 
     def _place(self, t: Ticket) -> None:
-        while True:
-            with self.lock:
-                order = sorted((i for i in self.alive() if i not in t.tried), key=lambda i: (self.runners[i].load, i))
-                if not order:
-                    raise RankDied(self.dead or "every replica failed this request")
-                i = order[0]
-                t.tried.add(i)
-                t.replica = i
-            try:
-                t.rid = self.runners[i].submit(t.req, t._token, t._done)
-                return
-            except RankDied:
-                self._check(i)
+        """To the least busy live replica not yet tried. A submit that fails the replica raises:
+        the request is not sent on (it may be what failed it); RequestFailed passes through."""
+        with self.lock:
+            order = sorted((i for i in self.alive() if i not in t.tried), key=lambda i: (self.runners[i].load, i))
+            if not order:
+                raise RankDied(self.dead or "every replica failed this request")
+            i = order[0]
+            t.tried.add(i)
+            t.replica = i
+        with t.lock:
+            t.submitting, t.held = True, None
+        try:
+            t.rid = self.runners[i].submit(t.req, t._token, t._done)
+        except RankDied:
+            self._check(i)
+            raise
+        finally:
+            with t.lock:
+                t.submitting, held = False, t.held
+        if held is not None:
+            t._done(*held)
 
     def _check(self, i: int) -> None:
         r = self.runners[i]

@@ -3,20 +3,54 @@
 A Runner takes requests at any time (`submit`), calls `on_token(id)` for each new token
 and `on_done(reason, stats, error)` once at the end; `cancel` ends a request early. The
 one-process reference (`LocalRunner`, launch.py) batches in a thread of its own; a
-Cluster of ranks (cluster.py) batches on its rank 0. Either way, a failure ends every open
-request with the one-line reason, and every later submit raises RankDied.
+Cluster of ranks (cluster.py) batches on its rank 0. Either way, a failure of the model ends
+every open request with the one-line reason, and every later submit raises RankDied; a failure
+of one request (its ids cannot be sent, the engine refused its step) ends that request alone:
+RequestFailed at submit, or `on_done("error", stats, why)`.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
+from array import array
 from dataclasses import replace
 
 from smolnet.errors import SmolError
 
+MAX_IDS = 1 << 22  # token ids one control frame may carry (16 MiB): far past any context
+
 
 class RankDied(SmolError):
     """A rank exited, failed or went silent; the model cannot serve until restarted."""
+
+
+class RequestFailed(SmolError):
+    """One request cannot run (its ids cannot be packed, the engine failed its step); the model serves on."""
+
+
+def pack_ids(ids) -> bytes:
+    """Token ids as a frame's payload (int32, little-endian): never in its JSON header, whose
+    64 KiB bound a long prompt would pass. An id outside int32 or too many is this request's error."""
+    if len(ids) > MAX_IDS:
+        raise RequestFailed(f"{len(ids)} token ids exceed the {MAX_IDS} one frame carries")
+    try:
+        a = array("i", ids)
+    except (OverflowError, TypeError) as e:
+        raise RequestFailed(f"token ids must be 32-bit integers ({e})") from None
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()
+
+
+def unpack_ids(payload: bytes) -> list[int]:
+    if len(payload) % 4:
+        raise ValueError(f"a token id payload of {len(payload)} bytes is not whole int32s")
+    a = array("i")
+    a.frombytes(payload)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tolist()
 
 
 class Runner:
@@ -40,7 +74,12 @@ class Runner:
                 rid = self.next_rid
                 self.next_rid += 1
                 self.handles[rid] = (on_token, on_done)
-            self._admit(replace(req, rid=rid))
+            try:
+                self._admit(replace(req, rid=rid))
+            except RequestFailed:  # nothing reached a rank: this request alone fails
+                with self.lock:
+                    self.handles.pop(rid, None)
+                raise
         return rid
 
     def _tokens(self, items) -> None:
@@ -50,10 +89,11 @@ class Runner:
                 h[0](int(tok))
 
     def _done(self, rid: int, reason: str, stats: dict) -> None:
+        """A request ended; reason `error`: it failed alone (stats["error"] says why)."""
         with self.lock:
             h = self.handles.pop(int(rid), None)
         if h is not None:
-            h[1](reason, stats, None)
+            h[1](reason, stats, (stats.get("error") or "the request failed") if reason == "error" else None)
 
     def _fail(self, why: str) -> None:
         with self.lock:
@@ -75,7 +115,7 @@ class Runner:
         self.submit(req, on_token, on_done)
         ended.wait()
         if box["error"]:
-            raise RankDied(box["error"])
+            raise (RequestFailed if box["reason"] == "error" else RankDied)(box["error"])
         out = []
         for r, (st, b) in enumerate(zip(self.stats(), before)):
             c, c0 = st["stats"], b["stats"]

@@ -76,6 +76,8 @@ class Service:
             raise BadRequest(str(e)) from None
         if not ids:
             raise BadRequest("the chat prompt is empty")
+        if any(not 0 <= i < self.mc.vocab for i in ids):  # a tokenizer larger than the model's embedding
+            raise BadRequest(f"the chat template gives a token id outside the vocabulary (0..{self.mc.vocab - 1})")
         return ids
 
     # --- the queue ---
