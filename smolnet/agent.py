@@ -64,7 +64,7 @@ class Agent:
         self.listener: AuthListener | None = None
         self.started = time.time()
         self.ops: dict[str, int] = {}
-        self.stats = {"accepted": 0, "rejected": 0, "errors": 0, "udp_acked": 0, "udp_dropped": 0}
+        self.stats = {"accepted": 0, "rejected": 0, "errors": 0, "forged": 0, "udp_acked": 0, "udp_dropped": 0}
         self.tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -90,6 +90,7 @@ class Agent:
             name="agent",
             preauth_timeout=min(self.handshake_timeout, PREAUTH_TIMEOUT),
             stats=self.stats,
+            with_key=True,
         )
         self.listener.start()
         while not self.stopping.wait(0.2 if self.lease else None):
@@ -97,7 +98,8 @@ class Agent:
                 log.warning("lease of %gs lapsed without word from a controller: stopping", self.lease)
                 self.stop()
 
-    def _authenticated(self, conn: socket.socket, peer) -> None:
+    def _authenticated(self, sock: socket.socket, peer, key: bytes) -> None:
+        conn = control.Conn(sock, key, client=False)
         if not self.slots.acquire(blocking=False):
             self.stats["busy"] += 1
             log.warning("%s:%d turned away: %d requests already running", peer[0], peer[1], MAX_CONNECTIONS)
@@ -146,16 +148,19 @@ class Agent:
                 log.warning("udp from %s: %s", peer, e)
 
     # -- TCP: one request per connection ---------------------------------------------------
-    def _handle(self, conn: socket.socket, peer) -> None:
+    def _handle(self, conn: control.Conn, peer) -> None:
         who = f"{peer[0]}:{peer[1]}"
         try:
-            kind, meta, _ = wire.recv_frame_header(conn, timeout=self.request_timeout, max_payload=0)
+            kind, meta, _ = conn.recv(self.request_timeout)
             if kind != control.KIND_REQUEST:
                 raise wire.WireError(f"expected a request frame, got kind {kind}")
             self._dispatch(conn, meta)
         except wire.AuthError as e:
             self.stats["rejected"] += 1
             log.warning("%s rejected: %s", who, e)
+        except wire.ForgedFrame as e:  # injected into the stream after the handshake: never acted on
+            self.stats["forged"] += 1
+            log.warning("%s: frame dropped, connection closed: %s", who, e)
         except (wire.WireError, TimeoutError, ValueError) as e:
             self.stats["errors"] += 1
             log.warning("%s dropped: %s", who, e)
@@ -173,16 +178,16 @@ class Agent:
             finally:
                 self.slots.release()
 
-    def _error(self, conn: socket.socket, msg: str) -> None:
+    def _error(self, conn: control.Conn, msg: str) -> None:
         try:
-            wire.send_frame(conn, control.KIND_ERROR, {"error": msg[:500]}, timeout=2.0)
+            conn.send(control.KIND_ERROR, {"error": msg[:500]}, timeout=2.0)
         except Exception:
             pass
 
-    def _reply(self, conn: socket.socket, meta: dict) -> None:
-        wire.send_frame(conn, control.KIND_REPLY, meta, timeout=REQUEST_TIMEOUT)
+    def _reply(self, conn: control.Conn, meta: dict) -> None:
+        conn.send(control.KIND_REPLY, meta, timeout=REQUEST_TIMEOUT)
 
-    def _dispatch(self, conn: socket.socket, req: dict) -> None:
+    def _dispatch(self, conn: control.Conn, req: dict) -> None:
         op = req.get("op")
         if isinstance(op, str) and op in OPS:
             self.ops[op] = self.ops.get(op, 0) + 1
@@ -205,7 +210,7 @@ class Agent:
             iface = req.get("iface") if isinstance(req.get("iface"), str) else None
             self._reply(conn, facts.collect_facts(self.bind, iface or self.iface))
         elif op == "echo":
-            rtt.serve_echo(conn, req)
+            rtt.serve_echo(conn.sock, req)
         elif op == "sink_open":
             s = self.sinks.open(req)
             try:
@@ -215,7 +220,7 @@ class Agent:
                 self.sinks.close(s)
             self._reply(conn, result)
         elif op == "sink_data":
-            throughput.serve_sink_data(conn, req, self.sinks)
+            throughput.serve_sink_data(conn.sock, req, self.sinks)
         elif op == "iperf3_server":
             lifetime = min(max(float(req.get("lifetime", 60)), 1.0), 300.0)
             try:
@@ -245,9 +250,10 @@ class Agent:
                 return rtt.measure_rtt(dst, port, self.secret, count=int(req.get("count", 300)), source=self.bind)
             if op == "pmtu":
                 return pmtu.measure_pmtu(dst, port, self.secret, source=self.bind)
-            duration = float(req.get("duration", 3.0))
-            omit = float(req.get("omit", 1.0))
-            streams = int(req.get("streams", 4))
+            # bounded here for both backends: iperf3 would run whatever it is given
+            duration = throughput._bounded(req.get("duration", 3.0), 0.1, throughput.MAX_DURATION, "duration")
+            omit = throughput._bounded(req.get("omit", 1.0), 0, throughput.MAX_OMIT, "omit")
+            streams = int(throughput._bounded(req.get("streams", 4), 1, throughput.MAX_STREAMS, "streams"))
             if req.get("backend") == "iperf3":
                 return iperf.run_client(dst, port, duration, omit, streams, source=self.bind)
             return throughput.send_builtin(dst, port, self.secret, duration, omit, streams, source=self.bind)

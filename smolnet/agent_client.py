@@ -53,8 +53,26 @@ class _Backoff:
         return True
 
 
-def open_agent(addr: str, port: int, secret: bytes, timeout: float = 5.0, source: str | None = None) -> socket.socket:
-    """A TCP connection to an agent that has passed the mutual secret check (busy: tried again
+class Conn:
+    """An agent connection past the mutual secret check, and the wire.Session that MACs every
+    frame on it (header and payload, in sequence): a frame injected into the TCP stream by a
+    third party after the handshake fails its MAC, is logged and ends the connection."""
+
+    def __init__(self, sock: socket.socket, key: bytes, client: bool):
+        self.sock, self.session = sock, wire.Session(key, client=client, full=True)
+
+    def send(self, kind: int, meta: dict, timeout: float) -> None:
+        wire.send_frame(self.sock, kind, meta, timeout=timeout, session=self.session)
+
+    def recv(self, timeout: float, max_payload: int = 0):
+        return wire.recv_frame(self.sock, timeout=timeout, max_payload=max_payload, session=self.session)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def open_agent(addr: str, port: int, secret: bytes, timeout: float = 5.0, source: str | None = None) -> Conn:
+    """A connection to an agent that has passed the mutual secret check (busy: tried again
     with backoff for up to `timeout`)."""
     backoff = _Backoff(timeout)
     while True:
@@ -65,14 +83,14 @@ def open_agent(addr: str, port: int, secret: bytes, timeout: float = 5.0, source
                 raise AgentBusy(f"agent at {addr}:{port} stayed busy for {timeout:g}s ({e})") from None
 
 
-def _open_once(addr: str, port: int, secret: bytes, timeout: float, source: str | None) -> socket.socket:
+def _open_once(addr: str, port: int, secret: bytes, timeout: float, source: str | None) -> Conn:
     try:
         sock = socket.create_connection((addr, port), timeout=timeout, source_address=(source, 0) if source else None)
     except OSError as e:
         raise AgentError(f"cannot connect to agent at {addr}:{port}: {e.strerror or e}") from None
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        wire.client_handshake(sock, secret, timeout=timeout)
+        key = wire.client_handshake(sock, secret, timeout=timeout)
     except (wire.BusyError, ConnectionResetError):
         sock.close()
         raise
@@ -88,16 +106,16 @@ def _open_once(addr: str, port: int, secret: bytes, timeout: float, source: str 
     except (wire.WireError, TimeoutError, OSError) as e:
         sock.close()
         raise AgentError(f"agent at {addr}:{port}: handshake failed: {e}") from None
-    return sock
+    return Conn(sock, key, client=True)
 
 
-def send_request(sock: socket.socket, op: str, /, timeout: float = 10.0, **params) -> None:
-    wire.send_frame(sock, KIND_REQUEST, {"op": op, **params}, timeout=timeout)
+def send_request(conn: Conn, op: str, /, timeout: float = 10.0, **params) -> None:
+    conn.send(KIND_REQUEST, {"op": op, **params}, timeout=timeout)
 
 
-def read_reply(sock: socket.socket, timeout: float, where: str = "agent") -> dict:
+def read_reply(conn: Conn, timeout: float, where: str = "agent") -> dict:
     try:
-        kind, meta, _ = wire.recv_frame(sock, timeout=timeout, max_payload=MAX_REPLY_PAYLOAD)
+        kind, meta, _ = conn.recv(timeout, max_payload=MAX_REPLY_PAYLOAD)
     except TimeoutError:
         raise AgentError(f"{where}: no reply within {timeout:g}s") from None
     except (wire.WireError, OSError) as e:
@@ -116,14 +134,14 @@ def call(
     """One request, one reply, connection closed; busy is asked again until connect_timeout."""
     backoff = _Backoff(connect_timeout)
     while True:
-        sock = open_agent(addr, port, secret, timeout=backoff.left())
+        conn = open_agent(addr, port, secret, timeout=backoff.left())
         try:
-            send_request(sock, op, **params)
-            return read_reply(sock, timeout, where=f"agent at {addr}:{port} ({op})")
+            send_request(conn, op, **params)
+            return read_reply(conn, timeout, where=f"agent at {addr}:{port} ({op})")
         except AgentBusy:
             if not backoff.sleep():
                 raise
         except (wire.WireError, TimeoutError, OSError) as e:
             raise AgentError(f"agent at {addr}:{port} ({op}): {e}") from None
         finally:
-            sock.close()
+            conn.close()

@@ -49,6 +49,10 @@ class PeerClosed(WireError):
     pass
 
 
+class ForgedFrame(WireError):
+    """A frame failed its session MAC: injected, replayed, reordered or altered on the way."""
+
+
 class BusyError(WireError):
     """The listener is shedding unauthenticated connections; retrying later may succeed."""
 
@@ -184,7 +188,7 @@ class Session:
 
     def check(self, head: bytes, tag: bytes) -> None:
         if not hmac.compare_digest(tag, self._tag(self.rx_key, self.rx_seq, b"H", head)):
-            raise WireError(f"frame {self.rx_seq} failed its MAC (injected, replayed or reordered)")
+            raise ForgedFrame(f"frame {self.rx_seq} failed its MAC (injected, replayed or reordered)")
         self.rx_seq += 1
 
     def seal_payload(self, data) -> bytes:
@@ -193,7 +197,7 @@ class Session:
 
     def check_payload(self, data, tag: bytes) -> None:
         if not hmac.compare_digest(tag, self._tag(self.rx_key, self.rx_seq - 1, b"P", data)):
-            raise WireError(f"frame {self.rx_seq - 1}: payload failed its MAC (corrupted or altered)")
+            raise ForgedFrame(f"frame {self.rx_seq - 1}: payload failed its MAC (corrupted or altered)")
 
 
 def pack_header(kind: int, meta: dict | None, payload_len: int) -> bytes:
@@ -241,18 +245,19 @@ def send_frame(
     session: Session | None = None,
 ) -> int:
     """Send one frame; the payload (any buffer) is sent without copying. Returns header bytes.
-    With a session the headers carry their MAC (the payload is covered by the JSON only)."""
+    With a session the headers carry their MAC, and with a `full` one the payload its own."""
     view = memoryview(payload).cast("B")
     head = pack_header(kind, meta, len(view))
     if session is not None:
         head += session.seal(head)
+    tail = session.seal_payload(view) if session is not None and session.full else b""
     deadline = _deadline(timeout)
-    if len(view) and len(view) < 64 * 1024:
-        send_all(sock, head + bytes(view), deadline)  # one segment for small messages
+    if len(view) < 64 * 1024:
+        send_all(sock, head + bytes(view) + tail, deadline)  # one segment for small messages
     else:
         send_all(sock, head, deadline)
-        if len(view):
-            send_all(sock, view, deadline)
+        send_all(sock, view, deadline)
+        send_all(sock, tail, deadline)
     return len(head)
 
 
@@ -262,7 +267,8 @@ def recv_frame_header(
     max_payload: int = DEFAULT_MAX_PAYLOAD,
     session: Session | None = None,
 ) -> tuple[int, dict, int]:
-    """Read the fixed and JSON headers; the caller then reads payload_len bytes itself."""
+    """Read the fixed and JSON headers; the caller then reads payload_len bytes itself (and,
+    with a `full` session, the payload's tag after them: use recv_frame unless it cannot)."""
     deadline = _deadline(timeout)
     fixed = recv_exact(sock, FRAME_HEADER.size, deadline)
     kind, json_len, payload_len = parse_header(fixed, max_payload)
@@ -281,6 +287,8 @@ def recv_frame(
     deadline = _deadline(timeout)
     kind, meta, n = recv_frame_header(sock, _remaining(deadline), max_payload, session)
     payload = recv_exact(sock, n, deadline) if n else b""
+    if session is not None and session.full:
+        session.check_payload(payload, recv_exact(sock, TAG_BYTES, deadline))
     return kind, meta, payload
 
 

@@ -44,6 +44,9 @@ TIERS = {
         "test_quant.py",
         "test_diloco_plan.py",
         "test_cost_core.py",
+        "test_finetune_data.py",
+        "test_lora.py",
+        "test_finetune_export.py",
     ],
     "process": [
         "test_agent.py",
@@ -65,6 +68,7 @@ TIERS = {
         "test_faults_listen.py",
         "test_faults_run.py",
         "test_faults_wire.py",
+        "test_faults_channels.py",
         "test_infer.py",
         "test_infer_export.py",
         "test_infer_serve.py",

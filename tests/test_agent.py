@@ -44,10 +44,9 @@ def raw(agent: Agent) -> socket.socket:
     return s
 
 
-def authed(agent: Agent) -> socket.socket:
+def authed(agent: Agent) -> control.Conn:
     s = raw(agent)
-    wire.client_handshake(s, SECRET, timeout=5)
-    return s
+    return control.Conn(s, wire.client_handshake(s, SECRET, timeout=5), client=True)
 
 
 def closed_by_peer(s: socket.socket, wait: float = 5.0) -> bool:
@@ -108,7 +107,7 @@ def test_garbage_instead_of_handshake(agents):
 def test_oversized_lengths_rejected_before_allocation(agents):
     a, _ = agents
     for json_len, payload_len in ((wire.MAX_JSON_BYTES + 1, 0), (2, 1 << 40), (0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF)):
-        s = authed(a)
+        s = authed(a).sock
         s.sendall(
             wire.FRAME_HEADER.pack(wire.FRAME_MAGIC, wire.FRAME_VERSION, control.KIND_REQUEST, 0, json_len, payload_len)
         )
@@ -121,21 +120,22 @@ def test_oversized_lengths_rejected_before_allocation(agents):
 def test_half_frames_and_bad_json(agents):
     a, _ = agents
     head = wire.pack_header(control.KIND_REQUEST, {"op": "ping"}, 0)
-    s = authed(a)
+    s = authed(a).sock
     s.sendall(head[:7])  # half a fixed header, then silence
     assert closed_by_peer(s)
     s.close()
-    s = authed(a)
+    s = authed(a).sock
     s.sendall(head[:-3])  # header complete, JSON cut short, then close
     s.shutdown(socket.SHUT_WR)
     assert closed_by_peer(s)
     s.close()
-    s = authed(a)
+    c = authed(a)
     js = b"[1, 2"
-    s.sendall(wire.FRAME_HEADER.pack(wire.FRAME_MAGIC, 1, control.KIND_REQUEST, 0, len(js), 0) + js)
-    kind, meta, _ = wire.recv_frame(s, timeout=5)
+    head = wire.FRAME_HEADER.pack(wire.FRAME_MAGIC, 1, control.KIND_REQUEST, 0, len(js), 0) + js
+    c.sock.sendall(head + c.session.seal(head) + c.session.seal_payload(b""))  # MACed, but not JSON
+    kind, meta, _ = c.recv(5)
     assert kind == control.KIND_ERROR and "JSON" in meta["error"]
-    s.close()
+    c.close()
     for op, bad in (
         ("nope", {}),
         ("rtt", {"dst": "not-an-ip", "port": 1}),

@@ -45,9 +45,10 @@ def measure_rtt(
     """Run on the pinging agent: `count` round trips to the echo of the agent at dst."""
     count = max(MIN_SAMPLES, min(int(count), MAX_SAMPLES))
     size = max(1, min(int(size), MAX_MESSAGE))
-    sock = control.open_agent(dst, port, secret, timeout=timeout, source=source)
+    conn = control.open_agent(dst, port, secret, timeout=timeout, source=source)
+    sock = conn.sock  # after the MACed request the echo bytes are the measurement, not commands
     try:
-        control.send_request(sock, "echo", size=size)
+        control.send_request(conn, "echo", size=size)
         msg = b"\x01" * size
         buf = memoryview(bytearray(size))
         samples = []

@@ -174,9 +174,9 @@ def send_builtin(
         control.send_request(ctl, "sink_open", streams=streams, omit=omit, duration=duration)
         sid = control.read_reply(ctl, 10.0, where=f"sink at {dst}")["session"]
         for _ in range(streams):
-            s = control.open_agent(dst, port, secret, timeout=5.0, source=source)
-            control.send_request(s, "sink_data", session=sid)
-            socks.append(s)
+            conn = control.open_agent(dst, port, secret, timeout=5.0, source=source)
+            socks.append(conn.sock)  # after the MACed request: raw bytes, only counted
+            control.send_request(conn, "sink_data", session=sid)
         payload = memoryview(os.urandom(CHUNK))
         sent = [0] * streams
         stop_at = time.monotonic() + omit + duration + 0.5

@@ -7,12 +7,16 @@ table once every rank has registered (so nobody dials a peer that is not listeni
 yet). Then rank i dials every rank j < i and accepts every rank j > i. Every
 connection, rendezvous and mesh alike, passes the cluster-secret challenge before a
 single frame is read from it; a stranger is logged and dropped and the wait goes on
-until the deadline.
+until the deadline. Every frame of the rendezvous and of the mesh greeting carries a
+MAC (wire.Session, under a key of its own derived from the connection's session key, so
+the mesh's data frames, which start their own sequence, can never be replayed into it).
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
+import hmac
 import logging
 import queue
 import socket
@@ -54,6 +58,11 @@ def listen(addr: str, port: int, backlog: int = 16, or_any: bool = False) -> soc
     s = listen(addr, 0, backlog)
     log.warning("%s:%s is taken; listening for peers on %s:%s instead", addr, port, addr, s.getsockname()[1])
     return s
+
+
+def hello_session(key: bytes, client: bool) -> wire.Session:
+    """The MACs of a connection's greeting frames (registration, table, mesh hello)."""
+    return wire.Session(hmac.new(key, b"rendezvous", hashlib.sha256).digest(), client=client, full=True)
 
 
 def _left(deadline: float) -> float:
@@ -115,16 +124,18 @@ class Inbox:
         self.server = AuthListener(listener, secret, self._first_frame, name=where, with_key=True).start()
 
     def _first_frame(self, s: socket.socket, peer, key: bytes) -> None:
+        ses = hello_session(key, client=False)
         try:
-            kind, meta, _ = wire.recv_frame(s, timeout=HANDSHAKE_TIMEOUT, max_payload=0)
+            kind, meta, _ = wire.recv_frame(s, timeout=HANDSHAKE_TIMEOUT, max_payload=0, session=ses)
         except (wire.WireError, OSError, TimeoutError) as e:
             log.warning("%s: dropped connection from %s:%s: %s", self.where, peer[0], peer[1], e)
             s.close()
             return
-        self.queue.put((s, kind, meta, key))
+        self.queue.put((s, kind, meta, key, ses))
 
     def next(self, deadline: float):
-        """(sock, kind, meta, session key) of the next authenticated connection, or TimeoutError."""
+        """(sock, kind, meta, session key, greeting session) of the next authenticated connection,
+        or TimeoutError."""
         left = _left(deadline)
         if left <= 0:
             raise TimeoutError
@@ -166,15 +177,17 @@ def rendezvous(
         return [(my_addr, my_port)]
     if rank == 0:
         return _serve_table(world_size, coordinator_addr, port, secret, my_addr, my_port, deadline)
-    s, _ = dial_authenticated(coordinator_addr, port, secret, deadline, "rank 0 (rendezvous)", 0)
+    s, key = dial_authenticated(coordinator_addr, port, secret, deadline, "rank 0 (rendezvous)", 0)
+    ses = hello_session(key, client=True)
     try:
         wire.send_frame(
             s,
             K_HELLO,
             {"rank": rank, "world_size": world_size, "addr": my_addr, "port": my_port},
             timeout=max(_left(deadline), 0.1),
+            session=ses,
         )
-        kind, meta, _ = wire.recv_frame(s, timeout=max(_left(deadline), 0.1), max_payload=0)
+        kind, meta, _ = wire.recv_frame(s, timeout=max(_left(deadline), 0.1), max_payload=0, session=ses)
     except (wire.WireError, OSError, TimeoutError) as e:
         raise CommError(f"rendezvous with rank 0 ({coordinator_addr}:{port}) failed: {e}", peer=0) from None
     finally:
@@ -197,14 +210,14 @@ def rendezvous(
 def _serve_table(world_size, coordinator_addr, port, secret, my_addr, my_port, deadline):
     table: list = [None] * world_size
     table[0] = (my_addr, my_port)
-    conns: dict[int, socket.socket] = {}
+    conns: dict[int, tuple[socket.socket, wire.Session]] = {}
     listener = listen(coordinator_addr, port, backlog=max(16, world_size))
     where = f"rendezvous {coordinator_addr}:{port}"
     inbox = Inbox(listener, secret, where)
     try:
         while len(conns) < world_size - 1:
             try:
-                s, kind, meta, key = inbox.next(deadline)
+                s, kind, meta, _, ses = inbox.next(deadline)
             except TimeoutError:
                 missing = [r for r in range(1, world_size) if r not in conns]
                 raise CommError(
@@ -223,21 +236,23 @@ def _serve_table(world_size, coordinator_addr, port, secret, my_addr, my_port, d
             if why:
                 log.warning("%s: %s", where, why)
                 try:
-                    wire.send_frame(s, K_REJECT, {"why": why}, timeout=1.0)
+                    wire.send_frame(s, K_REJECT, {"why": why}, timeout=1.0, session=ses)
                 except (OSError, TimeoutError, wire.WireError):
                     pass
                 s.close()
                 continue
-            conns[r] = s
+            conns[r] = (s, ses)
             table[r] = (meta["addr"], meta["port"])
-        for r, s in conns.items():
+        for r, (s, ses) in conns.items():
             try:
-                wire.send_frame(s, K_TABLE, {"table": [list(e) for e in table]}, timeout=max(_left(deadline), 1.0))
+                wire.send_frame(
+                    s, K_TABLE, {"table": [list(e) for e in table]}, timeout=max(_left(deadline), 1.0), session=ses
+                )
             except (OSError, TimeoutError) as e:
                 raise CommError(f"rank {r} ({table[r][0]}) left during rendezvous: {e}", peer=r) from None
     finally:
         inbox.close()
-        for s in conns.values():
+        for s, _ in conns.values():
             s.close()
         listener.close()
     return table
@@ -261,11 +276,17 @@ def connect_mesh(
     try:
         for j in range(rank):
             addr, port = table[j]
-            s, keys[j] = dial_authenticated(addr, port, secret, deadline, f"rank {j}", j)
-            keys[j] = (keys[j], True)
+            s, key = dial_authenticated(addr, port, secret, deadline, f"rank {j}", j)
+            keys[j] = (key, True)
             tune(s)
             try:
-                wire.send_frame(s, K_PEER, {"rank": rank, "world_size": world_size}, timeout=max(_left(deadline), 0.1))
+                wire.send_frame(
+                    s,
+                    K_PEER,
+                    {"rank": rank, "world_size": world_size},
+                    timeout=max(_left(deadline), 0.1),
+                    session=hello_session(key, client=True),
+                )
             except (wire.WireError, OSError, TimeoutError) as e:
                 s.close()
                 raise CommError(f"rank {j} ({addr}:{port}) dropped the connection: {e}", peer=j) from None
@@ -274,7 +295,7 @@ def connect_mesh(
         inbox = Inbox(listener, secret, where) if len(socks) < world_size - 1 else None
         while len(socks) < world_size - 1:
             try:
-                s, kind, meta, key = inbox.next(deadline)
+                s, kind, meta, key, _ = inbox.next(deadline)
             except TimeoutError:
                 missing = [j for j in range(rank + 1, world_size) if j not in socks]
                 raise CommError(

@@ -10,6 +10,7 @@ dies or goes silent ends every open request with its one-line reason, never a ha
 
 from __future__ import annotations
 
+import logging
 import queue
 import socket
 import sys
@@ -18,10 +19,12 @@ import time
 
 from smolnet import wire
 from smolnet.launcher import ProcessGroup, remote_log
+from smolnet.server import AuthListener
 from smoltrain.infer.config import InferConfig
 from smoltrain.infer.runner import RankDied, Runner
 
 MSG = 1
+log = logging.getLogger("smoltrain.infer")
 __all__ = ["Cluster", "RankDied"]
 
 
@@ -41,6 +44,7 @@ class Cluster(Runner):
         self.world = cfg.world_size
         self.group = ProcessGroup(secret, log_dir)  # the ranks, started by _launch
         self.socks: dict[int, socket.socket] = {}
+        self.sessions: dict[int, wire.Session] = {}  # every control frame MACed, payload too
         self.messages: queue.Queue = queue.Queue()
         self.replies: queue.Queue = queue.Queue()  # answers to `stats`
         self.send_lock = threading.Lock()
@@ -49,11 +53,14 @@ class Cluster(Runner):
 
     # --- start ---
     def start(self, timeout: float = 120.0) -> None:
+        """Handshakes run in parallel behind smolnet.server.AuthListener, so a few silent (or
+        hostile) connections cannot hold up the ranks' registration."""
         listener = socket.create_server((self.bind, 0))
-        listener.settimeout(0.5)
-        port = listener.getsockname()[1]
+        hellos: queue.Queue = queue.Queue()
+        server = AuthListener(listener, self.secret, self._greet(hellos), name="inference control", with_key=True)
         try:
-            self._launch(port)
+            server.start()
+            self._launch(server.port)
             deadline = time.monotonic() + timeout
             while len(self.socks) < self.world:
                 self._check_procs()
@@ -64,29 +71,48 @@ class Cluster(Runner):
                         f"({self.log_tail(self.cfg.names.index(missing[0])) or 'host unreachable?'})"
                     )
                 try:
-                    sock, _ = listener.accept()
-                except (TimeoutError, OSError):
+                    rank, sock, ses = hellos.get(timeout=0.5)
+                except queue.Empty:
                     continue
                 try:
-                    wire.server_handshake(sock, self.secret, timeout=10.0)
-                    _, hello, _ = wire.recv_frame(sock, timeout=10.0, max_payload=0)
-                    rank = int(hello.get("rank", -1))
-                    if hello.get("type") != "hello" or not 0 <= rank < self.world or rank in self.socks:
-                        raise wire.WireError(f"unexpected hello {hello}")
-                    wire.send_frame(sock, MSG, {"type": "config", "config": self.cfg.to_wire()}, timeout=10.0)
-                except (OSError, wire.WireError, TimeoutError, ValueError):
+                    if rank in self.socks:
+                        raise wire.WireError(f"rank {rank} is already registered")
+                    config = {"type": "config", "config": self.cfg.to_wire()}
+                    wire.send_frame(sock, MSG, config, timeout=10.0, session=ses)
+                except (OSError, wire.WireError, TimeoutError) as e:
+                    log.warning("inference control: dropped a registration of rank %s: %s", rank, e)
                     sock.close()
                     continue
-                self.socks[rank] = sock
+                self.socks[rank], self.sessions[rank] = sock, ses
                 threading.Thread(target=self._read, args=(rank, sock), daemon=True).start()
         finally:
-            listener.close()
+            server.close()
+            while not hellos.empty():
+                hellos.get_nowait()[1].close()
         ready = set()
         while len(ready) < self.world:
             rank, msg = self._next(timeout)
             if msg.get("type") == "ready":
                 ready.add(rank)
         threading.Thread(target=self._dispatch, daemon=True).start()
+
+    def _greet(self, hellos: queue.Queue):
+        """An authenticated connection's hello (MACed, as is every frame after it) to `hellos`."""
+
+        def greet(sock: socket.socket, peer, key: bytes) -> None:
+            ses = wire.Session(key, client=False, full=True)
+            try:
+                _, hello, _ = wire.recv_frame(sock, timeout=10.0, max_payload=0, session=ses)
+                rank = hello.get("rank")
+                if hello.get("type") != "hello" or not isinstance(rank, int) or not 0 <= rank < self.world:
+                    raise wire.WireError(f"unexpected hello {str(hello)[:120]}")
+            except (OSError, wire.WireError, TimeoutError) as e:
+                log.warning("inference control: dropped %s:%s: %s", peer[0], peer[1], e)
+                sock.close()
+                return
+            hellos.put((rank, sock, ses))
+
+        return greet
 
     def _launch(self, port: int) -> None:
         for r, p in enumerate(self.placements):
@@ -110,8 +136,10 @@ class Cluster(Runner):
     def _read(self, rank: int, sock: socket.socket) -> None:
         while True:
             try:
-                _, msg, _ = wire.recv_frame(sock, timeout=None, max_payload=0)
-            except (OSError, wire.WireError, TimeoutError):
+                _, msg, _ = wire.recv_frame(sock, timeout=None, max_payload=0, session=self.sessions[rank])
+            except (OSError, wire.WireError, TimeoutError) as e:
+                if isinstance(e, wire.WireError) and not isinstance(e, wire.PeerClosed):  # forged, altered: dropped
+                    log.warning("inference control: %s: frame dropped, connection closed: %s", self.cfg.names[rank], e)
                 self.messages.put((rank, {"type": "closed"}))
                 return
             self.messages.put((rank, msg))
@@ -223,16 +251,16 @@ class Cluster(Runner):
             raise RankDied(self.dead)
         try:
             with self.send_lock:
-                wire.send_frame(self.socks[rank], MSG, msg, timeout=10.0)
+                wire.send_frame(self.socks[rank], MSG, msg, timeout=10.0, session=self.sessions[rank])
         except (OSError, wire.WireError, TimeoutError) as e:
             self._fail(f"{self.cfg.names[rank]}: control connection lost ({e})")
             raise RankDied(self.dead) from None
 
     def close(self) -> None:
         self.closing = True
-        for s in list(self.socks.values()):
+        for r, s in list(self.socks.items()):
             try:
-                wire.send_frame(s, MSG, {"type": "quit"}, timeout=2.0)
+                wire.send_frame(s, MSG, {"type": "quit"}, timeout=2.0, session=self.sessions[r])
             except Exception:
                 pass
         self.group.wait(timeout=10)  # the ranks quit by themselves; stop kills what did not

@@ -31,11 +31,12 @@ class Control:
     """The worker's end of the control connection; a reader thread queues what arrives."""
 
     def __init__(self, addr: str, port: int, secret: bytes, rank: int):
-        self.sock = wire.connect(addr, port, secret, timeout=60.0, what="controller")
+        self.sock, key = wire.connect(addr, port, secret, timeout=60.0, what="controller", keyed=True)
+        self.session = wire.Session(key, client=True, full=True)  # every frame MACed, payload too
         self.lock = threading.Lock()
         self.inbox: queue.Queue = queue.Queue()
         self.send({"type": "hello", "rank": rank, "pid": os.getpid(), "host": socket.gethostname()})
-        kind, msg, _ = wire.recv_frame(self.sock, timeout=60.0, max_payload=0)
+        kind, msg, _ = wire.recv_frame(self.sock, timeout=60.0, max_payload=0, session=self.session)
         if msg.get("type") != "config":
             raise wire.WireError("the controller did not send a config")
         self.config = InferConfig.from_wire(msg.get("config"))
@@ -44,15 +45,17 @@ class Control:
     def _read(self) -> None:
         while True:
             try:
-                _, msg, _ = wire.recv_frame(self.sock, timeout=None, max_payload=0)
-            except (OSError, wire.WireError, TimeoutError):
+                _, msg, _ = wire.recv_frame(self.sock, timeout=None, max_payload=0, session=self.session)
+            except (OSError, wire.WireError, TimeoutError) as e:
+                if isinstance(e, wire.WireError) and not isinstance(e, wire.PeerClosed):  # forged, altered: dropped
+                    print(f"control connection: frame dropped, connection closed: {e}", file=sys.stderr, flush=True)
                 self.inbox.put({"type": "quit"})
                 return
             self.inbox.put(msg)
 
     def send(self, msg: dict) -> None:
         with self.lock:
-            wire.send_frame(self.sock, MSG, msg, timeout=30.0)
+            wire.send_frame(self.sock, MSG, msg, timeout=30.0, session=self.session)
 
 
 def serve(ctl: Control, rank: int, secret: bytes) -> None:
