@@ -44,9 +44,6 @@ TIERS = {
         "test_quant.py",
         "test_diloco_plan.py",
         "test_cost_core.py",
-        "test_finetune_data.py",
-        "test_lora.py",
-        "test_finetune_export.py",
     ],
     "process": [
         "test_agent.py",
