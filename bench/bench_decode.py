@@ -117,21 +117,19 @@ class Ours:
     def __init__(self, model: str, quantize: str | None, native: bool = True, huge: bool = True):
         """For the A/Bs: `native` False: torch's kernels and operations (and numpy's BLAS) instead of
         ours (models.native); `huge` False: the weights in 4 KB pages (models.hugepages)."""
-        from smoltrain.models import hugepages
-        from smoltrain.models import native as kernels
+        from smoltrain.models import backends, hugepages
         from smoltrain.models.hf import Checkpoint
         from smoltrain.models.stage import Stage
 
         ck = Checkpoint(model)
-        saved = kernels.library, hugepages.available
-        if not native:
-            kernels.library = lambda: None
+        saved = hugepages.available
         if not huge:
             hugepages.available = lambda: False
         try:
-            self.stage = Stage(ck, 0, ck.config.layers, True, True, quantize=quantize, batched=False)  # as `generate`
+            with backends.using("auto" if native else "torch"):
+                self.stage = Stage(ck, 0, ck.config.layers, True, True, quantize=quantize, batched=False)  # as `generate`
         finally:
-            kernels.library, hugepages.available = saved
+            hugepages.available = saved
         self.kernel = self.stage.blocks[0].qkv.kernel
 
     def first_logits(self, prompt):

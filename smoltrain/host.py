@@ -99,10 +99,14 @@ def copy_bandwidth(window: float = 0.05) -> float:
 
 
 def rank_facts(stage, threads: int, device: str) -> dict:
-    """What an inference rank tells the report about its machine: threads, device, the weight
-    bytes one decode step reads here, and the memory bandwidth they are read at."""
+    """What an inference rank tells the report about its machine: threads, device, the decode
+    kernels (models.backends), the weight bytes one decode step reads here, and the memory
+    bandwidth they are read at."""
+    from smoltrain.models import backends
+
     return {
         "threads": threads,
+        "kernels": backends.report(),
         "device": device,
         "weight_bytes_per_token": stage.weight_bytes_per_token(),
         "mem_bw_bytes_s": copy_bandwidth() if device == "cpu" else None,

@@ -46,6 +46,7 @@ TIERS = {
         "test_cost_core.py",
     ],
     "process": [
+        "test_backends.py",
         "test_agent.py",
         "test_cli.py",
         "test_comm.py",

@@ -8,7 +8,7 @@ import torch
 from need import need_native
 
 from smoltrain.infer.activations import Codec
-from smoltrain.models import quant
+from smoltrain.models import backends, quant
 
 
 def test_q4_layout_is_llama_cpp_q4_0():
@@ -30,22 +30,21 @@ def test_int8_is_symmetric_per_output_channel():
     assert q.tolist() == [[127, -50, 50], [127, 3, -127]]
 
 
-@pytest.mark.parametrize("kind,native", [("int8", True), ("q4", True), ("q4", False)])
-def test_kernel_equals_dequantised_reference(kind, native, monkeypatch):
-    """The low-bit kernel (fbgemm / int8pack; q4: ours, or torch's int4pack without a compiler)
-    against F.linear with the weight it dequantises to; the activations are rounded on the way
-    in (bf16 for the packed kernels, a per-call int8 scale for fbgemm and ours), so the
-    agreement is to that precision."""
-    if not native:
-        monkeypatch.setattr(quant.native, "library", lambda: None)
-    elif kind == "q4":
+@pytest.mark.parametrize("kind,native", [("int8", True), ("int8", False), ("q4", True), ("q4", False)])
+def test_kernel_equals_dequantised_reference(kind, native):
+    """The low-bit kernel (ours: Q8_0 / Q4_0 x Q8_0; torch's: fbgemm, int4pack) against
+    F.linear with the weight it dequantises to; the activations are rounded on the way in
+    (bf16 for the packed kernels, int8 scales for fbgemm and ours), so the agreement is to
+    that precision."""
+    if native:
         need_native()
     g = torch.Generator().manual_seed(0)
     w = torch.randn(64, 128, generator=g)
     x = torch.randn(3, 128, generator=g)
-    lin = quant.Linear(w, None, torch.float32, kind)
-    assert lin.kernel == {"int8": lin.kernel, "q4": "q4_0" if native else "int4pack"}[kind]
-    assert lin.kernel is not None  # the CPU kernel runs, not the fallback
+    with backends.using("native" if native else "torch"):
+        lin = quant.Linear(w, None, torch.float32, kind)
+    want = {("int8", True): "q8_0", ("int8", False): "fbgemm", ("q4", True): "q4_0", ("q4", False): "int4pack"}
+    assert lin.kernel == want[kind, native]  # the CPU kernel runs, not the fallback
     ref = torch.nn.functional.linear(x, lin.dequantized())
     got = lin(x)
     assert got.dtype == torch.float32 and got.shape == (3, 64)
@@ -54,17 +53,16 @@ def test_kernel_equals_dequantised_reference(kind, native, monkeypatch):
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_one_row_layer_is_the_same_product(native, monkeypatch):
-    """A one-row stage's fp32 layer runs our one-row product (or, without it, holds W transposed
-    for numpy's BLAS); decode rows (1) and a prefill (several) both equal F.linear to float
-    rounding, bias included. 83 columns: the vector loop's remainder too."""
-    if not native:
-        monkeypatch.setattr(quant.native, "library", lambda: None)
-    else:
+def test_one_row_layer_is_the_same_product(native):
+    """A one-row stage's fp32 layer runs our one-row product (or, under the torch backend,
+    holds W transposed for numpy's BLAS); decode rows (1) and a prefill (several) both equal
+    F.linear to float rounding, bias included. 83 columns: the vector loop's remainder too."""
+    if native:
         need_native()
     g = torch.Generator().manual_seed(2)
     w, b = torch.randn(48, 83, generator=g), torch.randn(48, generator=g)
-    lin = quant.Linear(w, b, torch.float32, one_row=True)
+    with backends.using("native" if native else "torch"):
+        lin = quant.Linear(w, b, torch.float32, one_row=True)
     if native:
         assert lin.kernel == "gemv" and lin.weight.shape == (48, 83)
     else:
@@ -97,11 +95,11 @@ def test_numpys_blas_runs_at_the_rank_thread_count():
         set_threads(before)
 
 
-def test_fallback_without_kernel_is_the_same_layer(monkeypatch):
-    monkeypatch.setattr(quant.native, "library", lambda: None)  # no C compiler: torch's kernels
+def test_fallback_without_kernel_is_the_same_layer():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(40, 64, generator=g)  # 40 rows: not a multiple of 16, so int4pack cannot take it
-    lin = quant.Linear(w, None, torch.float32, "q4")
+    with backends.using("torch"):
+        lin = quant.Linear(w, None, torch.float32, "q4")
     assert lin.kernel is None
     x = torch.randn(2, 64, generator=g)
     q, d = quant.quantize_q4(w)
@@ -113,8 +111,11 @@ def test_weight_bytes_match_the_planner():
 
     w = torch.randn(256, 1024)
     assert quant.Linear(w, None, torch.float32).nbytes == 256 * 1024 * weight_bytes(None, "fp32")
-    # int8: a byte a weight plus 16 bytes a row (fbgemm's fp64 scale and zero point): 1 + 16/1024
-    assert quant.Linear(w, None, torch.float32, "int8").nbytes <= 256 * 1024 * (1 + 16 / 1024)
+    # int8 (ours, Q8_0): a byte a weight and an fp16 scale per 32: 1 + 2/32; under torch's fbgemm
+    # a byte a weight plus 16 bytes a row (its fp64 scale and zero point), fewer
+    assert quant.Linear(w, None, torch.float32, "int8").nbytes <= 256 * 1024 * weight_bytes("int8", "fp32")
+    if backends.current().int8 == "q8_0":
+        assert quant.Linear(w, None, torch.float32, "int8").nbytes == 256 * 1024 * 17 / 16
     # q4: 4 bits a weight and a bf16 scale and zero per 32: exactly 5/8 byte a weight
     assert quant.Linear(w, None, torch.float32, "q4").nbytes == 256 * 1024 * weight_bytes("q4", "fp32")
 
@@ -262,8 +263,8 @@ def test_each_instruction_path_is_the_same_product(tmp_path, march, path):
     """kernels.c built for AVX2 alone (x86-64-v3: the maddubs dot, 256-bit sums) and for this
     machine: Q4_0 x Q8_0 and the one-row fp32 product against their references."""
     need_native()
-    so = quant.native.load(tmp_path / "k.so") if quant.native.build(tmp_path / "k.so", march) else None
-    assert so is not None
+    quant.native.build(tmp_path / "k.so", march)
+    so = quant.native.load(tmp_path / "k.so")
     if path is not None:
         assert so.simd() == path
     g = torch.Generator().manual_seed(5)
@@ -273,6 +274,28 @@ def test_each_instruction_path_is_the_same_product(tmp_path, march, path):
     ref = _q8_0(x).double() @ quant.dequantize_q4(q, d).double().t()
     assert (got.double() - ref).abs().max() < 1e-5 * ref.abs().max()
     assert torch.allclose(quant.native.gemv(x[0], w, so), w @ x[0], atol=1e-3)
+    q8, d8 = quant.quantize_q8_0(w)
+    got = quant.native.q8_mm(x, q8, d8, so)
+    ref = _q8_0(x).double() @ quant.dequantize_q8_0(q8, d8).double().t()
+    assert (got.double() - ref).abs().max() < 1e-5 * ref.abs().max()
+
+
+@pytest.mark.parametrize("n,k,m", [(64, 128, 1), (40, 96, 9)])
+def test_q8_0_kernel_is_q8_0_times_q8_0_and_rows_alike_batched(n, k, m):
+    """int8 under the native backend is llama.cpp's Q8_0 x Q8_0: weights and activations int8
+    per group of 32 (the weight's scale at fp16), in float64 here to float rounding; a row gets
+    the same bits alone or in a batch."""
+    need_native()
+    g = torch.Generator().manual_seed(8)
+    w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+    q, d = quant.quantize_q8_0(w)
+    assert q.dtype == torch.int8 and d.dtype == torch.float16 and int(q.abs().max()) == 127
+    assert (quant.dequantize_q8_0(q, d) - w).abs().max() <= d.float().max() / 2 + 1e-3
+    got = quant.native.q8_mm(x, q, d)
+    ref = _q8_0(x).double() @ quant.dequantize_q8_0(q, d).double().t()
+    assert (got.double() - ref).abs().max() < 1e-5 * ref.abs().max()
+    for i in range(m):
+        assert torch.equal(quant.native.q8_mm(x[i : i + 1], q, d), got[i : i + 1])
 
 
 @pytest.mark.parametrize("heads,kv_heads,pos", [(4, 2, 0), (4, 2, 6), (8, 8, 3), (6, 1, 9)])

@@ -127,6 +127,11 @@ def open_model(args, timeout: float = 120.0, seq: int | None = None, group=None,
             "*.safetensors, optional tokenizer.json)"
         )
     check_choices(args)
+    kernels = getattr(args, "kernels", None) or "auto"
+    if getattr(args, "inventory", None) is None:  # ranks on this machine: refuse here what they would
+        from smoltrain.models import backends
+
+        backends.select(kernels)
     strategy, placements, hosts = resolve(args) if group is None else (args.strategy, *group)
     world = len(placements)
     plan = None
@@ -161,6 +166,7 @@ def open_model(args, timeout: float = 120.0, seq: int | None = None, group=None,
         wire_dtype=getattr(args, "wire_dtype", None),
         threads=tuple(threads),
         devices=tuple(devices),
+        kernels=kernels,
     )
     if world == 1 and group is None:
         return Setup(LocalRunner(ckpt, cfg), cfg, ckpt, tok, hosts, None, plan)
@@ -255,6 +261,11 @@ def add_placement_arguments(p) -> None:
         help="--local: torch threads per rank (default: this machine's CPUs / ranks)",
     )
     p.add_argument("--device", help="--local: torch device of every rank (cpu, cuda, mps, auto; default cpu)")
+    p.add_argument(
+        "--kernels",
+        choices=("auto", "native", "kleidiai", "torch"),
+        help="decode kernels of every rank (default auto: the fastest the host has; docs/machine.md)",
+    )
     p.add_argument(
         "--placement",
         choices=("even", "auto"),

@@ -126,6 +126,7 @@ def build(
         "quantize": cfg.quantize,
         "wire_dtype": cfg.wire_dtype or cfg.dtype or mc.dtype,
         "threads": {name: s.get("threads") for name, s in zip(cfg.names, stats)},
+        "kernels": {name: s.get("kernels") for name, s in zip(cfg.names, stats)},
         "devices": {name: s.get("device") for name, s in zip(cfg.names, stats)},
         "ttft_s": r0["prefill_s"],
         "links": links,

@@ -61,11 +61,13 @@ class Control:
 def serve(ctl: Control, rank: int, secret: bytes) -> None:
 
     from smoltrain import host
+    from smoltrain.models import backends
     from smoltrain.models.hf import Checkpoint
     from smoltrain.models.stage import Stage
 
     cfg = ctl.config
     threads, device = host.setup(cfg.rank_threads(rank), cfg.rank_device(rank), cfg.dtype)
+    backends.select(cfg.kernels)  # a backend this host cannot run: the rank's one-line error
     world = cfg.world_size
     t0 = time.perf_counter()
     comm = None

@@ -6,18 +6,20 @@
   4.5 bits of information per weight.
 
 Batch-1 decode reads every weight once per token, so it runs at memory bandwidth: fewer
-bytes per weight is more tokens per second. torch's own CPU kernels do the low-bit matmul:
+bytes per weight is more tokens per second. Which kernel multiplies is the process's
+backend's choice (models.backends, named in every report):
 
-- int8 on x86: fbgemm's dynamic int8 linear (`quantized.linear_dynamic`), which quantises
-  the activations per call and multiplies int8 by int8, as llama.cpp's Q8_0 x Q8_0 dot does.
-  Measured on a 1024x2816 batch-1 shape, one thread: 3.4x fp32 `F.linear`, where
-  `_weight_int8pack_mm` (int8 weights, bf16 activations) made 1.6x and with fp32
-  activations 0.36x. Elsewhere (ARM) `_weight_int8pack_mm` with bf16 activations.
-- q4 on x86: our own Q4_0 x Q8_0 kernel (models/kernels.c, built for the machine on first
-  use: models.native), which multiplies the nibbles by int8 activations as llama.cpp does:
-  28-36 ns per thousand multiply-adds where torch's kernel below takes 53-57 (it widens every
-  weight to float). Elsewhere, or with no C compiler, `_weight_int4pack_mm_for_cpu` with bf16
-  activations (4.6x fp32 on that shape; with fp32 activations it is 6x slower than fp32).
+- `native` (ours, models.native: x86 AVX512/AVX2, Arm NEON): q4 as llama.cpp's Q4_0 x Q8_0;
+  int8 as its Q8_0 x Q8_0: the weight int8 per group of 32 with an fp16 scale each (1 + 1/16
+  bytes a weight, as llama.cpp's Q8_0), each call's activations int8 per group of 32.
+  fbgemm's dynamic int8 linear rounded activations with one 7-bit scale per call: 1.7x
+  llama.cpp's logit error on the same model (issue 39).
+- `kleidiai` (aarch64 torch): q4 through `_dyn_quant_matmul_4bit` (Q4_0's nibbles, bf16
+  scales, activations int8 per row); int8 as `torch`.
+- `torch`: int8 through fbgemm's dynamic int8 linear (per-channel weights) where built, else
+  `_weight_int8pack_mm` with bf16 activations; q4 through `_weight_int4pack_mm_for_cpu` with
+  bf16 activations (4.6x fp32 on a 1024x2816 shape; with fp32 activations 6x slower than fp32).
+  A matrix whose input is not whole groups of 32 takes these too.
 
 A quantised layer hands back the caller's dtype. Where no kernel exists (another device)
 the weight is dequantised on the fly: correct, not fast.
@@ -26,7 +28,7 @@ Full-width fp32 layers on the CPU go through oneDNN (`mkldnn_linear`, the weight
 its own layout): MKL's batch-1 sgemv read 14 GB/s where a copy moves 23 on the machine of
 BENCHMARKS.md (an AMD EPYC, which MKL serves a generic path), oneDNN 18. A layer that only
 ever multiplies one row (`one_row`: `generate`, one sequence at a time) runs our own
-one-row product on x86 (models.native: a dot product per weight row, 28 GB/s on the decode
+one-row product under the native backend (models.native: a dot product per weight row, 28 GB/s on the decode
 shapes there) and a prefill's several rows through F.linear on the same weight. Without
 it, the weight is held transposed, [in, out], for the BLAS numpy links (OpenBLAS in its
 Linux wheels, Accelerate on macOS): 17-25 GB/s there, where oneDNN read 13-19. With 2
@@ -43,7 +45,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from smoltrain.models import hugepages, native
+from smoltrain.models import backends, hugepages, native
 
 QUANTIZE = ("int8", "q4")
 GROUP = native.GROUP  # Q4_0's group along the input dimension
@@ -86,6 +88,27 @@ def quantize_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(n, k), d.reshape(n, k // GROUP)
 
 
+def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [N, K] in -127..127, d fp16 [N, K/32]): Q8_0, as llama.cpp's quantize_row_q8_0
+    does (q from the fp32 scale, the scale kept at fp16)."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // GROUP, GROUP)
+    d = g.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(g * torch.where(d > 0, 1 / d, torch.zeros_like(d))).clamp(-127, 127).to(torch.int8)
+    return q.reshape(n, k), d.reshape(n, k // GROUP).half()
+
+
+def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape
+    return (q.reshape(n, k // GROUP, GROUP).float() * d.float()[..., None]).reshape(n, k)
+
+
+def _nibbles_even_odd(q: torch.Tensor) -> torch.Tensor:
+    """q int [N, K] in 0..15 -> [N, K/2] bytes, element 2i in the low nibble and 2i+1 in the high
+    (the layout `_dyn_quant_pack_4bit_weight` takes)."""
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8).contiguous()
+
+
 def dequantize_int8(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return q.float() * s[:, None]
 
@@ -120,9 +143,10 @@ class Linear:
         self.kind, self.dtype = quantize, dtype
         self.bias = None if bias is None else bias.to(dtype)
         cpu = w.device.type == "cpu"
+        be = backends.current()
         if quantize is None:
             fp32_cpu = pack and cpu and dtype == torch.float32
-            if fp32_cpu and one_row and native.library():
+            if fp32_cpu and one_row and be.fp32_row == "gemv":
                 self.kernel, self.weight = "gemv", hugepages.hold(w.to(dtype).contiguous())
             elif fp32_cpu and one_row:  # [in, out], numpy's matmul
                 self.kernel, self.weight = "blas", hugepages.hold(w.to(dtype).t().contiguous())
@@ -132,6 +156,12 @@ class Linear:
                 if self.kernel:
                     self.weight = self.weight.to_mkldnn()
         elif quantize == "int8":
+            whole = w.shape[1] % GROUP == 0
+            if cpu and whole and be.int8 == "q8_0":
+                self.kernel = "q8_0"
+                q, d = quantize_q8_0(w)
+                self.q, self.scale = hugepages.hold(q), d.contiguous()
+                return
             q, s = quantize_int8(w)
             self.kernel = "fbgemm" if cpu and _fbgemm() else "int8pack" if cpu and _has("_weight_int8pack_mm") else None
             if self.kernel == "fbgemm":
@@ -141,9 +171,15 @@ class Linear:
         else:
             q, d = quantize_q4(w)
             fits = cpu and _has("_weight_int4pack_mm_for_cpu") and self.out_features % 16 == 0
-            self.kernel = "q4_0" if cpu and native.library() else "int4pack" if fits else None
+            self.kernel = be.q4 if cpu and be.q4 in ("q4_0", "kleidiai") else "int4pack" if fits else None
             if self.kernel == "q4_0":
                 self.q, self.scale = hugepages.hold(native.pack(q)), d.contiguous()  # Q4_0's bytes; fp32 scales
+            elif self.kernel == "kleidiai":  # Q4_0's nibbles, bf16 scales (KleidiAI's groupwise layout)
+                n, k = w.shape
+                self.q = torch.ops.aten._dyn_quant_pack_4bit_weight(
+                    _nibbles_even_odd(q), d.bfloat16(), None, GROUP, k, n
+                )
+                self.scale = torch.empty(0)
             elif self.kernel:
                 self.q = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
                 zeros = torch.zeros_like(d)  # the kernel computes (q - 8) * scale + zero; Q4_0 has no zero
@@ -171,6 +207,8 @@ class Linear:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 return torch.ops.quantized.linear_unpack(self.packed)[0].dequantize()
+        if self.kernel == "q8_0":
+            return dequantize_q8_0(self.q, self.scale)
         if self.kind == "int8":
             return dequantize_int8(self.q, self.scale.float())
         if not self.kernel:
@@ -178,6 +216,8 @@ class Linear:
         if self.kernel == "q4_0":
             return dequantize_q4(native.unpack(self.q), self.scale)
         eye = torch.eye(self.in_features)  # the kernel applied to the identity gives W^T exactly
+        if self.kernel == "kleidiai":
+            return self._kleidiai(eye).t().contiguous()
         return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.q, GROUP, self.scale.float()).t().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -200,6 +240,10 @@ class Linear:
         if not self.kernel:
             w = self.dequantized().to(x.dtype)
             y = F.linear(x2, w)
+        elif self.kernel == "q8_0":
+            y = native.q8_mm(x2, self.q, self.scale)
+        elif self.kernel == "kleidiai":
+            y = self._kleidiai(x2)
         elif self.kernel == "fbgemm":
             y = torch.ops.quantized.linear_dynamic(x2.float(), self.packed)
         elif self.kind == "int8":
@@ -210,3 +254,7 @@ class Linear:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(KERNEL_DTYPE), self.q, GROUP, self.scale)
         y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+    def _kleidiai(self, x2: torch.Tensor) -> torch.Tensor:
+        k, n = self.in_features, self.out_features
+        return torch.ops.aten._dyn_quant_matmul_4bit(x2.float().contiguous(), self.q, GROUP, k, n)

@@ -16,13 +16,14 @@ SCALE_BYTES = 4  # int8 on the wire: one fp32 absmax scale per token (llama.cpp'
 def weight_bytes(quantize: str | None, dtype: str) -> float:
     """Bytes a matmul layer reads per weight, scales included (models.quant.Linear.nbytes).
 
-    int8: 1, plus a scale per output row (negligible next to the row). q4: Q4_0's nibble per
+    int8: Q8_0's byte per weight and an fp16 scale per group of 32 (models.native; torch's
+    fbgemm, the fallback, holds one scale per row): 1 + 2/32. q4: Q4_0's nibble per
     weight and an fp32 scale per group of 32 (models.native; torch's packed kernel, the
     fallback, holds a bf16 scale and a bf16 zero point instead): 4 + 32/32 = 5 bits read."""
     if quantize is None:
         return float(ELEMENT_BYTES[dtype])
     if quantize == "int8":
-        return 1.0
+        return 17 / 16
     if quantize == "q4":
         return 5 / 8
     raise UsageError(f"--quantize {quantize}: choose from {', '.join(QUANTIZE)}")
