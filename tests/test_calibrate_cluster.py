@@ -28,24 +28,40 @@ def test_unreachable_host_is_reported_and_the_rest_measured():
         assert h["status"] == "ok" and h["flops"]["fp32"] > 0 and h["mem_bw_bytes_s"] > 0
         assert [s["batch"] for s in h["train_step"]] == [2, 8]
         assert all(s["seconds"] > 0 and s["model"] == "tiny" for s in h["train_step"])
-        assert all(0 < s["optimizer_seconds"] < s["seconds"] for s in h["train_step"])
+        assert all(s["optimizer_seconds"] > 0 for s in h["train_step"])  # how they compare: bench_calibrate
         assert h["cores"] >= 1 and h["usable_memory_bytes"] > 0 and "cpu_limit_cores" in h
         # decode's weight reads, timed per dtype and rows in the layers' own product
         assert sorted(h["decode_bw_bytes_s"]) == ["bf16", "fp32"]
         assert all(sorted(r) == ["1", "4", "8"] and min(r.values()) > 0 for r in h["decode_bw_bytes_s"].values())
-        # and what a layer costs beyond its products, timed in a real block: never less with more
-        # rows (a noisy pair keeps the fewer rows' figure, so equal is possible on a busy machine)
+        # and what a layer costs beyond its products, timed in a real block (its rule for noisy
+        # pairs: test_layer_overhead_never_falls_with_more_rows)
         assert sorted(h["decode_layer_s"]) == ["bf16", "fp32"]
         fp = h["decode_layer_s"]["fp32"]
-        assert sorted(fp) == ["1", "4", "8"] and 0 < fp["1"] <= fp["4"] <= fp["8"]
-        # and a decode step's per-token cost: one token through the model, timed, shorter than a training step
+        assert sorted(fp) == ["1", "4", "8"] and min(fp.values()) >= 0
+        # and a decode step's per-token cost: one token through the model, timed
         (dec,) = h["decode_step"]
-        assert dec["model"] == "tiny" and 0 < dec["seconds"] < h["train_step"][0]["seconds"]
+        assert dec["model"] == "tiny" and dec["seconds"] > 0
     check_any({**doc, "hosts": [a, b]})
     assert a["machine_id"] == b["machine_id"]  # one machine: measured one after another
     order = [n for n, w in seen if w == "measuring"]
     assert order == ["a", "b"]
     assert any(n == "gone" and w.startswith("failed") for n, w in seen)
+
+
+def test_layer_overhead_never_falls_with_more_rows(monkeypatch):
+    """A layer's cost beyond its products is the block's time less its products' time, per
+    layer, at the host's pace; a noisy pair that would make more rows cost less keeps the
+    fewer rows' figure. The timer is scripted (the real one runs in the test above): 1 row
+    takes 3 s whole and 1 s of products, 4 rows (noisy) 2 and 1, 8 rows 9 and 1."""
+    import torch
+
+    from smoltrain.calibration import probe
+
+    timed = iter([3.0, 1.0, 2.0, 1.0, 9.0, 1.0] * 2)  # fp32, then bf16
+    monkeypatch.setattr(probe, "cpu_seconds", lambda fn, calls=None: next(timed))
+    got = probe._overhead(torch, pace=2.0)
+    per = probe.OVERHEAD_LAYERS
+    assert got["fp32"] == pytest.approx({"1": 2 / per * 2, "4": 2 / per * 2, "8": 8 / per * 2})
 
 
 def test_cli_writes_the_report_and_exits_4_when_a_host_failed(tmp_path, capsys):

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from smolnet import wire
@@ -42,15 +43,24 @@ def test_parse_header_accepts_only_bounded_valid_headers(raw):
 
 @FUZZ
 @given(st.binary(max_size=512), st.booleans())
+@example(bytes(14), True)  # a whole empty frame: the call returns, and must return what it says
+@example(bytes(3) + b"\x00\x00\x00\x02\x00\x00\x00\x00\x00\x00\x00\x01{}z", True)
 def test_recv_frame_on_garbage_raises_wire_error_only(junk, with_magic):
+    """Garbage raises WireError and nothing else; where the bytes happen to hold a whole frame
+    (all-zero lengths are one), what comes back is exactly what those bytes say."""
     data = (wire.FRAME_MAGIC + bytes([wire.FRAME_VERSION]) + junk) if with_magic else junk
     s = _feed(data)
     try:
-        wire.recv_frame(s, timeout=2.0, max_payload=1 << 16)
+        kind, meta, payload = wire.recv_frame(s, timeout=2.0, max_payload=1 << 16)
     except wire.WireError:
-        pass
+        return
     finally:
         s.close()
+    head = wire.FRAME_HEADER.size
+    magic, version, k, _, json_len, n = wire.FRAME_HEADER.unpack(data[:head])
+    assert (magic, version) == (wire.FRAME_MAGIC, wire.FRAME_VERSION) and len(data) >= head + json_len + n
+    assert kind == k and payload == data[head + json_len : head + json_len + n]
+    assert meta == (json.loads(data[head : head + json_len]) if json_len else {})
 
 
 @FUZZ
