@@ -47,6 +47,7 @@ TIERS = {
     ],
     "process": [
         "test_backends.py",
+        "test_kernels_c.py",
         "test_agent.py",
         "test_cli.py",
         "test_comm.py",
