@@ -233,3 +233,18 @@ def test_no_compiler_is_named_in_the_generate_report(tmp_path):
     run = subprocess.run([*cmd, "--kernels", "native"], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and run.stderr.strip().count("\n") == 0
     assert "--kernels native: this host cannot run it (no C compiler" in run.stderr
+
+
+def test_huge_page_size_is_the_kernels(tmp_path):
+    """hpage_pmd_size says it (32 MB on a 16K-page arm64 kernel, the Pi 5's); 2 MB where absent or garbled."""
+    from smoltrain.models import hugepages
+
+    f = tmp_path / "hpage_pmd_size"
+    f.write_text("33554432\n")
+    assert hugepages.huge_size(f) == 32 << 20
+    for bad in ("", "abc", "3000000", "0"):
+        f.write_text(bad)
+        assert hugepages.huge_size(f) == 2 << 20
+    assert hugepages.huge_size(tmp_path / "none") == 2 << 20
+    if hugepages.PMD_SIZE.exists():
+        assert int(hugepages.PMD_SIZE.read_text()) == hugepages.HUGE

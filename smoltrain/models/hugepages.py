@@ -1,4 +1,5 @@
-"""Decode weights in transparent huge pages (2 MB) where Linux offers them.
+"""Decode weights in transparent huge pages where Linux offers them (2 MB on x86-64 and 4K-page
+arm64; 32 MB on a 16K-page arm64 kernel such as the Raspberry Pi 5's: read from the kernel).
 
 A batch-1 decode step streams every weight once, a row at a time. With 4 KB pages that is
 a TLB miss every 4 KB, a page walk the hardware prefetcher cannot run ahead of; with 2 MB
@@ -20,8 +21,20 @@ from pathlib import Path
 
 import torch
 
-HUGE = 2 << 20  # bytes in an x86-64 (and arm64 4K-granule) huge page
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+PMD_SIZE = Path("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size")
+
+
+def huge_size(path: Path = PMD_SIZE) -> int:
+    """Bytes in this kernel's transparent huge page; 2 MB where it does not say."""
+    try:
+        n = int(path.read_text())
+    except (OSError, ValueError):
+        return 2 << 20
+    return n if n > 0 and n & (n - 1) == 0 else 2 << 20
+
+
+HUGE = huge_size()
 
 
 @functools.lru_cache(maxsize=1)
