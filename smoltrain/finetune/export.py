@@ -1,0 +1,139 @@
+"""What a fine-tuning run leaves behind, in the forms the Hugging Face tools load.
+
+- `write_full`: a transformers folder (the base's config.json, `model.safetensors`, and the
+  base's tokenizer files and chat template) that `AutoModelForCausalLM.from_pretrained` and
+  `AutoTokenizer.from_pretrained` load, and that `generate`/`serve --model` read.
+- `write_adapter`: a PEFT adapter folder (`adapter_config.json`, `adapter_model.safetensors` with
+  `base_model.model.` key names) that `peft.PeftModel.from_pretrained(base, DIR)` loads.
+- `merged_state`: the base folder's tensors with an adapter folded in (PEFT's merge_and_unload),
+  for `export --merge`.
+
+A folder is written beside its destination and moved into place file by file (each an atomic
+rename), so a failed export leaves no half-written file behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+SAFETENSORS_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+
+
+def _publish(staging: Path, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    for f in sorted(staging.iterdir()):
+        os.replace(f, out / f.name)
+    staging.rmdir()
+    return out
+
+
+def _staging(out: Path) -> Path:
+    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def _write(out_dir: str, fill) -> Path:
+    out = Path(out_dir).resolve()
+    staging = _staging(out)
+    try:
+        fill(staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return _publish(staging, out)
+
+
+def write_full(out_dir: str, state: dict, base_dir: str, note: dict | None = None) -> Path:
+    """A transformers folder of `state` (the base folder's tensor names) with the base's config and tokenizer."""
+    from safetensors.torch import save_file
+
+    def fill(d: Path):
+        config = json.loads((Path(base_dir) / "config.json").read_text())
+        dtypes = {str(t.dtype) for t in state.values() if t.is_floating_point()}
+        if len(dtypes) == 1 and next(iter(dtypes)) in SAFETENSORS_DTYPES:
+            dt = SAFETENSORS_DTYPES[next(iter(dtypes))]
+            config["dtype" if "dtype" in config or "torch_dtype" not in config else "torch_dtype"] = dt
+        if note:
+            config["smoltrain"] = note
+        (d / "config.json").write_text(json.dumps(config, indent=2))
+        save_file(
+            {k: v.detach().contiguous() for k, v in state.items()}, str(d / "model.safetensors"), {"format": "pt"}
+        )
+        copy_tokenizer(base_dir, d)
+
+    return _write(out_dir, fill)
+
+
+def copy_tokenizer(base_dir: str, out: Path) -> None:
+    for name in TOKENIZER_FILES:
+        src = Path(base_dir) / name
+        if src.is_file():
+            shutil.copyfile(src, out / name)
+
+
+def adapter_config(lora_cfg, arch: str, base_dir: str, targets: list[str]) -> dict:
+    """PEFT's LoraConfig as adapter_config.json writes it (what vLLM and llama.cpp's converter read too)."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(Path(base_dir).resolve()),
+        "r": lora_cfg.rank,
+        "lora_alpha": lora_cfg.alpha,
+        "lora_dropout": lora_cfg.dropout,
+        "target_modules": sorted(targets),
+        "fan_in_fan_out": arch == "gpt2",
+        "bias": "none",
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+        "inference_mode": True,
+    }
+
+
+def write_adapter(out_dir: str, state: dict, lora_cfg, arch: str, base_dir: str) -> Path:
+    """A PEFT adapter folder of `state` ({layer.lora_A.weight: tensor}, names as lora.adapter_state gives)."""
+    from safetensors.torch import save_file
+
+    targets = lora_cfg.targets_for(arch)
+
+    def fill(d: Path):
+        cfg = adapter_config(lora_cfg, arch, base_dir, list(targets))
+        (d / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
+        tensors = {"base_model.model." + k: v.detach().contiguous() for k, v in state.items()}
+        save_file(tensors, str(d / "adapter_model.safetensors"), {"format": "pt"})
+
+    return _write(out_dir, fill)
+
+
+def merged_state(base_dir: str, adapter_dir: str) -> dict:
+    """Every tensor of the base folder, the adapted weights with the adapter folded in (fp32 sum, stored dtype)."""
+    from safetensors import safe_open
+
+    from smoltrain.finetune.adapter import AdaptedCheckpoint
+
+    ckpt = AdaptedCheckpoint(base_dir, adapter_dir)
+    out = {}
+    for key, (path, _, _) in ckpt.index.items():
+        with safe_open(path, framework="pt") as f:
+            t = f.get_tensor(key)
+        name = key.removeprefix(ckpt.prefix) if key != "lm_head.weight" else key
+        if name in ckpt.adapted:
+            t = (t.float() + ckpt.delta(name)).to(t.dtype)
+        out[key] = t
+    return out

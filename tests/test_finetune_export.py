@@ -1,0 +1,146 @@
+"""Export forms of a fine-tune: a PEFT adapter folder that peft loads and that gives our logits, the
+merged folder and a full folder that transformers load with equal logits (tokenizer and chat template
+kept), and `--adapter` for generate/serve: the base read with the adapter folded in."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from finetune_models import CHATS, make_finetune_checkpoint
+
+from smoltrain.finetune import lora
+from smoltrain.finetune.adapter import AdaptedCheckpoint, open_checkpoint
+from smoltrain.finetune.export import merged_state, write_adapter, write_full
+from smoltrain.finetune.lora import LoraConfig
+from smoltrain.models.hf import Checkpoint, CheckpointError
+
+IDS = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 11]])
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def tuned(request, tmp_path_factory):
+    """(arch, base folder, our adapted transformers model, its adapter folder)."""
+    import transformers
+
+    arch = request.param
+    base = make_finetune_checkpoint(str(tmp_path_factory.mktemp(arch)), arch=arch)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base).eval()
+    cfg = LoraConfig(rank=4, alpha=8.0, targets=None if arch == "gpt2" else ("q_proj", "v_proj", "down_proj"))
+    lora.apply(model, cfg, arch, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.2)
+    state = lora.adapter_state(model)
+    adapter = write_adapter(str(tmp_path_factory.mktemp("adapter") / "out"), state, cfg, arch, base)
+    return arch, base, model, str(adapter)
+
+
+def _logits(model, ids=IDS):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_the_adapter_folder_loads_in_peft_and_gives_our_logits(tuned):
+    import peft
+    import transformers
+
+    arch, base, ours, adapter = tuned
+    cfg = json.loads((Path(adapter) / "adapter_config.json").read_text())
+    assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and cfg["lora_alpha"] == 8.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), adapter).eval()
+    assert torch.allclose(_logits(pm), _logits(ours), atol=1e-5, rtol=1e-5)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(base).eval()
+    assert not torch.allclose(_logits(plain), _logits(ours), atol=1e-3)  # the adapter matters
+
+
+def test_the_merged_folder_loads_in_transformers_with_our_logits_and_tokenizer(tuned, tmp_path):
+    import transformers
+
+    arch, base, ours, adapter = tuned
+    out = write_full(str(tmp_path / "merged"), merged_state(base, adapter), base, note={"lora": "merged"})
+    m = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert torch.allclose(_logits(m), _logits(ours), atol=1e-4, rtol=1e-4)
+    tok, want = transformers.AutoTokenizer.from_pretrained(out), transformers.AutoTokenizer.from_pretrained(base)
+    assert tok.apply_chat_template(CHATS[0], tokenize=False) == want.apply_chat_template(CHATS[0], tokenize=False)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+
+
+def test_a_full_folder_of_trained_weights_loads_in_transformers(tuned, tmp_path):
+    import transformers
+
+    arch, base, _, _ = tuned
+    model = transformers.AutoModelForCausalLM.from_pretrained(base).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.01)
+    state = {k: v for k, v in model.state_dict().items() if k in Checkpoint(base).index}
+    out = write_full(str(tmp_path / "full"), state, base)
+    assert torch.allclose(_logits(transformers.AutoModelForCausalLM.from_pretrained(out)), _logits(model))
+
+
+def test_adapter_on_the_base_reads_as_the_merged_model(tuned, tmp_path):
+    """generate/serve --adapter: every weight a rank reads, whole or a tp window, is the merged weight."""
+    from smoltrain.models.stage import Stage, even_layers
+
+    arch, base, ours, adapter = tuned
+    merged = write_full(str(tmp_path / "merged"), merged_state(base, adapter), base)
+    a, m = open_checkpoint(base, adapter), Checkpoint(str(merged))
+    assert isinstance(a, AdaptedCheckpoint) and type(open_checkpoint(base)) is Checkpoint
+    assert a.adapted  # it adapts something
+    for name in a.adapted:
+        full = m.read(name)
+        assert torch.allclose(a.read(name), full, atol=1e-6)
+        assert torch.allclose(a.read(name, (1, 3), (2, 5)), full[1:3, 2:5], atol=1e-6)
+    layers = a.config.layers
+    (first, last), ids = even_layers(layers, 1)[0], IDS[:, :5]
+    got = Stage(a, first, last, True, True, batched=False)
+    want = Stage(m, first, last, True, True, batched=False)
+    got.open(0, 8), want.open(0, 8)
+    assert torch.allclose(got(ids, [0]), want(ids, [0]), atol=1e-5)
+    assert torch.allclose(got(ids[:, :1], [0]), _logits(ours, torch.cat([ids, ids[:, :1]], 1))[:, -1], atol=1e-4)
+
+
+def test_bad_adapters_are_one_line_errors(tuned, tmp_path):
+    arch, base, _, adapter = tuned
+    with pytest.raises(CheckpointError, match="not a folder"):
+        open_checkpoint(base, str(tmp_path / "nowhere"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no adapter_config.json"):
+        open_checkpoint(base, str(tmp_path / "empty"))
+    dora = tmp_path / "dora"
+    dora.mkdir()
+    cfg = json.loads((Path(adapter) / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps(dict(cfg, use_dora=True)))
+    with pytest.raises(CheckpointError, match="DoRA is not supported"):
+        open_checkpoint(base, str(dora))
+    other = make_finetune_checkpoint(str(tmp_path / "wide"), arch=arch, layers=1)
+    with pytest.raises(CheckpointError, match=r"adapts .*layers?.1|h\.1"):
+        open_checkpoint(other, adapter)  # an adapter of a 2-layer model on a 1-layer one
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text(json.dumps(cfg))
+    t = load_file(f"{adapter}/adapter_model.safetensors")
+    t = {k: (v[:, :-1].contiguous() if k.endswith("lora_A.weight") else v) for k, v in t.items()}
+    save_file(t, str(bad / "adapter_model.safetensors"))
+    with pytest.raises(CheckpointError, match="another model"):
+        open_checkpoint(base, str(bad))
+    # a failed write leaves nothing behind
+    with pytest.raises(CheckpointError):
+        write_full(str(tmp_path / "never"), merged_state(base, str(bad)), base)
+    assert not (tmp_path / "never").exists() and not list(tmp_path.glob(".never.partial-*"))
