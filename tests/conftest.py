@@ -68,6 +68,7 @@ TIERS = {
         "test_faults_run.py",
         "test_faults_wire.py",
         "test_faults_channels.py",
+        "test_faults_loads.py",
         "test_infer.py",
         "test_infer_export.py",
         "test_infer_serve.py",

@@ -93,6 +93,28 @@ def _first_eos(v):
 
 
 def read_config(model_dir: str) -> HFConfig:
+    """The checkpoint's config, its shapes checked (check_shapes) before anything uses them."""
+    cfg = _parse_config(model_dir)
+    check_shapes(cfg, Path(model_dir) / "config.json")
+    return cfg
+
+
+def check_shapes(cfg: HFConfig, path) -> None:
+    """Sizes a kernel divides or indexes by: the one-row attention maps q head h to kv head
+    h // (heads // kv_heads), so anything but 0 < kv_heads <= heads, heads % kv_heads == 0 would
+    divide by zero or read past the cache."""
+    sizes = {"vocab": cfg.vocab, "hidden": cfg.hidden, "layers": cfg.layers, "heads": cfg.heads}
+    sizes.update(kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, ffn=cfg.ffn, ctx=cfg.ctx)
+    bad = next((k for k, v in sizes.items() if not isinstance(v, int) or v <= 0), None)
+    if bad:
+        raise CheckpointError(f"{path}: {bad} is {sizes[bad]}; it must be a positive integer")
+    if cfg.kv_heads > cfg.heads or cfg.heads % cfg.kv_heads:
+        raise CheckpointError(f"{path}: {cfg.kv_heads} kv heads must divide the {cfg.heads} attention heads")
+    if cfg.family == "gpt2" and cfg.heads * cfg.head_dim != cfg.hidden:
+        raise CheckpointError(f"{path}: hidden size {cfg.hidden} is not a multiple of {cfg.heads} heads")
+
+
+def _parse_config(model_dir: str) -> HFConfig:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{model_dir}: no config.json (is this a Hugging Face checkpoint folder?)")
@@ -126,7 +148,7 @@ def read_config(model_dir: str) -> HFConfig:
                 name=name,
                 act=str(c.get("activation_function", "gelu_new")),
             )
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
         raise CheckpointError(f"{path}: missing or bad field {e}") from None
     raise CheckpointError(f"{path}: unknown architecture {kind!r} (supported: llama, qwen2, qwen3, gpt2)")
 
@@ -266,7 +288,11 @@ class Checkpoint:
                 with safe_open(str(fp), framework="pt") as f:
                     for k in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                         sl = f.get_slice(k)
+                        if k in self.index:  # which copy a rank read would depend on the file order
+                            raise CheckpointError(f"{fp}: tensor {k} is also in {self.index[k][0]}")
                         self.index[k] = (str(fp), tuple(sl.get_shape()), sl.get_dtype())
+            except CheckpointError:
+                raise
             except Exception as e:
                 raise CheckpointError(f"{fp}: not a readable safetensors file: {e}") from None
         self.prefix = "transformer." if self.config.arch == "gpt2" and "transformer.wte.weight" in self.index else ""

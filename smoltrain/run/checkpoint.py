@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +54,15 @@ def _durable_replace(tmp: Path, path: Path) -> None:
         raise
 
 
+def plain_part(part) -> bool:
+    """A part name that stays inside its step folder (complete.json is read from disk: a name
+    like `../../x` or `/etc/x` must never become a path)."""
+    return isinstance(part, str) and re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", part) is not None
+
+
 def part_path(root: str | os.PathLike, step: int, part: str) -> Path:
+    if not plain_part(part):
+        raise SmolError(f"checkpoint part name {str(part)[:80]!r} is not a plain file name")
     return step_dir(root, step) / f"{part}.safetensors"
 
 
@@ -231,6 +240,9 @@ def _read_marker(d: Path, step: int) -> dict:
         )
     ):
         raise ValueError("complete.json has malformed part digests")
+    bad = next((p for p in parts or () if not plain_part(p)), None)
+    if bad is not None:
+        raise ValueError(f"complete.json names a part {bad[:80]!r} that is not a plain file name")
     return meta
 
 
