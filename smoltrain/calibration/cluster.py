@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import copy
 import json
+import os
 import socket
 import statistics
 from collections.abc import Callable
@@ -44,6 +45,8 @@ def probe_argv(h: Host, model: str, seconds: float) -> list[str]:
     argv = [h.python, "-m", "smoltrain.calibration.probe", "--model", model, "--seconds", f"{seconds:g}"]
     if h.threads:
         argv += ["--threads", str(h.threads)]
+    if os.environ.get("SMOL_KERNELS", "auto") != "auto":  # calibrate --kernels (models.backends)
+        argv += ["--kernels", os.environ["SMOL_KERNELS"]]
     return argv + ["--device", h.torch_device]
 
 

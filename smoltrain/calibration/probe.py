@@ -431,6 +431,8 @@ def probe(
     from smoltrain import host
 
     threads, device = host.setup(threads, device)
+    from smoltrain.models import backends
+
     flops = dtype_flops(torch, w, device)
     mem_bw = copy_bw(torch, host.COPY_BYTES, w)
     pace = cpu_pace(max(PACE_WINDOW, w))
@@ -443,6 +445,7 @@ def probe(
         "cpu_period_s": cap[1] / 1e6 if cap else None,
         "threads": torch.get_num_threads(),
         "device": device,
+        "kernels": backends.report(),  # the decode kernels decode_bw and decode_layer_s ran on
         "torch": torch.__version__,
         "flops": flops,
         "mem_bw_bytes_s": mem_bw,
@@ -474,8 +477,12 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the CPUs this host may use)")
     p.add_argument("--device", default="cpu", help="torch device (smol_device: cpu, cuda, mps, auto)")
     p.add_argument("--seq", type=int, default=None)
+    p.add_argument("--kernels", default=None, help="decode kernels: auto, native, kleidiai, torch (models.backends)")
     a = p.parse_args(argv)
     try:
+        from smoltrain.models import backends
+
+        backends.select(a.kernels)
         doc = probe(a.model, a.seconds, a.threads, a.seq, a.device)
     except Exception as e:  # one line for the controller, which names the host
         print(f"probe failed: {type(e).__name__}: {e}", file=sys.stderr)

@@ -48,6 +48,11 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--device", default="cpu", help="--local: torch device to measure (cpu, cuda, mps, auto)")
     p.add_argument("--json", metavar="FILE", help="also write the profile here")
+    p.add_argument(
+        "--kernels",
+        choices=("auto", "native", "kleidiai", "torch"),
+        help="decode kernels to measure with (default auto: the fastest the host has; docs/machine.md)",
+    )
 
 
 def measure_train(torch, model_name: str, batch: int, seq: int, seconds: float) -> dict:
@@ -71,6 +76,7 @@ def calibrate(
 
     from smoltrain import host
     from smoltrain.calibration.probe import copy_bw, matmul_flops
+    from smoltrain.models import backends
 
     host.setup(threads)
     sizes = [256, 512, 1024]
@@ -85,6 +91,7 @@ def calibrate(
         "host": socket.gethostname(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "kernels": backends.report(),
         "cpu_count": os.cpu_count(),
         "flops_fp32": f32,
         "flops_fp16": f16,
@@ -106,8 +113,14 @@ write_atomic = write_json_atomic
 def run(args) -> int:
     from rich.console import Console
 
+    from smoltrain.models import backends
     from smoltrain.models.spec import ModelSpecError, get_model
     from smoltrain.planner.devices import calibration_path
+
+    if not getattr(args, "inventory", None):  # this machine measures: refuse here a backend it cannot run
+        backends.select(getattr(args, "kernels", None))
+    elif getattr(args, "kernels", None):
+        os.environ["SMOL_KERNELS"] = args.kernels  # each host's probe chooses (calibration.cluster.probe_argv)
 
     if args.model and args.model != "none":
         try:
