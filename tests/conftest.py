@@ -44,6 +44,8 @@ TIERS = {
         "test_quant.py",
         "test_diloco_plan.py",
         "test_cost_core.py",
+        "test_finetune_data.py",
+        "test_lora.py",
     ],
     "process": [
         "test_backends.py",
@@ -71,6 +73,7 @@ TIERS = {
         "test_faults_loads.py",
         "test_infer.py",
         "test_infer_export.py",
+        "test_finetune_export.py",
         "test_infer_serve.py",
         "test_placement_run.py",
         "test_demo_report.py",

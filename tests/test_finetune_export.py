@@ -144,3 +144,29 @@ def test_bad_adapters_are_one_line_errors(tuned, tmp_path):
     with pytest.raises(CheckpointError):
         write_full(str(tmp_path / "never"), merged_state(base, str(bad)), base)
     assert not (tmp_path / "never").exists() and not list(tmp_path.glob(".never.partial-*"))
+
+
+def _generate(tmp_path, *args) -> list[int]:
+    from smoltrain.cli import main
+
+    out = tmp_path / "gen.json"
+    argv = ["generate", "--prompt-ids", "5,17,42,99", "--max-new-tokens", "6", "--ignore-eos", "--json", str(out)]
+    assert main([*argv, *args]) == 0
+    return json.loads(out.read_text())["output_ids"]
+
+
+@pytest.mark.parametrize("tuned", ["llama"], indirect=True)  # one architecture is enough for the command line
+def test_generate_with_adapter_equals_the_merged_model(tuned, tmp_path, capsys):
+    """`--adapter` in one process and on tp ranks (the adapter folder travels as a path in the rank config)."""
+    arch, base, ours, adapter = tuned
+    merged = str(write_full(str(tmp_path / "merged"), merged_state(base, adapter), base))
+    want = _generate(tmp_path, "--strategy", "local", "--model", merged)
+    assert _generate(tmp_path, "--strategy", "local", "--model", base, "--adapter", adapter) == want
+    assert _generate(tmp_path, "--strategy", "tp", "--local", "2", "--model", base, "--adapter", adapter) == want
+    assert _generate(tmp_path, "--strategy", "local", "--model", base) != want  # the adapter changes the answer
+    from smoltrain.cli import main
+
+    capsys.readouterr()
+    rc = main(["generate", "--model", base, "--adapter", str(tmp_path), "--prompt-ids", "1", "--strategy", "local"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "no adapter_config.json" in err and "\n" not in err

@@ -26,6 +26,7 @@ class InferConfig:
     wire_dtype: str | None = None  # hidden states on the wire (infer.activations); None: the compute dtype
     threads: tuple[int, ...] = ()  # torch threads per rank; 0 or absent: the host's usable CPUs
     devices: tuple[str, ...] = ()  # torch device per rank (smol_device); absent: cpu
+    adapter_dir: str | None = None  # a PEFT LoRA adapter folded into the weights as they load (finetune.adapter)
     kernels: str = "auto"  # decode kernels of every rank (models.backends)
 
     @property

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from smolnet.errors import UsageError
 from smoltrain import validate
+from smoltrain.finetune.adapter import open_checkpoint
 from smoltrain.infer.config import InferConfig
 from smoltrain.infer.runner import RankDied, Runner
 from smoltrain.models.hf import Checkpoint, CheckpointError, load_tokenizer
@@ -127,6 +128,7 @@ def open_model(args, timeout: float = 120.0, seq: int | None = None, group=None,
             "*.safetensors, optional tokenizer.json)"
         )
     check_choices(args)
+    adapter_dir = os.path.abspath(args.adapter) if getattr(args, "adapter", None) else None
     kernels = getattr(args, "kernels", None) or "auto"
     if getattr(args, "inventory", None) is None:  # ranks on this machine: refuse here what they would
         from smoltrain.models import backends
@@ -136,7 +138,7 @@ def open_model(args, timeout: float = 120.0, seq: int | None = None, group=None,
     world = len(placements)
     plan = None
     try:
-        ckpt = Checkpoint(model_dir)
+        ckpt = open_checkpoint(model_dir, adapter_dir)
         ckpt.check()
         mc = ckpt.config
         if strategy == "tp" and world > 1:
@@ -157,6 +159,7 @@ def open_model(args, timeout: float = 120.0, seq: int | None = None, group=None,
         strategy=strategy if world > 1 else "local",
         backend=args.backend,
         model_dir=model_dir,
+        adapter_dir=adapter_dir,
         dtype=args.dtype,
         names=tuple(p.name for p in placements),
         layers=tuple(layers),
@@ -251,6 +254,7 @@ def add_placement_arguments(p) -> None:
     )
     where.add_argument("-i", "--inventory", help="one rank per `cluster` host of this inventory")
     p.add_argument("--model", required=True, help="Hugging Face checkpoint folder (same path on every host)")
+    p.add_argument("--adapter", help="PEFT LoRA adapter folder applied to --model as it loads (same path everywhere)")
     p.add_argument("--backend", default="socket", choices=("socket", "torch"))
     p.add_argument("--dtype", help="fp32, bf16 or fp16 (default: the checkpoint's dtype)")
     p.add_argument("--quantize", help="weights of every layer: int8 (per channel) or q4 (Q4_0, groups of 32)")

@@ -61,8 +61,8 @@ class Control:
 def serve(ctl: Control, rank: int, secret: bytes) -> None:
 
     from smoltrain import host
+    from smoltrain.finetune.adapter import open_checkpoint
     from smoltrain.models import backends
-    from smoltrain.models.hf import Checkpoint
     from smoltrain.models.stage import Stage
 
     cfg = ctl.config
@@ -87,7 +87,7 @@ def serve(ctl: Control, rank: int, secret: bytes) -> None:
     first, last = cfg.layers[rank]
     pp = cfg.strategy == "pp"
     stage = Stage(
-        Checkpoint(cfg.model_dir),
+        open_checkpoint(cfg.model_dir, cfg.adapter_dir),
         first,
         last,
         is_first=rank == 0 or not pp,
