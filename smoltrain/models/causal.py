@@ -41,8 +41,11 @@ class RMSNorm(nn.Module):
 class Conv1D(nn.Module):
     """GPT-2's linear layer: weight stored [in, out] as in the checkpoint (and as PEFT expects)."""
 
+    fan_in_fan_out = True  # PEFT's flag for a weight stored [in, out]
+
     def __init__(self, n_in: int, n_out: int, bias: bool = True):
         super().__init__()
+        self.in_features, self.out_features, self.nf = n_in, n_out, n_out
         self.weight = nn.Parameter(torch.zeros(n_in, n_out))
         self.bias = nn.Parameter(torch.zeros(n_out)) if bias else None
 
@@ -103,6 +106,7 @@ class LlamaBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.eps)
         self.mlp = LlamaMLP(cfg.hidden, ffn)
         self.enter, self.leave = _same, _same
+        self.partial_grads: list[nn.Parameter] = []  # tp: replicated weights whose gradients need a sum
 
     def forward(self, x):
         x = x + self.leave(self.self_attn(self.enter(self.input_layernorm(x))))
@@ -125,8 +129,9 @@ class LlamaBlock(nn.Module):
             b.o_proj.weight.copy_(a.o_proj.weight[:, qs])
             if b.o_proj.bias is not None:
                 b.o_proj.bias.copy_(a.o_proj.bias)
-            if cfg.qk_norm:
+            if cfg.qk_norm:  # shared by every rank's heads: each rank's gradient is a partial sum
                 b.q_norm.weight.copy_(a.q_norm.weight), b.k_norm.weight.copy_(a.k_norm.weight)
+                part.partial_grads = [b.q_norm.weight, b.k_norm.weight]
             part.mlp.gate_proj.weight.copy_(self.mlp.gate_proj.weight[fs])
             part.mlp.up_proj.weight.copy_(self.mlp.up_proj.weight[fs])
             part.mlp.down_proj.weight.copy_(self.mlp.down_proj.weight[:, fs])
@@ -231,12 +236,25 @@ class CausalLM(nn.Module):
             x = unit(x)
         return x
 
+    def hf_named_modules(self):
+        """(checkpoint module name, module) of every sub-module of the blocks and ends, e.g.
+        `model.layers.0.self_attn.q_proj` or GPT-2's `h.0.attn.c_attn`: what LoRA targets."""
+        n = len(self.units)
+        for i, unit in enumerate(self.units):
+            for name, mod in unit.named_modules():
+                if name:
+                    yield hf_name(self.cfg, i, name + ".weight", n)[: -len(".weight")], mod
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return hf_state_dict(self)
+
 
 def hf_name(cfg: HFConfig, unit: int, name: str, n_units: int) -> str:
     """The checkpoint key of parameter `name` of unit `unit` (without GPT-2's `transformer.` prefix)."""
     gpt2 = cfg.family == "gpt2"
     if unit == 0:
-        return {"wte.weight": "wte.weight" if gpt2 else "model.embed_tokens.weight", "wpe.weight": "wpe.weight"}[name]
+        table = "wte" if gpt2 else "model.embed_tokens"
+        return table + name[3:] if name.startswith("wte") else name
     if unit == n_units - 1:
         if name.startswith("lm_head"):
             return name

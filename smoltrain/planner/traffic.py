@@ -261,6 +261,8 @@ def tensor_allreduce_train(tr: Traffic, s: Step) -> None:
                 "all-reduce activations (2 fwd + 2 bwd per layer)",
             )
         )
+    if N > 1 and s.model.qk_norm:  # qwen3: every rank's heads share the q/k norm weights
+        tr.phases += all_reduce(N, 2 * s.model.layers * s.model.head_dim * s.a, "all-reduce q/k norm gradients")
     tr.notes.append("embeddings and LM head replicated: nothing else crosses the links")
 
 

@@ -54,6 +54,23 @@ class Context:
     def global_tokens(self) -> int:
         return self.run.global_tokens
 
+    def build_model(self):
+        """This run's whole model, the same on every rank: the built-in GPT from the seed, or a
+        Hugging Face checkpoint's weights (models.causal), with LoRA adapters when the run has them."""
+        from smoltrain.models.gpt import build_model
+
+        model = build_model(self.spec, self.seed)
+        if getattr(self.run, "lora", None):
+            from smoltrain.finetune.lora import LoraConfig, apply
+
+            apply(model, LoraConfig.from_dict(self.run.lora), self.spec.arch, self.seed)
+        return model
+
+    def loss_tokens(self, step: int) -> int:
+        """Targets of step's global batch that carry loss: the denominator of its mean loss
+        (batch*seq for text; fewer where a loss mask leaves prompts out)."""
+        return self.batches.loss_tokens(step)
+
     # --- this rank's part of the work, as the run's placement says (planner.placement) ---
     @property
     def placement(self) -> dict:
@@ -148,7 +165,7 @@ class Strategy(ABC):
         default fits the replicas: each evaluates its slice of the batch with its whole
         `self.model`, so a slow host evaluates as little as it trains on."""
         lo, hi = self.ctx.batch_range()
-        return mean_loss(self.model, x[lo:hi], y[lo:hi], y.numel())
+        return mean_loss(self.model, x[lo:hi], y[lo:hi], targets(y))
 
 
 def mean_loss(model, x, y, tokens: int | None = None) -> float:
@@ -161,7 +178,17 @@ def mean_loss(model, x, y, tokens: int | None = None) -> float:
     if x.shape[0] == 0:
         return 0.0
     with torch.no_grad():
-        return float(loss_sum(model(x), y, tokens or y.numel()))
+        return float(loss_sum(model(x), y, tokens or targets(y)))
+
+
+def targets(y) -> int:
+    """Targets of y that carry loss (not -100), at least 1: a mean's denominator."""
+    return max(1, int((y != -100).sum()))
+
+
+def trainable(module) -> list:
+    """The parameters a strategy trains, sends and updates: those not frozen (LoRA freezes the base)."""
+    return [p for p in module.parameters() if p.requires_grad]
 
 
 def eval_due(run, step: int) -> bool:

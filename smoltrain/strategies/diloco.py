@@ -39,9 +39,9 @@ import torch
 
 from smoltrain.comm import CommError, make_comm
 from smoltrain.comm.quantized import all_reduce_as
-from smoltrain.models.gpt import build_model, loss_sum
+from smoltrain.models.gpt import loss_sum
 from smoltrain.models.optim import make_optimizer
-from smoltrain.strategies import Context, Strategy, mean_loss
+from smoltrain.strategies import Context, Strategy, mean_loss, targets, trainable
 from smoltrain.strategies.parameter_server import flat_params
 from smoltrain.strategies.roster import Member, Roster
 
@@ -51,9 +51,9 @@ class DiLoCo(Strategy):
         super().__init__(ctx)
         run = ctx.run
         self.H, self.steps = run.inner_steps, run.steps
-        self.model = build_model(ctx.spec, ctx.seed).to(ctx.device)
+        self.model = ctx.build_model().to(ctx.device)
         self.flat = flat_params(self.model)  # the local weights, one buffer
-        self.params = list(self.model.parameters())
+        self.params = trainable(self.model)
         self.opt = make_optimizer(run.optimizer, self.params, ctx.lr)  # inner, never shared
         self.anchor = self.flat.detach().clone()  # the shared weights of the last outer step
         self.momentum = torch.zeros_like(self.flat)  # the outer Nesterov buffer (shared)
@@ -89,13 +89,13 @@ class DiLoCo(Strategy):
         if self.hi > self.lo:
             x, y = self.ctx.batches.slice(step, self.lo, self.hi)
             x, y = x.to(self.ctx.device), y.to(self.ctx.device)
-            loss = loss_sum(self.model(x), y, y.numel())  # the mean over this rank's own tokens
+            loss = loss_sum(self.model(x), y, targets(y))  # the mean over this rank's own tokens
             loss.backward()
             self.opt.step([p.grad for p in self.params])
             for p in self.params:
                 p.grad = None
             loss_value = float(loss.item())
-            self.tokens += y.numel()
+            self.tokens += targets(y)
         self.clock += time.perf_counter() - t0
         if (step + 1) % self.H == 0 or step + 1 == self.steps:
             self.outer_step(step // self.H)
@@ -196,7 +196,7 @@ class DiLoCo(Strategy):
         local = self.flat.clone()
         self.flat.copy_(self.anchor)
         try:
-            return mean_loss(self.model, x[self.lo : self.hi], y[self.lo : self.hi], y.numel())
+            return mean_loss(self.model, x[self.lo : self.hi], y[self.lo : self.hi], targets(y))
         finally:
             self.flat.copy_(local)
 

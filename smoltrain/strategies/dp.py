@@ -30,9 +30,9 @@ import threading
 import torch
 
 from smoltrain.host import spare_core
-from smoltrain.models.gpt import build_model, loss_sum
+from smoltrain.models.gpt import loss_sum
 from smoltrain.models.optim import make_optimizer
-from smoltrain.strategies import Context, Strategy
+from smoltrain.strategies import Context, Strategy, trainable
 
 WAIT_S = 120.0  # no bucket wait is unbounded
 
@@ -50,8 +50,8 @@ class DataParallel(Strategy):
     def __init__(self, ctx: Context, bucket_mb: float = 1.0, overlap: bool | None = None):
         """`overlap`: reduce buckets during backward (None: where a core is spare for it)."""
         super().__init__(ctx)
-        self.model = build_model(ctx.spec, ctx.seed).to(ctx.device)
-        self.params = list(self.model.parameters())
+        self.model = ctx.build_model().to(ctx.device)
+        self.params = trainable(self.model)
         self.opt = make_optimizer(ctx.run.optimizer, self.params, ctx.lr)
         self.lo, self.hi = ctx.batch_range()
         # Buckets in reverse parameter order: roughly the order backward finishes them.
@@ -102,7 +102,7 @@ class DataParallel(Strategy):
         if self.overlap:
             worker = threading.Thread(target=self._reduce_buckets, daemon=True)
             worker.start()
-        loss = loss_sum(self.model(x), y, self.ctx.global_tokens)
+        loss = loss_sum(self.model(x), y, self.ctx.loss_tokens(step))
         loss.backward()
         if worker is not None:
             worker.join(WAIT_S)

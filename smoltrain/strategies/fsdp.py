@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from smoltrain.models.gpt import build_model, loss_sum
+from smoltrain.models.gpt import loss_sum
 from smoltrain.models.optim import make_optimizer
-from smoltrain.strategies import Context, Strategy
+from smoltrain.strategies import Context, Strategy, targets
 
 
 class ShardedUnit:
@@ -75,7 +75,7 @@ class ShardedUnit:
 class FullyShardedDataParallel(Strategy):
     def __init__(self, ctx: Context):
         super().__init__(ctx)
-        model = build_model(ctx.spec, ctx.seed)
+        model = ctx.build_model()
         self.units = [ShardedUnit(u, ctx.rank, ctx.world, ctx.comm, ctx.device) for u in model.units]
         self.opt = make_optimizer(ctx.run.optimizer, [u.shard for u in self.units], ctx.lr)
         self.lo, self.hi = ctx.batch_range()  # uneven by the placement; shards stay even
@@ -96,7 +96,7 @@ class FullyShardedDataParallel(Strategy):
             inp = acts[i] if i == 0 else acts[i].detach().requires_grad_(True)
             out = u.module(inp)
             if i == len(self.units) - 1:
-                loss = loss_sum(out, y, self.ctx.global_tokens)
+                loss = loss_sum(out, y, self.ctx.loss_tokens(step))
                 loss.backward()
                 loss_value = float(loss.item())
             else:
@@ -117,7 +117,7 @@ class FullyShardedDataParallel(Strategy):
                 u.gather()
                 h = u.module(h)
                 u.free()
-            return float(loss_sum(h, y[self.lo : self.hi], y.numel()))
+            return float(loss_sum(h, y[self.lo : self.hi], targets(y)))
 
     def state_tensors(self) -> dict:
         st = {f"shard.{i}": u.shard for i, u in enumerate(self.units)}

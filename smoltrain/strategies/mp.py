@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from smoltrain.models.gpt import build_model, loss_sum
+from smoltrain.models.gpt import loss_sum
 from smoltrain.models.optim import make_optimizer
-from smoltrain.strategies import Context, Strategy
+from smoltrain.strategies import Context, Strategy, targets, trainable
 
 
 class StageStrategy(Strategy):
@@ -32,13 +32,13 @@ class StageStrategy(Strategy):
 
     def __init__(self, ctx: Context):
         super().__init__(ctx)
-        full = build_model(ctx.spec, ctx.seed)
+        full = ctx.build_model()
         self.first, self.last = ctx.rank == 0, ctx.rank == ctx.world - 1
         lo, hi = ctx.layer_range()  # the placement's cut (uneven by speed, or as even as it goes)
         units = range(0 if self.first else lo + 1, hi + 1 + (1 if self.last else 0))
         self.stage = nn.Sequential(*[full.units[i] for i in units]).to(ctx.device)
         self.loss_owner = self.last
-        self.params = list(self.stage.parameters())
+        self.params = trainable(self.stage)
         self.opt = make_optimizer(ctx.run.optimizer, self.params, ctx.lr)
 
     def act_shape(self, n_seq: int) -> tuple[int, int, int]:
@@ -64,7 +64,7 @@ class StageStrategy(Strategy):
             if not self.last:
                 self.send_to(out, self.ctx.rank + 1)
                 return None
-            return float(loss_sum(out, y, y.numel()))
+            return float(loss_sum(out, y, targets(y)))
 
     def state_tensors(self) -> dict:
         st = {f"param.{n}": p.detach() for n, p in self.stage.named_parameters()}
@@ -86,7 +86,7 @@ class ModelParallel(StageStrategy):
         inp = x if self.first else self.recv_from(r - 1, b).requires_grad_(True)
         out = self.stage(inp)
         if self.last:
-            loss = loss_sum(out, y, self.ctx.global_tokens)
+            loss = loss_sum(out, y, self.ctx.loss_tokens(step))
             loss.backward()
         else:
             self.send_to(out, r + 1)

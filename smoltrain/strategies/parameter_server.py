@@ -30,7 +30,6 @@ import torch
 from smolnet import wire
 from smolnet.server import AuthListener
 from smoltrain.comm.base import ByteCounter
-from smoltrain.models.gpt import build_model
 from smoltrain.models.optim import make_optimizer
 from smoltrain.planner.placement import named_batch_ranges
 
@@ -84,7 +83,7 @@ class ParameterServer:
         self.ctx, self.secret, self.expected, self.allow_join = ctx, secret, expected, allow_join
         self.barrier_timeout, self.start_timeout = barrier_timeout, start_timeout
         self.on_step, self.on_save = on_step, on_save  # callbacks (step, loss) and (step, tensors)
-        self.flat = flat_params(build_model(ctx.spec, ctx.seed))
+        self.flat = flat_params(ctx.build_model())
         self.opt = make_optimizer(ctx.run.optimizer, [self.flat], ctx.lr)
         self.sent = ByteCounter()  # payload bytes to each member, keyed by name
         self.received: dict[str, int] = {}  # payload bytes from each member

@@ -50,7 +50,7 @@ class PipelineParallel(StageStrategy):
         out = self.stage(inp)
         self.inputs[m] = inp
         if self.last:
-            out = loss_sum(out, self.y[lo:hi], self.ctx.global_tokens)
+            out = loss_sum(out, self.y[lo:hi], self.total)
             self.loss += float(out.item())
         self.outputs[m] = out
         return out
@@ -117,6 +117,7 @@ class PipelineParallel(StageStrategy):
     def train_step(self, step: int) -> float | None:
         x, y = self.ctx.batches.global_batch(step)
         self.x, self.y = x.to(self.ctx.device), y.to(self.ctx.device)
+        self.total = self.ctx.loss_tokens(step)
         self.inputs, self.outputs, self.loss = {}, {}, 0.0
         if self.ctx.schedule == "gpipe" or self.ctx.world == 1:
             self._gpipe()

@@ -26,7 +26,7 @@ import threading
 import torch
 
 from smoltrain import registry
-from smoltrain.models.gpt import build_model, loss_sum
+from smoltrain.models.gpt import loss_sum
 from smoltrain.strategies import Context, Strategy, eval_due, mean_loss
 from smoltrain.strategies.parameter_server import Member, ParameterServer, flat_params
 
@@ -52,7 +52,7 @@ class SyncParameterServer(Strategy):
                 self.server.load_state_tensors(ctx.server_state)
             self.thread = threading.Thread(target=self.server.serve, args=(run.start_step, run.steps), daemon=True)
             self.thread.start()
-        self.model = build_model(ctx.spec, ctx.seed).to(ctx.device)
+        self.model = ctx.build_model().to(ctx.device)
         self.flat = flat_params(self.model)
         self.wire_buf = torch.empty(self.flat.numel())  # parameters arrive in host memory
         self.params = list(self.model.parameters())
@@ -67,7 +67,7 @@ class SyncParameterServer(Strategy):
         self.ctx.reporter.loss(step, loss)
         if eval_due(self.ctx.run, step):
             if not hasattr(self, "eval_model"):
-                self.eval_model = build_model(self.ctx.spec, self.ctx.seed)
+                self.eval_model = self.ctx.build_model()
                 self.eval_flat = flat_params(self.eval_model)
             self.eval_flat.copy_(self.server.flat)
             held = [mean_loss(self.eval_model, x, y) for x, y in self.ctx.batches.eval_batches()]
@@ -88,7 +88,7 @@ class SyncParameterServer(Strategy):
         a = self.assignment
         x, y = self.ctx.batches.slice(step, a["lo"], a["hi"])
         x, y = x.to(self.ctx.device), y.to(self.ctx.device)
-        loss = loss_sum(self.model(x), y, self.ctx.global_tokens)
+        loss = loss_sum(self.model(x), y, self.ctx.loss_tokens(step))
         loss.backward()
         grad = torch.cat([p.grad.reshape(-1) for p in self.params]).cpu()
         for p in self.params:

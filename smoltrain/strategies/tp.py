@@ -25,9 +25,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from smoltrain.models.gpt import MLP, Attention, build_model, loss_sum
+from smoltrain.models.gpt import MLP, Attention, loss_sum
 from smoltrain.models.optim import make_optimizer
-from smoltrain.strategies import Context, Strategy, mean_loss
+from smoltrain.strategies import Context, Strategy, mean_loss, trainable
 
 
 class _AllReduceBackward(torch.autograd.Function):
@@ -89,13 +89,13 @@ class TensorParallel(Strategy):
     def __init__(self, ctx: Context):
         super().__init__(ctx)
         self.loss_owner = ctx.rank == 0  # every rank computes the same loss; one reports it
-        full = build_model(ctx.spec, ctx.seed)
+        full = ctx.build_model()
         units = list(full.units)
         if ctx.world > 1:
             heads, ffn = ctx.head_range()  # the placement's split: uneven by speed, whole KV groups
             units = [units[0]] + [self._split(b, heads, ffn) for b in units[1:-1]] + [units[-1]]
         self.model = nn.Sequential(*units).to(ctx.device)
-        self.params = list(self.model.parameters())
+        self.params = trainable(self.model)
         self.opt = make_optimizer(ctx.run.optimizer, self.params, ctx.lr)
 
     def _split(self, block, heads, ffn):
@@ -109,12 +109,26 @@ class TensorParallel(Strategy):
     def train_step(self, step: int) -> float | None:
         x, y = self.ctx.batches.global_batch(step)
         x, y = x.to(self.ctx.device), y.to(self.ctx.device)
-        loss = loss_sum(self.model(x), y, self.ctx.global_tokens)
+        loss = loss_sum(self.model(x), y, self.ctx.loss_tokens(step))
         loss.backward()
+        self._sum_partial_grads()
         self.opt.step([p.grad for p in self.params])
         for p in self.params:
             p.grad = None
         return float(loss.item()) if self.loss_owner else None
+
+    def _sum_partial_grads(self) -> None:
+        """Weights every rank holds whole but each uses with its own heads only (Qwen3's q/k norms):
+        their gradients are partial sums, all-reduced in one buffer (the plan counts it)."""
+        partial = [p for b in self.model for p in getattr(b, "partial_grads", [])]
+        if not partial:
+            return
+        flat = torch.cat([p.grad.reshape(-1) for p in partial])
+        self.ctx.comm.all_reduce(flat, op="sum")
+        off = 0
+        for p in partial:
+            p.grad.copy_(flat[off : off + p.numel()].view_as(p))
+            off += p.numel()
 
     def eval_loss(self, x, y) -> float | None:
         """Every rank runs the split forward (its all-reduces); rank 0 answers."""
