@@ -248,3 +248,17 @@ def test_huge_page_size_is_the_kernels(tmp_path):
     assert hugepages.huge_size(tmp_path / "none") == 2 << 20
     if hugepages.PMD_SIZE.exists():
         assert int(hugepages.PMD_SIZE.read_text()) == hugepages.HUGE
+
+
+def test_run_report_names_each_ranks_kernels(tmp_path):
+    """`run --kernels torch`: every rank chose it and the report says so, per rank."""
+    import json
+
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "smoltrain", "run", "--strategy", "dp", "--local", "2", "--steps", "1"]
+    cmd += ["--threads", "1", "--kernels", "torch", "--json", str(out)]
+    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    doc = json.loads(out.read_text())
+    assert doc["config"]["kernels"] == "torch"
+    assert {k["backend"] for k in doc["kernels"].values()} == {"torch"} and len(doc["kernels"]) == 2

@@ -77,6 +77,11 @@ def add_arguments(p) -> None:
         help="--local: torch threads per rank (default: this machine's CPUs / ranks)",
     )
     p.add_argument(
+        "--kernels",
+        choices=("auto", "native", "kleidiai", "torch"),
+        help="kernels of quantised layers on every rank (default auto: the fastest the host has; docs/machine.md)",
+    )
+    p.add_argument(
         "--data-cap-mb",
         type=validate.real(0, 256, lo_open=True),
         default=2.0,
@@ -229,6 +234,10 @@ def _run(args, early) -> int:
 
     placements, hosts = rank_placements(args.local, args.inventory)
     threads = machine_settings(args, hosts, len(placements))
+    if not args.inventory:  # ranks on this machine: refuse here a backend it cannot run
+        from smoltrain.models import backends
+
+        backends.select(getattr(args, "kernels", None))
     early.world, early.names = len(placements), [p.name for p in placements]
     data = os.path.abspath(args.data) if args.data else None
 
@@ -265,6 +274,7 @@ def _run(args, early) -> int:
             eval_every=args.eval_every,
             inner_steps=args.inner_steps or 0,
             sync_dtype=args.sync_dtype,
+            kernels=getattr(args, "kernels", None) or "auto",
         )
 
     check_usage(config(placements))  # what the strategy or the model cannot take, before the planner looks

@@ -94,6 +94,7 @@ class Controller:
         self.links: dict[tuple[str, str], int] = {}
         self.state_bytes: dict[str, dict] = {}
         self.threads: dict[str, int] = {}  # torch threads each rank ran at (its `done` says)
+        self.kernels: dict[str, dict] = {}  # the decode kernels each rank chose (models.backends)
         self.saved: dict[int, dict] = {}  # step -> part -> {"sha256", "bytes"}
         self.marked: set[int] = set()  # steps whose checkpoint is complete
         self.sent: dict[str, int] = {}
@@ -189,6 +190,8 @@ class Controller:
             self.state_bytes[who] = msg.get("state_bytes", {})
             if isinstance(msg.get("threads"), int):
                 self.threads[who] = msg["threads"]
+            if isinstance(msg.get("kernels"), dict):
+                self.kernels[who] = msg["kernels"]
         elif kind == "error":
             if self.info.elastic and who != self.names[0]:
                 self.console.log(f"{who} failed: {msg['message']}", markup=False)
@@ -388,6 +391,7 @@ class Controller:
             "tokens_per_s": (tokens * len(rows) / total_s) if total_s > 0 else None,
             "state_bytes": self.state_bytes,
             "threads": self.threads,
+            "kernels": self.kernels,
             **model_sections(self.cfg),
             **self.extra_sections(tokens),
         }

@@ -65,8 +65,9 @@ class Reporter:
     def log(self, message):
         self._send({"type": "log", "message": message})
 
-    def done(self, links, state_bytes, threads=None):
-        self._send({"type": "done", "links": [list(x) for x in links], "state_bytes": state_bytes, "threads": threads})
+    def done(self, links, state_bytes, threads=None, kernels=None):
+        msg = {"type": "done", "links": [list(x) for x in links], "state_bytes": state_bytes, "threads": threads}
+        self._send({**msg, "kernels": kernels})
 
     def error(self, message, peer=None):
         self._send({"type": "error", "message": message, "peer": peer})
@@ -157,10 +158,12 @@ def held_out(strat, batches, comm, timer, rep: Reporter, step: int, device: str)
 
 def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, corpus: bytes) -> None:
     from smoltrain import host
+    from smoltrain.models import backends
 
     threads, device = host.setup(
         rank_threads(cfg, rank), cfg.devices[rank] if 0 <= rank < len(cfg.devices) else "cpu", cfg.dtype
     )
+    backends.select(cfg.kernels)  # a backend this host cannot run: the rank's one-line error
     torch.manual_seed(cfg.seed)
     if corpus_digest(corpus) != cfg.data_digest:
         raise ValueError("the corpus received from the controller does not match its digest")
@@ -239,6 +242,6 @@ def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, co
             step += 1
     finally:
         strat.close()
-    rep.done(strat.link_bytes(), strat.state_bytes(), threads)
+    rep.done(strat.link_bytes(), strat.state_bytes(), threads, backends.report())
     if comm:
         comm.close()
