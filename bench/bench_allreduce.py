@@ -27,8 +27,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from common import exit_code, write_result
 
 SIZES = ["4K", "16K", "64K", "256K", "1M", "4M", "16M", "64M", "256M"]
 
@@ -273,7 +272,34 @@ def main() -> int:
         with open(tmp, "w") as f:
             json.dump(doc, f, indent=1)
         os.replace(tmp, a.json)
-    return 0
+    met, headline = verdict(doc["runs"], goodput)
+    name = "allreduce-sim" if goodput else "allreduce-loopback"
+    raw = dict(doc, runs=[{k: v for k, v in e.items() if k != "seconds"} for e in doc["runs"]])  # medians only
+    print(f"{headline}: {'met' if met else 'MISSED'} ({write_result(name, BARS[name], met, headline, raw)})")
+    return exit_code(met)
+
+
+BARS = {
+    "allreduce-loopback": "2 ranks on loopback: socket all-reduce busbw >= 1.0x gloo from 1 MB, 4 KB latency <= gloo's",
+    "allreduce-sim": "socket all-reduce busbw >= 0.9 of a 1 Gbit sim link's goodput (iperf3), from 1 MB",
+}
+
+
+def verdict(runs: list[dict], goodput: dict | None) -> tuple[bool, str]:
+    """The bar of this run (loopback: against gloo at 2 ranks; sim: against the link)."""
+    big = [e for e in runs if e["bytes"] >= 1 << 20 and (goodput or e["world_size"] == 2)]
+    if not big:
+        return False, "no size of 1 MB or more was run"
+    if goodput:
+        link = goodput["iperf3_mbit"] / 8e3
+        r = [e["socket"]["busbw_gbps"] / link for e in big]
+        return min(r) >= 0.9, f"socket busbw / link goodput {min(r):.2f}-{max(r):.2f} from 1 MB"
+    r = [e["busbw_ratio"] for e in big]
+    small = [e for e in runs if e["world_size"] == 2 and e["bytes"] <= 4096]
+    lat = [e["torch"]["seconds_p50"] / e["socket"]["seconds_p50"] for e in small]
+    met = min(r) >= 1.0 and (not lat or min(lat) >= 1.0)
+    words = f"busbw socket/gloo {min(r):.2f}-{max(r):.2f} from 1 MB"
+    return met, words + (f"; 4 KB latency gloo/socket {min(lat):.2f}x" if lat else "")
 
 
 if __name__ == "__main__":

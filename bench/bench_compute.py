@@ -22,7 +22,8 @@ Also: on home, each host's calibrated fp32 FLOP/s against its cap's share of an 
 host's (the same hosts with `--cpu-limit 0`); on cores and hidden, against the cap's share
 of one uncapped thread measured just before (a whole core for cores).
 
-Writes bench/out/compute.md (and .json). Run under the shared lock, on a machine nothing
+Writes bench/out/compute.md (and .json) and keeps the result in bench/results/compute.json
+(bench/common.py); exits 1 when any run misses the bar. Run under the shared lock, on a machine nothing
 else uses if the figures are to mean anything (it records how steady the machine was):
     flock /tmp/smol-sim.lock .venv/bin/python bench/bench_compute.py
 """
@@ -30,6 +31,7 @@ else uses if the figures are to mean anything (it records how steady the machine
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -37,12 +39,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import common
+from common import PY, ROOT, exit_code, write_result
 
-from smoltrain.demo.report import nominal_step as _nominal_step  # noqa: E402
+from smoltrain.demo.report import nominal_step as _nominal_step
 
-PY = sys.executable
 STRATEGIES = ("dp", "fsdp", "syncps", "edp", "mp", "pp", "tp")
 NAME, SUBNET = "cbench", "10.42.3.0/24"
 SIMS = {"home": (NAME, SUBNET), "cores": ("scb1", "10.66.21.0/24"), "hidden": ("scb2", "10.66.22.0/24")}
@@ -50,11 +51,22 @@ SETS = {"main": {"model": "tiny8", "batch": 8, "seed": 0}, "heldout": {"model": 
 CALIBRATE_MODEL = "tiny8"
 
 
-def sh(argv, ok=(0, 4), timeout=900):
-    r = subprocess.run([str(a) for a in argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    if r.returncode not in ok:
-        raise SystemExit(f"{' '.join(map(str, argv))} failed ({r.returncode}): {(r.stdout + r.stderr)[-800:]}")
-    return r
+sh = functools.partial(common.sh, ok=(0, 4))  # calibrate exits 4 when a host failed: its report says which
+BAR = "step time within 25% of the plan from measured compute and links, bytes within 2%, every run of every scenario"
+
+
+def verdict(results: list[dict]) -> tuple[bool, str]:
+    """Whether every run met the bar, and the headline: per scenario, runs within 25% and
+    their range of measured/predicted."""
+    parts, met = [], True
+    for res in results:
+        rows = [r for rows in res["sets"].values() for r in rows]
+        q = [r["meas"] / r["pred"] for r in rows if "error" not in r]
+        ok = sum(1 for r in rows if "error" not in r and 0.75 <= r["meas"] / r["pred"] <= 1.25 and r["bytes_ok"])
+        met = met and ok == len(rows)
+        span = f" ({min(q):.2f}-{max(q):.2f})" if q else ""
+        parts.append(f"{res['scenario']} {ok} of {len(rows)}{span}")
+    return met, "; ".join(parts)
 
 
 def up(d: Path, cpu_limit: str | None = None, name: str = NAME, subnet: str = SUBNET, scenario: str = "home") -> Path:
@@ -395,7 +407,11 @@ def main() -> int:
     out.write_text(text)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
     print(text)
-    return 0
+    met, headline = verdict(results)
+    print(
+        f"{headline}: {'met' if met else 'MISSED'} ({write_result('compute', BAR, met, headline, {'results': results})})"
+    )
+    return exit_code(met)
 
 
 if __name__ == "__main__":

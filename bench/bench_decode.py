@@ -38,10 +38,6 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-
 PROMPT = [1, 450, 1270, 310, 2706, 892, 322, 278, 5828, 1058]  # ids of the 8000-token vocabulary
 
 
@@ -127,7 +123,9 @@ class Ours:
             hugepages.available = lambda: False
         try:
             with backends.using("auto" if native else "torch"):
-                self.stage = Stage(ck, 0, ck.config.layers, True, True, quantize=quantize, batched=False)  # as `generate`
+                self.stage = Stage(
+                    ck, 0, ck.config.layers, True, True, quantize=quantize, batched=False
+                )  # as `generate`
         finally:
             hugepages.available = saved
         self.kernel = self.stage.blocks[0].qkv.kernel

@@ -18,6 +18,8 @@ time within 25% (`plan --compare`). Also reported: the held-out loss at equal wa
 Results: BENCHMARKS.md, "DiLoCo on the home sim".
 
     flock /tmp/smol-sim.lock .venv/bin/python bench/bench_diloco.py [--steps 96] [--batch 8]
+
+Keeps its result in bench/results/diloco.json (bench/common.py); exits 1 when a target is missed.
 """
 
 from __future__ import annotations
@@ -29,9 +31,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_compute import PY, ROOT, down, sh, up
-
-sys.path.insert(0, str(ROOT))
+from bench_compute import down, sh, up
+from common import PY, ROOT, exit_code, write_result
 
 from smoltrain.demo.diloco import (
     busiest_bytes_per_token,
@@ -41,6 +42,10 @@ from smoltrain.demo.diloco import (
 )
 
 NAME, SUBNET = "dl1", "10.62.1.0/24"
+BAR = (
+    "diloco on the capped home sim: >= 3x dp, >= 1.3x the best host alone, <= dp's bytes / 20, "
+    "held-out within 5% of dp, plan within 25%"
+)
 
 
 def train(tag: str, strategy: str, inv: Path, d: Path, a, extra: list) -> dict:
@@ -168,8 +173,16 @@ def main() -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}; {sum(ok for _, ok in checks)} of {len(checks)} targets met")
-    return 0
+    met = all(ok for _, ok in checks)
+    missed = [what for what, ok in checks if not ok]
+    headline = (
+        f"{result['diloco_vs_dp']:.2f}x dp, {result['diloco_vs_alone']:.2f}x {host} alone, "
+        f"{result['dp_bytes_over_diloco']:.0f}x fewer bytes, held-out {result['held_out_gap_vs_dp']:+.1%}, "
+        f"plan x{step_ratio:.2f}" + (f"; missed: {', '.join(missed)}" if missed else "")
+    )
+    kept = write_result("diloco", BAR, met, headline, result)
+    print(f"wrote {out} and {kept}; {sum(ok for _, ok in checks)} of {len(checks)} targets met")
+    return exit_code(met)
 
 
 if __name__ == "__main__":

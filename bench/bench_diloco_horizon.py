@@ -20,18 +20,16 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
+from common import ROOT
 
-import torch  # noqa: E402
-
-from smoltrain.models.data import Batches, load_corpus  # noqa: E402
-from smoltrain.models.gpt import build_model, loss_sum  # noqa: E402
-from smoltrain.models.optim import make_optimizer  # noqa: E402
-from smoltrain.models.spec import get_model  # noqa: E402
-from smoltrain.planner.placement import even_counts, ranges  # noqa: E402
-from smoltrain.strategies import mean_loss  # noqa: E402
-from smoltrain.strategies.parameter_server import flat_params  # noqa: E402
+from smoltrain.models.data import Batches, load_corpus
+from smoltrain.models.gpt import build_model, loss_sum
+from smoltrain.models.optim import make_optimizer
+from smoltrain.models.spec import get_model
+from smoltrain.planner.placement import even_counts, ranges
+from smoltrain.strategies import mean_loss
+from smoltrain.strategies.parameter_server import flat_params
 
 SETTINGS = {"0.7/0.9": (0.7, 0.9), "1.0/0.0": (1.0, 0.0), "1.0/0.5": (1.0, 0.5), "0.9/0.7": (0.9, 0.7)}
 

@@ -48,9 +48,6 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
 STRATEGIES = ["dp", "fsdp", "syncps", "edp", "mp", "pp", "tp"]
 FAULTS = ["sigkill", "sigstop", "controller", "ctlstop", "flood"]
 CK_FAULTS = ["ck-bitflip", "ck-truncate", "ck-missing", "ck-marker", "ck-none"]

@@ -22,11 +22,10 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from common import ROOT
 
 
 def make_model(path: str, hidden: int, layers: int) -> None:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from llama_checkpoint import build
 
     build(path, hidden, layers, vocab=1024, ctx=512, tokenizer=False)
@@ -144,7 +143,6 @@ def main() -> int:
 
 def run_sim(model: str, new: int, tmp: str) -> list[dict]:
     """pp and tp across two namespaced hosts on tc-shaped links: decode tokens/s and bytes vs the plan."""
-    sys.path.insert(0, ROOT)
     from smolnet.sim import cluster as sim
 
     inv = os.path.join(tmp, "i2.yml")

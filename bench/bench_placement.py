@@ -23,9 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_compute import PY, ROOT, down, sh, up
-
-sys.path.insert(0, str(ROOT))
+from bench_compute import down, sh, up
+from common import PY, ROOT
 
 from smoltrain.planner.compare import tokens_per_s_after_warmup
 

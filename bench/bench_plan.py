@@ -13,31 +13,27 @@ Run under the shared benchmark lock:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import common
+from common import ROOT
 
-from smolnet.inventory import load_inventory  # noqa: E402
-from smolnet.sim import cluster as sim  # noqa: E402
-from smoltrain.commands.calibrate import calibrate  # noqa: E402
-from smoltrain.models.spec import get_model  # noqa: E402
-from smoltrain.planner.compare import compare  # noqa: E402
-from smoltrain.planner.devices import profile_from_calibration  # noqa: E402
-from smoltrain.planner.plan import Rank, busy_ranks, link_model, make_plan, share_machine  # noqa: E402
+from smolnet.inventory import load_inventory
+from smolnet.sim import cluster as sim
+from smoltrain.commands.calibrate import calibrate
+from smoltrain.models.spec import get_model
+from smoltrain.planner.compare import compare
+from smoltrain.planner.devices import profile_from_calibration
+from smoltrain.planner.plan import Rank, busy_ranks, link_model, make_plan, share_machine
 
 SMOL = [sys.executable, "-m"]
 
 
-def sh(argv, timeout=600):
-    r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    if r.returncode not in (0, 4):
-        raise SystemExit(f"{' '.join(map(str, argv))} failed ({r.returncode}): {r.stderr[-800:]}")
-    return r
+sh = functools.partial(common.sh, ok=(0, 4), timeout=600)
 
 
 def main() -> int:

@@ -20,8 +20,6 @@ import secrets
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 def rank_main(rank: int, world: int, port: int, secret: bytes, n: int, floats: int, fd: int) -> None:
     import torch

@@ -33,9 +33,8 @@ import tempfile
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-sys.path.insert(0, ROOT)
+from common import ROOT
+
 CAPS = "0.15,0.25,0.45,0.65"  # the home scenario's Pi 5, Jetson, Mac mini, laptop
 
 

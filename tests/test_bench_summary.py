@@ -1,0 +1,68 @@
+"""Evidence anyone can re-derive: BENCHMARKS.md's summary is what bench/summary.py makes of
+the raw results in bench/results/, each a file bench/common.py wrote, and benches stop with
+a non-zero status when they miss their bar."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}_module", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_benchmarks_md_opens_with_the_generated_summary():
+    summary = _load("summary")
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    assert summary.current(text) == summary.table(), "stale: run .venv/bin/python bench/summary.py --write"
+    assert text.index(summary.BEGIN) < text.index("\n## "), "the summary is not at the top"
+
+
+def test_every_row_names_a_file_and_a_command_that_exist():
+    summary = _load("summary")
+    for bar, src, notebook in summary.ROWS:
+        script = re.search(r"(bench/\w+\.py|tests/\w+\.py)", src["command"])
+        if src["command"] != "make demo":
+            assert script and (ROOT / script.group(1)).exists(), (bar, src)
+        if not src.get("test") and not (ROOT / src["file"]).exists():
+            assert notebook, f"{bar}: no raw file and no notebook figure to quote"
+    for path in sorted((BENCH / "results").glob("*.json")):  # every raw file is some row's
+        assert any(src["file"] == f"bench/results/{path.name}" for _, src, _ in summary.ROWS), path.name
+
+
+def test_a_result_file_becomes_its_row(tmp_path, monkeypatch):
+    common, summary = _load("common"), _load("summary")
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    row = next(r for r in summary.ROWS if r[1]["file"] == "bench/results/compute.json")
+    assert summary.latest(row, tmp_path).startswith(summary.NOT_RUN)
+    path = common.write_result("compute", "a bar", False, "home 5 of 7 (0.70-1.31)", {"runs": [1, 2]}, "cmd --x")
+    doc = json.loads(path.read_text())
+    assert path == tmp_path / "compute.json" and doc["schema"] == common.RESULT_SCHEMA
+    assert (doc["bar"], doc["met"], doc["command"], doc["data"]) == ("a bar", False, "cmd --x", {"runs": [1, 2]})
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", doc["created"]) and len(doc["machine"]["load"]) == 3
+    got = summary.latest(row, tmp_path)
+    assert got.startswith("**missed**: home 5 of 7 (0.70-1.31) (") and doc["created"][:10] in got
+    assert "home 5 of 7" in summary.table(tmp_path)
+    assert (common.exit_code(True), common.exit_code(False)) == (0, 1)
+
+
+@pytest.mark.parametrize("name", ["bench_compute", "bench_diloco", "bench_allreduce", "bench_calibrate"])
+def test_benches_that_judge_a_bar_exit_by_it(name):
+    text = (BENCH / f"{name}.py").read_text()
+    assert "return exit_code(met)" in text and "write_result(" in text
+
+
+def test_no_bench_edits_sys_path():
+    hacks = [p.name for p in sorted(BENCH.glob("*.py")) if "sys.path.insert" in p.read_text()]
+    assert not hacks, f"{hacks}: import the tree as installed (make setup) and bench/common.py"
