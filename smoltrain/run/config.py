@@ -65,7 +65,6 @@ class RunConfig:
     outer_momentum: float = 0.9  # diloco: outer Nesterov momentum
     sync_dtype: str = "fp32"  # diloco: the pseudo-gradient's dtype on the wire (fp32, bf16, fp16, int8)
     kernels: str = "auto"  # decode kernels of every rank (models.backends: quantised layers)
-    kernels: str = "auto"  # decode kernels of every rank (models.backends: quantised layers)
     lora: dict | None = None  # finetune.lora.LoraConfig.to_dict(): adapters on a frozen base; None: full
 
     @property
