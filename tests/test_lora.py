@@ -139,3 +139,29 @@ def test_impossible_settings_are_one_line_errors(models):
         assert e.value.code == 2 and "\n" not in str(e.value)
     assert LoraConfig.from_dict(LoraConfig(3, 6.0, 0.1, ("q_proj",)).to_dict()) == LoraConfig(3, 6.0, 0.1, ("q_proj",))
     assert lora.parse_targets(" q_proj, v_proj") == ("q_proj", "v_proj")
+
+
+def test_a_tp_slice_carries_its_share_of_the_adapter(models):
+    """Column-parallel q_proj keeps B's rows, row-parallel o_proj A's columns: the halves add up."""
+    m = copy.deepcopy(models["llama"])
+    lora.apply(m, LoraConfig(rank=2, targets=("q_proj", "o_proj")), "llama", seed=0)
+    attn = m.model.layers[0].self_attn
+    with torch.no_grad():
+        for lin in (attn.q_proj, attn.o_proj):
+            lin.lora_B.weight.normal_()
+    x = torch.randn(3, 32)
+    halves = [slice(0, 16), slice(16, 32)]
+    q_parts, o_parts = [], []
+    for h in halves:
+        q = torch.nn.Linear(32, 16, bias=False)
+        o = torch.nn.Linear(16, 32, bias=False)
+        with torch.no_grad():
+            q.weight.copy_(attn.q_proj.weight[h])
+            o.weight.copy_(attn.o_proj.weight[:, h])
+        lora.attach_like(q, attn.q_proj, rows=h)
+        lora.attach_like(o, attn.o_proj, cols=h)
+        q_parts.append(q(x))
+        o_parts.append(o(x[:, h]))
+    with torch.no_grad():
+        assert torch.allclose(torch.cat(q_parts, 1), attn.q_proj(x), atol=1e-5)
+        assert torch.allclose(o_parts[0] + o_parts[1], attn.o_proj(x), atol=1e-5)

@@ -122,26 +122,47 @@ def apply(model, cfg: LoraConfig, arch: str, seed: int) -> list[str]:
         bad = [n for n in hits if linear[n][1] is None]
         if bad:
             raise LoraError(f"--lora-targets {t}: {bad[0]} is not a linear layer")
+    for name in chosen:  # every check before anything changes
+        _, (fin, fout, _) = linear[name]
+        if cfg.rank > min(fin, fout):
+            raise LoraError(f"--lora-rank {cfg.rank} is larger than {name} ({fout} x {fin}): at most {min(fin, fout)}")
     for p in model.parameters():
         p.requires_grad_(False)
     for name in chosen:
         module, (fin, fout, fifo) = linear[name]
-        if cfg.rank > min(fin, fout):
-            raise LoraError(f"--lora-rank {cfg.rank} is larger than {name} ({fout} x {fin}): at most {min(fin, fout)}")
-        dev = module.weight.device if getattr(module, "weight", None) is not None else None
-        module.lora_A = torch.nn.Linear(fin, cfg.rank, bias=False, device=dev)
-        module.lora_B = torch.nn.Linear(cfg.rank, fout, bias=False, device=dev)
         gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        with torch.no_grad():
-            a = torch.empty(cfg.rank, fin)
-            torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
-            module.lora_A.weight.copy_(a)
-            torch.nn.init.zeros_(module.lora_B.weight)
-        module.lora_dropout = torch.nn.Dropout(cfg.dropout) if cfg.dropout else torch.nn.Identity()
-        module.lora_scaling = cfg.scaling
-        module.lora_fan_in_fan_out = fifo
-        module.lora_hook = module.register_forward_hook(_forward_hook)
+        a = torch.empty(cfg.rank, fin)
+        torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
+        _attach(module, a, torch.zeros(fout, cfg.rank), cfg.dropout, cfg.scaling, fifo)
     return chosen
+
+
+def _attach(module, a, b, dropout: float, scaling: float, fan_in_fan_out: bool) -> None:
+    """lora_A (weights a, r x in) and lora_B (b, out x r) as children of `module`, added to its output."""
+    import torch
+
+    w = getattr(module, "weight", None)
+    dev = w.device if w is not None else None
+    module.lora_A = torch.nn.Linear(a.shape[1], a.shape[0], bias=False, device=dev)
+    module.lora_B = torch.nn.Linear(b.shape[1], b.shape[0], bias=False, device=dev)
+    with torch.no_grad():
+        module.lora_A.weight.copy_(a)
+        module.lora_B.weight.copy_(b)
+    module.lora_dropout = torch.nn.Dropout(dropout) if dropout else torch.nn.Identity()
+    module.lora_scaling = scaling
+    module.lora_fan_in_fan_out = fan_in_fan_out
+    module.lora_hook = module.register_forward_hook(_forward_hook)
+
+
+def attach_like(dst, src, rows=None, cols=None) -> None:
+    """Give `dst`, a tp slice of the adapted layer `src`, src's adapter cut the same way: lora_B's rows
+    `rows` (a column-parallel layer's output features), lora_A's columns `cols` (a row-parallel layer's
+    input features); a slice or an index tensor. The uncut factor's gradient is then a partial sum."""
+    a, b = src.lora_A.weight.detach(), src.lora_B.weight.detach()
+    a = a if cols is None else a[:, cols]
+    b = b if rows is None else b[rows]
+    p = src.lora_dropout.p if hasattr(src.lora_dropout, "p") else 0.0
+    _attach(dst, a, b, p, src.lora_scaling, src.lora_fan_in_fan_out)
 
 
 def adapted(model) -> list[tuple[str, object]]:
