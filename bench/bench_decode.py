@@ -23,7 +23,10 @@ checks token equality on a model whose choices win by clear margins).
 `--threads 1,2,4,8` makes the thread-scaling table (decode per engine and a training step of
 `tiny`) on a machine that has the cores.
 
-    pip install -c constraints.txt '.[bench]'     # llama-cpp-python, built from source (7+ minutes)
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON" \
+      pip install -c constraints.txt '.[bench]'   # llama-cpp-python, built from source (7-30 minutes)
+    # GGML_NATIVE=ON also enables AMX on an Intel CPU that has it, and that build crashes in its first
+    # decode (issue 39); these flags run on any x86-64 with AVX512 (drop the AVX512 ones for AVX2 only)
     flock /tmp/smol-sim.lock .venv/bin/python bench/bench_decode.py --rounds 5 --json bench/out/decode.json
     flock /tmp/smol-sim.lock .venv/bin/python bench/bench_decode.py --threads 1,2,4,8 --rounds 3   # 16-core machine
 """
@@ -222,7 +225,7 @@ def agree(a: list[int], b: list[int]) -> int:
 
 def bench(args, threads: int) -> dict:
     from smoltrain.host import set_threads
-    from smoltrain.models import hugepages
+    from smoltrain.models import backends, hugepages
 
     set_threads(threads)
     engines = {"fp32": Ours(args.model, None), "int8": Ours(args.model, "int8"), "q4": Ours(args.model, "q4")}
@@ -232,6 +235,8 @@ def bench(args, threads: int) -> dict:
         engines["fp32 4K pages"] = Ours(args.model, None, huge=False)
     if engines["q4"].kernel == "q4_0":  # ours; torch's int4 kernel beside it
         engines["q4 torch int4"] = Ours(args.model, "q4", native=False)
+    if engines["int8"].kernel == "q8_0":  # ours (Q8_0 x Q8_0); fbgemm's per-tensor dynamic int8 beside it
+        engines["int8 torch fbgemm"] = Ours(args.model, "int8", native=False)
     wbytes = {k: e.stage.weight_bytes_per_token() for k, e in engines.items()}
     files = None
     if not args.no_llama:
@@ -267,6 +272,7 @@ def bench(args, threads: int) -> dict:
         "roofline_tokens_per_s": {k: mem_bw / b for k, b in wbytes.items()},
         "roofline_tokens_per_cpu_s": {k: mem_bw_cpu / b for k, b in wbytes.items()},
         "kernels": {k: e.kernel for k, e in engines.items() if isinstance(e, Ours)},
+        "backend": backends.report(),
         "matmul_share": {k: matmul_share(engines[k].stage) for k in engines if isinstance(engines[k], Ours)},
         "agreement": {
             "int8 vs fp32": agree(tokens["int8"], tokens["fp32"]),
@@ -281,7 +287,7 @@ def bench(args, threads: int) -> dict:
         out["llama_f32_logit_max_abs_diff"] = float(np.abs(f32.first_logits(PROMPT) - ref).max())
         out["logit_rms_error_vs_fp32"] = {
             k: float(np.sqrt(((engines[k].first_logits(PROMPT) - ref) ** 2).mean()))
-            for k in ("int8", "q4", "q4 torch int4", "llama.cpp Q8_0", "llama.cpp Q4_0")
+            for k in ("int8", "int8 torch fbgemm", "q4", "q4 torch int4", "llama.cpp Q8_0", "llama.cpp Q4_0")
             if k in engines
         }
         out["logit_std"] = float(ref.std())
@@ -293,6 +299,8 @@ def bench(args, threads: int) -> dict:
                 "q4 vs llama.cpp Q4_0": agree(tokens["q4"], tokens["llama.cpp Q4_0"]),
             }
         )
+        if "int8 torch fbgemm" in tokens:
+            out["agreement"]["int8 torch fbgemm vs fp32"] = agree(tokens["int8 torch fbgemm"], tokens["fp32"])
         if "q4 torch int4" in tokens:
             out["agreement"]["q4 torch int4 vs llama.cpp Q4_0"] = agree(
                 tokens["q4 torch int4"], tokens["llama.cpp Q4_0"]
@@ -356,6 +364,10 @@ def report(d: dict) -> None:
         err = d["logit_rms_error_vs_fp32"]
         errs = ", ".join(f"{k} {v:.4f}" for k, v in err.items())
         print(f"logit RMS error vs our fp32 (logit std {d['logit_std']:.3f}): {errs}")
+        print(
+            f"int8 logit error / llama.cpp Q8_0's {err['int8'] / err['llama.cpp Q8_0']:.2f}x (bar: at most 1.1x), "
+            f"q4 / Q4_0's {err['q4'] / err['llama.cpp Q4_0']:.2f}x"
+        )
     print(
         "greedy tokens agreeing before the first difference: "
         + ", ".join(f"{k} {v}/{d['tokens']}" for k, v in d["agreement"].items())
