@@ -86,6 +86,8 @@ def test_demo_quick_writes_every_section(tmp_path):
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert "SKIPPED" not in r.stdout and "FAILED" not in r.stdout, r.stdout[-3000:]  # as root nothing is left out
+    assert (out / "latest").is_symlink()  # each run its own folder, latest the newest
+    out = out / "latest"
     report = (out / "REPORT.md").read_text()
     for section in (
         "## 1. Links as found",

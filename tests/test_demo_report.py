@@ -8,6 +8,7 @@ import io
 import json
 import sys
 
+import pytest
 from rich.console import Console
 
 from smoltrain.demo import flow, pictures, report
@@ -51,8 +52,31 @@ def test_a_failed_stage_fails_the_demo_and_the_report_names_it(tmp_path):
     args = _args(tmp_path, subnet="10.61.999.0/24")
     demo = flow.Demo(args, Console(file=io.StringIO()))
     assert demo.run() == 1
-    text = (tmp_path / "demo" / "REPORT.md").read_text()
+    text = (tmp_path / "demo" / "latest" / "REPORT.md").read_text()
     assert "| 1. cluster: build the sim | 2 |" in text and "**FAILED**" in text
+    assert (tmp_path / "demo" / "latest").resolve() == demo.out.resolve()
+
+
+def test_each_demo_run_writes_into_a_fresh_folder_that_latest_points_to(tmp_path):
+    """A run never writes beside another's files: an earlier run's figures stay in its own
+    folder, the next run starts empty, and `latest` names the newest (failed or not)."""
+    import datetime
+
+    from smolnet.errors import UsageError
+
+    base, now = tmp_path / "reports", datetime.datetime(2026, 12, 5, 23, 1, 2, tzinfo=datetime.timezone.utc)
+    first = flow.fresh_run_dir(base, now)
+    (first / "compare-dp.json").write_text("{}")  # an earlier run's numbers
+    second = flow.fresh_run_dir(base, now)  # the same second: a folder of its own all the same
+    assert (first.name, second.name) == ("demo-20261205-230102", "demo-20261205-230102-2")
+    assert list(second.iterdir()) == [] and (first / "compare-dp.json").exists()
+    assert (base / "latest").is_symlink() and (base / "latest").resolve() == second.resolve()
+    assert not any(p.name.startswith(".latest") for p in base.iterdir())  # the link was swapped in one rename
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "latest").mkdir()  # an old layout's folder is not overwritten
+    with pytest.raises(UsageError, match="is not a link to a run"):
+        flow.fresh_run_dir(tmp_path / "old", now)
+    assert sorted(p.name for p in (tmp_path / "old").iterdir()) == ["latest"]  # nothing half-made left
 
 
 def test_an_optional_stage_that_fails_is_recorded_not_raised(tmp_path):

@@ -6,11 +6,14 @@ every strategy, train each one that splits `tiny8` evenly and check it against i
 train a model on prose, put it on the share and generate across the hosts. Every plan in
 the report comes from one request shape per section (stated in its heading) through the
 one plan builder, so its tables agree. The sim is always taken down again; the demo exits
-non-zero when any stage it reports failed.
+non-zero when any stage it reports failed. Each run writes into a fresh folder under
+`--out` (reports/demo-<UTC time>/) and `reports/latest` points to it, so a failed stage
+cannot sit beside an earlier run's numbers.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
@@ -18,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from smolnet.errors import SmolError
+from smolnet.errors import SmolError, UsageError
 from smoltrain import registry
 from smoltrain.demo.stages import ROOT, Stages, smol
 
@@ -30,7 +33,9 @@ QUICK = ("dp", "pp", "tp")  # --quick trains these (the suite runs it)
 
 def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help="shorter measurements and runs (CI)")
-    p.add_argument("--out", default="reports", help="report directory (default reports/)")
+    p.add_argument(
+        "--out", default="reports", help="where each run's folder goes: OUT/demo-<time>/, OUT/latest (default reports/)"
+    )
     p.add_argument("--name", default="demo", help="sim name (default demo)")
     p.add_argument("--subnet", default="10.213.9.0/24", help="sim subnet (default 10.213.9.0/24)")
     p.add_argument("--keep", action="store_true", help="leave the sim up afterwards")
@@ -57,11 +62,34 @@ def runnable(world: int, layers: int, heads: int) -> list[str]:
     ]
 
 
+def fresh_run_dir(base: Path, now: datetime.datetime | None = None) -> Path:
+    """A new, empty folder for this run under `base` (demo-<UTC time>, then -2, -3 ... if that
+    is taken), with `base/latest` pointed at it (a relative link, replaced in one rename)."""
+    base.mkdir(parents=True, exist_ok=True)
+    stamp = (now or datetime.datetime.now(datetime.timezone.utc)).strftime("demo-%Y%m%d-%H%M%S")
+    run, n = base / stamp, 1
+    while True:
+        try:
+            run.mkdir()
+            break
+        except FileExistsError:
+            n += 1
+            run = base / f"{stamp}-{n}"
+    link, tmp = base / "latest", base / f".latest-{os.getpid()}"
+    if link.exists() and not link.is_symlink():
+        run.rmdir()
+        raise UsageError(f"{link} is not a link to a run: move it away (each run now has its own folder)")
+    tmp.unlink(missing_ok=True)
+    os.symlink(run.name, tmp)
+    os.replace(tmp, link)
+    return run
+
+
 class Demo:
     def __init__(self, args, console):
         self.args, self.console = args, console
-        self.out = (ROOT / args.out) if not os.path.isabs(args.out) else Path(args.out)
-        self.out.mkdir(parents=True, exist_ok=True)
+        base = (ROOT / args.out) if not os.path.isabs(args.out) else Path(args.out)
+        self.out = fresh_run_dir(base)
         self.stages = Stages(console, self.out)
         self.py = sys.executable
         inv_dir = self.out / "demo-inventory"  # beside the report, so fixing it never touches inventory/
