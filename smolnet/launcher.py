@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from smolnet.inventory import Host
-from smolnet.remote import RemoteError, connect
+from smolnet.remote import LOG_HOME, RemoteError, connect
 
 
 class ProcessGroup:
@@ -34,25 +34,30 @@ class ProcessGroup:
     ) -> None:
         """Start argv as `name`: a child here (host None or local, with a log_dir) or on host via remote.
 
-        log: the log path on the host (remote starts); fresh: remove an old log first so its
-        errors are not read as new ones. A remote start that fails closes its connection and raises.
+        log: the log path on the host (remote starts; `~/` is its user's home, see remote_log);
+        fresh: start it empty so an old log's errors are not read as new ones. A remote start that
+        fails closes its connection and raises.
         """
         if host is None or (host.local and self.log_dir is not None):
             path = os.path.join(self.log_dir, f"{name}.log")
-            with open(path, "wb") as out:  # the child keeps its own descriptor
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with open(fd, "wb") as out:  # the child keeps its own descriptor
                 proc = subprocess.Popen(
-                    argv, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
+                    [os.path.expanduser(a) if a.startswith("~/") else a for a in argv],  # as the host's shell would
+                    stdin=subprocess.PIPE,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    env=env,
                 )
             proc.stdin.write(self.secret + b"\n")
             proc.stdin.close()
             handle: object = proc
         else:
             remote = connect(host)
-            path = log or "/dev/null"
             try:
-                if fresh:
-                    remote.run(["rm", "-f", path], timeout=10.0)
-                handle = (remote, remote.start(argv, stdin=self.secret + b"\n", log=path))
+                started = remote.start(argv, stdin=self.secret + b"\n", log=log, fresh=fresh)
+                handle, path = (remote, started), started.log
             except RemoteError:
                 remote.close()
                 raise
@@ -169,5 +174,6 @@ class ProcessGroup:
 def remote_log(log_dir: str, name: str) -> str:
     """A process's log on its host, named for this run (its local log folder's name): sim hosts
     share one filesystem and real ones keep old logs, so a fixed path per host name would hand
-    an earlier run's last line to this run's error message."""
-    return f"/tmp/{os.path.basename(os.path.normpath(log_dir))}-{name}.log"
+    an earlier run's last line to this run's error message. In the user's private log folder
+    (remote.LOG_HOME), never a predictable name in a shared /tmp."""
+    return f"{LOG_HOME}/{os.path.basename(os.path.normpath(log_dir))}-{name}.log"

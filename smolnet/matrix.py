@@ -20,7 +20,7 @@ from smolnet import agent_client as control
 from smolnet.inventory import Host
 from smolnet.launcher import ProcessGroup
 from smolnet.probes.request import Endpoint, probe_pmtu, probe_rtt, probe_throughput
-from smolnet.remote import RemoteError
+from smolnet.remote import LOG_HOME, RemoteError
 
 AGENT_START_TIMEOUT = 20.0
 AGENT_LEASE_S = 30.0  # an agent started for a matrix exits when the controller stops renewing
@@ -130,8 +130,8 @@ class AgentPool:
             self.errors[host.name] = why
 
     def _start(self, host: Host) -> dict:
-        # named per host: sim hosts (and loopback ones) share one /tmp; fresh: old errors are not read as new
-        log = f"/tmp/smolnet-agent-{host.name}-{host.agent_port}.log"
+        # named per host: sim hosts (and loopback ones) share one home; fresh: old errors are not read as new
+        log = f"{LOG_HOME}/smolnet-agent-{host.name}-{host.agent_port}.log"
         self.group.start(host.name, self._argv(host), host=host, log=log, fresh=True)
         with self.lock:
             if self.renewer is None:

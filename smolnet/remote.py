@@ -47,8 +47,25 @@ class Proc:
     log: str | None = None
 
 
+# where processes started on a host log: private to the user (0700, theirs, not a link), never
+# a predictable name in a shared /tmp that another user could plant first
+LOG_HOME = "~/.cache/smolcluster/logs"
+
+
+def shell_word(arg) -> str:
+    """One argument for the host's shell: quoted, except that a leading `~/` is the home of the
+    user the command runs as, expanded there (an inventory's `smol_python: ~/.local/...`)."""
+    arg = str(arg)
+    return '"$HOME"/' + shlex.quote(arg[2:]) if arg.startswith("~/") else shlex.quote(arg)
+
+
 def _cmdline(argv: Sequence[str] | str) -> str:
-    return argv if isinstance(argv, str) else " ".join(shlex.quote(str(a)) for a in argv)
+    return argv if isinstance(argv, str) else " ".join(shell_word(a) for a in argv)
+
+
+def _expand(argv: Sequence[str]) -> list[str]:
+    """A local argv without a shell: `~/` expanded as the host's shell would."""
+    return [os.path.expanduser(a) if isinstance(a, str) and a.startswith("~/") else a for a in argv]
 
 
 class Remote(ABC):
@@ -61,15 +78,33 @@ class Remote(ABC):
     def run(self, argv, timeout: float = 30.0, stdin: bytes | None = None, check: bool = False) -> Result:
         """Run argv (a list, or a shell string) to completion."""
 
-    def start(self, argv, stdin: bytes | None = None, log: str | None = None, timeout: float = 15.0) -> Proc:
-        """Start argv detached (own session), feed stdin, return its pid."""
-        log = log or "/dev/null"
+    def start(
+        self, argv, stdin: bytes | None = None, log: str | None = None, timeout: float = 15.0, fresh: bool = False
+    ) -> Proc:
+        """Start argv detached (own session), feed stdin, return its pid and its log's path there.
+
+        log: a file in a folder the host's shell makes private (0700, owned by the user and not a
+        link) or refuses; `~/` is that user's home. fresh: start the log empty."""
         # `exec` keeps the pid; stdin stays the channel/pipe so the secret can be fed.
-        script = f"echo SMOLPID:$$; exec {_cmdline(argv)} >>{shlex.quote(log)} 2>&1"
+        if log:
+            d = shell_word(os.path.dirname(log))
+            script = (
+                f'umask 077; d={d}; mkdir -p "$d" && [ -d "$d" ] && [ ! -L "$d" ] && [ -O "$d" ] && chmod 700 "$d" '
+                f'|| {{ echo "SMOLERR:log folder $d is not a private folder of this user"; exit 1; }}; '
+                f"f={shell_word(log)}; "
+            )
+            to = '"$f"'
+        else:
+            script, to = "f=/dev/null; ", "/dev/null"
+        redirect = ">" if fresh and log else ">>"
+        script += f'echo "SMOLPID:$$:$f"; exec {_cmdline(argv)} {redirect}{to} 2>&1'
         out = self._spawn(["setsid", "sh", "-c", script], stdin or b"", timeout)
         for line in out.splitlines():
             if line.startswith("SMOLPID:"):
-                return Proc(self.host.name, int(line.split(":", 1)[1]), log)
+                _, pid, path = line.split(":", 2)
+                return Proc(self.host.name, int(pid), path)
+            if line.startswith("SMOLERR:"):
+                raise RemoteError(self.host.name, line.removeprefix("SMOLERR:"))
         raise RemoteError(self.host.name, f"could not start {_cmdline(argv)[:80]}: no pid reported")
 
     @abstractmethod
@@ -114,7 +149,7 @@ class LocalRemote(Remote):
         shell = isinstance(argv, str)
         try:
             p = subprocess.run(
-                ["sh", "-c", argv] if shell else list(argv), input=stdin or b"", capture_output=True, timeout=timeout
+                ["sh", "-c", argv] if shell else _expand(argv), input=stdin or b"", capture_output=True, timeout=timeout
             )
         except subprocess.TimeoutExpired:
             raise RemoteError(self.host.name, f"timed out after {timeout:g}s running {_cmdline(argv)[:80]}") from None

@@ -44,12 +44,8 @@ TIERS = {
         "test_quant.py",
         "test_diloco_plan.py",
         "test_cost_core.py",
-        "test_bench_summary.py",
-        "test_finetune_data.py",
-        "test_lora.py",
     ],
     "process": [
-        "test_hf_train.py",
         "test_backends.py",
         "test_kernels_c.py",
         "test_agent.py",
@@ -76,9 +72,7 @@ TIERS = {
         "test_faults_private.py",
         "test_infer.py",
         "test_infer_export.py",
-        "test_finetune_export.py",
         "test_infer_serve.py",
-        "test_serve_hostile.py",
         "test_placement_run.py",
         "test_demo_report.py",
         "test_machine.py",
@@ -97,7 +91,7 @@ TIERS = {
         "test_run_sim.py",
         "test_sim.py",
     ],
-    "provision": ["test_provision.py", "test_provision_render.py", "test_provision_fresh.py"],
+    "provision": ["test_provision.py", "test_provision_render.py"],
 }
 FILE_TIER = {f: tier for tier, files in TIERS.items() for f in files}
 

@@ -118,6 +118,6 @@ def test_remote_logs_are_named_for_their_run(tmp_path):
     from smolnet.launcher import remote_log
 
     a, b = tmp_path / "smoltrain-infer-abc", tmp_path / "smoltrain-infer-xyz"
-    assert remote_log(str(a), "laptop") == "/tmp/smoltrain-infer-abc-laptop.log"
+    assert remote_log(str(a), "laptop") == "~/.cache/smolcluster/logs/smoltrain-infer-abc-laptop.log"
     assert remote_log(str(a) + "/", "laptop") == remote_log(str(a), "laptop")
     assert remote_log(str(b), "laptop") != remote_log(str(a), "laptop") != remote_log(str(a), "pi5")

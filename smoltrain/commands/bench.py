@@ -205,7 +205,7 @@ def _launch(args, nbytes: int, ranks: list, coord: str, port: int, addrs, secret
     of them to end, and read rank 0's result from its log."""
     import tempfile
 
-    from smolnet.launcher import ProcessGroup
+    from smolnet.launcher import ProcessGroup, remote_log
 
     n = len(ranks)
     env = dict(os.environ, PYTHONWARNINGS="ignore")
@@ -216,7 +216,7 @@ def _launch(args, nbytes: int, ranks: list, coord: str, port: int, addrs, secret
             for r, (name, host) in enumerate(ranks):
                 python = [sys.executable] if host is None or host.local else host.python.split()
                 argv = _rank_argv(python, args, nbytes, r, n, coord, port, addrs)
-                group.start(name, argv, host=host, log=f"/tmp/smoltrain-bench-{name}.log", env=env, fresh=True)
+                group.start(name, argv, host=host, log=remote_log(log_dir, name), env=env, fresh=True)
             done = threading.Event()
             running = [name for name, _ in ranks]
             while running and time.monotonic() < deadline:
