@@ -44,8 +44,12 @@ TIERS = {
         "test_quant.py",
         "test_diloco_plan.py",
         "test_cost_core.py",
+        "test_bench_summary.py",
+        "test_finetune_data.py",
+        "test_lora.py",
     ],
     "process": [
+        "test_hf_train.py",
         "test_backends.py",
         "test_kernels_c.py",
         "test_agent.py",
@@ -70,9 +74,12 @@ TIERS = {
         "test_faults_channels.py",
         "test_faults_loads.py",
         "test_faults_private.py",
+        "test_faults_private.py",
         "test_infer.py",
         "test_infer_export.py",
+        "test_finetune_export.py",
         "test_infer_serve.py",
+        "test_serve_hostile.py",
         "test_placement_run.py",
         "test_demo_report.py",
         "test_machine.py",
@@ -91,7 +98,7 @@ TIERS = {
         "test_run_sim.py",
         "test_sim.py",
     ],
-    "provision": ["test_provision.py", "test_provision_render.py"],
+    "provision": ["test_provision.py", "test_provision_render.py", "test_provision_fresh.py"],
 }
 FILE_TIER = {f: tier for tier, files in TIERS.items() for f in files}
 
