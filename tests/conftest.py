@@ -74,7 +74,6 @@ TIERS = {
         "test_faults_channels.py",
         "test_faults_loads.py",
         "test_faults_private.py",
-        "test_faults_private.py",
         "test_infer.py",
         "test_infer_export.py",
         "test_finetune_export.py",
