@@ -69,6 +69,24 @@ def verdict(results: list[dict]) -> tuple[bool, str]:
     return met, "; ".join(parts)
 
 
+CAL_BAR = "calibrated share of a core within 15% of each host's cap; capped hosts rank in the order of their caps"
+
+
+def calibration_verdict(results: list[dict]) -> tuple[bool, str]:
+    """Whether every host's calibrated share is within 15% of its cap and every pair of hosts
+    with different caps measured in the order of their caps, and the headline."""
+    parts, met = [], True
+    for res in results:
+        cal = res["calibration"] or []
+        if not cal:
+            continue
+        within = sum(1 for c in cal if abs(c["ratio"] - 1) <= 0.15)
+        ranked = all(a["cap"] * a["ratio"] < b["cap"] * b["ratio"] for a in cal for b in cal if a["cap"] < b["cap"])
+        met = met and within == len(cal) and ranked
+        parts.append(f"{res['scenario']} {within} of {len(cal)} within 15%, {'ranked' if ranked else 'NOT ranked'}")
+    return met and bool(parts), "; ".join(parts) or "no calibration check ran"
+
+
 def up(d: Path, cpu_limit: str | None = None, name: str = NAME, subnet: str = SUBNET, scenario: str = "home") -> Path:
     """A sim of `scenario` (home capped, or not: --cpu-limit 0), with its inventory in `d`."""
     inv = d / f"{scenario}.yml"
@@ -408,10 +426,13 @@ def main() -> int:
     out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
     print(text)
     met, headline = verdict(results)
-    print(
-        f"{headline}: {'met' if met else 'MISSED'} ({write_result('compute', BAR, met, headline, {'results': results})})"
-    )
-    return exit_code(met)
+    kept = write_result("compute", BAR, met, headline, {"results": results})
+    print(f"{headline}: {'met' if met else 'MISSED'} ({kept})")
+    cal_met, cal_line = calibration_verdict(results)
+    cal = {"calibration": {res["scenario"]: res["calibration"] for res in results}}
+    kept = write_result("compute-calibration", CAL_BAR, cal_met, cal_line, cal)
+    print(f"{cal_line}: {'met' if cal_met else 'MISSED'} ({kept})")
+    return exit_code(met and cal_met)
 
 
 if __name__ == "__main__":

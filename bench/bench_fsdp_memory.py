@@ -5,6 +5,8 @@ steps (parameters, and the AdamW moments), read off the live tensors at the end
 of the run. dp keeps everything on every rank; fsdp (ZeRO-3) keeps 1/N of it.
 
     flock /tmp/smol-bench.lock .venv/bin/python bench/bench_fsdp_memory.py [--model tiny|FILE.json] [--out bench/fsdp-memory.json]
+
+Bar: fsdp / dp within 5% of 1/N at every N; kept in bench/results/fsdp-memory.json, exit 1 when missed.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ import secrets
 import subprocess
 import sys
 import tempfile
+
+from common import exit_code, write_result
+
+BAR = "fsdp per-rank parameter + optimizer memory within 5% of 1/N of dp's"
 
 
 def run(strategy: str, world: int, model: str, secret: str, work: str) -> dict:
@@ -92,7 +98,12 @@ def main() -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"model": args.model, "rows": rows}, f, indent=1)
-    return 0
+    met = all(abs(r["ratio"] / r["ideal"] - 1) <= 0.05 for r in rows)
+    headline = ", ".join(f"{r['ratio']:.3f} (N={r['world']})" for r in rows)
+    print(
+        f"{headline}: {'met' if met else 'MISSED'} ({write_result('fsdp-memory', BAR, met, headline, {'rows': rows})})"
+    )
+    return exit_code(met)
 
 
 if __name__ == "__main__":

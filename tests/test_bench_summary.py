@@ -60,7 +60,23 @@ def test_a_result_file_becomes_its_row(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", ["bench_compute", "bench_diloco", "bench_allreduce", "bench_calibrate"])
 def test_benches_that_judge_a_bar_exit_by_it(name):
     text = (BENCH / f"{name}.py").read_text()
-    assert "return exit_code(met)" in text and "write_result(" in text
+    assert "return exit_code(met" in text and "write_result(" in text
+
+
+def test_bench_compute_misses_on_any_run_outside_25_percent_or_any_failed_run(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))  # as a bench runs: its folder first
+    compute = _load("bench_compute")
+    run = {"strategy": "dp", "meas": 1.0, "pred": 1.1, "bytes_ok": True}
+    ok = [{"scenario": "home", "sets": {"main": [run, dict(run, strategy="pp", meas=1.2)]}}]
+    assert compute.verdict(ok) == (True, "home 2 of 2 (0.91-1.09)")
+    slow = [{"scenario": "home", "sets": {"main": [run, dict(run, meas=1.5)]}}]
+    failed = [{"scenario": "home", "sets": {"main": [run, {"strategy": "tp", "error": "no report"}]}}]
+    bytes_off = [{"scenario": "home", "sets": {"main": [dict(run, bytes_ok=False)]}}]
+    assert not any(compute.verdict(r)[0] for r in (slow, failed, bytes_off))
+    cal = [{"host": "pi", "cap": 0.15, "ratio": 0.9}, {"host": "mac", "cap": 0.45, "ratio": 1.1}]
+    assert compute.calibration_verdict([{"scenario": "home", "calibration": cal}])[0]
+    swapped = [dict(cal[0], ratio=4.0), cal[1]]  # the 0.15-core host measured faster than the 0.45
+    assert not compute.calibration_verdict([{"scenario": "home", "calibration": swapped}])[0]
 
 
 def test_no_bench_edits_sys_path():
