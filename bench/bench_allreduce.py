@@ -10,6 +10,10 @@ what each backend costs.
 
     flock /tmp/smol-bench.lock .venv/bin/python bench/bench_allreduce.py --worlds 2,4 --rounds 3 --json bench/out/transport_loopback.json
     flock /tmp/smol-bench.lock .venv/bin/python bench/bench_allreduce.py --sim --worlds 2 --rounds 2 --json bench/out/transport_sim.json
+    .venv/bin/python bench/bench_allreduce.py --full-integrity --worlds 2 --sizes 1M,4M,16M --rounds 3
+
+--full-integrity times a third communicator, the socket backend with `--integrity full` (every
+payload MACed, not only every header), in turn with the other two: what full integrity costs.
 
 --sim builds a two-host `uniform` sim (tc-shaped 1000 Mbit links) and runs each rank in
 its host's network namespace; the result is compared with the link's TCP goodput.
@@ -48,16 +52,22 @@ def worker(a) -> None:
     sock = make_comm("socket", a.rank, a.world, a.coord, a.port, secret, timeout=120, addrs=addrs)
     gloo = make_comm("torch", a.rank, a.world, a.coord, a.port + a.world + 2, secret, timeout=120, addrs=addrs)
     comms = {"socket": sock, "torch": gloo}
+    if a.full_integrity:
+        port = a.port + 2 * a.world + 4
+        comms["socket-full"] = make_comm(
+            "socket", a.rank, a.world, a.coord, port, secret, timeout=120, addrs=addrs, integrity="full"
+        )
     from smoltrain.commands.bench import parse_bytes
 
     for size in a.sizes.split(","):
         nbytes = parse_bytes(size)
         k = iters_for(nbytes, a.budget)
         buf = torch.ones(nbytes // 4)
-        times = {"socket": [], "torch": []}
-        cpu = {"socket": [], "torch": []}
+        times = {name: [] for name in comms}
+        cpu = {name: [] for name in comms}
         for rnd in range(a.rounds):
-            order = ["socket", "torch"] if rnd % 2 == 0 else ["torch", "socket"]
+            names = list(comms)  # each goes first in turn
+            order = names[rnd % len(names) :] + names[: rnd % len(names)]
             for name in order:
                 c = comms[name]
                 c.all_reduce(buf)  # warm-up
@@ -87,15 +97,15 @@ def worker(a) -> None:
                 flush=True,
             )
         del buf
-    sock.close()
-    gloo.close()
+    for c in comms.values():
+        c.close()
 
 
 # ------------------------------------------------------------------- controller
 def launch(world: int, addrs: list[str], netns: list[str | None], ifaces: list[str], a) -> list[dict]:
     from smoltrain.comm.group import free_port_base
 
-    port = free_port_base(2 * world + 4, addrs[0]) if not any(netns) else 47000
+    port = free_port_base(3 * world + 6, addrs[0]) if not any(netns) else 47000
     secret = secrets.token_hex(16).encode()
     procs = []
     logs = [tempfile.TemporaryFile() for _ in range(world)]  # noqa: SIM115 (children write them); a full stderr pipe would stall a rank
@@ -119,7 +129,7 @@ def launch(world: int, addrs: list[str], netns: list[str | None], ifaces: list[s
             str(a.rounds),
             "--budget",
             str(a.budget),
-        ]
+        ] + (["--full-integrity"] if a.full_integrity else [])
         if netns[r]:
             argv = ["ip", "netns", "exec", netns[r]] + argv
         env = dict(os.environ, PYTHONWARNINGS="ignore", GLOO_SOCKET_IFNAME=ifaces[r], OMP_NUM_THREADS="1")
@@ -159,6 +169,9 @@ def summarize(rows: list[dict]) -> list[dict]:
             }
         entry["busbw_ratio"] = entry["socket"]["busbw_gbps"] / entry["torch"]["busbw_gbps"]
         entry["cpu_ratio"] = entry["torch"]["cpu_seconds_p50"] / entry["socket"]["cpu_seconds_p50"]
+        if "socket-full" in entry:  # what MACing every payload costs over MACing every header
+            entry["full_time_ratio"] = entry["socket-full"]["seconds_p50"] / entry["socket"]["seconds_p50"]
+            entry["full_cpu_ratio"] = entry["socket-full"]["cpu_seconds_p50"] / entry["socket"]["cpu_seconds_p50"]
         out.append(entry)
     return out
 
@@ -218,6 +231,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--sim", action="store_true", help="run on a two-host sim with 1 Gbit links")
     ap.add_argument("--json")
+    ap.add_argument("--full-integrity", action="store_true", help="also time the socket backend with --integrity full")
     ap.add_argument("--rank", type=int)
     ap.add_argument("--world", type=int)
     ap.add_argument("--coord")
@@ -265,6 +279,14 @@ def main() -> int:
             f"{e['world_size']:>2} {e['bytes']:>10} {s['seconds_p50'] * 1e6:>10.0f} {g['seconds_p50'] * 1e6:>10.0f} "
             f"{s['busbw_gbps']:>11.3f} {g['busbw_gbps']:>10.3f} {e['busbw_ratio']:>6.2f} {e['cpu_ratio']:>9.2f}{extra}"
         )
+    for e in doc["runs"]:
+        if "full_time_ratio" in e:
+            f = e["socket-full"]
+            print(
+                f"{e['world_size']:>2} {e['bytes']:>10} --integrity full: {f['seconds_p50'] * 1e6:.0f} us, "
+                f"{f['busbw_gbps']:.3f} GB/s, {e['full_time_ratio']:.2f}x header's time, "
+                f"{e['full_cpu_ratio']:.2f}x its CPU"
+            )
     if goodput:
         print(f"link goodput: iperf3 {goodput['iperf3_mbit']:.0f} Mbit/s, tbf model {goodput['tbf_model_mbit']:.0f}")
     if a.json:
@@ -272,8 +294,9 @@ def main() -> int:
         with open(tmp, "w") as f:
             json.dump(doc, f, indent=1)
         os.replace(tmp, a.json)
-    met, headline = verdict(doc["runs"], goodput)
+    met, headline = integrity_verdict(doc["runs"]) if a.full_integrity else verdict(doc["runs"], goodput)
     name = "allreduce-sim" if goodput else "allreduce-loopback"
+    name += "-integrity" if a.full_integrity else ""
     raw = dict(doc, runs=[{k: v for k, v in e.items() if k != "seconds"} for e in doc["runs"]])  # medians only
     print(f"{headline}: {'met' if met else 'MISSED'} ({write_result(name, BARS[name], met, headline, raw)})")
     return exit_code(met)
@@ -282,7 +305,19 @@ def main() -> int:
 BARS = {
     "allreduce-loopback": "2 ranks on loopback: socket all-reduce busbw >= 1.0x gloo from 1 MB, 4 KB latency <= gloo's",
     "allreduce-sim": "socket all-reduce busbw >= 0.9 of a 1 Gbit sim link's goodput (iperf3), from 1 MB",
+    "allreduce-loopback-integrity": "--integrity full all-reduce within 1.25x --integrity header's time from 1 MB",
+    "allreduce-sim-integrity": "--integrity full all-reduce within 1.25x --integrity header's time from 1 MB",
 }
+
+
+def integrity_verdict(runs: list[dict]) -> tuple[bool, str]:
+    """Whether full integrity is cheap enough to be the default (header is, today)."""
+    big = [e for e in runs if e["bytes"] >= 1 << 20]
+    if not big:
+        return False, "no size of 1 MB or more was run"
+    r = [e["full_time_ratio"] for e in big]
+    c = [e["full_cpu_ratio"] for e in big]
+    return max(r) <= 1.25, f"full/header time {min(r):.2f}-{max(r):.2f}x, CPU {min(c):.2f}-{max(c):.2f}x from 1 MB"
 
 
 def verdict(runs: list[dict], goodput: dict | None) -> tuple[bool, str]:
