@@ -12,7 +12,7 @@ COMMANDS = {
     "worker": ("smoltrain.commands.worker", "internal: one rank of a run, started by `smoltrain run`"),
     "generate": ("smoltrain.commands.generate", "generate text with a Hugging Face model split over ranks (pp/tp)"),
     "serve": ("smoltrain.commands.serve", "serve a split Hugging Face model behind the OpenAI HTTP API"),
-    "export": ("smoltrain.commands.export", "export a `smoltrain run` checkpoint as a Hugging Face GPT-2 folder"),
+    "export": ("smoltrain.commands.export", "a `smoltrain run` checkpoint as a Hugging Face folder or LoRA adapter"),
     "demo": ("smoltrain.commands.demo", "walk the whole flow on the built-in cluster"),
 }
 

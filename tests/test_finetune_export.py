@@ -170,3 +170,68 @@ def test_generate_with_adapter_equals_the_merged_model(tuned, tmp_path, capsys):
     rc = main(["generate", "--model", base, "--adapter", str(tmp_path), "--prompt-ids", "1", "--strategy", "local"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "no adapter_config.json" in err and "\n" not in err
+
+
+def _run_checkpoint(tmp_path, base: str, arch: str, lora_cfg: LoraConfig | None):
+    """A `smoltrain run` checkpoint as dp's rank 0 writes one: the trained model's parameters (only the
+    adapters under LoRA) as `param.units...`, and complete.json with the run's model and LoRA settings."""
+    from smoltrain.models import causal
+    from smoltrain.models.spec import get_model
+    from smoltrain.run import checkpoint
+
+    spec = get_model(base)
+    model = causal.build(spec)
+    if lora_cfg is not None:
+        lora.apply(model, lora_cfg, arch, seed=0)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    tensors = {f"param.{n}": p for n, p in model.named_parameters() if p.requires_grad}
+    root = tmp_path / "ckpt"
+    part = checkpoint.save_part(root, 3, "rank0", tensors)
+    meta = {"strategy": "dp", "world_size": 1, "model": spec.name, "seed": 0, "model_spec": spec.to_dict()}
+    meta["lora"] = lora_cfg.to_dict() if lora_cfg else None
+    checkpoint.mark_complete(root, 3, meta, {"rank0": part})
+    return str(root), model.eval()
+
+
+def _ours(model):
+    with torch.no_grad():
+        return model(IDS)
+
+
+def _export(capsys, *argv) -> tuple[int, str]:
+    from smoltrain.cli import main
+
+    capsys.readouterr()
+    rc = main(["export", *argv])
+    return rc, capsys.readouterr().err.strip()
+
+
+def test_export_of_a_run_full_lora_and_merged(tuned, tmp_path, capsys):
+    import peft
+    import transformers
+
+    arch, base, _, _ = tuned
+    root, model = _run_checkpoint(tmp_path / "full", base, arch, None)
+    out = tmp_path / "full-out"
+    assert _export(capsys, "--checkpoint-dir", root, "--out", str(out))[0] == 0
+    got = _logits(transformers.AutoModelForCausalLM.from_pretrained(out).eval())
+    assert torch.allclose(got, _ours(model), atol=1e-4, rtol=1e-4)
+    assert transformers.AutoTokenizer.from_pretrained(out).chat_template
+    rc, err = _export(capsys, "--checkpoint-dir", root, "--out", str(tmp_path / "x"), "--merge")
+    assert rc == 2 and "trained the full model" in err and "\n" not in err
+
+    root, model = _run_checkpoint(tmp_path / "lora", base, arch, LoraConfig(rank=2, alpha=4.0))
+    want = _ours(model)
+    adapter = tmp_path / "adapter"
+    assert _export(capsys, "--checkpoint-dir", root, "--out", str(adapter))[0] == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), str(adapter))
+    assert torch.allclose(_logits(pm.eval()), want, atol=1e-4, rtol=1e-4)
+    merged = tmp_path / "merged"
+    assert _export(capsys, "--checkpoint-dir", root, "--out", str(merged), "--merge")[0] == 0
+    assert torch.allclose(_logits(transformers.AutoModelForCausalLM.from_pretrained(merged).eval()), want, atol=1e-4)

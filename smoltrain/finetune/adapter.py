@@ -40,6 +40,16 @@ class Adapter:
     pairs: dict  # layer name as the checkpoint names it (no `transformer.`) -> (A, B)
 
 
+def from_state(state: dict, lora_cfg) -> Adapter:
+    """An Adapter of a run's tensors ({layer.lora_A.weight: tensor}, lora.adapter_state's names)."""
+    pairs: dict = {}
+    for key, t in state.items():
+        pairs.setdefault(_layer_name(key), {})[key.rsplit(".", 2)[-2][-1]] = t
+    return Adapter(
+        lora_cfg.rank, lora_cfg.alpha, lora_cfg.scaling, [], {n: (ab["A"], ab["B"]) for n, ab in pairs.items()}
+    )
+
+
 def _layer_name(key: str) -> str:
     """`base_model.model.transformer.h.0.attn.c_attn.lora_A.weight` -> `h.0.attn.c_attn`."""
     name = key.removeprefix(PREFIX).rsplit(".lora_", 1)[0]
@@ -90,22 +100,26 @@ def read_adapter(adapter_dir: str) -> Adapter:
 class AdaptedCheckpoint(Checkpoint):
     """A base checkpoint read with an adapter folded into each weight it adapts."""
 
-    def __init__(self, model_dir: str, adapter_dir: str):
+    def __init__(self, model_dir: str, adapter_dir):
+        """`adapter_dir`: a PEFT adapter folder, or an Adapter already in memory (a run's checkpoint)."""
         super().__init__(model_dir)
-        self.adapter_dir = str(adapter_dir)
-        self.adapter = read_adapter(adapter_dir)
+        if isinstance(adapter_dir, Adapter):
+            self.adapter, self.adapter_dir = adapter_dir, "the run's adapters"
+        else:
+            self.adapter, self.adapter_dir = read_adapter(adapter_dir), str(adapter_dir)
+        where = f"--adapter {self.adapter_dir}"
         self.fan_in_fan_out = self.config.arch == "gpt2"  # Conv1D: weights stored in x out
         shapes = expected_tensors(self.config)
         self.adapted = {}
         for layer, (a, b) in self.adapter.pairs.items():
             name = layer + ".weight"
             if name not in shapes:
-                raise CheckpointError(f"--adapter {adapter_dir} adapts {layer}, which {model_dir} does not have")
+                raise CheckpointError(f"{where} adapts {layer}, which {model_dir} does not have")
             out_in = (int(b.shape[0]), int(a.shape[1]))
             want = out_in[::-1] if self.fan_in_fan_out else out_in
             if tuple(shapes[name]) != want:
                 raise CheckpointError(
-                    f"--adapter {adapter_dir}: {layer} adapters imply a {want[0]} x {want[1]} weight, the model's is "
+                    f"{where}: {layer} adapters imply a {want[0]} x {want[1]} weight, the model's is "
                     f"{shapes[name][0]} x {shapes[name][1]} (an adapter for another model?)"
                 )
             self.adapted[name] = (a, b)

@@ -106,6 +106,13 @@ def adapter_config(lora_cfg, arch: str, base_dir: str, targets: list[str]) -> di
     }
 
 
+def peft_name(name: str, arch: str) -> str:
+    """A layer's name in transformers' module tree: GPT-2's blocks sit under `transformer.`."""
+    if arch == "gpt2" and not name.startswith(("transformer.", "lm_head")):
+        return "transformer." + name
+    return name
+
+
 def write_adapter(out_dir: str, state: dict, lora_cfg, arch: str, base_dir: str) -> Path:
     """A PEFT adapter folder of `state` ({layer.lora_A.weight: tensor}, names as lora.adapter_state gives)."""
     from safetensors.torch import save_file
@@ -115,19 +122,20 @@ def write_adapter(out_dir: str, state: dict, lora_cfg, arch: str, base_dir: str)
     def fill(d: Path):
         cfg = adapter_config(lora_cfg, arch, base_dir, list(targets))
         (d / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
-        tensors = {"base_model.model." + k: v.detach().contiguous() for k, v in state.items()}
+        tensors = {"base_model.model." + peft_name(k, arch): v.detach().contiguous() for k, v in state.items()}
         save_file(tensors, str(d / "adapter_model.safetensors"), {"format": "pt"})
 
     return _write(out_dir, fill)
 
 
-def merged_state(base_dir: str, adapter_dir: str) -> dict:
-    """Every tensor of the base folder, the adapted weights with the adapter folded in (fp32 sum, stored dtype)."""
+def merged_state(base_dir: str, adapter) -> dict:
+    """Every tensor of the base folder, the adapted weights with the adapter (a folder or an
+    adapter.Adapter) folded in: fp32 sum, stored at the base's dtype, as PEFT's merge does."""
     from safetensors import safe_open
 
     from smoltrain.finetune.adapter import AdaptedCheckpoint
 
-    ckpt = AdaptedCheckpoint(base_dir, adapter_dir)
+    ckpt = AdaptedCheckpoint(base_dir, adapter)
     out = {}
     for key, (path, _, _) in ckpt.index.items():
         with safe_open(path, framework="pt") as f:
@@ -137,3 +145,58 @@ def merged_state(base_dir: str, adapter_dir: str) -> dict:
             t = (t.float() + ckpt.delta(name)).to(t.dtype)
         out[key] = t
     return out
+
+
+def export_checkpoint(ckpt_dir: str, found, out_dir: str, merge: bool) -> tuple[Path, str]:
+    """A fine-tuning run's newest intact checkpoint (`found`, run.checkpoint.latest) as a full folder,
+    a PEFT adapter folder, or (`merge`) the merged folder; returns (folder, what it is)."""
+    from smolnet.errors import UsageError
+    from smoltrain.finetune.lora import LoraConfig
+    from smoltrain.infer.export import gather_units
+    from smoltrain.models.causal import hf_name
+    from smoltrain.models.hf import Checkpoint, CheckpointError
+    from smoltrain.models.spec import ModelSpec
+
+    meta = found.meta
+    known = set(ModelSpec.__dataclass_fields__)
+    spec = ModelSpec(**{k: v for k, v in meta["model_spec"].items() if k in known})
+    lora_cfg = LoraConfig.from_dict(meta["lora"]) if meta.get("lora") else None
+    if merge and lora_cfg is None:
+        raise UsageError(f"{ckpt_dir}: --merge folds LoRA adapters into the base, and this run trained the full model")
+    try:
+        base = Checkpoint(spec.source)
+    except CheckpointError as e:
+        raise UsageError(f"{ckpt_dir}: the run's base checkpoint is gone or changed: {e}") from None
+    cfg, n = base.config, spec.layers + 2
+    step_dir = Path(ckpt_dir) / f"step-{found.step:06d}"
+    _, units = gather_units(step_dir, meta, found.sha256, spec)
+    trained = {}
+    for key, t in units.items():
+        i, name = key.split(".", 2)[1:]
+        if lora_cfg is not None and ".lora_" not in name:
+            continue
+        h = hf_name(cfg, int(i), name, n)
+        if not (h == "lm_head.weight" and cfg.tied):
+            trained[h] = t
+    note = {k: meta.get(k) for k in ("strategy", "world_size", "seed", "step", "lora")}
+    if lora_cfg is not None:
+        if not trained:
+            raise UsageError(f"{step_dir}: a LoRA run's checkpoint without adapters")
+        if merge:
+            from smoltrain.finetune.adapter import from_state
+
+            state = merged_state(spec.source, from_state(trained, lora_cfg))
+            return write_full(out_dir, state, spec.source, note), "the merged model (base + LoRA)"
+        return write_adapter(out_dir, trained, lora_cfg, cfg.arch, spec.source), "a PEFT LoRA adapter"
+    state = {}
+    for key, (_, shape, _) in base.index.items():
+        name = key if key == "lm_head.weight" else key.removeprefix(base.prefix)
+        t = trained.get(name)
+        if t is None:
+            raise UsageError(f"{step_dir}: the checkpoint lacks {name}")
+        if tuple(t.shape) != shape and name == "wpe.weight":  # the run kept only the positions it trains
+            import torch
+
+            t = torch.cat([t, base.read(name)[t.shape[0] :].to(t.dtype)])
+        state[key] = t
+    return write_full(out_dir, state, spec.source, note), "the full fine-tuned model"

@@ -34,15 +34,16 @@ def newest_intact(root: str):
     return found
 
 
-def gather_units(step_dir: Path, meta: dict, sha256: dict | None = None) -> dict:
-    """`units.<i>.<name>` -> tensor for the whole model, from each rank's part."""
+def gather_units(step_dir: Path, meta: dict, sha256: dict | None = None, spec=None) -> dict:
+    """`units.<i>.<name>` -> tensor for the whole model, from each rank's part (`spec`: the run's
+    model where the checkpoint's name alone does not say it, as for a Hugging Face checkpoint)."""
     from smoltrain.models.gpt import split_units
     from smoltrain.models.spec import get_model
     from smoltrain.run.checkpoint import load_part
 
     strategy, world = meta["strategy"], int(meta["world_size"])
     sha = sha256 or {}  # checked again as each part is read: nothing changed since verification
-    spec = get_model(meta["model"])
+    spec = spec or get_model(meta["model"])
     out = {}
     if strategy == "dp":
         for k, v in load_part(step_dir.parent, int(meta["step"]), "rank0", sha.get("rank0")).items():
@@ -105,8 +106,8 @@ def byte_tokenizer():
     return tok
 
 
-def export(ckpt_dir: str, out_dir: str) -> Path:
-    found = newest_intact(ckpt_dir)
+def export(ckpt_dir: str, out_dir: str, found=None) -> Path:
+    found = found or newest_intact(ckpt_dir)
     meta = found.meta
     step_dir = Path(ckpt_dir) / f"step-{found.step:06d}"
     try:
