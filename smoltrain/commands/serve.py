@@ -174,6 +174,12 @@ def build(args, log=None):
     )
     shape = " + ".join(f"{s.cfg.strategy} on {s.cfg.world_size} rank(s)" for s in setups)
     log(f"{len(setups)} replica(s): {shape} ({why}); max batch {args.max_batch}; chat layout: {svc.chat_layout}")
+    for s in setups:  # the decode kernels each rank chose (models.backends): no fallback goes unsaid
+        for name, st in zip(s.cfg.names, s.runner.stats()):
+            k = (st.get("machine") or {}).get("kernels") or {}
+            isa = f" ({k['isa']})" if k.get("isa") else ""
+            over = "".join(f"; {b} passed over: {why}" for b, why in (k.get("passed_over") or {}).items())
+            log(f"{name}: decode kernels {k.get('backend')}{isa}{over}")
     return svc, setups
 
 
