@@ -45,7 +45,14 @@ def make(path: str, arch: str, layers: int = 2, tied: bool = False, seed: int = 
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**shape, head_dim=16, rope_theta=1e6))
     elif arch == "gpt2":
         cfg = tf.GPT2Config(
-            vocab_size=vocab, n_embd=32, n_layer=layers, n_head=4, n_positions=ctx, tie_word_embeddings=tied
+            vocab_size=vocab,
+            n_embd=32,
+            n_layer=layers,
+            n_head=4,
+            n_positions=ctx,
+            tie_word_embeddings=tied,
+            bos_token_id=1,
+            eos_token_id=1,
         )
         model = tf.GPT2LMHeadModel(cfg)
     else:

@@ -76,23 +76,24 @@ def test_one_adamw_step_equals_torch(ckpts, arch):
     model trained by torch.optim.AdamW on the same tokens."""
     import torch
 
+    from smoltrain.finetune.data import load
     from smoltrain.models.data import make_batches
     from smoltrain.models.spec import get_model
     from smoltrain.run.config import RunConfig
     from smoltrain.strategies import Context, load_strategy
 
     spec, lr = get_model(ckpts[arch]), 1e-2
-    cfg = RunConfig("dp", "socket", spec, 1, 4, 16, lr, 0, ("rank0",), ("cpu",))
-    batches = make_batches(cfg, TEXT.encode())
+    data = load(ckpts["text"], ckpts[arch], 16)  # what the controller sends every rank
+    cfg = RunConfig("dp", "socket", spec, 1, 4, 16, lr, 0, ("rank0",), ("cpu",), data_digest=data.digest())
+    batches = make_batches(cfg, data.to_bytes())
     strat = load_strategy("dp")(Context(rank=0, world=1, run=cfg, batches=batches))
     before = {k: v.detach().clone() for k, v in strat.model.hf_state_dict().items()}
     strat.train_step(0)
 
     ref = _hf(ckpts[arch])
     x, y = batches.global_batch(0)
-    window = torch.cat([x, y[:, -1:]], 1)  # x and its next tokens: the same targets through labels
     opt = torch.optim.AdamW(ref.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-    ref(window, labels=window).loss.backward()
+    ref(x, labels=y, shift_labels=y).loss.backward()  # y is already shifted: position t's target is y[t]
     opt.step()
     want = {k.removeprefix("transformer."): v for k, v in ref.state_dict().items()}
     moved = 0.0

@@ -18,7 +18,16 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--model", default="tiny", help="built-in model name, a .json shape or a Hugging Face folder (default tiny)"
     )
-    p.add_argument("--data", help="text file or folder (default: this Python's standard library sources)")
+    p.add_argument(
+        "--data",
+        help="text file or folder (default: this Python's standard library sources); with a Hugging Face "
+        "--model also .jsonl chats or prompt/completion pairs",
+    )
+    lora = p.add_argument_group("LoRA (a Hugging Face --model): adapters train, the base stays frozen")
+    lora.add_argument("--lora-rank", type=validate.count(1 << 16), metavar="R", help="adapter rank (off by default)")
+    lora.add_argument("--lora-alpha", type=float, default=16.0, help="scale alpha/R (default 16)")
+    lora.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input (default 0)")
+    lora.add_argument("--lora-targets", help="layers to adapt, e.g. q_proj,v_proj (default: q_proj,v_proj; c_attn)")
     p.add_argument("--steps", type=validate.STEPS, default=20)
     p.add_argument("--batch", type=validate.BATCH, default=8, help="global batch, in sequences")
     p.add_argument("--seq", type=validate.SEQ, default=64, help="sequence length in bytes (tokens)")
@@ -175,10 +184,19 @@ OUTER_PACED = (
 )
 
 
-def check_checkpoint(spec) -> None:
-    """A Hugging Face folder the run can train: its tensors as config.json says, and a tokenizer."""
+# the others move every parameter (fsdp, syncps, edp) or rebuild each block from slices (tp)
+LORA_STRATEGIES = ("dp", "mp", "pp", "diloco")
+
+
+def lora_settings(args, spec) -> dict | None:
+    """The checkpoint checked (tensors as config.json says, a tokenizer) and the LoRA settings,
+    checked against the model's layers: a wrong target or rank exits 2 before anything starts."""
     import os
 
+    if not spec.source:
+        if args.lora_rank is not None:
+            raise UsageError("--lora-rank needs a Hugging Face checkpoint folder as --model")
+        return None
     from smoltrain.models.hf import Checkpoint, CheckpointError
 
     if not os.path.isfile(os.path.join(spec.source, "tokenizer.json")):
@@ -187,19 +205,33 @@ def check_checkpoint(spec) -> None:
         Checkpoint(spec.source).check()
     except CheckpointError as e:
         raise UsageError(str(e)) from None
+    if args.lora_rank is None:
+        return None
+    if args.strategy not in LORA_STRATEGIES:
+        raise UsageError(f"--lora-rank with --strategy {args.strategy}: LoRA trains with {', '.join(LORA_STRATEGIES)}")
+    from smoltrain.finetune.lora import LoraConfig, parse_targets
+    from smoltrain.models.causal import trainable_params
+
+    cfg = LoraConfig(args.lora_rank, args.lora_alpha, args.lora_dropout, parse_targets(args.lora_targets))
+    trainable_params(spec, cfg.to_dict())  # LoraError (exit 2) names a missing target or a rank too large
+    return cfg.to_dict()
 
 
-def check_tokens(spec, corpus: bytes, seq: int) -> None:
-    """The corpus in the checkpoint's tokens: enough for a window, and every id inside the vocabulary."""
-    from smoltrain.models.data import tokenize
+def training_data(spec, data: str | None, cfg) -> tuple[bytes, str]:
+    """What the controller sends every rank, and its digest: the corpus bytes for a built-in model;
+    for a checkpoint, finetune.data's examples (the default corpus tokenized like any folder)."""
+    from smoltrain.models.data import corpus_digest, load_corpus
 
-    ids = tokenize(corpus, spec.source)
-    if len(ids) <= seq + 1:
-        raise UsageError(f"--data has {len(ids)} tokens, fewer than --seq {seq} + 1")
-    if int(ids.max()) >= spec.vocab:
-        raise UsageError(
-            f"--model {spec.source}: tokenizer.json gives id {int(ids.max())}, past the model's vocab {spec.vocab}"
-        )
+    if not spec.source:
+        corpus = load_corpus(data, cfg.data_cap)
+        return corpus, corpus_digest(corpus)
+    import sysconfig
+
+    from smoltrain.finetune import data as finetune_data
+
+    ds = finetune_data.load(data or sysconfig.get_paths()["stdlib"], spec.source, cfg.seq, cfg.data_cap)
+    finetune_data.Batches(ds, cfg.batch, cfg.seq, cfg.seed, cfg.eval_every > 0)  # too few examples: exit 2 here
+    return ds.to_bytes(), ds.digest()
 
 
 def run(args) -> int:
@@ -226,8 +258,7 @@ def _run(args, early) -> int:
         spec = get_model(args.model)
     except ModelSpecError as e:
         raise UsageError(str(e)) from None
-    if spec.source:
-        check_checkpoint(spec)
+    lora = lora_settings(args, spec)
 
     from smoltrain.run.config import RunConfig
     from smoltrain.run.controller import Controller, check_usage, plot_losses, rank_placements, route_source, write_json
@@ -275,6 +306,7 @@ def _run(args, early) -> int:
             inner_steps=args.inner_steps or 0,
             sync_dtype=args.sync_dtype,
             kernels=getattr(args, "kernels", None) or "auto",
+            lora=lora,
         )
 
     check_usage(config(placements))  # what the strategy or the model cannot take, before the planner looks
@@ -291,12 +323,8 @@ def _run(args, early) -> int:
     cfg = config(placements, placed)
     check_usage(cfg)
 
-    from smoltrain.models.data import corpus_digest, load_corpus
-
-    corpus = load_corpus(data, cfg.data_cap)
-    if spec.source:
-        check_tokens(spec, corpus, cfg.seq)
-    cfg = cfg.replace(data_bytes=len(corpus), data_digest=corpus_digest(corpus))
+    corpus, digest = training_data(spec, data, cfg)
+    cfg = cfg.replace(data_bytes=len(corpus), data_digest=digest)
     early.cfg = cfg
 
     if args.checkpoint_dir:

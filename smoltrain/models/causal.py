@@ -273,6 +273,20 @@ def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
     return out
 
 
+def trainable_params(spec: ModelSpec, lora: dict | None) -> int:
+    """Parameters a run trains: all of them, or under LoRA the adapters alone, counted on a model
+    built without memory (the meta device); finetune.lora raises on targets or ranks it cannot take."""
+    if not lora:
+        return spec.params()
+    from smoltrain.finetune.lora import LoraConfig, apply
+    from smoltrain.models.hf import read_config
+
+    with torch.device("meta"):
+        model = CausalLM(read_config(spec.source), spec)
+    apply(model, LoraConfig.from_dict(lora), spec.arch, 0)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
 def build(spec: ModelSpec) -> CausalLM:
     """The checkpoint at `spec.source` as fp32 parameters (the master weights whatever its dtype)."""
     ckpt = Checkpoint(spec.source)

@@ -80,41 +80,34 @@ def holdout_start(n: int, seq: int) -> int:
     return start
 
 
-def tokenize(data: bytes, model_dir: str):
-    """The corpus as the checkpoint's own tokens (its tokenizer.json), for a Hugging Face model."""
-    import torch
+def make_batches(cfg, corpus: bytes):
+    """A rank's batches from the controller's payload, checked against the run's digest: byte
+    windows for the built-in models; for a Hugging Face checkpoint, the examples (token ids and
+    loss masks) of finetune.data."""
+    if cfg.model.source:
+        from smoltrain.finetune import data
 
-    from smoltrain.models.hf import load_tokenizer
-
-    tok = load_tokenizer(model_dir)
-    if tok is None:
-        raise UsageError(f"--model {model_dir}: no tokenizer.json (the run tokenizes --data with it)")
-    ids = tok.encode(data.decode("utf-8", errors="replace"), add_special_tokens=False).ids
-    return torch.tensor(ids, dtype=torch.long)
-
-
-def make_batches(cfg, corpus: bytes) -> Batches:
-    """A rank's batches: bytes for the built-in models, the checkpoint's tokens for a Hugging Face one."""
-    src = cfg.model.source
-    return Batches(tokenize(corpus, src) if src else corpus, cfg.batch, cfg.seq, cfg.seed, cfg.eval_every > 0)
+        ds = data.Dataset.from_bytes(corpus)
+        digest, batches = ds.digest(), data.Batches(ds, cfg.batch, cfg.seq, cfg.seed, cfg.eval_every > 0)
+    else:
+        digest, batches = corpus_digest(corpus), Batches(corpus, cfg.batch, cfg.seq, cfg.seed, cfg.eval_every > 0)
+    if digest != cfg.data_digest:
+        raise ValueError("the corpus received from the controller does not match its digest")
+    return batches
 
 
 class Batches:
-    """Global batches of byte (or token) windows, a pure function of (seed, step).
+    """Global batches of byte windows, a pure function of (seed, step).
 
-    Targets of -100 carry no loss (none here: every window is text); `loss_tokens(step)` is how
-    many targets of step's global batch do, the denominator of the step's mean loss."""
+    Every target carries loss (finetune.data's batches mask some with -100); `loss_tokens(step)`
+    is how many do, the denominator of the step's mean loss."""
 
-    def __init__(self, data, batch: int, seq: int, seed: int, holdout: bool = False):
+    def __init__(self, data: bytes, batch: int, seq: int, seed: int, holdout: bool = False):
+        if len(data) <= seq + 1:
+            raise UsageError(f"corpus has {len(data)} bytes, fewer than --seq {seq} + 1")
         import torch
 
-        if len(data) <= seq + 1:
-            what = "bytes" if isinstance(data, bytes) else "tokens"
-            raise UsageError(f"corpus has {len(data)} {what}, fewer than --seq {seq} + 1")
-        if isinstance(data, torch.Tensor):
-            self.tokens = data.long()
-        else:
-            self.tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+        self.tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
         self.batch, self.seq, self.seed = batch, seq, seed
         self.train_end = holdout_start(len(data), seq) if holdout else len(self.tokens)
 
@@ -138,8 +131,8 @@ class Batches:
         ]
 
     def loss_tokens(self, step: int) -> int:
-        """Targets of step's global batch that carry loss."""
-        return int((self.global_batch(step)[1] != -100).sum())
+        """Targets of step's global batch that carry loss: all of them."""
+        return self.batch * self.seq
 
     def slice(self, step: int, lo: int, hi: int):
         """Sequences [lo, hi) of step's global batch."""

@@ -94,7 +94,12 @@ class ModelSpec:
         return self.params() - self.layers * per_expert * (self.experts - self.top_k)
 
     def to_dict(self) -> dict:
+        """The fields, params and head_dim; the checkpoint fields only for a checkpoint, so a
+        built-in shape's dict (and the run identity digested from it) is what it always was."""
         d = asdict(self)
+        if not self.arch:
+            for k in ("arch", "source", "head_size", "qkv_bias", "o_bias", "qk_norm"):
+                d.pop(k)
         d["params"] = self.params()
         d["head_dim"] = self.head_dim
         return d

@@ -126,8 +126,13 @@ def identity(cfg) -> dict:
     # of it: `run` picks them from the plan and the run's length, which a longer resumed run changes)
     if getattr(cfg, "optimizer", "adamw") != "adamw":
         trajectory["optimizer"] = cfg.optimizer
+    lora = getattr(cfg, "lora", None)
+    if lora:
+        trajectory["lora"] = lora
     run = hashlib.sha256(json.dumps(trajectory, sort_keys=True).encode()).hexdigest()[:16]
+    extra = {"model_spec": cfg.model.to_dict(), "lora": lora} if cfg.model.source else {}  # export rebuilds it
     return {
+        **extra,
         "strategy": cfg.strategy,
         "world_size": cfg.world_size,
         "model": cfg.model.name,

@@ -430,10 +430,15 @@ class Controller:
 def model_sections(cfg: RunConfig) -> dict:
     """The report's `model` {name, arch, params}, `trainable_params` and `lora` (contract section 11)."""
     spec = cfg.model
+    trainable = spec.params()
+    if cfg.lora:
+        from smoltrain.models.causal import trainable_params
+
+        trainable = trainable_params(spec, cfg.lora)
     return {
         "model": {"name": spec.name, "arch": spec.arch or "gpt", "params": spec.params()},
-        "trainable_params": spec.params(),
-        "lora": None,
+        "trainable_params": trainable,
+        "lora": cfg.lora,
     }
 
 

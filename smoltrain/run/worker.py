@@ -16,7 +16,7 @@ import traceback
 import torch
 
 from smoltrain import registry
-from smoltrain.models.data import corpus_digest, make_batches
+from smoltrain.models.data import make_batches
 from smoltrain.run.channel import ControlClient
 from smoltrain.run.checkpoint import load_part, save_part
 from smoltrain.run.config import RunConfig
@@ -165,9 +165,7 @@ def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, co
     )
     backends.select(cfg.kernels)  # a backend this host cannot run: the rank's one-line error
     torch.manual_seed(cfg.seed)
-    if corpus_digest(corpus) != cfg.data_digest:
-        raise ValueError("the corpus received from the controller does not match its digest")
-    batches = make_batches(cfg, corpus)
+    batches = make_batches(cfg, corpus)  # checks the payload against cfg.data_digest
     world = cfg.world_size
     info = registry.get(cfg.strategy, trainable=True)
     ps = info.parameter_server
