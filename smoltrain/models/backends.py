@@ -125,7 +125,10 @@ def select(want: str | None = None) -> Backend:
 
 
 def current() -> Backend:
-    return (_chosen or (select(), _chosen)[1])[0]
+    """This process's backend (chosen on first use where nothing chose it yet)."""
+    if _chosen is None:
+        select()
+    return _chosen[0]
 
 
 def report() -> dict:
