@@ -63,9 +63,8 @@ def test_benches_that_judge_a_bar_exit_by_it(name):
     assert "return exit_code(met" in text and "write_result(" in text
 
 
-def test_bench_compute_misses_on_any_run_outside_25_percent_or_any_failed_run(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))  # as a bench runs: its folder first
-    compute = _load("bench_compute")
+def test_bench_compute_misses_on_any_run_outside_25_percent_or_any_failed_run():
+    compute = _load("compute_bars")
     run = {"strategy": "dp", "meas": 1.0, "pred": 1.1, "bytes_ok": True}
     ok = [{"scenario": "home", "sets": {"main": [run, dict(run, strategy="pp", meas=1.2)]}}]
     assert compute.verdict(ok) == (True, "home 2 of 2 (0.91-1.09)")
