@@ -18,6 +18,7 @@ from hf_train_models import make
 from infer_models import reference
 
 from smoltrain.cli import main
+from smoltrain.schema import check_any
 
 ARCHS = ["llama", "qwen2", "qwen3", "gpt2"]
 TEXT = "Hello there, how are you today? I am fine.\nThe quick brown fox jumps over the lazy dog.\n" * 30
@@ -126,7 +127,9 @@ def _run(ckpts, tmp_path, strategy, world, *extra):
     argv = ["run", "--strategy", strategy, "--local", str(world), "--model", ckpts["qwen3"], "--data", ckpts["text"]]
     argv += ["--steps", "2", "--batch", "4", "--seq", "16", "--threads", "1", "--out", str(tmp_path)]
     assert main([*argv, "--json", str(out), *extra]) == 0
-    return json.loads(out.read_text())
+    doc = json.loads(out.read_text())
+    check_any(doc)  # smoltrain.run/1 with model, trainable_params, lora, loss_tokens
+    return doc
 
 
 @pytest.fixture(scope="module")

@@ -129,6 +129,11 @@ def _parse_config(model_dir: str) -> HFConfig:
         if kind in LLAMA_LIKE:
             return _llama_like(kind, c, path, dtype, name)
         if kind == "gpt2":
+            for field, plain in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False)):
+                if bool(c.get(field, plain)) != plain:
+                    raise CheckpointError(f"{path}: {field} {c[field]} is not supported ({plain} only)")
+            if c.get("reorder_and_upcast_attn"):
+                raise CheckpointError(f"{path}: reorder_and_upcast_attn is not supported")
             h, heads = int(c["n_embd"]), int(c["n_head"])
             return HFConfig(
                 "gpt2",
