@@ -8,6 +8,17 @@ import tempfile
 from pathlib import Path
 
 
+def create_new(path: str | os.PathLike, mode: int = 0o644) -> int:
+    """A write descriptor of a file created by this call (O_EXCL, O_NOFOLLOW): a name planted first
+    (a link to elsewhere, in a folder others can write, a shared NFS checkpoint folder) is removed,
+    never written through."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+
+
 def write_text_atomic(path: str | os.PathLike, text: str, mode: int = 0o644) -> None:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)

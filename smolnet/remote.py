@@ -127,10 +127,10 @@ class Remote(ABC):
     def put_file(self, path: str, data: bytes, mode: int = 0o600, timeout: float = 30.0) -> None:
         """Write atomically (temp file + rename) so a reader never sees half a file."""
         d = os.path.dirname(path) or "."
-        tmp = f"{path}.smoltmp"
+        # mktemp: a fresh name made with O_EXCL, never a predictable one written through a link
         script = (
-            f"umask 077 && mkdir -p {shlex.quote(d)} && cat > {shlex.quote(tmp)} && "
-            f"chmod {mode:o} {shlex.quote(tmp)} && mv -f {shlex.quote(tmp)} {shlex.quote(path)}"
+            f"umask 077 && mkdir -p {shell_word(d)} && t=$(mktemp {shell_word(d + '/.smoltmp.XXXXXX')}) && "
+            f'{{ cat > "$t" && chmod {mode:o} "$t" && mv -f "$t" {shell_word(path)} || {{ rm -f "$t"; exit 1; }}; }}'
         )
         self.run(["sh", "-c", script], timeout=timeout, stdin=data, check=True)
 

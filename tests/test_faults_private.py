@@ -99,3 +99,23 @@ def test_a_log_folder_that_is_a_link_is_refused(tmp_path):
     finally:
         g.stop()
     assert not list((tmp_path / "elsewhere").iterdir())
+
+
+def test_a_link_planted_at_a_checkpoint_temp_name_is_not_written_through(tmp_path):
+    """A shared (NFS) checkpoint folder: whoever can write there may plant the temp names."""
+    import torch
+
+    from smoltrain.run import checkpoint
+
+    root = tmp_path / "ck"
+    d = checkpoint.step_dir(root, 2)
+    d.mkdir(parents=True)
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    for name in ("rank0.safetensors", "complete.json"):
+        (d / f"{name}.tmp{os.getpid()}").symlink_to(victim)
+    digest = checkpoint.save_part(root, 2, "rank0", {"w": torch.ones(2)})
+    checkpoint.mark_complete(root, 2, {}, {"rank0": digest})
+    assert victim.read_text() == "keep"
+    assert not any(p.is_symlink() for p in d.iterdir())
+    assert checkpoint.latest(root, None).step == 2

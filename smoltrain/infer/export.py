@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 from smolnet.errors import SmolError, UsageError
+from smolnet.files import create_new
 
 
 def newest_intact(root: str):
@@ -115,7 +116,7 @@ def export(ckpt_dir: str, out_dir: str, found=None) -> Path:
         sd = to_gpt2(spec, units)
     except KeyError as e:
         raise SmolError(f"{step_dir}: checkpoint lacks tensor {e}") from None
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -138,7 +139,8 @@ def export(ckpt_dir: str, out_dir: str, found=None) -> Path:
     }
     (out / "config.json").write_text(json.dumps(config, indent=1))
     tmp = out / f"model.safetensors.tmp{os.getpid()}"
-    save_file(sd, str(tmp), metadata={"format": "pt"})
+    with open(create_new(tmp), "wb") as f:  # never through a link planted at the temp name
+        f.write(save(sd, metadata={"format": "pt"}))
     os.replace(tmp, out / "model.safetensors")
     byte_tokenizer().save(str(out / "tokenizer.json"))
     return out

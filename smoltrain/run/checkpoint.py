@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from smolnet.errors import SmolError
+from smolnet.files import create_new
 
 MATCH_KEYS = ("strategy", "world_size", "model", "seed", "batch", "seq")
 RUN_KEYS = ("strategy", "world_size", "model", "seed", "batch", "seq", "lr", "data")
@@ -79,7 +80,7 @@ def save_part(root: str | os.PathLike, step: int, part: str, tensors: dict) -> d
     path = part_path(root, step, part)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        with open(create_new(tmp), "wb") as f:  # never through a link planted at the temp name
             f.write(data)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -150,7 +151,7 @@ def mark_complete(root: str | os.PathLike, step: int, meta: dict, parts: dict[st
     path = step_dir(root, step) / "complete.json"
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     doc = dict(meta, step=step, parts={p: dict(parts[p]) for p in sorted(parts)})
-    with open(tmp, "w") as f:
+    with open(create_new(tmp), "w") as f:
         f.write(json.dumps(doc, indent=1))
     _durable_replace(tmp, path)
 
