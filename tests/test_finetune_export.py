@@ -235,3 +235,46 @@ def test_export_of_a_run_full_lora_and_merged(tuned, tmp_path, capsys):
     merged = tmp_path / "merged"
     assert _export(capsys, "--checkpoint-dir", root, "--out", str(merged), "--merge")[0] == 0
     assert torch.allclose(_logits(transformers.AutoModelForCausalLM.from_pretrained(merged).eval()), want, atol=1e-4)
+
+
+def _serve(model: str, *argv: str):
+    """`smoltrain serve` in this process (its own argument parser and build) and an openai client on it."""
+    import argparse
+    import threading
+
+    import openai
+
+    from smoltrain.commands import serve
+    from smoltrain.infer.server import make_server
+
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    args = p.parse_args(["--model", model, "--strategy", "local", "--threads", "1", "--api-key", "k", *argv])
+    svc, _ = serve.build(args, log=lambda line: None)
+    server = make_server(svc, "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="k", max_retries=0)
+    return svc, server, client
+
+
+@pytest.mark.parametrize("tuned", ["llama"], indirect=True)
+def test_serve_answers_with_the_adapter_through_the_openai_client(tuned, tmp_path):
+    arch, base, _, adapter = tuned
+    merged = str(write_full(str(tmp_path / "merged"), merged_state(base, adapter), base))
+    answers = []
+    for model, extra in ((merged, ()), (base, ("--adapter", adapter))):  # (the base alone differs: generate's test)
+        svc, server, client = _serve(model, *extra)
+        try:
+            r = client.chat.completions.create(
+                model=client.models.list().data[0].id,
+                messages=CHATS[1][:1],
+                max_tokens=6,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            answers.append(r.choices[0].message.content)
+        finally:
+            server.shutdown()
+            server.server_close()
+            svc.router.close()
+    assert answers[1] == answers[0] and answers[0]
