@@ -47,6 +47,7 @@ TIERS = {
         "test_bench_summary.py",
         "test_finetune_data.py",
         "test_lora.py",
+        "test_sim_random.py",
     ],
     "process": [
         "test_hf_train.py",

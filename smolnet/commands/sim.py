@@ -26,6 +26,12 @@ def add_arguments(p) -> None:
     u.add_argument("--mtu", type=int, default=None, help="interface and switch MTU (scenario uniform; default 1500)")
     u.add_argument("--inventory", default="inventory/sim.yml", help="where to write the inventory")
     u.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="scenario random: the draw to build (smolnet/sim/draw.py); a fresh one, printed, when not given",
+    )
+    u.add_argument(
         "--cpu-limit",
         default=None,
         metavar="CORES",
@@ -67,7 +73,10 @@ def _table(st: dict):
 
     loop = st["mode"] == "loopback"
     where = "loopback (no namespaces, no shaping)" if loop else f"{st['subnet']}, controller {st['controller']}"
-    t = Table(title=f"sim {st['name']}: scenario {st['scenario']}, {where}", caption=f"inventory {st['inventory']}")
+    seed = f" --seed {st['seed']}" if st.get("seed") is not None else ""
+    t = Table(
+        title=f"sim {st['name']}: scenario {st['scenario']}{seed}, {where}", caption=f"inventory {st['inventory']}"
+    )
     t.add_column("host", no_wrap=True)
     t.add_column("address", no_wrap=True)
     t.add_column("device")
@@ -108,7 +117,12 @@ def run(args) -> int:
             rate_mbit=args.rate_mbit,
             mtu=args.mtu,
             cpu_limit=args.cpu_limit,
+            seed=args.seed,
         )
+        if args.scenario == "random" and args.seed is None:
+            from smolnet.sim.draw import fresh_seed
+
+            kw["seed"] = fresh_seed()
         loopback = True if args.loopback else None
         try:
             with con.status(f"building sim {args.name} ({args.scenario})"):

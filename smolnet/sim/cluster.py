@@ -135,8 +135,10 @@ def up(
     mtu: int | None = None,
     loopback: bool | None = None,
     cpu_limit: str | None = None,
+    seed: int | None = None,
 ) -> dict:
-    """Build the sim and write its inventory; return the recorded state.
+    """Build the sim and write its inventory; return the recorded state (`seed`: the draw of
+    scenario random, recorded as `seed`).
 
     loopback=None follows $SMOL_SIM_LOOPBACK (default off); off raises SimUnavailable when
     this machine cannot run namespaced hosts, on builds 127.x `ansible_connection: local` hosts.
@@ -144,7 +146,7 @@ def up(
     from smolnet.sim.scenarios import scenario as make_scenario
 
     _check_name(name)
-    specs = make_scenario(scenario, hosts, rate_mbit, mtu, cpu_limit)
+    specs = make_scenario(scenario, hosts, rate_mbit, mtu, cpu_limit, seed)
     net_, addrs, controller = _addresses(subnet, len(specs))
     if loopback is None:
         loopback = os.environ.get("SMOL_SIM_LOOPBACK", "") not in ("", "0")
@@ -160,6 +162,7 @@ def up(
         st = {
             "name": name,
             "scenario": scenario,
+            "seed": seed,
             "mode": "loopback" if loopback else "netns",
             "subnet": str(net_),
             "prefix": net_.prefixlen,

@@ -85,10 +85,15 @@ def inventory_text(st: dict) -> str:
         }
     }
     header = (
-        f"{GENERATED} (sim {st['name']}, scenario {st['scenario']}, {st['mode']}) "
+        f"{GENERATED} (sim {st['name']}, scenario {st['scenario']}{_seed(st)}, {st['mode']}) "
         f"at {st['created']}.\n# `smolnet sim down --name {st['name']}` deletes it; edits are lost.\n"
     )
     return header + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)
+
+
+def _seed(st: dict) -> str:
+    """The draw of scenario random, so the header names the cluster it describes."""
+    return f" --seed {st['seed']}" if st.get("seed") is not None else ""
 
 
 def sees_no_cap(h: dict) -> bool:

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 from smolnet.errors import UsageError
 
-SCENARIOS = ("home", "uniform", "mtu-lab", "cores", "hidden")
+SCENARIOS = ("home", "uniform", "mtu-lab", "cores", "hidden", "random")
 DEFAULT_UNIFORM_HOSTS = 3
 DEFAULT_UNIFORM_RATE = 1000
 DEFAULT_UNIFORM_MTU = 1500
@@ -132,8 +132,14 @@ def scenario(
     rate_mbit: float | None = None,
     mtu: int | None = None,
     cpu_limit: str | None = None,
+    seed: int | None = None,
 ) -> list[HostSpec]:
-    specs = _scenario(name, hosts, rate_mbit, mtu)
+    """Host specs for a scenario; `seed` picks the cluster of `random` (smolnet/sim/draw.py)."""
+    if seed is not None and name != "random":
+        raise UsageError(f"--seed applies to scenario 'random' only (not {name})")
+    if name == "random" and seed is None:
+        raise UsageError("scenario random needs --seed N (the draw's number, printed with its results)")
+    specs = _scenario(name, hosts, rate_mbit, mtu, seed)
     caps = cpu_limits(cpu_limit, len(specs))
     if caps is not None:
         for s, c in zip(specs, caps):
@@ -142,7 +148,7 @@ def scenario(
 
 
 def _scenario(
-    name: str, hosts: int | None = None, rate_mbit: float | None = None, mtu: int | None = None
+    name: str, hosts: int | None = None, rate_mbit: float | None = None, mtu: int | None = None, seed: int | None = None
 ) -> list[HostSpec]:
     """Host specs for a scenario; options the scenario cannot honour are usage errors."""
     if name not in SCENARIOS:
@@ -162,6 +168,10 @@ def _scenario(
     if name == "cores":
         specs = _cores(hosts)
         hosts = None
+    elif name == "random":
+        from smolnet.sim.draw import draw
+
+        specs = draw(seed)
     else:
         specs = {"home": _home, "mtu-lab": _mtu_lab, "hidden": _hidden}[name]()
     if hosts is not None and hosts != len(specs):
