@@ -31,7 +31,7 @@ log = logging.getLogger("smolnet.agent")
 MAX_CONNECTIONS = 64
 HANDSHAKE_TIMEOUT = 5.0
 REQUEST_TIMEOUT = 10.0
-VERSION = 1
+VERSION = 2  # 2: every frame MACed (agent_client.Conn)
 OPS = ("ping", "facts", "echo", "sink_open", "sink_data", "iperf3_server", "throughput", "rtt", "pmtu", "lease")
 # requests only a controller makes: they renew a lease (agent-to-agent traffic does not)
 RENEWS = ("ping", "facts", "iperf3_server", "throughput", "rtt", "pmtu", "lease")
