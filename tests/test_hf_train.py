@@ -123,6 +123,7 @@ def test_generate_matches_transformers(ckpts, tmp_path, arch):
 
 
 def _run(ckpts, tmp_path, strategy, world, *extra):
+    tmp_path.mkdir(exist_ok=True)
     out = tmp_path / f"{strategy}{world}.json"
     argv = ["run", "--strategy", strategy, "--local", str(world), "--model", ckpts["qwen3"], "--data", ckpts["text"]]
     argv += ["--steps", "2", "--batch", "4", "--seq", "16", "--threads", "1", "--out", str(tmp_path)]
@@ -179,3 +180,18 @@ def test_bad_checkpoints_and_sequences_exit_2(ckpts, tmp_path, capsys):
         assert named in _error(capsys, [*base, "--model", str(other)])
     tied = ["run", "--strategy", "pp", "--local", "2", "--model", ckpts["qwen2-tied"], "--data", ckpts["text"]]
     assert "ties its LM head" in _error(capsys, tied)
+    llama = [*base, "--model", ckpts["llama"], "--lora-rank"]
+    assert "no such layer" in _error(capsys, [*llama, "4", "--lora-targets", "qkv"])
+    assert "--lora-rank 64 is larger than" in _error(capsys, [*llama, "64"])
+    assert "LoRA trains with" in _error(capsys, [*llama, "4", "--strategy", "fsdp"])
+
+
+def test_lora_under_tp_reproduces_local(ckpts, tmp_path):
+    """LoRA on every projection of Qwen3, tp over 2 ranks against one rank: column-parallel layers
+    cut B by rows, row-parallel ones A by columns, and the uncut factors' partial gradients are summed."""
+    lora = ["--lora-rank", "4", "--lora-targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,down_proj", "--lr", "1e-2"]
+    one, two = _run(ckpts, tmp_path, "tp", 1, *lora), _run(ckpts, tmp_path / "2", "tp", 2, *lora)
+    for a, b in zip(one["steps"], two["steps"]):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["loss"], b["loss"])
+    assert one["steps"][-1]["loss"] != one["steps"][0]["loss"], "the adapters must train"
+    assert two["lora"]["rank"] == 4 and 0 < two["trainable_params"] < two["model"]["params"] // 5

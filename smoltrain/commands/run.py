@@ -184,8 +184,8 @@ OUTER_PACED = (
 )
 
 
-# the others move every parameter (fsdp, syncps, edp) or rebuild each block from slices (tp)
-LORA_STRATEGIES = ("dp", "mp", "pp", "diloco")
+# the others (fsdp, syncps, edp) move every parameter, frozen or not
+LORA_STRATEGIES = ("dp", "mp", "pp", "tp", "diloco")
 
 
 def lora_settings(args, spec) -> dict | None:

@@ -29,6 +29,24 @@ def _same(t):
     return t
 
 
+def _carry_adapters(part, whole, cuts: dict) -> None:
+    """LoRA adapters of `whole`'s layers onto the tp slice `part` (finetune.lora.attach_like): a
+    column-parallel layer's B cut by its output rows, a row-parallel layer's A by its input columns;
+    the uncut factor then has a partial-sum gradient, which tp all-reduces (`partial_grads`)."""
+    mods = dict(whole.named_modules())
+    if any(hasattr(m, "lora_A") for m in mods.values()):
+        from smoltrain.finetune.lora import attach_like
+
+        dst = dict(part.named_modules())
+        for name, (rows, cols) in cuts.items():
+            if hasattr(mods[name], "lora_A"):
+                attach_like(dst[name], mods[name], rows=rows, cols=cols)
+                part.partial_grads.append(dst[name].lora_A.weight if cols is None else dst[name].lora_B.weight)
+    frozen = {n for n, p in whole.named_parameters() if not p.requires_grad}  # the base, under LoRA
+    for n, p in part.named_parameters():
+        p.requires_grad_(n not in frozen)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, n: int, eps: float):
         super().__init__()
@@ -131,12 +149,16 @@ class LlamaBlock(nn.Module):
                 b.o_proj.bias.copy_(a.o_proj.bias)
             if cfg.qk_norm:  # shared by every rank's heads: each rank's gradient is a partial sum
                 b.q_norm.weight.copy_(a.q_norm.weight), b.k_norm.weight.copy_(a.k_norm.weight)
-                part.partial_grads = [b.q_norm.weight, b.k_norm.weight]
+                part.partial_grads += [b.q_norm.weight, b.k_norm.weight]
             part.mlp.gate_proj.weight.copy_(self.mlp.gate_proj.weight[fs])
             part.mlp.up_proj.weight.copy_(self.mlp.up_proj.weight[fs])
             part.mlp.down_proj.weight.copy_(self.mlp.down_proj.weight[:, fs])
             part.input_layernorm.weight.copy_(self.input_layernorm.weight)
             part.post_attention_layernorm.weight.copy_(self.post_attention_layernorm.weight)
+        cuts = {f"self_attn.{n}": (sl, None) for n, sl in rows.items()}
+        cuts.update({"self_attn.o_proj": (None, qs), "mlp.down_proj": (None, fs)})
+        cuts.update({"mlp.gate_proj": (fs, None), "mlp.up_proj": (fs, None)})
+        _carry_adapters(part, self, cuts)
         part.enter, part.leave = enter, leave
         return part
 
@@ -173,6 +195,7 @@ class GPT2Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.hidden, eps=cfg.eps)
         self.mlp = GPT2MLP(cfg.hidden, ffn, cfg.act, proj_bias)
         self.enter, self.leave = _same, _same
+        self.partial_grads: list[nn.Parameter] = []  # tp: replicated weights whose gradients need a sum
 
     def forward(self, x):
         x = x + self.leave(self.attn(self.enter(self.ln_1(x))))
@@ -197,6 +220,9 @@ class GPT2Block(nn.Module):
                 part.mlp.c_proj.bias.copy_(self.mlp.c_proj.bias)
             for n in ("ln_1", "ln_2"):
                 getattr(part, n).load_state_dict(getattr(self, n).state_dict())
+        qkv = torch.cat([torch.arange(o + c.start, o + c.stop) for o in (0, h, 2 * h)])
+        cuts = {"attn.c_attn": (qkv, None), "attn.c_proj": (None, c)}
+        _carry_adapters(part, self, dict(cuts, **{"mlp.c_fc": (slice(*ffn), None), "mlp.c_proj": (None, slice(*ffn))}))
         part.enter, part.leave = enter, leave
         return part
 

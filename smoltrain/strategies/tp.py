@@ -118,9 +118,10 @@ class TensorParallel(Strategy):
         return float(loss.item()) if self.loss_owner else None
 
     def _sum_partial_grads(self) -> None:
-        """Weights every rank holds whole but each uses with its own heads only (Qwen3's q/k norms):
-        their gradients are partial sums, all-reduced in one buffer (the plan counts it)."""
-        partial = [p for b in self.model for p in getattr(b, "partial_grads", [])]
+        """Weights every rank holds whole but each uses with its own heads only (Qwen3's q/k norms,
+        the uncut factor of a LoRA adapter): their gradients are partial sums, all-reduced in one
+        buffer (the plan counts the q/k norms'; the planner does not know LoRA yet)."""
+        partial = [p for b in self.model for p in getattr(b, "partial_grads", []) if p.requires_grad]
         if not partial:
             return
         flat = torch.cat([p.grad.reshape(-1) for p in partial])
