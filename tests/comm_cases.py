@@ -159,3 +159,62 @@ def sync_dtypes(comm, params) -> dict:
             "error": float((flat - exact).abs().max() / exact.abs().max()),
         }
     return out
+
+
+def groups(comm, params) -> dict:
+    """Two 2-D meshes' axis groups on 4 ranks: rows {0,1},{2,3} and columns {0,2},{1,3}.
+    Each rank runs every collective in its row group, then in its column group (the two rows,
+    and the two columns, run at the same time on disjoint links); returns each result as a list
+    (compared across backends) and the per-link payload bytes of each call."""
+    rows = [comm.new_group(g) for g in ([0, 1], [2, 3])]
+    cols = [comm.new_group(g) for g in ([0, 2], [1, 3])]
+    out = {"calls": []}
+    for axis, made in (("row", rows), ("col", cols)):
+        members = [g for g in made if g is not None]
+        assert len(members) == 1, "a rank is in exactly one group per axis"
+        g = members[0]
+        same = (lambda a, b: a // 2 == b // 2) if axis == "row" else (lambda a, b: a % 2 == b % 2)
+        peers = [r for r in range(comm.world_size) if same(r, comm.rank)]
+        assert g.world_size == 2 and peers[g.rank] == comm.rank
+
+        def record(name, t, ref, axis=axis):
+            out["calls"].append(
+                {
+                    "name": f"{axis}.{name}",
+                    "value": t.tolist(),
+                    "ok": torch.equal(t, ref),
+                    "payload": {str(k): v for k, v in comm.counter.payload.items() if v},
+                }
+            )
+            comm.counter.reset()
+
+        comm.counter.reset()
+        for numel in (7, 300_007):  # the one-swap path and the ring
+            t = value(comm.rank, numel, torch.float32)
+            g.all_reduce(t)
+            record(f"all_reduce{numel}", t[:16], sum(value(q, numel, torch.float32) for q in peers)[:16])
+        t = value(comm.rank, 10, torch.float32)
+        g.broadcast(t, 1)
+        record("broadcast", t, value(peers[1], 10, torch.float32))
+        got = torch.empty(2 * 6)
+        g.all_gather(got, value(comm.rank, 6, torch.float32))
+        record("all_gather", got, torch.cat([value(q, 6, torch.float32) for q in peers]))
+        mine = torch.empty(5)
+        g.reduce_scatter(mine, value(comm.rank, 10, torch.float32))
+        record("reduce_scatter", mine, sum(value(q, 10, torch.float32) for q in peers)[5 * g.rank : 5 * g.rank + 5])
+        t = value(comm.rank, 9, torch.float32)
+        if g.rank == 0:
+            g.send(t, 1)
+            record("send", t, t)
+        else:
+            g.recv(t, 0)
+            record("recv", t, value(peers[0], 9, torch.float32))
+    return out
+
+
+def group_mismatch(comm, params) -> dict:
+    """Rank 0 all-reduces in the group {0,1}, rank 1 in the world: the frames name their group,
+    so both fail at once instead of adding each other's bytes."""
+    g = comm.new_group([0, 1])
+    (g if comm.rank == 0 else comm).all_reduce(torch.ones(4))
+    return {}

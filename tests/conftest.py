@@ -56,6 +56,7 @@ TIERS = {
         "test_agent.py",
         "test_cli.py",
         "test_comm.py",
+        "test_comm_groups.py",
         "test_comm_bench.py",
         "test_comm_failure.py",
         "test_inventory.py",

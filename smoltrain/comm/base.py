@@ -84,6 +84,11 @@ class Comm(ABC):
     @abstractmethod
     def barrier(self) -> None: ...
 
+    def new_group(self, ranks: list[int]) -> Comm | None:
+        """A Comm over `ranks` (increasing world ranks; group rank = position), None for a
+        non-member. Every rank calls it with the same lists in the same order (smoltrain.comm.subgroup)."""
+        raise CommError(f"the {self.backend} backend has no groups")
+
     @abstractmethod
     def close(self) -> None: ...
 

@@ -396,6 +396,13 @@ class SocketComm(Comm):
         sends, recvs = ring.barrier_steps(r, n)
         self._transfer("barrier", sends, recvs)
 
+    def new_group(self, ranks) -> SocketComm | None:
+        """A view over these links for `ranks` (smoltrain.comm.subgroup); None if this rank is not in it."""
+        from smoltrain.comm.subgroup import SocketGroup, check_ranks
+
+        ranks = check_ranks(ranks, self.world_size)
+        return SocketGroup(self, ranks) if self.rank in ranks else None
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True

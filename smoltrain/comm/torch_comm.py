@@ -31,6 +31,8 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 class TorchComm(Comm):
     backend = "torch"
+    _pg = None  # the process group (None: the world); a TorchGroup sets it
+    _ranks = None  # world rank of each group rank (None: the world)
 
     def __init__(
         self,
@@ -89,19 +91,33 @@ class TorchComm(Comm):
             msg = _short(e)
             raise CommError(f"{what} failed on rank {self.rank}: {msg}", peer=_peer_from(msg)) from None
 
+    def _g(self, r: int) -> int:
+        """The world rank of group rank r (torch's calls and the counter take world ranks)."""
+        return r if self._ranks is None else self._ranks[r]
+
     def _ring(self, dst_bytes: int) -> None:
         if dst_bytes and self.world_size > 1:
-            self.counter.add((self.rank + 1) % self.world_size, dst_bytes)
+            self.counter.add(self._g((self.rank + 1) % self.world_size), dst_bytes)
+
+    def new_group(self, ranks) -> TorchComm | None:
+        """dist.new_group over `ranks` (every rank calls it); None if this rank is not in it."""
+        from smoltrain.comm.subgroup import TorchGroup, check_ranks
+
+        if self._ranks is not None:
+            raise CommError("build every group from the world Comm, not from a group")
+        ranks = check_ranks(ranks, self.world_size)
+        pg = self._run("new_group", lambda: dist.new_group(ranks))
+        return TorchGroup(self, ranks, pg) if self.rank in ranks else None
 
     # -------------------------------------------------------------- interface
     def send(self, tensor, dst: int) -> None:
         t, _ = self._dev(tensor)
-        self._run(f"send to rank {dst}", lambda: dist.send(t, dst))
-        self.counter.add(dst, t.numel() * t.element_size())
+        self._run(f"send to rank {dst}", lambda: dist.send(t, self._g(dst), group=self._pg))
+        self.counter.add(self._g(dst), t.numel() * t.element_size())
 
     def recv(self, tensor, src: int) -> None:
         t, staged = self._dev(tensor)
-        self._run(f"recv from rank {src}", lambda: dist.recv(t, src))
+        self._run(f"recv from rank {src}", lambda: dist.recv(t, self._g(src), group=self._pg))
         if staged:
             with torch.no_grad():
                 tensor.copy_(t.view_as(tensor))
@@ -110,7 +126,7 @@ class TorchComm(Comm):
         if self.world_size == 1 or tensor.numel() == 0:
             return
         t, staged = self._dev(tensor)
-        self._run("broadcast", lambda: dist.broadcast(t, src))
+        self._run("broadcast", lambda: dist.broadcast(t, self._g(src), group=self._pg))
         if staged and self.rank != src:
             with torch.no_grad():
                 tensor.copy_(t.view_as(tensor))
@@ -124,7 +140,7 @@ class TorchComm(Comm):
         if n == 1 or tensor.numel() == 0:
             return
         t, staged = self._dev(tensor)
-        self._run("all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM))
+        self._run("all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._pg))
         if op == "avg":
             t = t / n if t.is_floating_point() else torch.div(t, n, rounding_mode="floor")
             staged = True
@@ -147,7 +163,7 @@ class TorchComm(Comm):
         if n == 1:
             o.copy_(i)
         elif out.numel():
-            self._run("reduce_scatter", lambda: _REDUCE_SCATTER(o, i, op=dist.ReduceOp.SUM))
+            self._run("reduce_scatter", lambda: _REDUCE_SCATTER(o, i, op=dist.ReduceOp.SUM, group=self._pg))
         if op == "avg":
             o = o / n if o.is_floating_point() else torch.div(o, n, rounding_mode="floor")
         with torch.no_grad():
@@ -166,7 +182,7 @@ class TorchComm(Comm):
         if n == 1:
             o.copy_(i)
         elif inp.numel():
-            self._run("all_gather", lambda: _ALL_GATHER(o, i))
+            self._run("all_gather", lambda: _ALL_GATHER(o, i, group=self._pg))
         if staged or n == 1:
             with torch.no_grad():
                 out.copy_(o.view_as(out))
@@ -193,6 +209,7 @@ class TorchComm(Comm):
                     torch.cat(ins),
                     output_split_sizes=[o.numel() for o in outs],
                     input_split_sizes=[t.numel() for t in ins],
+                    group=self._pg,
                 ),
             )
             with torch.no_grad():
@@ -200,11 +217,11 @@ class TorchComm(Comm):
                     o.copy_(part.view_as(o))
         for j in range(n):
             if j != r and ins[j].numel():
-                self.counter.add(j, ins[j].numel() * ins[j].element_size())
+                self.counter.add(self._g(j), ins[j].numel() * ins[j].element_size())
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            self._run("barrier", lambda: dist.barrier())
+            self._run("barrier", lambda: dist.barrier(group=self._pg))
 
     def close(self) -> None:
         if not self._closed:
