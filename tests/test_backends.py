@@ -9,6 +9,7 @@ import os
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,7 +95,9 @@ def test_row_wrappers_refuse_bad_heads_and_shapes():
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    """An empty kernel cache of this test's own (XDG_CACHE_HOME), status() recomputed."""
+    """An empty kernel cache of this test's own (XDG_CACHE_HOME), status() recomputed. The
+    process's own status() is settled first, so need_native() does not build into it."""
+    native.status()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.delenv("SMOL_NATIVE", raising=False)
     yield tmp_path / "xdg" / "smolcluster"
@@ -260,3 +263,17 @@ def test_run_report_names_each_ranks_kernels(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["config"]["kernels"] == "torch"
     assert {k["backend"] for k in doc["kernels"].values()} == {"torch"} and len(doc["kernels"]) == 2
+
+
+def test_one_openmp_runtime_in_the_process():
+    """Our library asks for libgomp.so.1, and torch has loaded its own copy under that soname
+    first, so the loader hands ours torch's: one OpenMP runtime, one thread pool, not two
+    contending for the same cores (issue 39). /proc/self/maps names every library mapped."""
+    need_native()  # torch is imported above: loaded before ours, as in every rank
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("no /proc/self/maps here to list the mapped libraries")
+    assert native.library().openmp() == 1
+    native.q4_mm(torch.randn(1, 64), *_q4())  # the pool has started
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    paths = {line.split()[-1] for line in maps if "libgomp" in line or "libomp" in line}
+    assert len(paths) == 1, paths
