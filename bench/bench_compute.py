@@ -1,7 +1,9 @@
 """Predicted vs measured step time per strategy on three sims built differently, and
 calibrated compute vs each host's cap.
 
-Scenarios (`--scenarios`, default all three, each its own sim):
+Scenarios (`--scenarios`, default all three, each its own sim), then `--draws` K clusters
+(default 6) drawn from `--seed` (fresh each run when not given; printed, and kept in the result)
+by the sim's scenario random (smolnet/sim/draw.py), each reported, misses included:
   home    the CPU-capped home sim (caps 0.15/0.25/0.45/0.65 cores scaled to this machine,
           the sim's own short CFS periods, readable by each host; 1-2.5 Gbit links)
   cores   one host per CPU of this machine (at most 4), a cpuset each and no quota: the
@@ -31,7 +33,6 @@ else uses if the figures are to mean anything (it records how steady the machine
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import subprocess
@@ -39,79 +40,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-import common
 from common import PY, ROOT, exit_code, write_result
 from compute_bars import BAR, CAL_BAR, calibration_verdict, verdict
+from compute_sims import BUILT_IN, WEIGHT_GROUP, describe, down, keys, sh, sim_of, up, weigh
 
 from smoltrain.demo.report import nominal_step as _nominal_step
 
 STRATEGIES = ("dp", "fsdp", "syncps", "edp", "mp", "pp", "tp")
-NAME, SUBNET = "cbench", "10.42.3.0/24"
-SIMS = {"home": (NAME, SUBNET), "cores": ("scb1", "10.66.21.0/24"), "hidden": ("scb2", "10.66.22.0/24")}
 SETS = {"main": {"model": "tiny8", "batch": 8, "seed": 0}, "heldout": {"model": "tiny", "batch": 12, "seed": 7}}
 CALIBRATE_MODEL = "tiny8"
-
-
-sh = functools.partial(common.sh, ok=(0, 4))  # calibrate exits 4 when a host failed: its report says which
-
-
-def up(d: Path, cpu_limit: str | None = None, name: str = NAME, subnet: str = SUBNET, scenario: str = "home") -> Path:
-    """A sim of `scenario` (home capped, or not: --cpu-limit 0), with its inventory in `d`."""
-    inv = d / f"{scenario}.yml"
-    sh([PY, "-m", "smolnet", "sim", "down", "--name", name])
-    extra = ["--cpu-limit", cpu_limit] if cpu_limit is not None else []
-    sh(
-        [
-            PY,
-            "-m",
-            "smolnet",
-            "sim",
-            "up",
-            "--name",
-            name,
-            "--subnet",
-            subnet,
-            "--scenario",
-            scenario,
-            "--inventory",
-            inv,
-        ]
-        + extra
-    )
-    if scenario == "home":
-        # the home laptop's jumbo MTU on a 1500 switch port is a deliberate black hole; set it
-        # to what the wire carries, as provisioning does in the demo
-        sh(["ip", "-n", f"smol-{name}-laptop", "link", "set", "eth0", "mtu", "1500"])
-    return inv
-
-
-WEIGHT_GROUP = "smol-bench-weight"
-
-
-def weigh(shares: int, names: list[str] = ()) -> None:
-    """--weight: this bench (and every sim host it starts: sshd inherits the group, and a
-    capped host's own cgroup gets the same) competes for the CPU with `shares` where other
-    jobs have 1024 (cgroup v1 cpu.shares; v2 cpu.weight, where they have 100). On a machine
-    other people use, their jobs then take less of the hosts' CPU; caps still bind."""
-    from smolnet.sim import cgroup
-
-    v = cgroup.version()
-    key, val = ("cpu.shares", shares) if v == 1 else ("cpu.weight", max(1, min(10000, shares * 100 // 1024)))
-    if not names:
-        d = Path(cgroup.path(WEIGHT_GROUP))
-        d.mkdir(exist_ok=True)
-        (d / key).write_text(str(val))
-        cgroup.add_pid(str(d), os.getpid())
-        return
-    for name in names:
-        st = json.loads(sh([PY, "-m", "smolnet", "sim", "status", "--name", name, "--json"], ok=(0, 1)).stdout)
-        for h in st["hosts"]:
-            if h.get("cgroup"):
-                Path(h["cgroup"], key).write_text(str(val))
-
-
-def down(name: str = NAME):
-    sh([PY, "-m", "smolnet", "sim", "down", "--name", name])
 
 
 def calibrate(inv: Path, model: str, repeats: int, out: Path) -> None:
@@ -123,11 +60,11 @@ def calibration_check(d: Path, capped: Path, repeats: int) -> list[dict]:
     """Capped hosts vs the same hosts uncapped: each probe's fp32 rate against the cap, and the
     median the plan used (a VM runs a capped host's work 0.75-0.95 as fast per CPU-second, from
     one process to the next; see BENCHMARKS.md)."""
-    inv = up(d, "0")
+    inv = up(d, "home", "0")
     try:
         calibrate(inv, "none", repeats, d / "uncapped.json")
     finally:
-        down()
+        down(sim_of("home")[0])
     free = {h["name"]: h for h in json.loads((d / "uncapped.json").read_text())["hosts"]}
     out = []
     for h in json.loads(capped.read_text())["hosts"]:
@@ -256,13 +193,14 @@ def run_set(inv: Path, d: Path, set_name: str, cfg: dict, steps: str, strategies
 
 
 def bench_scenario(scn: str, d: Path, a) -> dict:
-    """One scenario: its sim, links, calibration, every set of runs, and the calibration check."""
+    """One scenario (a built-in, or `random:N`: draw N): its sim, links, calibration, every set
+    of runs, and the calibration check."""
     import statistics
 
-    name, subnet = SIMS[scn]
+    name, _ = sim_of(scn)
     d.mkdir(parents=True, exist_ok=True)
     steady = steadiness()
-    inv = up(d, None, name, subnet, scn)
+    inv = up(d, scn)
     if a.weight:
         weigh(a.weight, [name])
     try:
@@ -279,12 +217,23 @@ def bench_scenario(scn: str, d: Path, a) -> dict:
             c["loop"] = loop[c["host"]]
     return {
         "scenario": scn,
+        "hosts": describe(scn).splitlines(),
         "steady_before": steady,
         "steady_after": steadiness(),
         "sets": sets,
         "calibration": truth,
         "load": os.getloadavg(),
     }
+
+
+def guarded(scn: str, d: Path, a) -> dict:
+    """bench_scenario, with a sim or calibration that failed reported as that scenario's miss
+    (the other scenarios still run)."""
+    try:
+        return bench_scenario(scn, d, a)
+    except SystemExit as e:  # common.sh: a command failed, with its tail
+        down(sim_of(scn)[0])
+        return {"scenario": scn, "hosts": describe(scn).splitlines(), "error": str(e)[-400:], "sets": {}}
 
 
 TITLES = {
@@ -294,6 +243,12 @@ TITLES = {
 }
 
 
+def title(key: str) -> str:
+    if key.startswith("random:"):
+        return f"a drawn cluster (smolnet sim up --scenario random --seed {key.partition(':')[2]})"
+    return TITLES[key]
+
+
 def _ms(x) -> str:
     return f"{x * 1e3:.1f}" if x else "-"
 
@@ -301,17 +256,19 @@ def _ms(x) -> str:
 def report(results: list[dict], a) -> str:
     lines = [
         f"# Compute prediction on {len(results)} sims ({a.steps} steps each run; calibrated with {CALIBRATE_MODEL}, "
-        f"median of {a.repeat} probes)",
+        f"median of {a.repeat} probes; draws from bench --seed {a.seed})",
         "",
         f"Machine: {os.cpu_count()} cores. Other jobs on it slow the hosts (a capped host gets at most "
         "its fair share of a busy machine; a whole-core host shares its CPU with them)."
         + (f" The bench and its hosts ran at cpu.shares {a.weight} (others 1024)." if a.weight else ""),
     ]
     for res in results:
+        lines += ["", f"## {res['scenario']}: {title(res['scenario'])}", ""]
+        lines += [f"- {h}" for h in res.get("hosts") or []] + ([""] if res.get("hosts") else [])
+        if res.get("error"):
+            lines.append(f"FAILED before its runs: {res['error']}")
+            continue
         lines += [
-            "",
-            f"## {res['scenario']}: {TITLES[res['scenario']]}",
-            "",
             f"Load average at the end {', '.join(f'{x:.1f}' for x in res['load'])}. One uncapped thread, 8 "
             f"half-second windows: before {_spread(res['steady_before'])}, after {_spread(res['steady_after'])}.",
         ]
@@ -339,7 +296,7 @@ def report(results: list[dict], a) -> str:
                     f"{'yes' if 0.75 <= q <= 1.25 else 'no'} | {_ms(r['comm'][0])}/{_ms(r['comm'][1])} | {slow} | "
                     f"{_ms(r['nominal'])} | {'yes' if r['bytes_ok'] else 'no'} | {'; '.join(r['missed']) or '-'} |"
                 )
-        cal = res["calibration"] or []
+        cal = res.get("calibration") or []
         ref = "the same host uncapped" if res["scenario"] == "home" else "one uncapped thread just before"
         lines += [
             "",
@@ -362,7 +319,9 @@ def report(results: list[dict], a) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", default="16")
-    ap.add_argument("--scenarios", default=",".join(SIMS), help="home, cores, hidden (comma-separated)")
+    ap.add_argument("--scenarios", default=",".join(BUILT_IN), help="home, cores, hidden (comma-separated; none: '')")
+    ap.add_argument("--draws", type=int, default=6, help="drawn clusters (smolnet/sim/draw.py) after the scenarios")
+    ap.add_argument("--seed", type=int, default=None, help="the draws' seed (default: a fresh one, printed)")
     ap.add_argument("--sets", default=",".join(SETS), help="main (tiny8, batch 8, seed 0), heldout (tiny, 12, 7)")
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--repeat", type=int, default=3, help="probes per host in each calibration (median)")
@@ -374,14 +333,23 @@ def main() -> int:
     )
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "compute.md"))
     a = ap.parse_args()
-    bad = [x for x in a.scenarios.split(",") if x not in SIMS] + [x for x in a.sets.split(",") if x not in SETS]
+    named = [x for x in a.scenarios.split(",") if x]
+    bad = [x for x in named if x not in BUILT_IN] + [x for x in a.sets.split(",") if x not in SETS]
     if bad:
         ap.error(f"unknown scenario or set: {', '.join(bad)}")
+    if a.draws < 0 or (a.seed is not None and not 0 <= a.seed < 2**32):
+        ap.error("--draws must be >= 0 and --seed 0..2**32-1")
+    if a.seed is None:
+        from smolnet.sim.draw import fresh_seed
+
+        a.seed = fresh_seed()
+    todo = keys(named, a.seed, a.draws)
+    print(f"bench_compute --seed {a.seed}: {', '.join(todo)}", flush=True)
     d = Path(tempfile.mkdtemp(prefix="cbench-"))
     if a.weight:
         weigh(a.weight)
     try:
-        results = [bench_scenario(scn, d / scn, a) for scn in a.scenarios.split(",")]
+        results = [guarded(scn, d / scn.replace(":", "-"), a) for scn in todo]
     finally:
         if a.weight:
             from smolnet.sim import cgroup
@@ -394,11 +362,12 @@ def main() -> int:
     out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
     print(text)
     met, headline = verdict(results)
-    kept = write_result("compute", BAR, met, headline, {"results": results})
+    headline = f"--seed {a.seed}: {headline}"
+    kept = write_result("compute", BAR, met, headline, {"seed": a.seed, "draws": a.draws, "results": results})
     print(f"{headline}: {'met' if met else 'MISSED'} ({kept})")
     cal_met, cal_line = calibration_verdict(results)
-    cal = {"calibration": {res["scenario"]: res["calibration"] for res in results}}
-    kept = write_result("compute-calibration", CAL_BAR, cal_met, cal_line, cal)
+    cal = {"calibration": {res["scenario"]: res.get("calibration") for res in results}}
+    kept = write_result("compute-calibration", CAL_BAR, cal_met, cal_line, dict(cal, seed=a.seed))
     print(f"{cal_line}: {'met' if cal_met else 'MISSED'} ({kept})")
     return exit_code(met and cal_met)
 

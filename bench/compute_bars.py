@@ -11,6 +11,10 @@ def verdict(results: list[dict]) -> tuple[bool, str]:
     their range of measured/predicted."""
     parts, met = [], True
     for res in results:
+        if res.get("error"):  # its sim or calibration failed: a miss, said as one
+            met = False
+            parts.append(f"{res['scenario']} FAILED")
+            continue
         rows = [r for rows in res["sets"].values() for r in rows]
         q = [r["meas"] / r["pred"] for r in rows if "error" not in r]
         ok = sum(1 for r in rows if "error" not in r and 0.75 <= r["meas"] / r["pred"] <= 1.25 and r["bytes_ok"])
@@ -28,7 +32,7 @@ def calibration_verdict(results: list[dict]) -> tuple[bool, str]:
     with different caps measured in the order of their caps, and the headline."""
     parts, met = [], True
     for res in results:
-        cal = res["calibration"] or []
+        cal = res.get("calibration") or []
         if not cal:
             continue
         within = sum(1 for c in cal if abs(c["ratio"] - 1) <= 0.15)

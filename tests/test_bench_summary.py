@@ -81,3 +81,19 @@ def test_bench_compute_misses_on_any_run_outside_25_percent_or_any_failed_run():
 def test_no_bench_edits_sys_path():
     hacks = [p.name for p in sorted(BENCH.glob("*.py")) if "sys.path.insert" in p.read_text()]
     assert not hacks, f"{hacks}: import the tree as installed (make setup) and bench/common.py"
+
+
+def test_bench_compute_draws_its_clusters_from_one_seed_and_a_failed_one_is_a_miss(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))  # as when the bench runs as a script
+    sims, compute = _load("compute_sims"), _load("compute_bars")
+    got = sims.keys(["home", "hidden"], 11, 3)
+    assert got[:2] == ["home", "hidden"] and got == sims.keys(["home", "hidden"], 11, 3)
+    assert len(set(got[2:])) == 3 and all(k.startswith("random:") for k in got[2:])
+    assert got[2:] != sims.keys([], 12, 3)
+    assert sims.sim_of(got[2]) == sims.DRAWN and sims.describe(got[2]).count("\n") >= 2  # 3-6 hosts
+    run = {"strategy": "dp", "meas": 1.0, "pred": 1.1, "bytes_ok": True}
+    failed = {"scenario": got[2], "error": "sim up failed", "sets": {}}
+    assert compute.verdict([{"scenario": "home", "sets": {"main": [run]}}, failed]) == (
+        False,
+        f"home 1 of 1 (0.91-0.91); {got[2]} FAILED",
+    )
