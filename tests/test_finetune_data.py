@@ -102,6 +102,8 @@ def test_text_is_documents_joined_with_eos_in_windows_of_seq_plus_one(ckpt, hf_t
     windows = [ds.example(i)[0].tolist() for i in range(len(ds))]
     assert windows == [stream[a : a + 17] for a in range(0, len(stream) - 1, 16)]
     assert all(int(ds.example(i)[1].min()) == 1 for i in range(len(ds)))
+    capped = data.load(str(folder), ckpt, seq=16, cap_bytes=40)  # --data-cap-mb: the first 40 bytes only
+    assert capped.example(0)[0].tolist() == (hf_tok(docs[0][:40])["input_ids"] + [eos])[:17]
 
 
 def test_batches_depend_only_on_seed_and_step_and_cover_each_epoch(ckpt, tmp_path):

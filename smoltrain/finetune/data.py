@@ -99,14 +99,18 @@ def load(path: str, model_dir: str, seq: int, cap_bytes: int = 2 << 20) -> Datas
         examples, kind = _text_windows(root, t, seq, cap_bytes), "text"
     if not examples:
         raise DataError(f"--data {path}: nothing to train on")
+    import numpy as np
     import torch
 
-    ids = torch.tensor([i for e, _ in examples for i in e], dtype=torch.int32)
+    ids = np.concatenate([np.asarray(e, dtype=np.int64) for e, _ in examples])
     if int(ids.max()) >= cfg.vocab:
         raise DataError(f"the tokenizer gives id {int(ids.max())}, outside the model's vocabulary of {cfg.vocab}")
-    mask = torch.tensor([m for _, ms in examples for m in ms], dtype=torch.uint8)
+    mask = np.concatenate([np.asarray(m, dtype=np.uint8) for _, m in examples])
     lengths = torch.tensor([0] + [len(e) for e, _ in examples], dtype=torch.int64)
-    return Dataset(ids, mask, lengths.cumsum(0), kind, t.eos if t.eos is not None else 0, str(root))
+    pad = t.eos if t.eos is not None else 0
+    return Dataset(
+        torch.from_numpy(ids.astype(np.int32)), torch.from_numpy(mask), lengths.cumsum(0), kind, pad, str(root)
+    )
 
 
 def _text_windows(root: Path, t: Tokenizing, seq: int, cap_bytes: int) -> list:
@@ -119,12 +123,19 @@ def _text_windows(root: Path, t: Tokenizing, seq: int, cap_bytes: int) -> list:
             b = f.read_bytes()
         except OSError:
             continue
+        b = b[: cap_bytes - size]  # the cap cuts the last document (a cut character decodes as U+FFFD)
         docs.append(b.decode("utf-8", errors="replace"))
         size += len(b)
         if size >= cap_bytes:
             break
-    stream = [i for d in t.texts(docs) for i in d]
-    return [(stream[a : a + seq + 1], [1] * len(stream[a : a + seq + 1])) for a in range(0, len(stream) - 1, seq)]
+    import numpy as np
+
+    texts = t.texts(docs)
+    if not texts:
+        return []
+    stream = np.concatenate([np.asarray(d, dtype=np.int64) for d in texts])
+    windows = [stream[a : a + seq + 1] for a in range(0, len(stream) - 1, seq)]
+    return [(w, np.ones(len(w), dtype=np.uint8)) for w in windows]
 
 
 def _jsonl(path: Path, t: Tokenizing, seq: int, ctx: int):
