@@ -6,6 +6,7 @@ once, named, and a backend the host cannot run is refused."""
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -162,6 +163,19 @@ def test_a_compiler_without_openmp_still_builds(cache, tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(_fake_cc(tmp_path, body)))
     so, why = _status()
     assert why is None and so.openmp() == 0 and so.simd() > 0
+    qs, d = _q4()
+    x = torch.randn(3, 64)
+    assert torch.allclose(native.q4_mm(x, qs, d, so), native.q4_mm(x, qs, d), atol=1e-5)
+
+
+def test_clang_builds_the_kernels(cache, monkeypatch):
+    """A real clang (Debian's, without libomp: -fopenmp fails at link, as on a Mac) builds them too."""
+    need_native()
+    if not shutil.which("clang"):
+        pytest.skip("no clang here")
+    monkeypatch.setenv("CC", "clang")
+    so, why = _status()
+    assert why is None and so.simd() == native.library().simd()
     qs, d = _q4()
     x = torch.randn(3, 64)
     assert torch.allclose(native.q4_mm(x, qs, d, so), native.q4_mm(x, qs, d), atol=1e-5)
