@@ -165,7 +165,7 @@ def matmul_share(stage, steps: int = 8) -> float:
     call = Linear.__call__
 
     def named(self, x):  # numpy's product and ours are no torch operations: a range of their own
-        if self.kernel not in ("blas", "gemv", "q4_0"):
+        if self.kernel not in ("blas", "gemv", "q4_0", "q8_0"):
             return call(self, x)
         with record_function(self.kernel):
             return call(self, x)
@@ -184,6 +184,7 @@ def matmul_share(stage, steps: int = 8) -> float:
         "blas",  # numpy's one-row product (models.quant), a range of its own (above)
         "gemv",  # ours (models.native), likewise
         "q4_0",
+        "q8_0",
         "quantized::linear_dynamic",
         "aten::_weight_int8pack_mm",
         "aten::_weight_int4pack_mm_for_cpu",
