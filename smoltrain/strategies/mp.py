@@ -53,12 +53,16 @@ class StageStrategy(Strategy):
         self.ctx.comm.send(t.detach().contiguous(), dst)
 
     def apply_update(self) -> None:
+        self.ctx.sync_replicas(self.params)  # a mesh's dp axis: sum over the replicas
         self.opt.step([p.grad for p in self.params])
         for p in self.params:
             p.grad = None
 
     def eval_loss(self, x, y) -> float | None:
-        """The held-out batch down the chain of stages, forward only; the last stage answers."""
+        """The held-out batch down the chain of stages, forward only; the last stage answers
+        (of replica 0 in a mesh)."""
+        if self.ctx.replica is not None and self.ctx.replica.index:
+            return None
         with torch.no_grad():
             out = self.stage(x if self.first else self.recv_from(self.ctx.rank - 1, x.shape[0]))
             if not self.last:
@@ -67,21 +71,22 @@ class StageStrategy(Strategy):
             return float(loss_sum(out, y, targets(y)))
 
     def state_tensors(self) -> dict:
-        st = {f"param.{n}": p.detach() for n, p in self.stage.named_parameters()}
+        st = {f"param.{n}": p.detach() for n, p in self.stage.named_parameters() if p.requires_grad}
         st.update(self.opt.state_tensors())
         return st
 
     def load_state_tensors(self, state: dict) -> None:
         with torch.no_grad():
             for n, p in self.stage.named_parameters():
-                p.copy_(state[f"param.{n}"])
+                if p.requires_grad:
+                    p.copy_(state[f"param.{n}"])
         self.opt.load_state_tensors(state)
 
 
 class ModelParallel(StageStrategy):
     def train_step(self, step: int) -> float | None:
         r, b = self.ctx.rank, self.ctx.batch
-        x, y = self.ctx.batches.global_batch(step)
+        x, y = self.ctx.strategy_batch(step)  # a mesh's dp replica: its slice
         x, y = x.to(self.ctx.device), y.to(self.ctx.device)
         inp = x if self.first else self.recv_from(r - 1, b).requires_grad_(True)
         out = self.stage(inp)
