@@ -165,3 +165,31 @@ def test_a_tp_slice_carries_its_share_of_the_adapter(models):
     with torch.no_grad():
         assert torch.allclose(torch.cat(q_parts, 1), attn.q_proj(x), atol=1e-5)
         assert torch.allclose(o_parts[0] + o_parts[1], attn.o_proj(x), atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_the_training_model_takes_the_same_adapters_as_peft(tmp_path, arch):
+    """Our trainer's model (models.causal) adapted: PEFT's names (GPT-2's under `transformer.`) and,
+    with the same adapter weights, PEFT's logits."""
+    import transformers
+
+    from smoltrain.finetune.export import peft_name
+    from smoltrain.models import causal
+    from smoltrain.models.spec import get_model
+
+    path = make_checkpoint(str(tmp_path / arch), arch, layers=2)
+    cfg = LoraConfig(rank=2, alpha=5.0, targets=ALL_LLAMA if arch == "llama" else ("c_attn", "c_proj", "c_fc"))
+    ours = causal.build(get_model(path))
+    lora.apply(ours, cfg, arch, seed=0)
+    pm = _peft(transformers.AutoModelForCausalLM.from_pretrained(path).eval(), cfg, arch)
+    theirs = _peft_names(pm)
+    state = {peft_name(k, arch): v for k, v in lora.adapter_state(ours).items()}
+    assert sorted(state) == sorted(theirs)
+    assert sum(p.numel() for p in ours.parameters() if p.requires_grad) == pm.get_nb_trainable_parameters()[0]
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for k, p in state.items():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+            theirs[k].copy_(p)
+        ids = torch.randint(0, 97, (2, 9), generator=gen)
+        assert torch.allclose(ours.eval()(ids), pm(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
