@@ -11,7 +11,8 @@ set -euo pipefail
 PACKAGES=(openssh-server openssh-client iperf3 iputils-ping ethtool iproute2 kmod
           nfs-ganesha nfs-ganesha-vfs libnfs-utils make gcc
           gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user  # the Arm kernels' tests (tests/test_kernels_c.py)
-          python3-venv)  # make setup's `python3 -m venv`
+          python3-venv  # make setup's `python3 -m venv`
+          debootstrap nftables)  # the fresh-host provisioning test and the firewall role
 
 if [[ "${1:-}" == "--list" ]]; then
   printf '%s\n' "${PACKAGES[@]}"

@@ -57,6 +57,7 @@ TIERS = {
         "test_cli.py",
         "test_comm.py",
         "test_comm_groups.py",
+        "test_mesh.py",
         "test_comm_bench.py",
         "test_comm_failure.py",
         "test_inventory.py",
@@ -99,7 +100,12 @@ TIERS = {
         "test_run_sim.py",
         "test_sim.py",
     ],
-    "provision": ["test_provision.py", "test_provision_render.py", "test_provision_fresh.py"],
+    "provision": [
+        "test_provision.py",
+        "test_provision_render.py",
+        "test_provision_fresh.py",
+        "test_provision_darwin.py",
+    ],
 }
 FILE_TIER = {f: tier for tier, files in TIERS.items() for f in files}
 

@@ -28,12 +28,13 @@ def ansible_env() -> dict:
     return env
 
 
-def playbook(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    """Run ansible-playbook from the repo root; output is stdout and stderr together."""
+def playbook(*args: str, timeout: float = 400, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ansible-playbook from the repo root (`env` added to the environment); output is
+    stdout and stderr together."""
     return subprocess.run(
         [str(BIN / "ansible-playbook"), *args],
         cwd=REPO,
-        env=ansible_env(),
+        env={**ansible_env(), **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
