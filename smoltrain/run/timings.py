@@ -7,14 +7,16 @@ tells the two apart. A rank's compute is what is left of its own step:
 
     compute_s = own step - own communication
 
-Communication is a figure of the step, the same for every rank, as the plan predicts it:
+Communication is each rank's own: the time it spent in communication calls less the time
+it waited there for its peers' compute. With R the step's compute critical path (ranks side by
+side: the slowest rank's compute; pipeline stages (mp, pp): their measured compute laid out on
+the schedule with free hops, `planner.timing.pipeline`), a rank whose own step ended at
+`own` moved bytes for what its step holds beyond R:
 
-  - ranks that compute side by side (dp, tp, ...): the rank that spent least time in
-    communication arrived last and waited least, so its figure is taken as the transfer
-    time every rank pays;
-  - pipeline stages (mp, pp) wait for each other by design, so no rank's communication
-    time is free of waiting; there it is what the step holds beyond the stages' measured
-    compute laid out on the schedule (`planner.timing.pipeline` with free hops).
+    comm_s = own - R, within 0 .. its own communication time
+
+so a rank whose messages took longer (a slow uplink, a stage that sends more) gets its own,
+larger figure rather than one number copied to every rank.
 
     wait_s = step - compute_s - comm_s      (step: the slowest rank's step time)
 """
@@ -33,13 +35,12 @@ def rank_timings(parts: dict[int, tuple[float, float]], step_s: float, stages_m:
 
         stages = [compute[r] for r in sorted(compute)]
         critical, _ = pipeline(stages, [0.0] * (len(stages) - 1), [0.0] * (len(stages) - 1), stages_m, True)
-        comm = max(0.0, step_s - critical)
     else:
-        comm = max(0.0, min(c for _, c in parts.values()))
+        critical = max(compute.values())
     out = []
     for rank in sorted(parts):
-        c = min(comm, max(0.0, step_s - compute[rank]))
-        out.append(
-            {"rank": rank, "compute_s": compute[rank], "comm_s": c, "wait_s": max(0.0, step_s - compute[rank] - c)}
-        )
+        own, own_comm = parts[rank]
+        c = min(own_comm, max(0.0, own - critical), max(0.0, step_s - compute[rank]))
+        row = {"rank": rank, "compute_s": compute[rank], "comm_s": c, "wait_s": max(0.0, step_s - compute[rank] - c)}
+        out.append(dict(row, own_step_s=own, own_comm_s=own_comm))  # the rank's raw figures, to re-derive these
     return out
