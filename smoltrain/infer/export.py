@@ -46,7 +46,7 @@ def gather_units(step_dir: Path, meta: dict, sha256: dict | None = None, spec=No
     sha = sha256 or {}  # checked again as each part is read: nothing changed since verification
     spec = spec or get_model(meta["model"])
     out = {}
-    if strategy == "dp":
+    if strategy in ("dp", "diloco"):  # every rank holds the whole model (diloco: rank 0's weights)
         for k, v in load_part(step_dir.parent, int(meta["step"]), "rank0", sha.get("rank0")).items():
             if k.startswith("param.units."):
                 out[k[len("param.") :]] = v
@@ -58,7 +58,7 @@ def gather_units(step_dir: Path, meta: dict, sha256: dict | None = None, spec=No
                     j, rest = k[len("param.") :].split(".", 1)
                     out[f"units.{ranges[r][int(j)]}.{rest}"] = v
     else:
-        raise UsageError(f"export reads dp, mp and pp checkpoints; this one is {strategy}")
+        raise UsageError(f"export reads dp, diloco, mp and pp checkpoints; this one is {strategy}")
     return spec, out
 
 
