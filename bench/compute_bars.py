@@ -3,7 +3,10 @@ landed within 25% of their plan, and whether the calibrated shares follow each h
 
 from __future__ import annotations
 
-BAR = "step time within 25% of the plan from measured compute and links, bytes within 2%, every run of every scenario"
+BAR = (
+    "step time, and every rank's compute and communication, within 25% of the plan from measured compute and links, "
+    "bytes within 2%, every run of every scenario"
+)
 
 
 def verdict(results: list[dict]) -> tuple[bool, str]:
@@ -17,10 +20,17 @@ def verdict(results: list[dict]) -> tuple[bool, str]:
             continue
         rows = [r for rows in res["sets"].values() for r in rows]
         q = [r["meas"] / r["pred"] for r in rows if "error" not in r]
-        ok = sum(1 for r in rows if "error" not in r and 0.75 <= r["meas"] / r["pred"] <= 1.25 and r["bytes_ok"])
+        ok = sum(
+            1
+            for r in rows
+            if "error" not in r and 0.75 <= r["meas"] / r["pred"] <= 1.25 and r["bytes_ok"] and not r.get("outside")
+        )
         met = met and ok == len(rows)
         span = f" ({min(q):.2f}-{max(q):.2f})" if q else ""
-        parts.append(f"{res['scenario']} {ok} of {len(rows)}{span}")
+        terms = sum(len(r.get("outside") or []) for r in rows)
+        parts.append(
+            f"{res['scenario']} {ok} of {len(rows)}{span}" + (f", {terms} rank terms outside 25%" if terms else "")
+        )
     return met, "; ".join(parts)
 
 

@@ -71,7 +71,9 @@ def test_bench_compute_misses_on_any_run_outside_25_percent_or_any_failed_run():
     slow = [{"scenario": "home", "sets": {"main": [run, dict(run, meas=1.5)]}}]
     failed = [{"scenario": "home", "sets": {"main": [run, {"strategy": "tp", "error": "no report"}]}}]
     bytes_off = [{"scenario": "home", "sets": {"main": [dict(run, bytes_ok=False)]}}]
-    assert not any(compute.verdict(r)[0] for r in (slow, failed, bytes_off))
+    terms = [{"scenario": "home", "sets": {"main": [dict(run, outside=["comm on rank 1 (pi5) x6.21"])]}}]
+    assert not any(compute.verdict(r)[0] for r in (slow, failed, bytes_off, terms))
+    assert compute.verdict(terms)[1] == "home 0 of 1 (0.91-0.91), 1 rank terms outside 25%"
     cal = [{"host": "pi", "cap": 0.15, "ratio": 0.9}, {"host": "mac", "cap": 0.45, "ratio": 1.1}]
     assert compute.calibration_verdict([{"scenario": "home", "calibration": cal}])[0]
     swapped = [dict(cal[0], ratio=4.0), cal[1]]  # the 0.15-core host measured faster than the 0.45
