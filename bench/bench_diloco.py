@@ -31,8 +31,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_compute import down, sh, up
 from common import PY, ROOT, exit_code, write_result
+from compute_sims import down, sh, up
 
 from smoltrain.demo.diloco import (
     busiest_bytes_per_token,

@@ -23,8 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_compute import down, sh, up
 from common import PY, ROOT
+from compute_sims import down, sh, up
 
 from smoltrain.planner.compare import tokens_per_s_after_warmup
 

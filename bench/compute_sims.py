@@ -42,15 +42,18 @@ def sim_of(key: str) -> tuple[str, str]:
     return DRAWN if key.startswith("random:") else BUILT_IN[key]
 
 
-def up(d: Path, key: str = "home", cpu_limit: str | None = None) -> Path:
-    """The sim of scenario `key` (home capped, or not: --cpu-limit 0), its inventory in `d`.
+def up(
+    d: Path, key: str = "home", cpu_limit: str | None = None, name: str | None = None, subnet: str | None = None
+) -> Path:
+    """The sim of scenario `key` (home capped, or not: --cpu-limit 0), its inventory in `d`;
+    `name` and `subnet` for a bench of its own beside bench_compute's sims.
 
     A host whose interface MTU is above its switch port's is a black hole by design (home's
     laptop, a drawn jumbo host); set it to what the wire carries, as provisioning does in the
     demo, so the runs measure the links and not the fault."""
     import yaml
 
-    name, subnet = sim_of(key)
+    name, subnet = name or sim_of(key)[0], subnet or sim_of(key)[1]
     scenario, _, seed = key.partition(":")
     inv = d / f"{scenario}{seed}.yml"
     down(name)
