@@ -92,3 +92,123 @@ def test_every_cli_command_named_exists(doc):
 def test_the_check_catches_a_made_up_command_and_target(tmp_path):
     assert "frobnicate" not in _commands("smolnet") and "frobnicate" not in _make_targets()
     assert {"test", "demo", "lint", "system-deps", "test-unit", "test-sim"} <= _make_targets()
+
+
+SHELL_LANGS = ("", "sh", "bash", "console", "shell")
+SYNOPSIS = re.compile(r"[\[<|]|\.\.\.")  # optional parts, placeholders in angle brackets, alternatives
+COMMAND = re.compile(r"^(?:sudo )?(?:\$ )?(?:\S*/)?(?:python3? -m )?(smolnet|smoltrain)\s+(.*)$")
+
+
+def _command_lines(text: str) -> list[tuple[str, bool]]:
+    """(line, inline): shell lines of fenced shell blocks (continuations joined, comments and a
+    trailing `&` cut), then inline spans."""
+    lines = []
+    for lang, block in re.findall(r"```([^\n]*)\n(.*?)```", text, re.S):
+        if lang.strip() in SHELL_LANGS:
+            for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+                lines.append((line.split(" #", 1)[0].strip().removesuffix("&").strip(), False))
+    lines += [(s.strip(), True) for s in SPAN.findall(FENCE.sub("", text))]
+    return lines
+
+
+def _commands_in(text: str) -> list[tuple[str, list[str], bool]]:
+    import shlex
+
+    out = []
+    for line, inline in _command_lines(text):
+        m = COMMAND.match(line.lstrip("$ ").replace(".venv/bin/", ""))
+        if not m or SYNOPSIS.search(m.group(2)):
+            continue
+        try:
+            argv = shlex.split(m.group(2).split(" && ")[0].split(" > ")[0])
+        except ValueError:
+            continue
+        if argv and argv[0] in _commands(m.group(1)):
+            out.append((m.group(1), argv, inline))
+    return out
+
+
+# An inline span names a command or an option (`smoltrain serve --port`), not a whole line: what
+# it leaves out may be missing, and an ALL-CAPS word is a placeholder; a wrong name never passes.
+PARTIAL = ("the following arguments are required", "expected one argument")
+
+
+def _tolerated(err: str, argv: list[str], inline: bool) -> bool:
+    placeholder = any(re.fullmatch(r"[A-Z][A-Z_]+", a) for a in argv)
+    return (inline and any(p in err for p in PARTIAL)) or (placeholder and "unrecognized" not in err)
+
+
+def _parse_error(tool: str, argv: list[str]) -> str | None:
+    import contextlib
+    import io
+
+    from smolnet.cli_dispatch import parse
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            parse(tool, "", _commands(tool), argv)
+    except SystemExit as e:
+        if e.code not in (0, None):
+            return err.getvalue().strip() or f"exit {e.code}"
+    return None
+
+
+@pytest.mark.parametrize("doc", DOCS + [ROOT / "README.md"], ids=lambda p: p.name)
+def test_every_command_line_parses(doc):
+    """Each whole `smolnet`/`smoltrain` command line (not a synopsis with [optional] parts,
+    <placeholders> or ...) parses with the real argument parsers."""
+    bad = [
+        f"{tool} {' '.join(argv)}: {err}"
+        for tool, argv, inline in _commands_in(doc.read_text())
+        if (err := _parse_error(tool, argv)) and not _tolerated(err, argv, inline)
+    ]
+    assert not bad, f"{doc.name}: command lines that do not parse:\n" + "\n".join(bad)
+
+
+def test_the_parse_check_catches_a_bad_option():
+    text = "```sh\nsmoltrain plan --strategy dp --no-such-flag 3\nsmolnet matrix -i x.yml &\n```\n`smolnet matrix`\n"
+    cmds = _commands_in(text)
+    assert [(c, inline) for c, _, inline in cmds] == [("smoltrain", False), ("smolnet", False), ("smolnet", True)]
+    assert "no-such-flag" in _parse_error(*cmds[0][:2]) and _parse_error(*cmds[1][:2]) is None
+    err = _parse_error(*cmds[2][:2])
+    assert _tolerated(err, cmds[2][1], True) and not _tolerated(err, cmds[2][1], False)
+    assert not _tolerated("unrecognized arguments: --bogus", ["run", "--bogus", "FILE"], True)
+
+
+ORDER_LINK = re.compile(r"\]\(([^)#\s]+\.md)\)")
+
+
+def _course_order() -> list[str]:
+    """The pages of docs/index.md in its order (the strategy registry is an appendix)."""
+    seen = []
+    for target in ORDER_LINK.findall((ROOT / "docs" / "index.md").read_text()):
+        if target not in seen and target != "registry.md":
+            seen.append(target)
+    return seen
+
+
+# Pages other engineers own add their footers themselves; every other page must have one.
+FOOTER_PENDING = {"serving.md", "finetune.md", "machine.md", "faults.md"}
+
+
+def test_previous_and_next_links_follow_the_index():
+    order = _course_order()
+    assert order[:4] == ["01-sim.md", "02-provision.md", "03-measure.md", "04-plan.md"], order
+    for i, name in enumerate(order):
+        lines = (ROOT / "docs" / name).read_text().rstrip().splitlines()
+        footer = lines[-1] if len(lines) > 1 and lines[-2] == "---" else ""
+        if not footer:
+            assert name in FOOTER_PENDING, f"{name}: no previous/next footer"
+            continue
+        prev = re.search(r"\[← [^\]]*\]\(([^)]+)\)", footer)
+        nxt = re.search(r"\[[^\]]* →\]\(([^)]+)\)", footer)
+        assert (prev.group(1) if prev else None) == (order[i - 1] if i else None), (name, footer)
+        assert (nxt.group(1) if nxt else None) == (order[i + 1] if i + 1 < len(order) else None), (name, footer)
+
+
+def test_numbered_chapters_carry_their_number():
+    index = (ROOT / "docs" / "index.md").read_text()
+    for n, target in re.findall(r"(?m)^(\d+)\. \[[^\]]+\]\(([^)]+)\)", index):
+        title = (ROOT / "docs" / target).read_text().splitlines()[0]
+        assert title.startswith(f"# {n}. ") and target.startswith(f"0{n}-"), (target, title)
