@@ -10,7 +10,8 @@ from smoltrain import registry, validate
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--strategy", required=True, help=", ".join(registry.names(trainable=True)))
+    p.add_argument("--strategy", help=", ".join(registry.names(trainable=True)))
+    p.add_argument("--mesh", metavar="AXIS=N,...", help="strategies along mesh axes, e.g. dp=2,tp=2 (docs/mesh.md)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--local", type=validate.RANKS, metavar="N", help="run N worker processes on loopback")
     where.add_argument("-i", "--inventory", help="run one worker per `cluster` host of this inventory")
@@ -234,6 +235,22 @@ def training_data(spec, data: str | None, cfg) -> tuple[bytes, str]:
     return ds.to_bytes(), ds.digest()
 
 
+def mesh_argument(args) -> str | None:
+    """--mesh: sets args.strategy to the strategy along its model axis; returns the mesh text for
+    a 2-D mesh, None for --strategy or a 1-D mesh (which is that strategy)."""
+    if args.mesh is None:
+        if not args.strategy:
+            raise UsageError("give --strategy S or --mesh AXIS=N[,AXIS=N...]")
+        return None
+    if args.strategy:
+        raise UsageError("give --strategy or --mesh, not both (--strategy S is the mesh S=world)")
+    from smoltrain.mesh import parse
+
+    m = parse(args.mesh, args.local)
+    args.strategy, data = m.roles()
+    return m.text() if data else None
+
+
 def run(args) -> int:
     from smoltrain.run.preflight import EarlyReport
 
@@ -248,6 +265,7 @@ def _run(args, early) -> int:
     from smoltrain.models.spec import ModelSpecError, get_model
 
     console = Console(stderr=False)
+    mesh = mesh_argument(args)
     info = registry.get(args.strategy, trainable=True)
     from smoltrain.run import preflight
 
@@ -307,12 +325,17 @@ def _run(args, early) -> int:
             sync_dtype=args.sync_dtype,
             kernels=getattr(args, "kernels", None) or "auto",
             lora=lora,
+            mesh=mesh,
         )
 
     check_usage(config(placements))  # what the strategy or the model cannot take, before the planner looks
-    from smoltrain.run.planning import plan_run
+    from smoltrain.run.planning import RunPlan, plan_run
 
-    planned = plan_run(args, spec, [p.name for p in placements], hosts, console)
+    if mesh:  # the planner plans one axis; a mesh runs its even split unplanned (docs/mesh.md)
+        planned = RunPlan(None, None)
+        console.print(f"mesh {mesh}: {args.strategy} along its axis, even splits; the plan does not cover meshes yet")
+    else:
+        planned = plan_run(args, spec, [p.name for p in placements], hosts, console)
     placed = planned.placement
     if placed is not None:  # rank r runs on placed["order"][r]; hosts the placement leaves out get no rank
         by_name = {p.name: p for p in placements}

@@ -66,6 +66,7 @@ class RunConfig:
     sync_dtype: str = "fp32"  # diloco: the pseudo-gradient's dtype on the wire (fp32, bf16, fp16, int8)
     kernels: str = "auto"  # decode kernels of every rank (models.backends: quantised layers)
     lora: dict | None = None  # finetune.lora.LoraConfig.to_dict(): adapters on a frozen base; None: full
+    mesh: str | None = None  # smoltrain.mesh: e.g. "dp=2,tp=2"; `strategy` runs along its axis; None: 1-D
 
     @property
     def world_size(self) -> int:

@@ -217,6 +217,10 @@ class Controller:
 
     def _show(self, progress) -> None:
         need = self.info.loss_reports(self.world)
+        if self.cfg.mesh:  # one share per replica of the mesh's data axis
+            from smoltrain.mesh import replicas
+
+            need *= replicas(self.cfg)
         while (
             self.shown + 1 in self.steps
             and len(self.steps[self.shown + 1]["parts"]) >= need
@@ -397,8 +401,11 @@ class Controller:
         }
 
     def extra_sections(self, tokens: int) -> dict:
-        """`evals` (--eval-every) and `outer_steps` (diloco), when the run has them."""
-        out = {}
+        """`mesh` (contract section 12), and `evals` (--eval-every) and `outer_steps` (diloco) when
+        the run has them."""
+        from smoltrain.mesh import mesh_of
+
+        out = {"mesh": mesh_of(self.cfg).report()}
         if self.evals:
             out["evals"] = [
                 {"step": k, "tokens": (k + 1) * tokens, "loss": step_loss(rec)} for k, rec in sorted(self.evals.items())
@@ -489,6 +496,10 @@ def check_usage(cfg: RunConfig) -> None:
     from smoltrain.strategies import check_world
 
     world, spec, info = cfg.world_size, cfg.model, registry.get(cfg.strategy, trainable=True)
+    if cfg.mesh:  # the strategy splits along its own axis; the data axis splits the batch first
+        from smoltrain.mesh import check_run
+
+        world = check_run(cfg)
     check_world(cfg.strategy, spec, world)
     if cfg.seq > spec.ctx or cfg.seq < 1:
         raise UsageError(f"--seq {cfg.seq} must be between 1 and the model's context {spec.ctx}")

@@ -39,10 +39,12 @@ class Context:
     secret: bytes = b""  # the parameter-server strategies open their own connections
     server_state: dict | None = None  # parameter server: tensors to resume from
     server_saver: object = None  # parameter server: callback(step, server) that checkpoints
+    # a mesh (smoltrain.mesh): rank, world and comm above are this strategy's axis; `replica` is the
+    # data axis around it (mesh.Axis: index, size, comm), each replica on its slice of the batch
+    replica: object = None
 
     # the run's settings strategies read most, by their short names
     spec = property(lambda self: self.run.model)
-    batch = property(lambda self: self.run.batch)
     seq = property(lambda self: self.run.seq)
     lr = property(lambda self: self.run.lr)
     seed = property(lambda self: self.run.seed)
@@ -65,6 +67,40 @@ class Context:
 
             apply(model, LoraConfig.from_dict(self.run.lora), self.spec.arch, self.seed)
         return model
+
+    @property
+    def batch(self) -> int:
+        """Sequences per step the strategy trains on: the global batch, or its replica's slice."""
+        if self.replica is None:
+            return self.run.batch
+        lo, hi = self._replica_range()
+        return hi - lo
+
+    def _replica_range(self) -> tuple[int, int]:
+        from smoltrain.planner.placement import batch_ranges
+
+        return batch_ranges(self.run.batch, None, self.replica.size)[self.replica.index]
+
+    def strategy_batch(self, step: int):
+        """(x, y) the strategy trains on: the global batch, or its replica's slice in a mesh."""
+        if self.replica is None:
+            return self.batches.global_batch(step)
+        return self.batches.slice(step, *self._replica_range())
+
+    def sync_replicas(self, params) -> None:
+        """Sum the gradients over the replicas of a mesh's data axis (one flat all-reduce), so
+        every replica steps with the gradient of the global batch's mean loss; no-op without one."""
+        if self.replica is None or self.replica.size == 1:
+            return
+        import torch
+
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.replica.comm.all_reduce(flat, op="sum")
+        off = 0
+        for p in params:
+            p.grad = flat[off : off + p.numel()].view_as(p).clone()
+            off += p.numel()
 
     def loss_tokens(self, step: int) -> int:
         """Targets of step's global batch that carry loss: the denominator of its mean loss
@@ -250,12 +286,17 @@ class TimedComm:
 
     _timed = ("send", "recv", "broadcast", "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "barrier")
 
-    def __init__(self, comm):
+    def __init__(self, comm, into: TimedComm | None = None):
         self._comm = comm
+        self._into = into or self  # a group's seconds add to its world's
         self._lock = threading.Lock()
         self.seconds = 0.0
         for name in self._timed:
             setattr(self, name, self._wrap(getattr(comm, name)))
+
+    def new_group(self, ranks):
+        g = self._comm.new_group(ranks)
+        return None if g is None else TimedComm(g, into=self._into)
 
     def _wrap(self, fn):
         def call(*a, **kw):
@@ -264,8 +305,8 @@ class TimedComm:
                 return fn(*a, **kw)
             finally:
                 dt = time.perf_counter() - t0
-                with self._lock:
-                    self.seconds += dt
+                with self._into._lock:
+                    self._into.seconds += dt
 
         return call
 

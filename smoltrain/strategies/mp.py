@@ -53,12 +53,16 @@ class StageStrategy(Strategy):
         self.ctx.comm.send(t.detach().contiguous(), dst)
 
     def apply_update(self) -> None:
+        self.ctx.sync_replicas(self.params)  # a mesh's dp axis: sum over the replicas
         self.opt.step([p.grad for p in self.params])
         for p in self.params:
             p.grad = None
 
     def eval_loss(self, x, y) -> float | None:
-        """The held-out batch down the chain of stages, forward only; the last stage answers."""
+        """The held-out batch down the chain of stages, forward only; the last stage answers
+        (of replica 0 in a mesh)."""
+        if self.ctx.replica is not None and self.ctx.replica.index:
+            return None
         with torch.no_grad():
             out = self.stage(x if self.first else self.recv_from(self.ctx.rank - 1, x.shape[0]))
             if not self.last:

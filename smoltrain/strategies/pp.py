@@ -115,7 +115,7 @@ class PipelineParallel(StageStrategy):
                 self.send_to(g_in, r - 1)
 
     def train_step(self, step: int) -> float | None:
-        x, y = self.ctx.batches.global_batch(step)
+        x, y = self.ctx.strategy_batch(step)  # a mesh's dp replica: its slice
         self.x, self.y = x.to(self.ctx.device), y.to(self.ctx.device)
         self.total = self.ctx.loss_tokens(step)
         self.inputs, self.outputs, self.loss = {}, {}, 0.0

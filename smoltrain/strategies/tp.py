@@ -107,11 +107,12 @@ class TensorParallel(Strategy):
         return block.tp_slice(heads, ffn, enter, leave, keep_bias=self.ctx.rank == 0)
 
     def train_step(self, step: int) -> float | None:
-        x, y = self.ctx.batches.global_batch(step)
+        x, y = self.ctx.strategy_batch(step)  # a mesh's dp replica: its slice
         x, y = x.to(self.ctx.device), y.to(self.ctx.device)
         loss = loss_sum(self.model(x), y, self.ctx.loss_tokens(step))
         loss.backward()
         self._sum_partial_grads()
+        self.ctx.sync_replicas(self.params)  # a mesh's dp axis: sum over the replicas
         self.opt.step([p.grad for p in self.params])
         for p in self.params:
             p.grad = None
@@ -132,7 +133,9 @@ class TensorParallel(Strategy):
             off += p.numel()
 
     def eval_loss(self, x, y) -> float | None:
-        """Every rank runs the split forward (its all-reduces); rank 0 answers."""
+        """Every rank runs the split forward (its all-reduces); rank 0 answers (of replica 0 in a mesh)."""
+        if self.ctx.replica is not None and self.ctx.replica.index:
+            return None
         loss = mean_loss(self.model, x, y)
         return loss if self.loss_owner else None
 

@@ -1,0 +1,197 @@
+"""The device mesh: the world's ranks laid out on named axes, one strategy along each.
+
+`--mesh dp=2,tp=2` lays 4 ranks on a 2 x 2 grid, outermost axis first, innermost last:
+rank = sum(coordinate * stride), the last axis varying fastest, so the innermost axis (the
+one that moves the most bytes per step, tp) joins consecutive ranks, which the placement puts
+on the fastest links. Each rank talks along an axis through one Comm: the group of ranks that
+differ from it only along that axis (comm.new_group). `--strategy S` alone is the 1-D mesh S=world.
+
+What runs today (smoltrain.strategies.Context): one model axis (tp or pp) runs its strategy
+on its axis's comm, and a dp axis outside or inside it replicates that whole strategy, each
+replica on its slice of the batch, their gradients summed over the dp comm before the step.
+Other pairs (fsdp, diloco with a second axis, pp x tp) are refused in one line, naming why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+from smolnet.errors import UsageError
+
+AXES = ("dp", "fsdp", "diloco", "pp", "tp")
+MODEL_AXES = ("pp", "tp")  # split the model; the data axes replicate it
+RUNS_WITH = {"dp"}  # data axes that compose with a model axis today
+
+
+class MeshError(UsageError):
+    """A mesh the world or the model cannot take (exit 2, one line)."""
+
+
+@dataclass(frozen=True)
+class Axis:
+    """This rank's place along one axis: its coordinate, the axis size, and the axis comm."""
+
+    name: str
+    index: int
+    size: int
+    comm: object = None
+
+
+@dataclass(frozen=True)
+class Mesh:
+    axes: tuple[tuple[str, int], ...]  # (name, size), outermost first
+
+    names = property(lambda self: [a for a, _ in self.axes])
+    world = property(lambda self: prod(n for _, n in self.axes))
+
+    def size(self, axis: str) -> int:
+        return dict(self.axes).get(axis, 1)
+
+    def text(self) -> str:
+        return ",".join(f"{a}={n}" for a, n in self.axes)
+
+    def coords(self, rank: int) -> tuple[int, ...]:
+        """Rank's coordinate along each axis, outermost first (the last one varies fastest)."""
+        out = []
+        for _, n in reversed(self.axes):
+            rank, c = divmod(rank, n)
+            out.append(c)
+        return tuple(reversed(out))
+
+    def rank_of(self, coords) -> int:
+        r = 0
+        for (_, n), c in zip(self.axes, coords):
+            r = r * n + c
+        return r
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """Every group along `axis` (ranks that differ only there), each increasing, by first rank."""
+        i = self.names.index(axis)
+        seen, out = set(), []
+        for r in range(self.world):
+            c = list(self.coords(r))
+            g = [self.rank_of(c[:i] + [k] + c[i + 1 :]) for k in range(self.axes[i][1])]
+            if g[0] not in seen:
+                seen.add(g[0])
+                out.append(g)
+        return out
+
+    def report(self) -> dict:
+        """The run and plan reports' `mesh` field: the axes, and each rank's coordinates."""
+        return {
+            "axes": [{"name": a, "size": n} for a, n in self.axes],
+            "hosts": [list(self.coords(r)) for r in range(self.world)],
+        }
+
+    def roles(self) -> tuple[str, str | None]:
+        """(the strategy that splits the model or the lone axis, the data axis replicating it or
+        None), for the axes wider than one; a pair that does not compose yet is refused."""
+        wide = [a for a, n in self.axes if n > 1] or [self.axes[-1][0]]
+        if len(wide) == 1:
+            return wide[0], None
+        model = [a for a in wide if a in MODEL_AXES]
+        data = [a for a in wide if a not in MODEL_AXES]
+        if len(model) == 1 and len(data) == 1 and data[0] in RUNS_WITH:
+            return model[0], data[0]
+        raise MeshError(
+            f"--mesh {self.text()}: {' x '.join(wide)} does not run yet (today: one of "
+            f"{', '.join(MODEL_AXES)} with {', '.join(sorted(RUNS_WITH))}; docs/mesh.md)"
+        )
+
+    def along(self, axis: str, rank: int, comm=None) -> Axis:
+        return Axis(axis, self.coords(rank)[self.names.index(axis)], self.size(axis), comm)
+
+
+def parse(text: str, world: int | None, spec=None) -> Mesh:
+    """`dp=2,tp=2` against the world size (None: not known yet) and the model's layers and heads."""
+    axes, seen = [], set()
+    for part in (text or "").split(","):
+        name, eq, size = part.strip().partition("=")
+        if not eq or not size.strip().isdigit() or int(size) < 1:
+            raise MeshError(f"--mesh {text}: {part.strip()!r} is not AXIS=N with N a positive whole number")
+        if name not in AXES:
+            raise MeshError(f"--mesh {text}: unknown axis {name!r} (axes: {', '.join(AXES)})")
+        if name in seen:
+            raise MeshError(f"--mesh {text}: axis {name} is given twice")
+        seen.add(name)
+        axes.append((name, int(size)))
+    mesh = Mesh(tuple(axes))
+    if world is not None and mesh.world != world:
+        raise MeshError(f"--mesh {text}: its axes multiply to {mesh.world} ranks, the world has {world}")
+    if spec is not None:
+        check_model(mesh, spec)
+    return mesh
+
+
+def check_model(mesh: Mesh, spec) -> None:
+    """An axis wider than what it splits: tp over the KV head groups, pp over the layers."""
+    tp, pp = mesh.size("tp"), mesh.size("pp")
+    if tp > spec.kv_heads or tp > spec.ffn:
+        raise MeshError(f"--mesh {mesh.text()}: tp={tp} is wider than {spec.name}'s {spec.kv_heads} KV head groups")
+    if pp > spec.layers:
+        raise MeshError(f"--mesh {mesh.text()}: pp={pp} is deeper than {spec.name}'s {spec.layers} layers")
+
+
+def check_run(cfg) -> int:
+    """A mesh run's config (the mesh against its world and model, a pair that composes, a batch
+    the data axis can split); returns the strategy axis's size, what the strategy splits over."""
+    mesh = parse(cfg.mesh, cfg.world_size, cfg.model)
+    model, data = mesh.roles()
+    if model != cfg.strategy:
+        raise MeshError(f"--mesh {cfg.mesh} runs {model} along its axis, not {cfg.strategy}")
+    if cfg.shares or cfg.placement:
+        raise MeshError(f"--mesh {cfg.mesh}: --shares and --placement do not apply to a mesh yet (even splits)")
+    if data:
+        n = mesh.size(data)
+        if cfg.batch < n:
+            raise MeshError(f"--mesh {cfg.mesh}: --batch {cfg.batch} is smaller than the {n} {data} replicas")
+        if model == "pp" and cfg.microbatches > cfg.batch // n:
+            raise MeshError(
+                f"--mesh {cfg.mesh}: --microbatches {cfg.microbatches} exceeds a replica's "
+                f"{cfg.batch // n} sequences (--batch {cfg.batch} over {data}={n})"
+            )
+    return mesh.size(model)
+
+
+def of_strategy(strategy: str, world: int) -> Mesh:
+    """`--strategy S` alone: the 1-D mesh S=world."""
+    return Mesh(((strategy, world),))
+
+
+def axis_comms(mesh: Mesh, comm) -> dict:
+    """One comm per axis wider than one for this rank: the world comm where the axis is the world,
+    else its group. Every rank builds every group in the same order (torch needs all ranks there)."""
+    out = {}
+    for axis, n in mesh.axes:
+        if n == 1:
+            continue
+        if n == mesh.world:
+            out[axis] = comm
+            continue
+        for g in mesh.groups(axis):
+            made = comm.new_group(g)
+            if made is not None:
+                out[axis] = made
+    return out
+
+
+def strategy_axes(text: str, rank: int, comm):
+    """A worker's view of a mesh run: (its rank along the strategy's axis, that axis's size, its
+    comm, the data axis replicating it as an Axis with its comm or None)."""
+    mesh = parse(text, comm.world_size)
+    model, data = mesh.roles()
+    comms = axis_comms(mesh, comm)
+    own = mesh.along(model, rank, comms.get(model))
+    return own.index, own.size, own.comm, (mesh.along(data, rank, comms.get(data)) if data else None)
+
+
+def mesh_of(cfg) -> Mesh:
+    """The mesh a run config describes: its --mesh, or the 1-D mesh of its --strategy."""
+    return parse(cfg.mesh, cfg.world_size) if cfg.mesh else of_strategy(cfg.strategy, cfg.world_size)
+
+
+def replicas(cfg) -> int:
+    """How many replicas of the strategy a run holds (each reports a loss share): the data axis's size."""
+    mesh = mesh_of(cfg)
+    return mesh.size(mesh.roles()[1] or "")

@@ -1,0 +1,180 @@
+"""The device mesh: parsing and layout (fast, no processes), and 2-D runs that reproduce `--local 1`.
+
+The runs are real: `smoltrain run --local 4 --mesh ...` with worker processes on loopback,
+beside one `--local 1` reference. Each composed run must give the reference's loss at every
+step and its weights after the run (gathered from the checkpoint parts: tp's slices
+concatenated back, pp's stages laid end to end), and every replica must end bit-identical.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from smoltrain.mesh import Mesh, MeshError, parse
+from smoltrain.models.spec import get_model
+
+BATCH, SEQ, STEPS, REL_TOL = 6, 32, 4, 1e-5
+RUNS = {
+    "ref": ("--strategy", "dp", 1, "socket", []),
+    "dp2xtp2": ("--mesh", "dp=2,tp=2", 4, "socket", []),
+    "pp2xdp2": ("--mesh", "pp=2,dp=2", 4, "socket", ["--microbatches", "3"]),
+    "tp2xdp2-torch": ("--mesh", "tp=2,dp=2", 4, "torch", []),
+}
+
+
+# ----------------------------------------------------------------- the layout
+def test_coordinates_and_groups_innermost_last():
+    m = parse("dp=2,tp=2", 4)
+    assert [m.coords(r) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert m.groups("tp") == [[0, 1], [2, 3]] and m.groups("dp") == [[0, 2], [1, 3]]
+    m3 = parse("pp=2,dp=3,tp=2", 12)
+    assert all(m3.rank_of(m3.coords(r)) == r for r in range(12))
+    assert m3.groups("dp")[0] == [0, 2, 4] and m3.groups("pp")[0] == [0, 6]
+    assert m.report() == {
+        "axes": [{"name": "dp", "size": 2}, {"name": "tp", "size": 2}],
+        "hosts": [[0, 0], [0, 1], [1, 0], [1, 1]],
+    }
+    assert m.roles() == ("tp", "dp") and parse("pp=2,dp=2", 4).roles() == ("pp", "dp")
+    assert Mesh((("tp", 4),)).roles() == ("tp", None)
+
+
+@pytest.mark.parametrize(
+    "text, world, why",
+    [
+        ("dp=3,tp=2", 4, "multiply to 6 ranks, the world has 4"),
+        ("dp=2,xx=2", 4, "unknown axis 'xx'"),
+        ("dp=2,dp=2", 4, "axis dp is given twice"),
+        ("dp=2,tp", 4, "is not AXIS=N"),
+        ("dp=0,tp=2", 0, "is not AXIS=N"),
+        ("dp=1,tp=8", 8, "tp=8 is wider than tiny's 6 KV head groups"),
+        ("pp=8", 8, "pp=8 is deeper than tiny's 6 layers"),
+    ],
+)
+def test_bad_meshes_name_why(text, world, why):
+    with pytest.raises(MeshError, match=why):
+        parse(text, world, get_model("tiny"))
+
+
+def test_pairs_that_do_not_compose_yet_are_refused():
+    for text in ("fsdp=2,tp=2", "diloco=2,pp=2", "pp=2,tp=2"):
+        with pytest.raises(MeshError, match="does not run yet"):
+            parse(text, 4).roles()
+
+
+def test_cli_refuses_a_bad_mesh_in_one_line():
+    p = cli(["run", "--mesh", "dp=3,tp=2", "--local", "4", "--steps", "1"])
+    assert p.returncode == 2 and "multiply to 6 ranks, the world has 4" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+    p = cli(["run", "--mesh", "fsdp=2,tp=2", "--local", "4", "--steps", "1"])
+    assert p.returncode == 2 and "fsdp x tp does not run yet" in p.stderr
+
+
+# ------------------------------------------------------------------- the runs
+def cli(args, timeout=240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "smoltrain", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("mesh")
+    secret = d / "secret"
+    secret.write_text(secrets.token_hex(32))
+    secret.chmod(0o600)
+
+    def one(name):
+        flag, what, world, backend, extra = RUNS[name]
+        out, ck = d / f"{name}.json", d / f"ck-{name}"
+        args = [flag, what, "--local", str(world), "--backend", backend, "--steps", str(STEPS)]
+        args += ["--batch", str(BATCH), "--seq", str(SEQ), "--seed", "7", "--optimizer", "sgd", "--lr", "0.05"]
+        args += ["--eval-every", str(STEPS), "--checkpoint-dir", str(ck), "--checkpoint-every", str(STEPS)]
+        p = cli(["run", *args, "--secret-file", str(secret), "--out", str(d), "--json", str(out), *extra])
+        if p.returncode != 0:
+            return RuntimeError(f"{name}: exit {p.returncode}: {p.stdout[-800:]} {p.stderr[-800:]}")
+        return json.loads(out.read_text()), ck / f"step-{STEPS:06d}"
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(RUNS, pool.map(one, RUNS)))
+
+
+def got(runs, name):
+    if isinstance(runs[name], Exception):
+        raise runs[name]
+    return runs[name]
+
+
+def parts(folder, world: int) -> list[dict]:
+    from safetensors.torch import load_file
+
+    return [
+        {k[6:]: v for k, v in load_file(folder / f"rank{r}.safetensors").items() if k.startswith("param.")}
+        for r in range(world)
+    ]
+
+
+def whole_from_tp(shards: list[dict]) -> dict:
+    """tp slices back into whole units: q, k, v and fc by rows, out and proj by columns."""
+    out = {}
+    for name in shards[0]:
+        ts = [s[name] for s in shards]
+        if name.endswith(("attn.q.weight", "attn.k.weight", "attn.v.weight", "mlp.fc.weight")):
+            out[f"units.{name}"] = torch.cat(ts, 0)
+        elif name.endswith(("attn.out.weight", "mlp.proj.weight")):
+            out[f"units.{name}"] = torch.cat(ts, 1)
+        else:
+            assert all(torch.equal(t, ts[0]) for t in ts), name  # replicated: identical on every rank
+            out[f"units.{name}"] = ts[0]
+    return out
+
+
+def whole_from_pp(stages: list[dict]) -> dict:
+    """pp stages laid end to end: stage s's unit j is the whole model's unit (units before it) + j."""
+    out, base = {}, 0
+    for st in stages:
+        for name, t in st.items():
+            j, rest = name.split(".", 1)
+            out[f"units.{base + int(j)}.{rest}"] = t
+        base += len({n.split(".", 1)[0] for n in st})
+    return out
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if n != "ref"])
+def test_mesh_run_reproduces_the_single_process_run(runs, name):
+    (ref, ref_ck), (doc, ck) = got(runs, "ref"), got(runs, name)
+    mesh = parse(RUNS[name][1], 4)
+    assert doc["mesh"] == mesh.report() and ref["mesh"] == {"axes": [{"name": "dp", "size": 1}], "hosts": [[0]]}
+    worst = max(abs(a["loss"] - b["loss"]) / abs(a["loss"]) for a, b in zip(ref["steps"], doc["steps"], strict=True))
+    assert worst < REL_TOL, f"{name}: loss differs from --local 1 by {worst:.2e} relative"
+    assert abs(doc["evals"][-1]["loss"] - ref["evals"][-1]["loss"]) < REL_TOL * ref["evals"][-1]["loss"]
+    ranks = parts(ck, 4)
+    model, data = mesh.roles()
+    for g in mesh.groups(data):  # every replica ends with the same weights, bit for bit
+        assert all(ranks[r].keys() == ranks[g[0]].keys() for r in g)
+        assert all(torch.equal(ranks[r][k], ranks[g[0]][k]) for r in g for k in ranks[r])
+    chain = [ranks[r] for r in mesh.groups(model)[0]]  # replica 0's ranks along the model axis, in order
+    whole = whole_from_tp(chain) if model == "tp" else whole_from_pp(chain)
+    want = parts(ref_ck, 1)[0]
+    assert whole.keys() == want.keys()
+    for k, t in want.items():
+        assert torch.allclose(whole[k], t, rtol=REL_TOL, atol=1e-6), f"{name}: {k} differs after the run"
+
+
+def test_mesh_bytes_stay_inside_the_axis_groups(runs):
+    """dp x tp: tp's activations on the tp links, dp's gradients on the dp links, nothing across."""
+    doc, _ = got(runs, "dp2xtp2")
+    mesh = parse("dp=2,tp=2", 4)
+    spec = get_model("tiny")
+    links = {(int(b["src"][4:]), int(b["dst"][4:])): b["bytes"] for b in doc["bytes"]}
+    tp_bytes = STEPS * spec.layers * 4 * (BATCH // 2) * SEQ * spec.hidden * 4  # 2-rank all-reduce: S each way
+    for a, b in links:
+        ca, cb = mesh.coords(a), mesh.coords(b)
+        assert (ca[0] == cb[0]) != (ca[1] == cb[1]), f"bytes across both axes on {a}->{b}"
+        if ca[0] == cb[0]:
+            assert links[(a, b)] == tp_bytes
+    assert len(links) == 8
