@@ -3,9 +3,12 @@ made by transformers itself, each with a byte-level BPE tokenizer.json (tests/in
 
 from __future__ import annotations
 
+import functools
 import os
 
 from infer_models import make_bytelevel_tokenizer
+
+tokenizer = functools.lru_cache(maxsize=1)(make_bytelevel_tokenizer)  # trained once per session
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -22,7 +25,7 @@ def make(path: str, arch: str, layers: int = 2, tied: bool = False, seed: int = 
     import torch
     import transformers as tf
 
-    tok = make_bytelevel_tokenizer()
+    tok = tokenizer()
     vocab = tok.get_vocab_size()
     torch.manual_seed(seed)
     shape = dict(
