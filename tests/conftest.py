@@ -68,6 +68,7 @@ TIERS = {
         "test_run.py",
         "test_strategies.py",
         "test_setup.py",
+        "test_bootstrap.py",
         "test_faults_checkpoint.py",
         "test_faults_input.py",
         "test_faults_lease.py",
