@@ -375,7 +375,7 @@ def report(d: dict) -> None:
     )
 
 
-def main() -> None:
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="/tmp/smol-bench-llama152", help="checkpoint folder (built there if missing)")
     p.add_argument("--threads", default="1", help="thread count, or a list (1,2,4,8) for the scaling table")
@@ -402,7 +402,14 @@ def main() -> None:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(runs, f, indent=1)
+    from common import exit_code, write_result
+    from decode_bars import BAR, verdict
+
+    met, headline = verdict(runs[0])
+    kept = write_result("decode", BAR, met, headline, {"runs": runs})
+    print(f"{headline}: {'met' if met else 'MISSED'} ({kept})")
+    return exit_code(met)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

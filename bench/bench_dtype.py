@@ -21,7 +21,9 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from common import ROOT, exit_code, write_result
+
+BAR = "bf16 training tokens/s >= fp32's (26M model, 1 thread)"
 SHAPE = {"vocab": 256, "layers": 8, "hidden": 512, "heads": 8, "kv_heads": 8, "ffn": 2048, "ctx": 128}
 
 
@@ -41,7 +43,7 @@ def steady_tokens_per_s(doc: dict) -> float:
     return statistics.median(s["tokens"] / s["step_s"] for s in steps)
 
 
-def main() -> None:
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=40)
@@ -84,10 +86,16 @@ def main() -> None:
         ax.legend()
         os.makedirs(os.path.dirname(os.path.abspath(a.png)), exist_ok=True)
         fig.savefig(a.png, dpi=120, bbox_inches="tight")
+    doc = {"tokens_per_s": tps, "curves": curves, "max_rel_gap": gap, "threads": a.threads, "rounds": a.rounds}
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"tokens_per_s": tps, "curves": curves, "max_rel_gap": gap, "threads": a.threads}, f, indent=1)
+            json.dump(doc, f, indent=1)
+    met = tps["bf16"] >= tps["fp32"]
+    headline = f"{tps['bf16'] / tps['fp32']:.2f}x ({a.threads} thread(s)); loss curves within {gap:.1%}"
+    kept = write_result("dtype", BAR, met, headline, doc)
+    print(f"{headline}: {'met' if met else 'MISSED'} ({kept})")
+    return exit_code(met)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -48,6 +48,9 @@ import threading
 import time
 from pathlib import Path
 
+from common import exit_code, write_result
+from faults_bars import BAR, CK_BAR, cell_ok, ck_ok
+
 STRATEGIES = ["dp", "fsdp", "syncps", "edp", "mp", "pp", "tp"]
 FAULTS = ["sigkill", "sigstop", "controller", "ctlstop", "flood"]
 CK_FAULTS = ["ck-bitflip", "ck-truncate", "ck-missing", "ck-marker", "ck-none"]
@@ -411,7 +414,24 @@ def main() -> int:
         from smolnet.files import write_json_atomic
 
         write_json_atomic(a.json, {"schema": "smolcluster.bench.faults/1", "rows": rows}, indent=1)
-    return 0
+    if a.integrity:  # a measurement with no bar here (bench_allreduce --full-integrity keeps that one)
+        return 0
+    return verdict(rows, a.checkpoints)
+
+
+def verdict(rows: list[dict], checkpoints: bool) -> int:
+    """Keep the result (bench/results/faults*.json) and exit by the bar."""
+    ok = [r for r in rows if (ck_ok if checkpoints else cell_ok)(r)]
+    missed = [f"{r['strategy']} {r['fault']}" for r in rows if r not in ok]
+    headline = f"{len(ok)} of {len(rows)}" + (f"; missed {', '.join(missed)}" if missed else "")
+    if not checkpoints:
+        times = [r["detect_s"] for r in rows if r.get("detect_s") is not None]
+        headline += f", detection {min(times):g}-{max(times):g} s" if times else ""
+    name, bar = ("faults-checkpoints", CK_BAR) if checkpoints else ("faults", BAR)
+    met = bool(rows) and not missed
+    kept = write_result(name, bar, met, headline, {"rows": rows})
+    print(f"{headline}: {'met' if met else 'MISSED'} ({kept})")
+    return exit_code(met)
 
 
 if __name__ == "__main__":

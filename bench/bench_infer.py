@@ -22,7 +22,12 @@ import subprocess
 import sys
 import tempfile
 
-from common import ROOT
+from common import ROOT, exit_code, write_result
+
+BAR = (
+    "pp and tp 2: the tokens of --local 1 and decode bytes per token within 2% of the plan; with --sim, decode "
+    "tokens/s within 25% of the plan on shaped links (pp 2 against --local 1 reported)"
+)
 
 
 def make_model(path: str, hidden: int, layers: int) -> None:
@@ -131,14 +136,26 @@ def main() -> int:
             f"{(r['bytes_vs_plan'] or 0):.3f} | {r['same_tokens_as_local1']} |"
         )
     sim_rows = run_sim(model, a.new, tmp) if a.sim else []
+    doc = {"model": {"hidden": a.hidden, "layers": a.layers}, "new": a.new, "rows": rows, "sim": sim_rows}
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-        json.dump(
-            {"model": {"hidden": a.hidden, "layers": a.layers}, "new": a.new, "rows": rows, "sim": sim_rows},
-            open(a.json, "w"),  # noqa: SIM115 (closed when the program exits)
-            indent=1,
-        )
-    return 0
+        with open(a.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return verdict(doc)
+
+
+def verdict(doc: dict) -> int:
+    """Keep the result (bench/results/infer.json) and exit by the bar."""
+    split = [r for r in doc["rows"] if r["setup"] != "local1"]
+    exact = all(r["same_tokens_as_local1"] and abs((r["bytes_vs_plan"] or 0) - 1) <= 0.02 for r in split)
+    sim = [r["decode_tokens_per_s"] / r["plan_tokens_per_s"] for r in doc["sim"] if r["plan_tokens_per_s"]]
+    met = exact and len(sim) == len(doc["sim"]) and all(0.75 <= q <= 1.25 for q in sim)
+    pp = next(r for r in doc["rows"] if r["setup"] == "pp2")
+    headline = f"pp 2 {pp['vs_local1']:.2f}x --local 1; tokens and bytes {'as planned' if exact else 'NOT as planned'}"
+    headline += "; sim " + ", ".join(f"{r['setup']} {q:.2f}" for r, q in zip(doc["sim"], sim)) if doc["sim"] else ""
+    kept = write_result("infer", BAR, met, headline, doc)
+    print(f"{headline}: {'met' if met else 'MISSED'} ({kept})")
+    return exit_code(met)
 
 
 def run_sim(model: str, new: int, tmp: str) -> list[dict]:

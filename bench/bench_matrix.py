@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import exit_code, write_result
+
 from smolnet.files import write_text_atomic
 from smolnet.sim import cluster as sim
 
@@ -42,6 +44,10 @@ def run_matrix(extra: list[str], duration: float) -> dict:
         "min_goodput_mbit": min(goodput),
         "median_goodput_mbit": statistics.median(goodput),
     }
+
+
+BAR_RATIO = 0.6
+BAR = "4-host matrix wall time <= 0.6 of --sequential"
 
 
 def main() -> int:
@@ -71,7 +77,12 @@ def main() -> int:
     print(text)
     if args.json:
         write_text_atomic(args.json, text + "\n")
-    return 0
+    failed = [x for x in res["rounds"] + res["sequential"] if x["rc"] != 0]
+    met = not failed and r / s <= BAR_RATIO
+    headline = f"{r / s:.2f} ({r:g} s in rounds, {s:g} s sequential" + (f", {len(failed)} failed)" if failed else ")")
+    kept = write_result("matrix", BAR, met, headline, out)
+    print(f"{headline}: {'met' if met else 'MISSED'} ({kept})")
+    return exit_code(met)
 
 
 if __name__ == "__main__":

@@ -23,13 +23,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import PY, ROOT
+from common import PY, ROOT, exit_code, write_result
 from compute_sims import down, sh, up
 
 from smoltrain.planner.compare import tokens_per_s_after_warmup
 
 NAME, SUBNET = "pbench", "10.42.5.0/24"
 TARGETS = {"dp": 1.5, "pp": 1.2}
+BAR = "placement auto vs even on the capped home sim: dp >= 1.5x, pp >= 1.2x, plan within 25%"
 
 
 def run(strategy: str, mode: str, inv: Path, d: Path, a) -> dict:
@@ -107,7 +108,14 @@ def main() -> int:
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(doc, indent=1))
     print(f"wrote {a.out}")
-    return 0
+    met = all(r["measured_gain"] >= r["target"] and r["prediction_error"] <= 0.25 for r in rows)
+    headline = ", ".join(
+        f"{r['strategy']} {r['measured_gain']:.2f}x (plan {r['predicted_gain']:.2f}x, {r['prediction_error']:.0%} off)"
+        for r in rows
+    )
+    kept = write_result("placement", BAR, met, headline, {k: v for k, v in doc.items() if k != "compute"})
+    print(f"{headline}: {'met' if met else 'MISSED'} ({kept})")
+    return exit_code(met)
 
 
 if __name__ == "__main__":

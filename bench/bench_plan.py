@@ -1,13 +1,16 @@
-"""Predicted against measured step time and bytes on the sim's shaped links.
+"""Predicted against measured step time and bytes on the sim's shaped links, with the plan
+exactly as `smoltrain plan` prints it.
 
 Brings up sim `p1` (uniform scenario, 10.213.61.0/24, shaped to --rate-mbit), measures the
-links with `smolnet matrix`, calibrates this machine with `smoltrain calibrate`'s measurement,
-runs each strategy with `smoltrain run -i`, and compares with the plan made from the measured
-links and the calibration. The sim hosts share this machine's CPU, so each rank gets 1/N of
-the calibrated FLOP/s (as the plan does for --local).
+links with `smolnet matrix` and every host's compute with `smoltrain calibrate -i` (the sim
+hosts share this machine's CPU, which the plan knows from their shared boot id), then for each
+strategy prints `smoltrain plan` on those files (the one resolver: no ranks built here), runs
+it with `smoltrain run -i` and compares with `smoltrain plan --compare`. Target: measured /
+predicted step time within 0.75..1.25, bytes within 2%, every strategy; exits 1 otherwise and
+keeps the result in bench/results/plan.json.
 
 Run under the shared benchmark lock:
-    flock /tmp/smol-bench.lock .venv/bin/python bench/bench_plan.py --rate-mbit 100
+    flock /tmp/smol-sim.lock .venv/bin/python bench/bench_plan.py --rate-mbit 100
 """
 
 from __future__ import annotations
@@ -15,24 +18,15 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 import common
-from common import ROOT
+from common import PY, ROOT, exit_code, write_result
 
-from smolnet.inventory import load_inventory
 from smolnet.sim import cluster as sim
-from smoltrain.commands.calibrate import calibrate
-from smoltrain.models.spec import get_model
-from smoltrain.planner.compare import compare
-from smoltrain.planner.devices import profile_from_calibration
-from smoltrain.planner.plan import Rank, busy_ranks, link_model, make_plan, share_machine
 
-SMOL = [sys.executable, "-m"]
-
-
+BAR = "predicted step time within 25% on shaped sim links, bytes within 2% (measured compute, every strategy)"
 sh = functools.partial(common.sh, ok=(0, 4), timeout=600)
 
 
@@ -45,63 +39,23 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "plan-results.json"))
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-plan-"))
-    inv_path = work / "p1.yml"
+    inv = work / "p1.yml"
     results = {"rate_mbit": a.rate_mbit, "hosts": a.hosts, "steps": a.steps, "runs": []}
+    shape = ["--model", "tiny", "--batch", "8", "--seq", "64", "--microbatches", "2"]
     try:
-        sim.up(
-            name="p1",
-            scenario="uniform",
-            hosts=a.hosts,
-            subnet="10.213.61.0/24",
-            inventory=str(inv_path),
-            rate_mbit=a.rate_mbit,
-        )
-        sh(SMOL + ["smolnet", "matrix", "-i", str(inv_path), "--duration", "3", "--out", str(work / "links")])
-        links = json.loads((work / "links" / "links.json").read_text())
-        inv = load_inventory(inv_path)
-        hosts = [inv.coordinator] + [h for h in inv.hosts if h.name != inv.coordinator.name]
-        results["calibration"] = []
+        sim.up(name="p1", scenario="uniform", hosts=a.hosts, subnet="10.213.61.0/24", inventory=str(inv),
+               rate_mbit=a.rate_mbit)  # fmt: skip
+        sh([PY, "-m", "smolnet", "matrix", "-i", inv, "--duration", "3", "--out", work])
+        sh([PY, "-m", "smoltrain", "calibrate", "-i", inv, "--model", "tiny", "--out", work / "compute.json"])
+        files = ["-i", inv, "--links", work / "links.json", "--compute", work / "compute.json"]
         for s in a.strategies.split(","):
-            # calibrate right before and right after each run: the machine is shared with
-            # other work and its speed drifts; the plan takes the mean of the two
-            before = calibrate(seconds=1.0, model="tiny", batch=8, seq=64)
-            rep = work / f"run-{s}.json"
-            sh(
-                SMOL
-                + [
-                    "smoltrain",
-                    "run",
-                    "--strategy",
-                    s,
-                    "-i",
-                    str(inv_path),
-                    "--steps",
-                    str(a.steps),
-                    "--microbatches",
-                    "2",
-                    "--json",
-                    str(rep),
-                    "--out",
-                    str(work),
-                ]
-            )
-            after = calibrate(seconds=1.0, model="tiny", batch=8, seq=64)
-            cal = dict(before, train_efficiency=(before["train_efficiency"] + after["train_efficiency"]) / 2)
-            results["calibration"].append(
-                {
-                    "strategy": s,
-                    "flops_fp32": cal["flops_fp32"],
-                    "train_step_s": [before["train"]["step_s"], after["train"]["step_s"]],
-                }
-            )
-            prof = profile_from_calibration(cal)
-            ranks = share_machine(
-                [Rank(h.name, prof, prof.memory_bytes) for h in hosts], busy=busy_ranks(s, len(hosts), 2)
-            )
-            lm = link_model([r.name for r in ranks], hosts, links, None)
-            run = json.loads(rep.read_text())
-            plan = make_plan(s, get_model("tiny"), len(hosts), batch=8, seq=64, microbatches=2, ranks=ranks, lm=lm)
-            c = compare(plan, run)
+            printed = sh([PY, "-m", "smoltrain", "plan", "--strategy", s, *shape, *files, "--no-what-if"]).stdout
+            print(printed, flush=True)  # what `smoltrain plan` prints, as it prints it
+            rep, cmp = work / f"run-{s}.json", work / f"cmp-{s}.json"
+            sh([PY, "-m", "smoltrain", "run", "--strategy", s, *shape, *files, "--steps", a.steps]
+               + ["--json", rep, "--out", work])  # fmt: skip
+            sh([PY, "-m", "smoltrain", "plan", "--compare", rep, *files, "--no-what-if", "--json", cmp])
+            c = json.loads(cmp.read_text())
             row = {
                 "strategy": s,
                 "step_predicted": c["step_s"]["predicted"],
@@ -109,18 +63,26 @@ def main() -> int:
                 "comm_predicted": c["comm_s"]["predicted"],
                 "comm_measured": c["comm_s"]["measured"],
                 "bytes_ratio_max_dev": max(abs((r["ratio"] or 0) - 1) for r in c["links"]),
-                "bottleneck": plan["bottleneck"],
+                "bottleneck": c["plan"]["bottleneck"],
+                "outside": c.get("outside") or [],
+                "plan_printed": printed,
             }
             row["step_ratio"] = row["step_measured"] / row["step_predicted"]
             results["runs"].append(row)
-            print(json.dumps(row), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if k != "plan_printed"}), flush=True)
     finally:
         sim.down(name="p1")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(results, indent=2) + "\n")
     print(markdown(results))
-    print(f"wrote {a.out}")
-    return 0
+    runs = results["runs"]
+    ok = [r for r in runs if 0.75 <= r["step_ratio"] <= 1.25 and r["bytes_ratio_max_dev"] <= 0.02]
+    met = bool(runs) and len(ok) == len(runs)
+    q = [r["step_ratio"] for r in runs]
+    headline = f"{len(ok)} of {len(runs)} runs" + (f", {min(q):.2f}-{max(q):.2f}" if q else "")
+    kept = write_result("plan", BAR, met, headline, results)
+    print(f"{headline}: {'met' if met else 'MISSED'} ({kept})")
+    return exit_code(met)
 
 
 def markdown(results: dict) -> str:

@@ -15,6 +15,8 @@ import statistics
 import sys
 import time
 
+from common import exit_code, write_result
+
 from smolnet import inventory, secret
 from smolnet.files import write_text_atomic
 from smolnet.matrix import AgentPool, default_secret_path
@@ -121,6 +123,9 @@ def mtu_exact(st, pool):
     return rows
 
 
+BAR = "sim goodput within 5% of shaped truth; built-in probe >= 0.9 of iperf3; effective MTU within 8 bytes"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--duration", type=float, default=3.0)
@@ -149,7 +154,17 @@ def main() -> int:
     print(text)
     if args.json:
         write_text_atomic(args.json, text + "\n")
-    return 0
+    sm = out["summary"]
+    paced_ok = sm["within_5pct_sender_paced"]["builtin"]
+    met = paced_ok == len(paced) and sm["builtin_vs_iperf3"] >= 0.9 and sm["mtu_max_error_bytes"] <= 8
+    headline = (
+        f"built-in {paced_ok} of {len(paced)} sender-paced links within 5% "
+        f"({sm['within_5pct_all']['builtin']} of {sm['all_links']} in all); "
+        f"{sm['builtin_vs_iperf3']:.2f} of iperf3; MTU off by at most {sm['mtu_max_error_bytes']} bytes"
+    )
+    kept = write_result("probe", BAR, met, headline, out)
+    print(f"{headline}: {'met' if met else 'MISSED'} ({kept})")
+    return exit_code(met)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import tempfile
 import threading
 import time
 
-from common import ROOT
+from common import ROOT, exit_code, write_result
 
 CAPS = "0.15,0.25,0.45,0.65"  # the home scenario's Pi 5, Jetson, Mac mini, laptop
 
@@ -411,7 +411,22 @@ def main() -> int:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
-    return 0
+    return verdict(out, a.clients)
+
+
+BAR = "serving: 8 concurrent clients >= 4x one client's tokens/s; replicas vs split within 25% of the serve plan"
+
+
+def verdict(out: dict, clients: int) -> int:
+    """Keep the result (bench/results/serve.json) and exit by the bar (decode rows are kept, not judged here)."""
+    ratios = [r["ratio"] for r in out["batching"]]
+    plan = [r["measured_vs_plan"] for r in (out.get("replicas") or {}).get("rows") or []]
+    met = bool(ratios or plan) and all(x >= 4 for x in ratios) and all(0.75 <= q <= 1.25 for q in plan)
+    headline = f"{clients} clients " + ", ".join(f"{r['setup']} {r['ratio']:.2f}x" for r in out["batching"])
+    headline += f"; plan {sum(0.75 <= q <= 1.25 for q in plan)} of {len(plan)} within 25%" if plan else ""
+    kept = write_result("serve", BAR, met, headline, out)
+    print(f"{headline}: {'met' if met else 'MISSED'} ({kept})")
+    return exit_code(met)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,11 @@ def test_a_result_file_becomes_its_row(tmp_path, monkeypatch):
     assert (common.exit_code(True), common.exit_code(False)) == (0, 1)
 
 
-@pytest.mark.parametrize("name", ["bench_compute", "bench_diloco", "bench_allreduce", "bench_calibrate"])
+@pytest.mark.parametrize(
+    "name",
+    ["bench_compute", "bench_diloco", "bench_allreduce", "bench_calibrate", "bench_probe", "bench_matrix"]
+    + ["bench_plan", "bench_placement", "bench_infer", "bench_decode", "bench_faults", "bench_dtype", "bench_serve"],
+)
 def test_benches_that_judge_a_bar_exit_by_it(name):
     text = (BENCH / f"{name}.py").read_text()
     assert "return exit_code(met" in text and "write_result(" in text
@@ -99,3 +103,35 @@ def test_bench_compute_draws_its_clusters_from_one_seed_and_a_failed_one_is_a_mi
         False,
         f"home 1 of 1 (0.91-0.91); {got[2]} FAILED",
     )
+
+
+def test_the_fault_and_decode_bars_count_a_miss_as_one():
+    faults, decode = _load("faults_bars"), _load("decode_bars")
+    cell = {"strategy": "dp", "fault": "sigkill", "detect_s": 2.0, "right_culprit": True}
+    assert faults.cell_ok(cell) and faults.cell_ok({"fault": "flood", "legit_served": True})
+    assert not faults.cell_ok(dict(cell, detect_s=16.0)) and not faults.cell_ok(dict(cell, right_culprit=False))
+    assert not faults.cell_ok(dict(cell, detect_s=None)) and not faults.cell_ok({"fault": "flood"})
+    assert not faults.cell_ok({"fault": "ctlstop", "detect_s": 1.0, "blamed": "rank0"})
+    ck = {"fault": "ck-bitflip", "rc": 0, "resumed_from": 2, "skipped": "step 4: part 0 digest", "losses_match": True}
+    assert (
+        faults.ck_ok(ck)
+        and faults.ck_ok({"fault": "ck-none", "rc": 2})
+        and not faults.ck_ok(dict(ck, rc=1, resumed_from=None))
+    )
+    assert not faults.ck_ok({"fault": "ck-none", "rc": 0}) and not faults.ck_ok(dict(ck, losses_match=False))
+    t = {"fp32": 10.0, "int8": 20.0, "q4": 30.0, "llama.cpp Q8_0": 30.0, "llama.cpp Q4_0": 40.0}
+    run = {"threads": 1, "tokens_per_s": t, "roofline_tokens_per_s": {"fp32": 15.0}}
+    assert decode.verdict(run) == (
+        True,
+        "1 thread(s): fp32 0.67 of the bound; int8 2.00x, q4 3.00x fp32; 0.67x / 0.75x llama.cpp Q8_0 / Q4_0",
+    )
+    assert not decode.verdict(dict(run, roofline_tokens_per_s={"fp32": 20.0}))[0]  # 0.50 of the bound
+    no_llama = {k: v for k, v in t.items() if not k.startswith("llama")}
+    assert not decode.verdict(dict(run, tokens_per_s=no_llama))[0]
+
+
+def test_bench_plan_prints_and_compares_through_the_plan_command():
+    """No ranks or link models built by hand: the plan it prints and judges is `smoltrain plan`'s."""
+    text = (BENCH / "bench_plan.py").read_text()
+    assert not re.search(r"make_plan|share_machine|link_model|Rank\(|smoltrain\.planner", text)
+    assert '"smoltrain", "plan", "--strategy"' in text and '"smoltrain", "plan", "--compare"' in text
