@@ -69,7 +69,7 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 	$(BIN)/ansible-lint playbooks/
-	$(BIN)/ansible-playbook -i inventory/hosts.example.yml --syntax-check playbooks/site.yml playbooks/verify.yml
+	$(BIN)/ansible-playbook -i inventory/hosts.example.yml --syntax-check playbooks/site.yml playbooks/verify.yml playbooks/user.yml
 
 clean:
 	rm -rf $(VENV) .pytest_cache
