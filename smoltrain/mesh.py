@@ -7,9 +7,9 @@ on the fastest links. Each rank talks along an axis through one Comm: the group 
 differ from it only along that axis (comm.new_group). `--strategy S` alone is the 1-D mesh S=world.
 
 What runs today (smoltrain.strategies.Context): one model axis (tp or pp) runs its strategy
-on its axis's comm, and a dp axis outside or inside it replicates that whole strategy, each
-replica on its slice of the batch, their gradients summed over the dp comm before the step.
-Other pairs (fsdp, diloco with a second axis, pp x tp) are refused in one line, naming why.
+on its axis's comm; with pp, a tp axis splits the blocks of every stage over its tp group; a
+dp axis replicates the whole, each replica on its slice of the batch, their gradients summed
+over the dp comm before the step. fsdp or diloco beside another axis is refused in one line.
 """
 
 from __future__ import annotations
@@ -84,19 +84,19 @@ class Mesh:
             "hosts": [list(self.coords(r)) for r in range(self.world)],
         }
 
-    def roles(self) -> tuple[str, str | None]:
-        """(the strategy that splits the model or the lone axis, the data axis replicating it or
-        None), for the axes wider than one; a pair that does not compose yet is refused."""
+    def roles(self) -> tuple[str, str | None, str | None]:
+        """(the strategy run along its axis, the data axis replicating it, tp inside pp's stages),
+        None where absent, over the axes wider than one; what does not compose yet is refused."""
         wide = [a for a, n in self.axes if n > 1] or [self.axes[-1][0]]
         if len(wide) == 1:
-            return wide[0], None
-        model = [a for a in wide if a in MODEL_AXES]
+            return wide[0], None, None
+        model = [a for a in MODEL_AXES if a in wide]
         data = [a for a in wide if a not in MODEL_AXES]
-        if len(model) == 1 and len(data) == 1 and data[0] in RUNS_WITH:
-            return model[0], data[0]
+        if model and len(data) <= 1 and set(data) <= RUNS_WITH:
+            return model[0], (data or [None])[0], (model[1] if len(model) == 2 else None)
         raise MeshError(
-            f"--mesh {self.text()}: {' x '.join(wide)} does not run yet (today: one of "
-            f"{', '.join(MODEL_AXES)} with {', '.join(sorted(RUNS_WITH))}; docs/mesh.md)"
+            f"--mesh {self.text()}: {' x '.join(wide)} does not run yet (today: pp, tp or pp x tp, "
+            f"each alone or with {', '.join(sorted(RUNS_WITH))}; docs/mesh.md)"
         )
 
     def along(self, axis: str, rank: int, comm=None) -> Axis:
@@ -137,7 +137,7 @@ def check_run(cfg) -> int:
     """A mesh run's config (the mesh against its world and model, a pair that composes, a batch
     the data axis can split); returns the strategy axis's size, what the strategy splits over."""
     mesh = parse(cfg.mesh, cfg.world_size, cfg.model)
-    model, data = mesh.roles()
+    model, data, _ = mesh.roles()
     if model != cfg.strategy:
         raise MeshError(f"--mesh {cfg.mesh} runs {model} along its axis, not {cfg.strategy}")
     if cfg.shares or cfg.placement:
@@ -176,14 +176,15 @@ def axis_comms(mesh: Mesh, comm) -> dict:
     return out
 
 
-def strategy_axes(text: str, rank: int, comm):
-    """A worker's view of a mesh run: (its rank along the strategy's axis, that axis's size, its
-    comm, the data axis replicating it as an Axis with its comm or None)."""
+def strategy_axes(text: str, rank: int, comm) -> dict:
+    """A worker's Context fields in a mesh run: rank, world and comm along the strategy's axis,
+    `replica` (the data axis, an Axis with its comm) and `tp` (inside pp's stages), None if absent."""
     mesh = parse(text, comm.world_size)
-    model, data = mesh.roles()
+    model, data, inner = mesh.roles()
     comms = axis_comms(mesh, comm)
     own = mesh.along(model, rank, comms.get(model))
-    return own.index, own.size, own.comm, (mesh.along(data, rank, comms.get(data)) if data else None)
+    other = {k: mesh.along(a, rank, comms.get(a)) if a else None for k, a in (("replica", data), ("tp", inner))}
+    return dict(rank=own.index, world=own.size, comm=own.comm, **other)
 
 
 def mesh_of(cfg) -> Mesh:

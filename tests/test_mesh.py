@@ -24,8 +24,8 @@ BATCH, SEQ, STEPS, REL_TOL = 6, 32, 4, 1e-5
 RUNS = {
     "ref": ("--strategy", "dp", 1, "socket", []),
     "dp2xtp2": ("--mesh", "dp=2,tp=2", 4, "socket", []),
-    "pp2xdp2": ("--mesh", "pp=2,dp=2", 4, "socket", ["--microbatches", "3"]),
-    "tp2xdp2-torch": ("--mesh", "tp=2,dp=2", 4, "torch", []),
+    "pp2xdp2-torch": ("--mesh", "pp=2,dp=2", 4, "torch", ["--microbatches", "3"]),
+    "pp2xtp2": ("--mesh", "pp=2,tp=2", 4, "socket", ["--microbatches", "2"]),
 }
 
 
@@ -41,8 +41,9 @@ def test_coordinates_and_groups_innermost_last():
         "axes": [{"name": "dp", "size": 2}, {"name": "tp", "size": 2}],
         "hosts": [[0, 0], [0, 1], [1, 0], [1, 1]],
     }
-    assert m.roles() == ("tp", "dp") and parse("pp=2,dp=2", 4).roles() == ("pp", "dp")
-    assert Mesh((("tp", 4),)).roles() == ("tp", None)
+    assert m.roles() == ("tp", "dp", None) and parse("pp=2,dp=2", 4).roles() == ("pp", "dp", None)
+    assert parse("dp=2,pp=2,tp=2", 8).roles() == ("pp", "dp", "tp")
+    assert Mesh((("tp", 4),)).roles() == ("tp", None, None)
 
 
 @pytest.mark.parametrize(
@@ -63,7 +64,7 @@ def test_bad_meshes_name_why(text, world, why):
 
 
 def test_pairs_that_do_not_compose_yet_are_refused():
-    for text in ("fsdp=2,tp=2", "diloco=2,pp=2", "pp=2,tp=2"):
+    for text in ("fsdp=2,tp=2", "diloco=2,pp=2", "dp=2,fsdp=2"):
         with pytest.raises(MeshError, match="does not run yet"):
             parse(text, 4).roles()
 
@@ -124,12 +125,12 @@ def whole_from_tp(shards: list[dict]) -> dict:
     for name in shards[0]:
         ts = [s[name] for s in shards]
         if name.endswith(("attn.q.weight", "attn.k.weight", "attn.v.weight", "mlp.fc.weight")):
-            out[f"units.{name}"] = torch.cat(ts, 0)
+            out[name] = torch.cat(ts, 0)
         elif name.endswith(("attn.out.weight", "mlp.proj.weight")):
-            out[f"units.{name}"] = torch.cat(ts, 1)
+            out[name] = torch.cat(ts, 1)
         else:
             assert all(torch.equal(t, ts[0]) for t in ts), name  # replicated: identical on every rank
-            out[f"units.{name}"] = ts[0]
+            out[name] = ts[0]
     return out
 
 
@@ -144,6 +145,19 @@ def whole_from_pp(stages: list[dict]) -> dict:
     return out
 
 
+def gathered(mesh, ranks: list[dict]) -> dict:
+    """Replica 0's whole model: each stage's tp slices joined, the stages laid end to end."""
+
+    def at(**c) -> dict:
+        return ranks[mesh.rank_of([c.get(a, 0) for a in mesh.names])]
+
+    tp = mesh.size("tp")
+    stages = [whole_from_tp([at(pp=s, tp=t) for t in range(tp)]) for s in range(mesh.size("pp"))]
+    if mesh.size("pp") > 1:
+        return whole_from_pp(stages)
+    return {f"units.{k}": v for k, v in stages[0].items()}
+
+
 @pytest.mark.parametrize("name", [n for n in RUNS if n != "ref"])
 def test_mesh_run_reproduces_the_single_process_run(runs, name):
     (ref, ref_ck), (doc, ck) = got(runs, "ref"), got(runs, name)
@@ -153,12 +167,11 @@ def test_mesh_run_reproduces_the_single_process_run(runs, name):
     assert worst < REL_TOL, f"{name}: loss differs from --local 1 by {worst:.2e} relative"
     assert abs(doc["evals"][-1]["loss"] - ref["evals"][-1]["loss"]) < REL_TOL * ref["evals"][-1]["loss"]
     ranks = parts(ck, 4)
-    model, data = mesh.roles()
-    for g in mesh.groups(data):  # every replica ends with the same weights, bit for bit
+    model, data, _ = mesh.roles()
+    for g in mesh.groups(data) if data else []:  # every replica ends with the same weights, bit for bit
         assert all(ranks[r].keys() == ranks[g[0]].keys() for r in g)
         assert all(torch.equal(ranks[r][k], ranks[g[0]][k]) for r in g for k in ranks[r])
-    chain = [ranks[r] for r in mesh.groups(model)[0]]  # replica 0's ranks along the model axis, in order
-    whole = whole_from_tp(chain) if model == "tp" else whole_from_pp(chain)
+    whole = gathered(mesh, ranks)
     want = parts(ref_ck, 1)[0]
     assert whole.keys() == want.keys()
     for k, t in want.items():

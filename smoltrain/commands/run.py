@@ -247,8 +247,8 @@ def mesh_argument(args) -> str | None:
     from smoltrain.mesh import parse
 
     m = parse(args.mesh, args.local)
-    args.strategy, data = m.roles()
-    return m.text() if data else None
+    args.strategy, data, inner = m.roles()
+    return m.text() if data or inner else None
 
 
 def run(args) -> int:

@@ -197,18 +197,15 @@ def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, co
             if checkpoint_due(cfg, step + 1):
                 rep.saved(step + 1, "server", save_part(cfg.checkpoint_dir, step + 1, "server", server.state_tensors()))
 
-    own_rank, own_world, own_comm, replica = rank, world, comm, None
-    if cfg.mesh and comm is not None:  # the strategy runs along its mesh axis, replicated along dp
+    axes = dict(rank=rank, world=world, comm=comm)
+    if cfg.mesh and comm is not None:  # the strategy along its mesh axis, with its replica and tp axes
         from smoltrain.mesh import strategy_axes
 
-        own_rank, own_world, own_comm, replica = strategy_axes(cfg.mesh, rank, comm)
+        axes = strategy_axes(cfg.mesh, rank, comm)
     ctx = Context(
-        rank=own_rank,
-        world=own_world,
+        **axes,
         run=cfg,
         batches=batches,
-        comm=own_comm,
-        replica=replica,
         reporter=rep,
         name=name,
         comm_timer=Stopwatch(),

@@ -42,6 +42,7 @@ class Context:
     # a mesh (smoltrain.mesh): rank, world and comm above are this strategy's axis; `replica` is the
     # data axis around it (mesh.Axis: index, size, comm), each replica on its slice of the batch
     replica: object = None
+    tp: object = None  # a mesh's tp axis inside each pp stage (mesh.Axis), or None
 
     # the run's settings strategies read most, by their short names
     spec = property(lambda self: self.run.model)
@@ -128,16 +129,20 @@ class Context:
         cuts = self.placement.get("layers") or ranges(even_counts(self.spec.layers, self.world))
         return tuple(cuts[self.rank])
 
-    def head_range(self) -> tuple[tuple[int, int], tuple[int, int]]:
-        """([first, last+1) attention heads, [first, last+1) MLP columns) of this rank (tp)."""
+    def head_range(self, axis=None) -> tuple[tuple[int, int], tuple[int, int]]:
+        """([first, last+1) attention heads, [first, last+1) MLP columns) of this rank (tp), or of
+        its place along a mesh's tp `axis` inside a pp stage (an even split)."""
         from smoltrain.planner.placement import counts_from_shares, even_counts, ranges
 
-        heads = self.placement.get("heads")
+        rank, world = (self.rank, self.world) if axis is None else (axis.index, axis.size)
+        heads = self.placement.get("heads") if axis is None else None
         if heads is None:
             g = self.spec.heads // self.spec.kv_heads
-            heads = ranges([n * g for n in even_counts(self.spec.kv_heads, self.world)])
-        ffn = self.placement.get("ffn") or ranges(counts_from_shares(self.spec.ffn, [hi - lo for lo, hi in heads]))
-        return tuple(heads[self.rank]), tuple(ffn[self.rank])
+            heads = ranges([n * g for n in even_counts(self.spec.kv_heads, world)])
+        ffn = (self.placement.get("ffn") if axis is None else None) or ranges(
+            counts_from_shares(self.spec.ffn, [hi - lo for lo, hi in heads])
+        )
+        return tuple(heads[rank]), tuple(ffn[rank])
 
 
 class Strategy(ABC):

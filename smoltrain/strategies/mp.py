@@ -35,9 +35,15 @@ class StageStrategy(Strategy):
         full = ctx.build_model()
         self.first, self.last = ctx.rank == 0, ctx.rank == ctx.world - 1
         lo, hi = ctx.layer_range()  # the placement's cut (uneven by speed, or as even as it goes)
-        units = range(0 if self.first else lo + 1, hi + 1 + (1 if self.last else 0))
-        self.stage = nn.Sequential(*[full.units[i] for i in units]).to(ctx.device)
-        self.loss_owner = self.last
+        units = [full.units[i] for i in range(0 if self.first else lo + 1, hi + 1 + (1 if self.last else 0))]
+        if ctx.tp is not None:  # a mesh's tp axis inside the stage: its blocks are tp slices
+            from smoltrain.strategies.tp import split_block
+
+            heads, ffn = ctx.head_range(ctx.tp)
+            ends = {id(full.units[0]), id(full.units[-1])}  # embeddings and head stay whole
+            units = [u if id(u) in ends else split_block(u, heads, ffn, ctx.tp.comm, ctx.tp.index == 0) for u in units]
+        self.stage = nn.Sequential(*units).to(ctx.device)
+        self.loss_owner = self.last and (ctx.tp is None or ctx.tp.index == 0)  # tp: its rank 0 reports
         self.params = trainable(self.stage)
         self.opt = make_optimizer(ctx.run.optimizer, self.params, ctx.lr)
 
@@ -53,6 +59,10 @@ class StageStrategy(Strategy):
         self.ctx.comm.send(t.detach().contiguous(), dst)
 
     def apply_update(self) -> None:
+        if self.ctx.tp is not None:
+            from smoltrain.strategies.tp import sum_partial_grads
+
+            sum_partial_grads(self.stage, self.ctx.tp.comm)
         self.ctx.sync_replicas(self.params)  # a mesh's dp axis: sum over the replicas
         self.opt.step([p.grad for p in self.params])
         for p in self.params:
@@ -68,7 +78,8 @@ class StageStrategy(Strategy):
             if not self.last:
                 self.send_to(out, self.ctx.rank + 1)
                 return None
-            return float(loss_sum(out, y, targets(y)))
+            loss = float(loss_sum(out, y, targets(y)))
+            return loss if self.loss_owner else None
 
     def state_tensors(self) -> dict:
         st = {f"param.{n}": p.detach() for n, p in self.stage.named_parameters() if p.requires_grad}
@@ -100,7 +111,7 @@ class ModelParallel(StageStrategy):
         if not self.first:
             self.send_to(inp.grad, r - 1)
         self.apply_update()
-        return float(loss.item()) if self.last else None
+        return float(loss.item()) if self.loss_owner else None
 
 
 STRATEGY = ModelParallel

@@ -124,7 +124,7 @@ class PipelineParallel(StageStrategy):
         else:
             self._1f1b()
         self.apply_update()
-        return self.loss if self.last else None
+        return self.loss if self.loss_owner else None
 
 
 STRATEGY = PipelineParallel

@@ -99,38 +99,19 @@ class TensorParallel(Strategy):
         self.opt = make_optimizer(ctx.run.optimizer, self.params, ctx.lr)
 
     def _split(self, block, heads, ffn):
-        """A Hugging Face block slices itself (models.causal: its biases once, on rank 0)."""
-        comm = self.ctx.comm
-        if not hasattr(block, "tp_slice"):
-            return ParallelBlock(block, heads, ffn, comm)
-        enter, leave = (lambda t: _AllReduceBackward.apply(t, comm)), (lambda t: _AllReduceForward.apply(t, comm))
-        return block.tp_slice(heads, ffn, enter, leave, keep_bias=self.ctx.rank == 0)
+        return split_block(block, heads, ffn, self.ctx.comm, keep_bias=self.ctx.rank == 0)
 
     def train_step(self, step: int) -> float | None:
         x, y = self.ctx.strategy_batch(step)  # a mesh's dp replica: its slice
         x, y = x.to(self.ctx.device), y.to(self.ctx.device)
         loss = loss_sum(self.model(x), y, self.ctx.loss_tokens(step))
         loss.backward()
-        self._sum_partial_grads()
+        sum_partial_grads(self.model, self.ctx.comm)
         self.ctx.sync_replicas(self.params)  # a mesh's dp axis: sum over the replicas
         self.opt.step([p.grad for p in self.params])
         for p in self.params:
             p.grad = None
         return float(loss.item()) if self.loss_owner else None
-
-    def _sum_partial_grads(self) -> None:
-        """Weights every rank holds whole but each uses with its own heads only (Qwen3's q/k norms,
-        the uncut factor of a LoRA adapter): their gradients are partial sums, all-reduced in one
-        buffer (the plan counts the q/k norms'; the planner does not know LoRA yet)."""
-        partial = [p for b in self.model for p in getattr(b, "partial_grads", []) if p.requires_grad]
-        if not partial:
-            return
-        flat = torch.cat([p.grad.reshape(-1) for p in partial])
-        self.ctx.comm.all_reduce(flat, op="sum")
-        off = 0
-        for p in partial:
-            p.grad.copy_(flat[off : off + p.numel()].view_as(p))
-            off += p.numel()
 
     def eval_loss(self, x, y) -> float | None:
         """Every rank runs the split forward (its all-reduces); rank 0 answers (of replica 0 in a mesh)."""
@@ -138,6 +119,30 @@ class TensorParallel(Strategy):
             return None
         loss = mean_loss(self.model, x, y)
         return loss if self.loss_owner else None
+
+
+def split_block(block, heads, ffn, comm, keep_bias: bool):
+    """Rank's tp slice of a block; a Hugging Face block slices itself (models.causal: its biases
+    once, where keep_bias). Also pp x tp's stages (a mesh) split their blocks with it."""
+    if not hasattr(block, "tp_slice"):
+        return ParallelBlock(block, heads, ffn, comm)
+    enter, leave = (lambda t: _AllReduceBackward.apply(t, comm)), (lambda t: _AllReduceForward.apply(t, comm))
+    return block.tp_slice(heads, ffn, enter, leave, keep_bias=keep_bias)
+
+
+def sum_partial_grads(units, comm) -> None:
+    """Weights every rank holds whole but each uses with its own heads only (Qwen3's q/k norms,
+    the uncut factor of a LoRA adapter): their gradients are partial sums, all-reduced in one
+    buffer (the plan counts the q/k norms'; the planner does not know LoRA yet)."""
+    partial = [p for b in units for p in getattr(b, "partial_grads", []) if p.requires_grad]
+    if not partial:
+        return
+    flat = torch.cat([p.grad.reshape(-1) for p in partial])
+    comm.all_reduce(flat, op="sum")
+    off = 0
+    for p in partial:
+        p.grad.copy_(flat[off : off + p.numel()].view_as(p))
+        off += p.numel()
 
 
 STRATEGY = TensorParallel
