@@ -30,7 +30,21 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--concurrency", type=validate.COUNT, help="requests at once, for --replicas auto (default --max-batch)"
     )
-    p.add_argument("--api-key", default=os.environ.get("SMOL_API_KEY"), help="require Authorization: Bearer KEY")
+    p.add_argument(
+        "--api-key", help="require Authorization: Bearer KEY (shows in `ps`: prefer --api-key-file or SMOL_API_KEY)"
+    )
+    p.add_argument("--api-key-file", metavar="FILE", help="the API key, read from FILE (default: env SMOL_API_KEY)")
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=validate.TOKENS,
+        help="the longest prompt, in tokens; longer gets 400 (default: the model's context)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=validate.count(1 << 16),
+        default=256,
+        help="HTTP connections held at once; past it the stalest unfinished one is dropped, else 503",
+    )
     p.add_argument("--max-tokens", type=validate.TOKENS, default=4096, help="the most tokens one request may ask for")
     p.add_argument(
         "--max-body", type=validate.count(1 << 30, lo=64), default=1 << 20, help="the largest request body, in bytes"
@@ -49,8 +63,30 @@ def check(args) -> None:
             raise UsageError(f"--replicas must be a number or auto, got {args.replicas!r}") from None
         if not 1 <= args.replicas <= 256:
             raise UsageError(f"--replicas must be 1..256 or auto, got {args.replicas}")
-    if args.api_key is not None and not args.api_key.strip():
-        raise UsageError("--api-key is empty")
+    args.api_key = api_key(args)
+    from smoltrain.infer.server import check_bind
+
+    check_bind(args.host, args.api_key)  # before any rank starts
+
+
+def api_key(args) -> str | None:
+    """--api-key, else --api-key-file, else env SMOL_API_KEY (None: no key)."""
+    if args.api_key is not None and args.api_key_file:
+        raise UsageError("give --api-key or --api-key-file, not both")
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                key = f.read(4097).strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--api-key-file {args.api_key_file}: cannot read it ({e})") from None
+        if not key or len(key) > 4096 or any(c.isspace() for c in key):
+            raise UsageError(f"--api-key-file {args.api_key_file}: one key of 1-4096 characters, no spaces")
+        return key
+    key = args.api_key if args.api_key is not None else os.environ.get("SMOL_API_KEY")
+    where = "--api-key" if args.api_key is not None else "SMOL_API_KEY"
+    if key is not None and (not key.strip() or any(c.isspace() for c in key.strip())):
+        raise UsageError(f"{where} is empty or has spaces")
+    return key.strip() if key is not None else None
 
 
 def choose(args, placements, hosts) -> tuple[list[list[int]] | None, str]:
@@ -167,7 +203,7 @@ def build(args, log=None):
         names=[list(s.cfg.names) for s in setups],
         max_batch=args.max_batch,
         max_queue=args.max_queue,
-        limits=Limits(max_body=args.max_body, max_tokens=args.max_tokens),
+        limits=Limits(max_body=args.max_body, max_tokens=args.max_tokens, max_prompt=args.max_prompt_tokens),
         api_key=args.api_key,
         read_timeout=args.read_timeout,
         log=log,
@@ -188,7 +224,7 @@ def run(args) -> int:
 
     svc, setups = build(args)
     try:
-        server = make_server(svc, args.host, args.port)
+        server = make_server(svc, args.host, args.port, args.max_connections)
     except OSError as e:
         svc.router.close()
         raise UsageError(f"--host {args.host} --port {args.port}: cannot listen: {e.strerror or e}") from None

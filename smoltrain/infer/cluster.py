@@ -21,7 +21,7 @@ from smolnet import wire
 from smolnet.launcher import ProcessGroup, remote_log
 from smolnet.server import AuthListener
 from smoltrain.infer.config import InferConfig
-from smoltrain.infer.runner import RankDied, Runner
+from smoltrain.infer.runner import MAX_IDS, RankDied, RequestFailed, Runner, pack_ids, unpack_ids
 
 MSG = 1
 log = logging.getLogger("smoltrain.infer")
@@ -136,8 +136,12 @@ class Cluster(Runner):
     def _read(self, rank: int, sock: socket.socket) -> None:
         while True:
             try:
-                _, msg, _ = wire.recv_frame(sock, timeout=None, max_payload=0, session=self.sessions[rank])
-            except (OSError, wire.WireError, TimeoutError) as e:
+                _, msg, payload = wire.recv_frame(
+                    sock, timeout=None, max_payload=4 * MAX_IDS, session=self.sessions[rank]
+                )
+                if payload:  # token ids (a `done`'s output) travel as the payload, never in the JSON
+                    msg["ids"] = unpack_ids(payload)
+            except (OSError, wire.WireError, TimeoutError, ValueError) as e:
                 if isinstance(e, wire.WireError) and not isinstance(e, wire.PeerClosed):  # forged, altered: dropped
                     log.warning("inference control: %s: frame dropped, connection closed: %s", self.cfg.names[rank], e)
                 self.messages.put((rank, {"type": "closed"}))
@@ -198,7 +202,8 @@ class Cluster(Runner):
                     self._tokens(msg.get("items") or [])
                 elif kind == "done" and rank == 0:
                     heard = time.monotonic()
-                    self._done(msg["rid"], msg.get("reason"), msg.get("stats") or {})
+                    stats = dict(msg.get("stats") or {}, output_ids=msg.get("ids") or [])
+                    self._done(msg["rid"], msg.get("reason"), stats)
                 elif kind == "stats":
                     self.replies.put((rank, msg))
             if not self.handles:
@@ -207,8 +212,16 @@ class Cluster(Runner):
                 return self._fail(f"no token from the ranks for {self.cfg.timeout:.0f}s")
 
     def _admit(self, req) -> None:
+        """Every rank gets the request; its prompt ids as the frame's payload. Packed once, before
+        anything is sent: a request that cannot be packed fails alone (RequestFailed)."""
+        meta = {"type": "admit", "request": {k: v for k, v in req.to_dict().items() if k != "prompt_ids"}}
+        ids = pack_ids(req.prompt_ids)
+        try:
+            wire.pack_header(MSG, meta, len(ids))
+        except (wire.WireError, TypeError, ValueError) as e:
+            raise RequestFailed(f"the request cannot be sent to the ranks: {e}") from None
         for r in reversed(range(self.world)):  # rank 0 last: the others have it before it starts
-            self._send(r, {"type": "admit", "request": req.to_dict()})
+            self._send(r, meta, ids)
 
     def cancel(self, rid: int) -> None:
         """Rank 0 ends the request at its next step."""
@@ -246,12 +259,12 @@ class Cluster(Runner):
             got[rank] = {"stats": msg["stats"], "links": links, "machine": msg.get("machine") or {}}
         return [got[r] for r in range(self.world)]
 
-    def _send(self, rank: int, msg: dict) -> None:
+    def _send(self, rank: int, msg: dict, payload: bytes = b"") -> None:
         if self.dead:
             raise RankDied(self.dead)
         try:
             with self.send_lock:
-                wire.send_frame(self.socks[rank], MSG, msg, timeout=10.0, session=self.sessions[rank])
+                wire.send_frame(self.socks[rank], MSG, msg, payload, timeout=10.0, session=self.sessions[rank])
         except (OSError, wire.WireError, TimeoutError) as e:
             self._fail(f"{self.cfg.names[rank]}: control connection lost ({e})")
             raise RankDied(self.dead) from None

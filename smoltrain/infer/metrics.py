@@ -2,7 +2,8 @@
 
 Requests by endpoint and status (and by replica), prompt and generated tokens, time to first token and
 time per output token (histograms), requests waiting for a slot, requests in the batch
-(per replica), and the bytes each rank has sent on each link, asked of the ranks at
+(per replica), HTTP connections held and shed past the cap, and the bytes each rank has
+sent on each link, asked of the ranks at
 scrape time (`smol_link_sent_bytes_total{replica, src, dst}`). One registry per server,
 so several servers in one process (tests) do not mix their figures.
 """
@@ -59,6 +60,8 @@ class Metrics:
         self.queue = Gauge("smol_queue_depth", "requests waiting for a slot", registry=reg)
         self.batch = Gauge("smol_batch_size", "requests in the batch, decoding", ["replica"], registry=reg)
         self.routed = Counter("smol_replica_requests", "requests sent to each replica", ["replica"], registry=reg)
+        self.connections = Gauge("smol_http_connections", "HTTP connections held", registry=reg)
+        self.shed = Gauge("smol_http_shed_connections", "connections refused or evicted past the cap", registry=reg)
         for i in range(len(names)):
             self.batch.labels(str(i)).set(0)
             self.routed.labels(str(i))

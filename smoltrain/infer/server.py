@@ -6,29 +6,68 @@ events), GET /v1/models, GET /health, GET /metrics. Requests are batched by the 
 up to `max_queue` wait for a slot and the rest get 429 at once. Every answer that is
 not a success is a JSON error with a 4xx/5xx status: a bad field, a wrong API key, a
 body too large, a model that is down. A client that goes away frees its slot at the
-next step; a connection that sends nothing (or half a request) for `read_timeout`
-seconds is dropped; the listen backlog holds a burst of connections.
+next step; connections are capped and each request has a deadline (conns.py).
+
+Before anything else a request must name this server: on a loopback address the Host
+header must be a loopback name (a DNS-rebinding page names its own), and a browser's
+cross-origin request (an Origin that is not this server) is refused, so a web page cannot
+drive the model. A request is admitted (the queue limit, 429) before its body is
+tokenized or its chat template rendered. `/health` says ok or dead to anyone and the
+details (errors with log tails, host names) only to a client with the key. Every log
+line a client can put text in is escaped.
 """
 
 from __future__ import annotations
 
 import hmac
+import io
+import ipaddress
 import json
 import queue
+import re
+import resource
 import select
 import socket
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
+from urllib.parse import urlsplit
 
+from smolnet.errors import UsageError
 from smoltrain.infer.api import BadRequest, Options, parse_json, request
+from smoltrain.infer.conns import DeadlineReader, Server
 from smoltrain.infer.metrics import CONTENT_TYPE, endpoint
-from smoltrain.infer.runner import RankDied
+from smoltrain.infer.runner import RankDied, RequestFailed
 from smoltrain.infer.service import Service
 from smoltrain.infer.sse import Events
 from smoltrain.infer.textstream import TextStream
 
-BACKLOG = 1024
+_UNPRINTABLE = {c: f"\\x{c:02x}" for c in (*range(32), *range(127, 160))}
+_LENGTH = re.compile(r"[0-9]{1,15}")
+
+
+def clean(text: str, limit: int = 400) -> str:
+    """A client's text for a log line: control characters (ANSI, newlines) escaped, and cut short."""
+    text = str(text)
+    return text[:limit].translate(_UNPRINTABLE) + ("..." if len(text) > limit else "")
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, api_key: str | None) -> None:
+    """A non-loopback address serves the LAN (phones, guests): only with a key."""
+    if not is_loopback(host) and not api_key:
+        raise UsageError(
+            f"--host {host or '0.0.0.0'} serves other machines: give a key "
+            "(--api-key-file FILE or SMOL_API_KEY), or listen on 127.0.0.1"
+        )
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -36,8 +75,22 @@ class Handler(BaseHTTPRequestHandler):
     svc: Service
 
     def setup(self):
-        self.timeout = self.svc.read_timeout  # idle and half-sent connections are dropped after this
+        self.timeout = self.svc.read_timeout  # each write's limit; reads have the request's deadline
         super().setup()
+        self.deadline = time.monotonic() + self.svc.read_timeout
+        self.rfile = io.BufferedReader(DeadlineReader(self.connection, self), 1 << 16)
+
+    def handle_one_request(self):
+        """Every request (the first, and each on a kept-alive connection) must arrive whole within
+        read_timeout of its start; meanwhile the connection is one a newcomer may evict."""
+        self.deadline = time.monotonic() + self.svc.read_timeout
+        self.server.mark(self.connection, arriving=True)
+        super().handle_one_request()
+
+    def _arrived(self) -> None:
+        """The request is in: answer it, with the write timeout on the socket again."""
+        self.server.mark(self.connection, arriving=False)
+        self.connection.settimeout(self.svc.read_timeout)
 
     def handle(self):
         try:
@@ -45,10 +98,11 @@ class Handler(BaseHTTPRequestHandler):
         except OSError:  # the client reset or vanished between requests: nothing to answer
             self.close_connection = True
 
-    def log_message(self, fmt, *args):  # one line per request on stderr, not the default noise
-        self.svc.log(f"{self.address_string()} {fmt % args}")
+    def log_message(self, fmt, *args):  # one line per request on stderr, escaped: a client wrote it
+        self.svc.log(clean(f"{self.address_string()} {fmt % args}"))
 
     def _send(self, status: int, data: bytes, ctype: str) -> None:
+        self.connection.settimeout(self.svc.read_timeout)  # a write's limit, whatever the read left
         self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(data)))
@@ -80,13 +134,35 @@ class Handler(BaseHTTPRequestHandler):
         except OSError:
             self.close_connection = True
 
-    def _authorized(self) -> bool:
+    def _has_key(self) -> bool:
         key = self.svc.api_key
         got = self.headers.get("Authorization", "")
-        if key is None or hmac.compare_digest(got.encode(), f"Bearer {key}".encode()):
+        return key is None or hmac.compare_digest(got.encode("utf-8", "replace"), f"Bearer {key}".encode())
+
+    def _authorized(self) -> bool:
+        if self._has_key():
             return True
         self._error(401, "a valid API key is needed: Authorization: Bearer KEY", "authentication_error")
         return False
+
+    def _same_site(self) -> bool:
+        """Host names this server (on loopback: a loopback name, against DNS rebinding) and an
+        Origin, if any, is this server (a browser's cross-origin request is refused)."""
+        host = self.headers.get("Host")
+        loopback = is_loopback(self.server.server_address[0])
+        if host is not None and loopback and not is_loopback(_host_name(host)):
+            self._error(403, f"Host {clean(host, 80)!r} is not this server's (a loopback name is)", "forbidden")
+            return False
+        origin = self.headers.get("Origin")
+        if origin is not None:
+            o = urlsplit(origin)
+            ok = o.scheme in ("http", "https") and (
+                is_loopback(_host_name(o.netloc)) if loopback else o.netloc == (host or "")
+            )
+            if not ok:
+                self._error(403, f"cross-origin requests are refused (Origin {clean(origin, 80)!r})", "forbidden")
+                return False
+        return True
 
     def send_error(self, code, message=None, explain=None):
         """The standard library's own refusals (a malformed request line, headers too long, an
@@ -107,11 +183,12 @@ class Handler(BaseHTTPRequestHandler):
 
     def _safely(self, answer):
         try:
-            answer()
+            if self._same_site():
+                answer()
         except (OSError, TimeoutError):  # the client went away or stalled: nothing left to answer
             self.close_connection = True
         except Exception as e:  # a bug must not take the handler (or the server) down: say so, log it
-            self.svc.log(f"error: {type(e).__name__}: {e} answering {self.path}")
+            self.svc.log(clean(f"error: {type(e).__name__}: {e} answering {self.path}"))
             self.close_connection = True
             try:
                 self._error(500, f"internal error: {type(e).__name__}", "server_error")
@@ -119,11 +196,14 @@ class Handler(BaseHTTPRequestHandler):
                 pass
 
     def _get(self):
+        self._arrived()
         path = self.path.split("?")[0]
-        if path == "/health":
+        if path == "/health":  # the details (errors with log tails and host names) only with the key
             dead, alive = self.svc.router.dead, self.svc.router.alive()
-            doc = {"status": "dead" if dead else "ok", "error": dead, "replicas": len(self.svc.router.runners)}
-            doc.update(alive=alive, served=self.svc.served, disconnects=self.svc.disconnects)
+            doc = {"status": "dead" if dead else "ok"}
+            if self._has_key():
+                doc.update(error=dead, replicas=len(self.svc.router.runners), alive=alive, served=self.svc.served)
+                doc.update(disconnects=self.svc.disconnects)
             return self._json(503 if dead else 200, doc)
         if not self._authorized():
             return
@@ -136,34 +216,37 @@ class Handler(BaseHTTPRequestHandler):
             self._error(404, f"no such endpoint: GET {path}")
 
     def _post(self):
-        try:
-            self.unread = max(0, int(self.headers.get("Content-Length") or 0))
-        except ValueError:
-            self.unread, self.close_connection = 0, True
+        lengths = self.headers.get_all("Content-Length") or []
+        self.unread = 0
+        if len(lengths) > 1 or (lengths and not _LENGTH.fullmatch(lengths[0].strip())):
+            self.close_connection = True  # where the body ends is unknown: nothing more is read
+            return self._error(400, "Content-Length must be one non-negative decimal number")
+        self.unread = int(lengths[0]) if lengths else 0
         if self.headers.get("Transfer-Encoding"):
             self.close_connection = True
         path = self.path.split("?")[0]
         if path not in ("/v1/completions", "/v1/chat/completions"):
-            return self._error(404, f"no such endpoint: POST {path}")
+            return self._error(404, f"no such endpoint: POST {clean(path, 80)}")
         if not self._authorized():
             return
+        if self.svc.router.dead:
+            return self._error(503, f"the model is down: {self.svc.router.dead}", "server_error")
+        if not self.svc.enter():  # admission first: no body is tokenized past the queue limit
+            return self._error(429, f"the server is full ({self.svc.open} requests open); retry later", "rate_limit")
         try:
             req, opts = self._read_request(path == "/v1/chat/completions")
         except BadRequest as e:
+            self.svc.left(None, False)
             return self._error(e.status, str(e), e.kind)
-        if self.svc.router.dead:
-            return self._error(503, f"the model is down: {self.svc.router.dead}", "server_error")
-        if not self.svc.enter():
-            return self._error(429, f"the server is full ({self.svc.open} requests open); retry later", "rate_limit")
+        except BaseException:
+            self.svc.left(None, False)
+            raise
         self._complete(req, opts)
 
     def _read_request(self, chat: bool):
         if self.headers.get("Transfer-Encoding"):
             raise BadRequest("send the body with a Content-Length (chunked bodies are not accepted)", 411)
-        try:
-            n = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            raise BadRequest("Content-Length must be a number") from None
+        n = self.unread
         limit = self.svc.limits.max_body
         if not 0 < n <= limit:
             if n > limit:
@@ -174,7 +257,9 @@ class Handler(BaseHTTPRequestHandler):
             raw = self.rfile.read(n)
         except TimeoutError:
             self.close_connection = True
-            raise BadRequest(f"the body did not arrive within {self.svc.read_timeout:g}s", 408) from None
+            self._arrived()
+            raise BadRequest(f"the request did not arrive within {self.svc.read_timeout:g}s", 408) from None
+        self._arrived()
         if len(raw) < n:
             raise BadRequest("the body ended early", 400)
         return request(parse_json(raw), chat, self.svc, self.svc.limits)
@@ -200,10 +285,13 @@ class Handler(BaseHTTPRequestHandler):
         except RankDied as e:
             svc.left(None, False)
             return self._error(503, f"the model is down: {e}", "server_error")
+        except RequestFailed as e:
+            svc.left(None, False)
+            return self._error(500, f"the request failed: {e}", "server_error")
         m.prompt_tokens.inc(len(req.prompt_ids))
         text, ids = TextStream(svc.tok, opts.stops), []
         out: list[str] = []
-        finish, error, last = None, None, t0
+        finish, error, failed, last = None, None, False, t0
         sse = Events(self, rid, created, svc.model_id, opts)
         try:
             while finish is None and error is None:
@@ -216,7 +304,7 @@ class Handler(BaseHTTPRequestHandler):
                 if ev is None:
                     continue
                 if ev[0] == "done":
-                    finish, error = {"length": "length"}.get(ev[1], "stop"), ev[2]
+                    finish, error, failed = {"length": "length"}.get(ev[1], "stop"), ev[2], ev[1] == "error"
                     continue
                 now = time.perf_counter()
                 (m.ttft if not ids else m.tpot).observe(now - last)
@@ -245,9 +333,10 @@ class Handler(BaseHTTPRequestHandler):
             svc.left(ticket.replica, bool(ids))
         if error is not None:
             svc.log(f"error: {error}; request {rid} failed")
+            status, why = (500, "the request failed") if failed else (503, "the model is down")
             if sse.open:
-                return sse.fail(f"the model is down: {error}")
-            return self._error(503, f"the model is down: {error}", "server_error")
+                return sse.fail(f"{why}: {error}")
+            return self._error(status, f"{why}: {error}", "server_error")
         svc.served += 1
         n = len(req.prompt_ids)
         usage = {"prompt_tokens": n, "completion_tokens": len(ids), "total_tokens": n + len(ids)}
@@ -261,18 +350,30 @@ class Handler(BaseHTTPRequestHandler):
         self._json(200, dict(doc, usage=usage))
 
 
-class Server(ThreadingHTTPServer):
-    request_queue_size = BACKLOG  # a burst of connections waits in the kernel instead of being reset
-    daemon_threads = True
-
-    def handle_error(self, request, client_address):
-        """One line in the log instead of the standard library's traceback."""
-        import sys
-
-        e = sys.exc_info()[1]
-        self.RequestHandlerClass.svc.log(f"error: connection from {client_address[0]}: {type(e).__name__}: {e}")
+def _host_name(netloc: str) -> str:
+    """The name in a Host header or an Origin's netloc, without its port (IPv6 without brackets)."""
+    netloc = netloc.strip().lower()
+    if netloc.startswith("["):
+        return netloc[1:].split("]")[0]
+    return netloc.rsplit(":", 1)[0] if netloc.count(":") == 1 else netloc
 
 
-def make_server(svc: Service, host: str = "127.0.0.1", port: int = 8000) -> Server:
+def make_server(svc: Service, host: str = "127.0.0.1", port: int = 8000, max_connections: int = 256) -> Server:
+    """The HTTP server, its connections capped below what this process may open (EMFILE)."""
+    check_bind(host, svc.api_key)
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    cap = max_connections if soft == resource.RLIM_INFINITY else min(max_connections, max(8, soft // 2))
     handler = type("BoundHandler", (Handler,), {"svc": svc})
-    return Server((host, port), handler)
+    server = Server((host, port), handler, max_connections=cap)
+    server.handle_error = lambda request, addr: svc.log(_error_line(addr))
+    svc.metrics.connections.set_function(server.open_connections)
+    svc.metrics.shed.set_function(lambda: server.shed)
+    return server
+
+
+def _error_line(addr) -> str:
+    """One line in the log instead of the standard library's traceback."""
+    import sys
+
+    e = sys.exc_info()[1]
+    return clean(f"error: connection from {addr[0]}: {type(e).__name__}: {e}")

@@ -7,7 +7,7 @@ import sys
 import threading
 
 from smoltrain.infer.api import BadRequest, Limits
-from smoltrain.infer.chat import Chat, ChatError
+from smoltrain.infer.chat import RENDER_CHARS, Chat, ChatError
 from smoltrain.infer.metrics import Metrics
 
 
@@ -32,10 +32,12 @@ class Service:
     ):
         self.router, self.tok, self.mc, self.model_id = router, tokenizer, mc, model_id
         self.log = log or (lambda m: print(m, file=sys.stderr, flush=True))
-        self.chat = Chat(model_dir, tokenizer) if model_dir and tokenizer is not None else None
+        limits = limits or Limits()
+        chars = max(RENDER_CHARS, 2 * limits.max_body)  # a template's output: room for the body and its layout
+        self.chat = Chat(model_dir, tokenizer, chars) if model_dir and tokenizer is not None else None
         self.stop_ids = self.chat.stop_ids(model_dir, mc.eos) if self.chat else ([] if mc.eos is None else [mc.eos])
         self.max_batch, self.max_queue = max_batch, max_queue
-        self.limits, self.api_key, self.read_timeout = limits or Limits(), api_key, read_timeout
+        self.limits, self.api_key, self.read_timeout = limits, api_key, read_timeout
         names = names or [[f"rank{r}"] for r in range(len(router.runners))]
         self.metrics = Metrics(router, names)
         self.lock = threading.Lock()

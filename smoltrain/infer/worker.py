@@ -23,6 +23,7 @@ from smolnet import wire
 from smoltrain.infer.batching import Admissions, Batcher, lead
 from smoltrain.infer.config import InferConfig
 from smoltrain.infer.engine import Request, make_engine
+from smoltrain.infer.runner import MAX_IDS, pack_ids, unpack_ids
 
 MSG = 1
 
@@ -45,17 +46,21 @@ class Control:
     def _read(self) -> None:
         while True:
             try:
-                _, msg, _ = wire.recv_frame(self.sock, timeout=None, max_payload=0, session=self.session)
-            except (OSError, wire.WireError, TimeoutError) as e:
+                _, msg, payload = wire.recv_frame(
+                    self.sock, timeout=None, max_payload=4 * MAX_IDS, session=self.session
+                )
+                if payload:  # token ids (an `admit`'s prompt) travel as the payload, never in the JSON
+                    msg["ids"] = unpack_ids(payload)
+            except (OSError, wire.WireError, TimeoutError, ValueError) as e:
                 if isinstance(e, wire.WireError) and not isinstance(e, wire.PeerClosed):  # forged, altered: dropped
                     print(f"control connection: frame dropped, connection closed: {e}", file=sys.stderr, flush=True)
                 self.inbox.put({"type": "quit"})
                 return
             self.inbox.put(msg)
 
-    def send(self, msg: dict) -> None:
+    def send(self, msg: dict, payload: bytes = b"") -> None:
         with self.lock:
-            wire.send_frame(self.sock, MSG, msg, timeout=30.0, session=self.session)
+            wire.send_frame(self.sock, MSG, msg, payload, timeout=30.0, session=self.session)
 
 
 def serve(ctl: Control, rank: int, secret: bytes) -> None:
@@ -107,7 +112,7 @@ def serve(ctl: Control, rank: int, secret: bytes) -> None:
             cfg.max_batch,
             engine.lanes,
             on_tokens=lambda items: ctl.send({"type": "tokens", "items": items}),
-            on_done=lambda rid, reason, stats: ctl.send({"type": "done", "rid": rid, "reason": reason, "stats": stats}),
+            on_done=lambda rid, reason, stats: send_done(ctl, rid, reason, stats),
         )
     else:
         admissions = Admissions(cfg.timeout)
@@ -117,7 +122,7 @@ def serve(ctl: Control, rank: int, secret: bytes) -> None:
             msg = ctl.inbox.get()
             kind = msg.get("type")
             if kind == "admit":
-                req = Request(**msg["request"])
+                req = Request(**msg["request"], prompt_ids=msg.get("ids") or [])
                 if batcher:
                     batcher.submit(req)
                 else:
@@ -142,6 +147,12 @@ def serve(ctl: Control, rank: int, secret: bytes) -> None:
     finally:
         if comm is not None:
             comm.close()
+
+
+def send_done(ctl: Control, rid: int, reason: str, stats: dict) -> None:
+    """A request's end; its output ids as the frame's payload (a long answer passes the JSON bound)."""
+    rest = {k: v for k, v in stats.items() if k != "output_ids"}
+    ctl.send({"type": "done", "rid": rid, "reason": reason, "stats": rest}, pack_ids(stats["output_ids"]))
 
 
 def main(argv=None) -> int:
