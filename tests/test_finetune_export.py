@@ -172,9 +172,10 @@ def test_generate_with_adapter_equals_the_merged_model(tuned, tmp_path, capsys):
     assert rc == 2 and "no adapter_config.json" in err and "\n" not in err
 
 
-def _run_checkpoint(tmp_path, base: str, arch: str, lora_cfg: LoraConfig | None):
-    """A `smoltrain run` checkpoint as dp's rank 0 writes one: the trained model's parameters (only the
-    adapters under LoRA) as `param.units...`, and complete.json with the run's model and LoRA settings."""
+def _run_checkpoint(tmp_path, base: str, arch: str, lora_cfg: LoraConfig | None, tp: bool = False):
+    """A `smoltrain run` checkpoint as dp's rank 0 (or tp's 2 ranks) writes one: the trained model's
+    parameters (only the adapters under LoRA) as `param.units...` (tp: `param.<unit>...`, each rank's
+    slice), and complete.json with the run's model and LoRA settings."""
     from smoltrain.models import causal
     from smoltrain.models.spec import get_model
     from smoltrain.run import checkpoint
@@ -188,13 +189,28 @@ def _run_checkpoint(tmp_path, base: str, arch: str, lora_cfg: LoraConfig | None)
         for p in model.parameters():
             if p.requires_grad:
                 p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    tensors = {f"param.{n}": p for n, p in model.named_parameters() if p.requires_grad}
     root = tmp_path / "ckpt"
-    part = checkpoint.save_part(root, 3, "rank0", tensors)
-    meta = {"strategy": "dp", "world_size": 1, "model": spec.name, "seed": 0, "model_spec": spec.to_dict()}
-    meta["lora"] = lora_cfg.to_dict() if lora_cfg else None
-    checkpoint.mark_complete(root, 3, meta, {"rank0": part})
+    if not tp:
+        ranks = [model]
+    else:  # tp over 2 ranks, cut by the strategy's own slicing (models.causal tp_slice)
+        n = model.units[1].self_attn.heads if arch == "llama" else model.units[1].attn.heads
+        f = spec.ffn
+        ranks = []
+        for r, (heads, ffn) in enumerate([((0, n // 2), (0, f // 2)), ((n // 2, n), (f // 2, f))]):
+            blocks = [b.tp_slice(heads, ffn, _same, _same, keep_bias=r == 0) for b in list(model.units)[1:-1]]
+            ranks.append(torch.nn.Sequential(model.units[0], *blocks, model.units[-1]))
+    parts = {}
+    for r, m in enumerate(ranks):
+        tensors = {f"param.{n}": p for n, p in m.named_parameters() if p.requires_grad}
+        parts[f"rank{r}"] = checkpoint.save_part(root, 3, f"rank{r}", tensors)
+    meta = {"strategy": "tp" if tp else "dp", "world_size": len(ranks), "model": spec.name, "seed": 0}
+    meta.update(model_spec=spec.to_dict(), lora=lora_cfg.to_dict() if lora_cfg else None)
+    checkpoint.mark_complete(root, 3, meta, parts)
     return str(root), model.eval()
+
+
+def _same(t):
+    return t
 
 
 def _ours(model):
@@ -316,3 +332,25 @@ def test_a_lora_run_trains_what_peft_and_torch_adamw_train(tmp_path, capsys):
         assert torch.allclose(a, want[f"{layer}.lora_A.weight"], atol=1e-5), layer
         assert torch.allclose(b, want[f"{layer}.lora_B.weight"], atol=1e-5), layer
     assert float(next(iter(got.values()))[1].abs().max()) > 1e-3  # B moved from zero: a real check
+
+
+def test_export_of_a_tp_run_joins_the_ranks_slices(tuned, tmp_path, capsys):
+    """tp keeps each block's heads and MLP columns on their rank (GPT-2's c_attn a third of each of q,
+    k, v; an output bias on rank 0 only; a LoRA adapter cut like its layer): export joins them back."""
+    from safetensors.torch import load_file
+
+    arch, base, _, _ = tuned
+    targets = ("q_proj", "v_proj", "o_proj", "down_proj") if arch == "llama" else ("c_attn", "c_proj", "c_fc")
+    for name, cfg, file in (
+        ("full", None, "model.safetensors"),
+        ("lora", LoraConfig(2, targets=targets), "adapter_model.safetensors"),
+    ):
+        want = {}
+        for tp in (False, True):
+            root, _ = _run_checkpoint(tmp_path / f"{name}{tp}", base, arch, cfg, tp=tp)
+            out = tmp_path / f"{name}{tp}-out"
+            assert _export(capsys, "--checkpoint-dir", root, "--out", str(out))[0] == 0
+            want[tp] = load_file(str(out / file))
+        assert sorted(want[True]) == sorted(want[False])
+        for k, v in want[False].items():
+            assert torch.equal(want[True][k], v), k
