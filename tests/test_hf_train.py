@@ -138,7 +138,7 @@ def local1(ckpts, tmp_path_factory):
     return _run(ckpts, tmp_path_factory.mktemp("local1"), "dp", 1)
 
 
-@pytest.mark.parametrize("strategy,extra", [("dp", []), ("pp", ["--microbatches", "2"]), ("tp", [])])
+@pytest.mark.parametrize("strategy,extra", [("dp", []), ("fsdp", []), ("pp", ["--microbatches", "2"]), ("tp", [])])
 def test_strategies_reproduce_local_and_their_plan(ckpts, local1, tmp_path, strategy, extra):
     """Qwen3 (GQA, q/k norms, head_dim 16 over hidden 32): each strategy's losses are --local 1's
     and each link carries exactly the plan's bytes per step."""
