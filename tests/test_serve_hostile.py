@@ -356,3 +356,4 @@ def test_two_thousand_trickling_connections_are_shed(tmp_path):
             sk.close()
         proc.terminate()
         proc.wait(30)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -185,6 +185,8 @@ class Handler(BaseHTTPRequestHandler):
         try:
             if self._same_site():
                 answer()
+            else:
+                self.close_connection = True  # its body, if any, is unread: nothing more on this connection
         except (OSError, TimeoutError):  # the client went away or stalled: nothing left to answer
             self.close_connection = True
         except Exception as e:  # a bug must not take the handler (or the server) down: say so, log it
