@@ -172,8 +172,8 @@ def test_generate_with_adapter_equals_the_merged_model(tuned, tmp_path, capsys):
     assert rc == 2 and "no adapter_config.json" in err and "\n" not in err
 
 
-def _run_checkpoint(tmp_path, base: str, arch: str, lora_cfg: LoraConfig | None, tp: bool = False):
-    """A `smoltrain run` checkpoint as dp's rank 0 (or tp's 2 ranks) writes one: the trained model's
+def _run_checkpoint(tmp_path, base: str, arch: str, lora_cfg: LoraConfig | None, tp: bool = False, stages=None):
+    """A `smoltrain run` checkpoint as dp's rank 0 (or tp's 2 ranks, or pp's stages) writes one: the trained model's
     parameters (only the adapters under LoRA) as `param.units...` (tp: `param.<unit>...`, each rank's
     slice), and complete.json with the run's model and LoRA settings."""
     from smoltrain.models import causal
@@ -190,7 +190,14 @@ def _run_checkpoint(tmp_path, base: str, arch: str, lora_cfg: LoraConfig | None,
             if p.requires_grad:
                 p.add_(torch.randn(p.shape, generator=gen) * 0.05)
     root = tmp_path / "ckpt"
-    if not tp:
+    units = list(model.units)
+    if stages:  # pp: each stage its placement's layers (Embed joins the first, Head the last), from 0
+        ranks, lo = [], 1
+        for r, n in enumerate(stages):
+            first, last = r == 0, r == len(stages) - 1
+            ranks.append(torch.nn.Sequential(*units[0 if first else lo : lo + n + (1 if last else 0)]))
+            lo += n
+    elif not tp:
         ranks = [model]
     else:  # tp over 2 ranks, cut by the strategy's own slicing (models.causal tp_slice)
         n = model.units[1].self_attn.heads if arch == "llama" else model.units[1].attn.heads
@@ -203,7 +210,12 @@ def _run_checkpoint(tmp_path, base: str, arch: str, lora_cfg: LoraConfig | None,
     for r, m in enumerate(ranks):
         tensors = {f"param.{n}": p for n, p in m.named_parameters() if p.requires_grad}
         parts[f"rank{r}"] = checkpoint.save_part(root, 3, f"rank{r}", tensors)
-    meta = {"strategy": "tp" if tp else "dp", "world_size": len(ranks), "model": spec.name, "seed": 0}
+    meta = {
+        "strategy": "pp" if stages else "tp" if tp else "dp",
+        "world_size": len(ranks),
+        "model": spec.name,
+        "seed": 0,
+    }
     meta.update(model_spec=spec.to_dict(), lora=lora_cfg.to_dict() if lora_cfg else None)
     checkpoint.mark_complete(root, 3, meta, parts)
     return str(root), model.eval()
@@ -354,3 +366,20 @@ def test_export_of_a_tp_run_joins_the_ranks_slices(tuned, tmp_path, capsys):
         assert sorted(want[True]) == sorted(want[False])
         for k, v in want[False].items():
             assert torch.equal(want[True][k], v), k
+
+
+def test_export_of_a_pp_run_with_uneven_stages(tmp_path, capsys):
+    """The placement may give stages unequal layers (1 and 2 here, where an even cut is 2 and 1):
+    export reads each stage's units from its part, not from an even split."""
+    from safetensors.torch import load_file
+
+    base = make_finetune_checkpoint(str(tmp_path / "base"), layers=3)
+    for name, cfg, file in (("full", None, "model.safetensors"), ("lora", LoraConfig(2), "adapter_model.safetensors")):
+        got = {}
+        for stages in (None, [1, 2]):
+            root, _ = _run_checkpoint(tmp_path / f"{name}{stages}", base, "llama", cfg, stages=stages)
+            out = tmp_path / f"{name}{stages}-out"
+            assert _export(capsys, "--checkpoint-dir", root, "--out", str(out))[0] == 0
+            got[bool(stages)] = load_file(str(out / file))
+        assert sorted(got[True]) == sorted(got[False])
+        assert all(torch.equal(got[True][k], v) for k, v in got[False].items())

@@ -38,7 +38,6 @@ def newest_intact(root: str):
 def gather_units(step_dir: Path, meta: dict, sha256: dict | None = None, spec=None) -> dict:
     """`units.<i>.<name>` -> tensor for the whole model, from each rank's part (`spec`: the run's
     model where the checkpoint's name alone does not say it, as for a Hugging Face checkpoint)."""
-    from smoltrain.models.gpt import split_units
     from smoltrain.models.spec import get_model
     from smoltrain.run.checkpoint import load_part
 
@@ -51,15 +50,34 @@ def gather_units(step_dir: Path, meta: dict, sha256: dict | None = None, spec=No
             if k.startswith("param.units."):
                 out[k[len("param.") :]] = v
     elif strategy in ("mp", "pp"):
-        ranges = split_units(spec.layers + 2, spec.layers, world)
-        for r in range(world):
-            for k, v in load_part(step_dir.parent, int(meta["step"]), f"rank{r}", sha.get(f"rank{r}")).items():
+        parts = [load_part(step_dir.parent, int(meta["step"]), f"rank{r}", sha.get(f"rank{r}")) for r in range(world)]
+        ranges = stage_units(parts, spec.layers + 2, step_dir)
+        for r, part in enumerate(parts):
+            for k, v in part.items():
                 if k.startswith("param."):
                     j, rest = k[len("param.") :].split(".", 1)
                     out[f"units.{ranges[r][int(j)]}.{rest}"] = v
     else:
         raise UsageError(f"export reads dp, diloco, mp and pp checkpoints; this one is {strategy}")
     return spec, out
+
+
+def stage_units(parts: list[dict], n_units: int, where) -> list[range]:
+    """The units each mp/pp stage held, read from its part (a stage numbers its units from 0, and the
+    placement may cut the layers unevenly): all but the last stage hold up to their highest unit
+    with a parameter (every block has one, trained or adapted); the last stage holds the rest."""
+    counts = []
+    for part in parts[:-1]:
+        js = [int(k.split(".")[1]) for k in part if k.startswith("param.")]
+        counts.append(max(js) + 1 if js else 0)
+    counts.append(n_units - sum(counts))
+    if min(counts) < 1:
+        raise SmolError(f"{where}: cannot tell which layers each stage held (a stage's part has no parameters)")
+    out, lo = [], 0
+    for c in counts:
+        out.append(range(lo, lo + c))
+        lo += c
+    return out
 
 
 def to_gpt2(spec, units: dict) -> dict:
