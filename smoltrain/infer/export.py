@@ -58,7 +58,7 @@ def gather_units(step_dir: Path, meta: dict, sha256: dict | None = None, spec=No
                     j, rest = k[len("param.") :].split(".", 1)
                     out[f"units.{ranges[r][int(j)]}.{rest}"] = v
     else:
-        raise UsageError(f"export reads dp, diloco, mp and pp checkpoints; this one is {strategy}")
+        raise UsageError(f"export reads dp, diloco, mp, pp (and a fine-tune's tp) checkpoints; this is {strategy}")
     return spec, out
 
 
