@@ -72,197 +72,112 @@ def add_arguments(p) -> None:
 _write_json = write_json_atomic
 
 
-def _serve(args, con, model, ranks, lm, placement: str) -> int:
-    """`--mode serve`: the candidate splits for --concurrency requests (planner/serve.py);
-    `placement`: how a pp group cuts its layers, as `serve` would."""
-    from smoltrain.planner import serve
-
-    doc = serve.plan(
-        model,
-        ranks,
-        lm,
-        strategy=args.strategy,
-        dtype=args.dtype,
-        concurrency=args.concurrency,
-        max_batch=args.max_batch,
-        seq=args.seq,
-        placement=placement,
-        wire=getattr(args, "wire_dtype", None),
-    )
-    serve.render(con, doc)
-    best = next(c for c in doc["candidates"] if c["name"] == doc["best"])
-    con.print(f"  best here: [bold]{best['name']}[/], {best['tokens_per_s']:,.1f} tokens/s for all requests")
-    if args.json:
-        _write_json(args.json, doc)
-    return 0
-
-
-class _ReportHost:
-    """A rank known only from a links report: its name and device profile."""
-
-    def __init__(self, name: str, device: str | None):
-        self.name, self.device, self.local, self.link_rate_mbit, self.vars = name, device or "generic", False, None, {}
-
-
-def _hosts(args, links_doc):
-    """Hosts in rank order: the inventory's (coordinator first), else the links report's."""
-    if args.inventory:
-        from smolnet.inventory import load_inventory
-
-        inv = load_inventory(args.inventory)
-        return [inv.coordinator] + [h for h in inv.hosts if h.name != inv.coordinator.name]
-    if links_doc is not None:
-        from smoltrain.planner.devices import DEVICES
-
-        out = []
-        for h in links_doc.get("hosts") or []:
-            dev = h.get("device") if h.get("device") in DEVICES else "generic"
-            out.append(_ReportHost(h["name"], dev))
-        if not out:
-            from smoltrain.planner.links import report_hosts
-
-            out = [_ReportHost(n, None) for n in report_hosts(links_doc)]
-        return out
-    return None
-
-
-def request(args, run_doc=None):
-    """The PlanRequest these arguments describe (a run's own, with --compare)."""
+def request(o: dict, run_doc=None):
+    """The PlanRequest the parsed options `o` describe (a run's own, with --compare)."""
+    from smoltrain.planner import selection
     from smoltrain.planner.links import read_report
     from smoltrain.planner.request import PlanRequest
 
-    if args.link_class:
+    if o["link_class"]:
         from smoltrain.planner.devices import get_link_class
 
-        get_link_class(args.link_class)
-    if args.local is not None and (args.inventory or args.world):
+        get_link_class(o["link_class"])
+    if o["local"] is not None and (o["inventory"] or o["world"]):
         raise UsageError("give --local N, or -i INVENTORY / --world N, not both")
-    links_doc = read_report(args.links) if args.links else None
-    hosts = _hosts(args, links_doc)
-    local = args.local is not None
-    placement = args.placement
+    links_doc = read_report(o["links"]) if o["links"] else None
+    hosts = selection.hosts(o["inventory"], links_doc)
+    local = o["local"] is not None
+    placement = o["placement"]
     if run_doc is not None:
         from smoltrain.planner.compare import is_local_names, run_hosts
 
         names = run_hosts(run_doc)
         local = is_local_names(names)
         if hosts is None and not local:
-            hosts = [_ReportHost(n, None) for n in names]
+            hosts = [selection.ReportHost(n, None) for n in names]
         placement = (run_doc.get("config") or {}).get("placement") or run_doc.get("placement") or placement
-    world = args.local if local and args.local else args.world
+    infer = o["mode"] == "infer"
     return PlanRequest(
-        args.strategy,
-        args.model,
-        mode=args.mode,
-        world=world,
-        dtype=args.dtype,
-        batch=args.batch,
-        seq=args.seq,
-        microbatches=args.microbatches,
+        o["strategy"],
+        o["model"],
+        mode=o["mode"],
+        world=o["local"] if local and o["local"] else o["world"],
+        dtype=o["dtype"],
+        batch=o["batch"],
+        seq=o["seq"],
+        microbatches=o["microbatches"],
         placement=placement,
         hosts=hosts,
         links=links_doc,
-        link_class=args.link_class,
-        compute=getattr(args, "compute", None),
-        calibration=args.calibration or None,
+        link_class=o["link_class"],
+        compute=o.get("compute"),
+        calibration=o["calibration"] or None,
         local=local,
-        quantize=getattr(args, "quantize", None) if args.mode == "infer" else None,
-        wire_dtype=getattr(args, "wire_dtype", None) if args.mode == "infer" else None,
-        outer={"inner_steps": args.inner_steps, "sync_dtype": args.sync_dtype, "target_comm": args.target_comm},
+        quantize=o.get("quantize") if infer else None,
+        wire_dtype=o.get("wire_dtype") if infer else None,
+        outer={"inner_steps": o["inner_steps"], "sync_dtype": o["sync_dtype"], "target_comm": o["target_comm"]},
     )
 
 
 def run(args) -> int:
-    from dataclasses import replace
+    """Parse, choose through planner/selection.py, print and write; `args` is left as parsed."""
+    from argparse import Namespace
 
     from rich.console import Console
 
-    from smoltrain.planner import STRATEGIES, placement_plan, render
-    from smoltrain.planner.plan import what_if, what_if_sentence
-    from smoltrain.planner.request import build_plan, resolve
+    from smoltrain.planner import diloco, render, selection
+    from smoltrain.planner.request import resolve
 
     con = Console()
-    run_doc = None
+    o, run_doc = dict(vars(args)), None
     if args.compare:
-        from smoltrain.planner.compare import read_run, run_request
+        from smoltrain.planner.compare import read_run
 
         run_doc = read_run(args.compare)
-        req = run_request(run_doc)
-        args.strategy = args.strategy or req["strategy"]
-        if args.strategy != req["strategy"]:
-            raise UsageError(f"--strategy {args.strategy} differs from the run's {req['strategy']}")
-        args.model, args.world, args.dtype = req["model"], req["world"], req["dtype"]
-        args.batch, args.seq, args.microbatches, args.mode = req["batch"], req["seq"], req["microbatches"], "train"
-        if req["strategy"] in STRATEGIES and registry.get(req["strategy"]).outer_steps:
-            args.inner_steps, args.sync_dtype = req["inner_steps"], req["sync_dtype"] or args.sync_dtype
+        o.update(selection.from_run(run_doc, args.strategy))
     elif args.warmup is not None:
         raise UsageError("--warmup applies to --compare RUN.json")
-    if args.mode == "serve":
-        args.strategy = args.strategy or "pp"
-        if args.strategy not in ("pp", "tp"):
-            raise UsageError(f"--mode serve splits a group of hosts with pp or tp, not {args.strategy}")
-    if not args.strategy:
-        raise UsageError(f"--strategy is required ({', '.join(registry.names())} or all)")
-    if args.strategy != "all" and args.strategy not in STRATEGIES:
-        raise UsageError(f"unknown strategy {args.strategy!r} (one of {', '.join(STRATEGIES)}, or all)")
-    if args.mode == "serve":  # planner/serve.py places its own candidates on these ranks and links
-        serve_req = replace(request(args, run_doc), strategy=args.strategy, mode="infer")
-        st = resolve(serve_req)
-        how = placement_plan.default_mode(args.placement, st.compute_source == "measured")
-        return _serve(args, con, st.model, st.ranks, st.lm, how)
-    from smoltrain.planner import diloco, diloco_verdict
+    o["strategy"] = selection.strategy_for(o["strategy"], o["mode"])
+    if o["mode"] == "serve":  # planner/serve.py places its own candidates on these ranks and links
+        doc = selection.serve(request(o, run_doc), o["concurrency"], o["max_batch"], o.get("wire_dtype"))
+        from smoltrain.planner import serve
 
-    diloco.check_args(args, args.strategy == "all" or registry.get(args.strategy).outer_steps)
-    req = request(args, run_doc)
-    setting = resolve(req)
-
-    if args.strategy == "all":
-        plans, skipped = [], []
-        for s in STRATEGIES:
-            try:
-                plans.append(build_plan(replace(req, strategy=s), setting))
-            except UsageError as e:
-                skipped.append({"strategy": s, "reason": str(e)})
-        if not plans:
-            raise UsageError(f"no strategy can run this: {skipped[0]['reason']}")
-        render.ranking_table(con, plans, skipped)
-        for p in plans:
-            if (p.get("placement") or {}).get("error"):
-                con.print(f"  [yellow]{p['strategy']}: placement: {p['placement']['error']}[/]")
-        best = render.rank_plans(plans)[0]
-        con.print(
-            f"  best here: [bold]{best['strategy']}[/], {best['tokens_per_s']:,.1f} tokens/s, "
-            f"bottleneck {best['bottleneck']} (each under its {best.get('placement_mode', 'even')} placement)"
-        )
-        ranking = [p["strategy"] for p in render.rank_plans(plans)]
-        by_name = {p["strategy"]: p for p in plans}
-
-        def replan_outer(strategy, opts):  # the same request, an outer-step setting, the chosen split
-            placement = diloco_verdict.chosen_placement(by_name[strategy]) or "even"
-            return build_plan(replace(req, strategy=strategy, outer=opts, placement=placement), setting)
-
-        low_comm = (
-            diloco_verdict.low_comm_verdict(plans, replan_outer, args.target_comm) if args.mode == "train" else None
-        )
-        if low_comm:
-            con.print(f"  [bold]low communication:[/] {low_comm['sentence']}")
-        if args.json:
-            _write_json(
-                args.json,
-                {
-                    "schema": "smoltrain.plans/1",
-                    "ranking": ranking,
-                    "ranking_placed": ranking,  # every plan is already made under its placement
-                    "plans": plans,
-                    "skipped": skipped,
-                    **({"low_communication": low_comm} if low_comm else {}),
-                },
-            )
-        if args.chart:
-            render.chart(plans, args.chart)
+        serve.render(con, doc)
+        best = next(c for c in doc["candidates"] if c["name"] == doc["best"])
+        con.print(f"  best here: [bold]{best['name']}[/], {best['tokens_per_s']:,.1f} tokens/s for all requests")
+        if o["json"]:
+            _write_json(o["json"], doc)
         return 0
+    from smoltrain import registry
 
-    plan = build_plan(req, setting)
+    ns = Namespace(**o)  # the outer-step flags checked and their defaults filled on a copy
+    diloco.check_args(ns, o["strategy"] == "all" or registry.get(o["strategy"]).outer_steps)
+    o = vars(ns)
+    req = request(o, run_doc)
+    setting = resolve(req)
+    if o["strategy"] == "all":
+        return _all(con, o, selection.ranking(req, setting, o["target_comm"]))
+    plan = selection.one(req, setting, what_if=not o["no_what_if"])
+    _show(con, plan, compare=run_doc is not None)
+    out = plan
+    if run_doc is not None:
+        from smoltrain.planner.compare import compare
+        from smoltrain.planner.compare import render as render_cmp
+
+        out = compare(plan, run_doc, o["warmup"])
+        render_cmp(con, out)
+    if o["json"]:
+        _write_json(o["json"], out)
+    if o["chart"]:
+        render.chart([plan], o["chart"])
+    return 0
+
+
+def _show(con, plan: dict, compare: bool) -> None:
+    """One plan as the command prints it."""
+    from smoltrain.planner import render
+    from smoltrain.planner.plan import what_if_sentence
+
     sec = plan.get("placement")
     render.summary(con, plan)
     con.print(f"  compute: {plan['compute_source']}; [bold]verdict:[/] {plan['verdict']}")
@@ -270,26 +185,32 @@ def run(args) -> int:
     render.memory_table(con, plan)
     if sec is not None and "error" in sec:
         con.print(f"  [bold yellow]placement: {sec['error']}[/]")
-    elif sec is not None and run_doc is None:
+    elif sec is not None and not compare:
         render.placement(con, sec)
     for n in plan["notes"]:
         con.print(f"  [dim]note: {n}[/]")
-    if not args.no_what_if:
-        kw = dict(dtype=req.dtype, batch=req.batch, seq=req.seq, microbatches=req.microbatches, mode=req.mode)
-        if sec is not None and "order" in sec:
-            kw["placement"] = placement_plan.place_dict(sec)
-        rows = what_if(args.strategy, setting.model, len(setting.ranks), setting.ranks, **kw)
-        plan["what_if"] = rows
-        render.what_if_table(con, rows, what_if_sentence(plan, rows))
-    out = plan
-    if run_doc is not None:
-        from smoltrain.planner.compare import compare
-        from smoltrain.planner.compare import render as render_cmp
+    if "what_if" in plan:
+        render.what_if_table(con, plan["what_if"], what_if_sentence(plan, plan["what_if"]))
 
-        out = compare(plan, run_doc, args.warmup)
-        render_cmp(con, out)
-    if args.json:
-        _write_json(args.json, out)
-    if args.chart:
-        render.chart([plan], args.chart)
+
+def _all(con, o: dict, doc: dict) -> int:
+    """`--strategy all` as the command prints and writes it."""
+    from smoltrain.planner import render
+
+    plans = doc["plans"]
+    render.ranking_table(con, plans, doc["skipped"])
+    for p in plans:
+        if (p.get("placement") or {}).get("error"):
+            con.print(f"  [yellow]{p['strategy']}: placement: {p['placement']['error']}[/]")
+    best = render.rank_plans(plans)[0]
+    con.print(
+        f"  best here: [bold]{best['strategy']}[/], {best['tokens_per_s']:,.1f} tokens/s, "
+        f"bottleneck {best['bottleneck']} (each under its {best.get('placement_mode', 'even')} placement)"
+    )
+    if doc.get("low_communication"):
+        con.print(f"  [bold]low communication:[/] {doc['low_communication']['sentence']}")
+    if o["json"]:
+        _write_json(o["json"], doc)
+    if o["chart"]:
+        render.chart(plans, o["chart"])
     return 0
