@@ -6,10 +6,11 @@ one that moves the most bytes per step, tp) joins consecutive ranks, which the p
 on the fastest links. Each rank talks along an axis through one Comm: the group of ranks that
 differ from it only along that axis (comm.new_group). `--strategy S` alone is the 1-D mesh S=world.
 
-What runs today (smoltrain.strategies.Context): one model axis (tp or pp) runs its strategy
-on its axis's comm; with pp, a tp axis splits the blocks of every stage over its tp group; a
-dp axis replicates the whole, each replica on its slice of the batch, their gradients summed
-over the dp comm before the step. fsdp or diloco beside another axis is refused in one line.
+What runs today (smoltrain.strategies.Context): one strategy runs along its axis's comm (pp,
+tp, or fsdp with tp); a tp axis beside pp or fsdp splits the blocks of every stage or unit
+over its tp group; a dp axis replicates the whole, each replica on its slice of the batch,
+their gradients summed over the dp comm before the step. Anything else (diloco beside another
+axis, two data axes) is refused in one line.
 """
 
 from __future__ import annotations
@@ -92,11 +93,13 @@ class Mesh:
             return wide[0], None, None
         model = [a for a in MODEL_AXES if a in wide]
         data = [a for a in wide if a not in MODEL_AXES]
+        if data == ["fsdp"] and model == ["tp"]:  # fsdp shards the tp slices, and splits the batch
+            return "fsdp", None, "tp"
         if model and len(data) <= 1 and set(data) <= RUNS_WITH:
             return model[0], (data or [None])[0], (model[1] if len(model) == 2 else None)
         raise MeshError(
             f"--mesh {self.text()}: {' x '.join(wide)} does not run yet (today: pp, tp or pp x tp, "
-            f"each alone or with {', '.join(sorted(RUNS_WITH))}; docs/mesh.md)"
+            f"each alone or with {', '.join(sorted(RUNS_WITH))}, and fsdp x tp; docs/mesh.md)"
         )
 
     def along(self, axis: str, rank: int, comm=None) -> Axis:
@@ -154,11 +157,6 @@ def check_run(cfg) -> int:
     return mesh.size(model)
 
 
-def of_strategy(strategy: str, world: int) -> Mesh:
-    """`--strategy S` alone: the 1-D mesh S=world."""
-    return Mesh(((strategy, world),))
-
-
 def axis_comms(mesh: Mesh, comm) -> dict:
     """One comm per axis wider than one for this rank: the world comm where the axis is the world,
     else its group. Every rank builds every group in the same order (torch needs all ranks there)."""
@@ -189,10 +187,9 @@ def strategy_axes(text: str, rank: int, comm) -> dict:
 
 def mesh_of(cfg) -> Mesh:
     """The mesh a run config describes: its --mesh, or the 1-D mesh of its --strategy."""
-    return parse(cfg.mesh, cfg.world_size) if cfg.mesh else of_strategy(cfg.strategy, cfg.world_size)
+    return parse(cfg.mesh, cfg.world_size) if cfg.mesh else Mesh(((cfg.strategy, cfg.world_size),))
 
 
-def replicas(cfg) -> int:
-    """How many replicas of the strategy a run holds (each reports a loss share): the data axis's size."""
-    mesh = mesh_of(cfg)
-    return mesh.size(mesh.roles()[1] or "")
+def loss_shares(cfg) -> int:
+    """How many ranks report a share of a mesh run's loss: one per place on the data axes."""
+    return prod(n for a, n in mesh_of(cfg).axes if a not in MODEL_AXES)

@@ -26,6 +26,7 @@ RUNS = {
     "dp2xtp2": ("--mesh", "dp=2,tp=2", 4, "socket", []),
     "pp2xdp2-torch": ("--mesh", "pp=2,dp=2", 4, "torch", ["--microbatches", "3"]),
     "pp2xtp2": ("--mesh", "pp=2,tp=2", 4, "socket", ["--microbatches", "2"]),
+    "fsdp2xtp2": ("--mesh", "fsdp=2,tp=2", 4, "socket", []),
 }
 
 
@@ -43,6 +44,7 @@ def test_coordinates_and_groups_innermost_last():
     }
     assert m.roles() == ("tp", "dp", None) and parse("pp=2,dp=2", 4).roles() == ("pp", "dp", None)
     assert parse("dp=2,pp=2,tp=2", 8).roles() == ("pp", "dp", "tp")
+    assert parse("fsdp=2,tp=2", 4).roles() == ("fsdp", None, "tp")
     assert Mesh((("tp", 4),)).roles() == ("tp", None, None)
 
 
@@ -64,7 +66,7 @@ def test_bad_meshes_name_why(text, world, why):
 
 
 def test_pairs_that_do_not_compose_yet_are_refused():
-    for text in ("fsdp=2,tp=2", "diloco=2,pp=2", "dp=2,fsdp=2"):
+    for text in ("diloco=2,tp=2", "dp=2,fsdp=2", "fsdp=2,pp=2"):
         with pytest.raises(MeshError, match="does not run yet"):
             parse(text, 4).roles()
 
@@ -73,8 +75,8 @@ def test_cli_refuses_a_bad_mesh_in_one_line():
     p = cli(["run", "--mesh", "dp=3,tp=2", "--local", "4", "--steps", "1"])
     assert p.returncode == 2 and "multiply to 6 ranks, the world has 4" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
-    p = cli(["run", "--mesh", "fsdp=2,tp=2", "--local", "4", "--steps", "1"])
-    assert p.returncode == 2 and "fsdp x tp does not run yet" in p.stderr
+    p = cli(["run", "--mesh", "dp=2,fsdp=2", "--local", "4", "--steps", "1"])
+    assert p.returncode == 2 and "dp x fsdp does not run yet" in p.stderr
 
 
 # ------------------------------------------------------------------- the runs
@@ -111,12 +113,36 @@ def got(runs, name):
 
 
 def parts(folder, world: int) -> list[dict]:
+    """Each rank's parameters by name (param.NAME), or its fsdp shards (shard.I)."""
     from safetensors.torch import load_file
 
     return [
-        {k[6:]: v for k, v in load_file(folder / f"rank{r}.safetensors").items() if k.startswith("param.")}
-        for r in range(world)
+        {k.split(".", 1)[1] if k.startswith("param.") else k: v for k, v in load_file(path).items() if k[:4] != "opt."}
+        for path in (folder / f"rank{r}.safetensors" for r in range(world))
     ]
+
+
+def unsharded(mesh, ranks: list[dict]) -> list[dict]:
+    """fsdp x tp: each tp rank's units from its fsdp group's shards (shard.I: flat, padded),
+    named as tp names them (the slices' shapes from tp's own ParallelBlock)."""
+    from smoltrain.models.gpt import build_model
+    from smoltrain.strategies.tp import ParallelBlock
+
+    spec, tp, fsdp = get_model("tiny"), mesh.size("tp"), mesh.size("fsdp")
+    full = list(build_model(spec, 0).units)
+    out = []
+    for t in range(tp):
+        heads, ffn = (spec.heads * t // tp, spec.heads * (t + 1) // tp), (spec.ffn * t // tp, spec.ffn * (t + 1) // tp)
+        named = {}
+        for i, u in enumerate(full):
+            mod = u if i in (0, len(full) - 1) else ParallelBlock(u, heads, ffn, None)
+            flat = torch.cat([ranks[mesh.rank_of([f, t])][f"shard.{i}"] for f in range(fsdp)])
+            off = 0
+            for n, p in mod.named_parameters():
+                named[f"{i}.{n}"] = flat[off : off + p.numel()].view(p.shape)
+                off += p.numel()
+        out.append(named)
+    return out
 
 
 def whole_from_tp(shards: list[dict]) -> dict:
@@ -152,6 +178,8 @@ def gathered(mesh, ranks: list[dict]) -> dict:
         return ranks[mesh.rank_of([c.get(a, 0) for a in mesh.names])]
 
     tp = mesh.size("tp")
+    if "fsdp" in mesh.names:
+        return {f"units.{k}": v for k, v in whole_from_tp(unsharded(mesh, ranks)).items()}
     stages = [whole_from_tp([at(pp=s, tp=t) for t in range(tp)]) for s in range(mesh.size("pp"))]
     if mesh.size("pp") > 1:
         return whole_from_pp(stages)

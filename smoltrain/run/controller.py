@@ -217,10 +217,10 @@ class Controller:
 
     def _show(self, progress) -> None:
         need = self.info.loss_reports(self.world)
-        if self.cfg.mesh:  # one share per replica of the mesh's data axis
-            from smoltrain.mesh import replicas
+        if self.cfg.mesh:  # one share per place on the mesh's data axes
+            from smoltrain.mesh import loss_shares
 
-            need *= replicas(self.cfg)
+            need = loss_shares(self.cfg)
         while (
             self.shown + 1 in self.steps
             and len(self.steps[self.shown + 1]["parts"]) >= need

@@ -76,11 +76,17 @@ class FullyShardedDataParallel(Strategy):
     def __init__(self, ctx: Context):
         super().__init__(ctx)
         model = ctx.build_model()
-        self.units = [ShardedUnit(u, ctx.rank, ctx.world, ctx.comm, ctx.device) for u in model.units]
+        units = list(model.units)
+        self.loss_owner = ctx.tp is None or ctx.tp.index == 0  # a mesh's tp axis: its rank 0 reports
+        if ctx.tp is not None:  # fsdp x tp: each block a tp slice, the slices sharded over fsdp
+            from smoltrain.strategies.tp import split_blocks
+
+            units = split_blocks(units, model, *ctx.head_range(ctx.tp), ctx.tp.comm, ctx.tp.index == 0)
+        self.units = [ShardedUnit(u, ctx.rank, ctx.world, ctx.comm, ctx.device) for u in units]
         self.opt = make_optimizer(ctx.run.optimizer, [u.shard for u in self.units], ctx.lr)
         self.lo, self.hi = ctx.batch_range()  # uneven by the placement; shards stay even
 
-    def train_step(self, step: int) -> float:
+    def train_step(self, step: int) -> float | None:
         x, y = self.ctx.batches.slice(step, self.lo, self.hi)
         x, y = x.to(self.ctx.device), y.to(self.ctx.device)
         acts = [x]
@@ -101,14 +107,18 @@ class FullyShardedDataParallel(Strategy):
                 loss_value = float(loss.item())
             else:
                 out.backward(grad)
+            if self.ctx.tp is not None:
+                from smoltrain.strategies.tp import sum_partial_grads
+
+                sum_partial_grads([u.module], self.ctx.tp.comm)
             grad = inp.grad if i > 0 else None
             u.reduce_grads()
             u.free()
             acts[i + 1] = None
         self.opt.step([u.grad_shard for u in self.units])
-        return loss_value
+        return loss_value if self.loss_owner else None
 
-    def eval_loss(self, x, y) -> float:
+    def eval_loss(self, x, y) -> float | None:
         """Every rank gathers each unit in turn, as in forward, and runs its slice of the
         held-out batch; its share of the mean adds up with the others' at the controller."""
         h = x[self.lo : self.hi]
@@ -117,7 +127,8 @@ class FullyShardedDataParallel(Strategy):
                 u.gather()
                 h = u.module(h)
                 u.free()
-            return float(loss_sum(h, y[self.lo : self.hi], targets(y)))
+            loss = float(loss_sum(h, y[self.lo : self.hi], targets(y)))
+            return loss if self.loss_owner else None
 
     def state_tensors(self) -> dict:
         st = {f"shard.{i}": u.shard for i, u in enumerate(self.units)}

@@ -37,11 +37,9 @@ class StageStrategy(Strategy):
         lo, hi = ctx.layer_range()  # the placement's cut (uneven by speed, or as even as it goes)
         units = [full.units[i] for i in range(0 if self.first else lo + 1, hi + 1 + (1 if self.last else 0))]
         if ctx.tp is not None:  # a mesh's tp axis inside the stage: its blocks are tp slices
-            from smoltrain.strategies.tp import split_block
+            from smoltrain.strategies.tp import split_blocks
 
-            heads, ffn = ctx.head_range(ctx.tp)
-            ends = {id(full.units[0]), id(full.units[-1])}  # embeddings and head stay whole
-            units = [u if id(u) in ends else split_block(u, heads, ffn, ctx.tp.comm, ctx.tp.index == 0) for u in units]
+            units = split_blocks(units, full, *ctx.head_range(ctx.tp), ctx.tp.comm, ctx.tp.index == 0)
         self.stage = nn.Sequential(*units).to(ctx.device)
         self.loss_owner = self.last and (ctx.tp is None or ctx.tp.index == 0)  # tp: its rank 0 reports
         self.params = trainable(self.stage)

@@ -130,6 +130,13 @@ def split_block(block, heads, ffn, comm, keep_bias: bool):
     return block.tp_slice(heads, ffn, enter, leave, keep_bias=keep_bias)
 
 
+def split_blocks(units, full, heads, ffn, comm, keep_bias: bool) -> list:
+    """`units` (some of full.units) with each block replaced by its tp slice, the embeddings and
+    head kept whole: how a mesh's tp axis enters pp's stages and fsdp's units."""
+    ends = {id(full.units[0]), id(full.units[-1])}
+    return [u if id(u) in ends else split_block(u, heads, ffn, comm, keep_bias) for u in units]
+
+
 def sum_partial_grads(units, comm) -> None:
     """Weights every rank holds whole but each uses with its own heads only (Qwen3's q/k norms,
     the uncut factor of a LoRA adapter): their gradients are partial sums, all-reduced in one
