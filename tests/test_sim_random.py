@@ -94,3 +94,26 @@ def test_the_inventory_and_the_description_name_the_draw(tmp_path):
     lines = draw.describe(specs).splitlines()
     assert len(lines) == len(specs) and all(ln.startswith(s.name + ": ") for ln, s in zip(lines, specs))
     assert isinstance(specs[0], HostSpec)
+
+
+def test_sim_up_random_draws_a_fresh_seed_and_shows_it(monkeypatch, capsys, tmp_path):
+    """Without --seed the command draws one and passes it on; the table's title names it (the
+    sim itself is not brought up here: up and status are stood in for)."""
+    from smolnet.cli import main
+    from smolnet.sim import cluster
+
+    seen = {}
+
+    def up(**kw):
+        seen.update(kw)
+        specs = scenario(kw["scenario"], seed=kw["seed"])
+        hosts = [dict(s.to_dict(), address=f"10.0.0.{i}", netns=None) for i, s in enumerate(specs, 1)]
+        return {"name": kw["name"], "scenario": "random", "seed": kw["seed"], "mode": "loopback",
+                "subnet": "10.0.0.0/24", "inventory": str(tmp_path / "i.yml"), "hosts": hosts}  # fmt: skip
+
+    monkeypatch.setattr(cluster, "up", lambda loopback=None, **kw: up(**kw))
+    monkeypatch.setattr(cluster, "status", lambda name: None)
+    assert main(["sim", "up", "--scenario", "random", "--loopback"]) == 0
+    assert isinstance(seen["seed"], int) and 0 <= seen["seed"] <= draw.MAX_SEED
+    assert f"scenario random --seed {seen['seed']}" in " ".join(capsys.readouterr().out.split())
+    assert main(["sim", "up", "--scenario", "random", "--seed", "77", "--loopback"]) == 0 and seen["seed"] == 77
