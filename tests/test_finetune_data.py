@@ -189,3 +189,24 @@ def test_bad_input_is_one_line_naming_it(ckpt, tmp_path):
     with pytest.raises(DataError, match="too few"):
         data.Batches(data.load(write_jsonl(str(tmp_path / "j.jsonl"), chats[:1]), ckpt, seq=120), 1, 64, 0, True)
     assert json.loads(json.dumps(str(DataError("x")))) == "x"
+
+
+def test_messages_reach_the_template_as_transformers_hands_them(tmp_path):
+    """None values dropped; reasoning under any of its names also as reasoning_content (Qwen3 reads it)."""
+    import transformers
+
+    thinking = MARKED.replace(
+        "{{ message['content'] + '<|im_end|>\\n' }}",
+        "{% if message.reasoning_content %}{{ 'think: ' + message.reasoning_content + '\\n' }}{% endif %}"
+        "{{ message['content'] + '<|im_end|>\\n' }}{% if message.name is defined %}{{ 'none seen' }}{% endif %}",
+    )
+    assert thinking != MARKED
+    path = make_finetune_checkpoint(str(tmp_path / "think"), template=thinking)
+    chat = [
+        {"role": "user", "content": "Hello there", "name": None},
+        {"role": "assistant", "content": "fine", "reasoning": "the fox", "name": None},
+    ]
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(path)
+    ids, mask = _ours(path).chat_example(chat)
+    assert (ids, mask) == _theirs(hf, chat)
+    assert "think: the fox" in hf.decode(ids) and "none seen" not in hf.decode(ids)

@@ -58,7 +58,7 @@ class Tokenizing:
     def chat_example(self, messages: list[dict]) -> tuple[list[int], list[int]]:
         """(ids, mask) of a conversation, the mask 1 on the assistant's tokens."""
         self._need_template()
-        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]  # as transformers
+        messages = plain(messages)
         text, spans = self.chat.render_spans(messages, add_generation_prompt=False)
         if not self.marked:
             spans = self._turn_spans(messages, text)
@@ -98,8 +98,23 @@ class Tokenizing:
             ids = self.tok.encode(prompt + completion).ids
         else:
             self._need_template()
+            prompt, completion = plain(prompt), plain(completion)
             head = self.tok.encode(self.chat.render_spans(prompt, True)[0], add_special_tokens=False).ids
             whole = self.chat.render_spans(prompt + completion, False)[0]
             ids = self.tok.encode(whole, add_special_tokens=False).ids
         n = min(len(head), len(ids))
         return ids, [0] * n + [1] * (len(ids) - n)
+
+
+REASONING = ("reasoning_content", "thinking", "reasoning")
+
+
+def plain(messages: list[dict]) -> list[dict]:
+    """Messages as transformers hands them to a template: keys whose value is None dropped, and a
+    message's reasoning (under any of its names) also as `thinking` and `reasoning_content`."""
+    out = []
+    for m in messages:
+        m = {k: v for k, v in m.items() if v is not None}
+        reasoning = next((m[k] for k in REASONING if m.get(k) is not None), None)
+        out.append(m if reasoning is None else {"thinking": reasoning, **m, "reasoning_content": reasoning})
+    return out
