@@ -170,3 +170,33 @@ def test_agent_from_its_unit_measured_by_matrix_through_the_firewall(provisioned
     for pair, link in links.items():
         assert link["status"] != "down" and link["throughput_mbit"] > 0, (pair, link)
         assert link["mtu_effective"] and link["rtt_us"]["p50"] > 0, (pair, link)
+
+
+def test_training_runs_through_the_firewall(provisioned):
+    """dp across this machine (rank 0) and the fresh host, whose firewall opens only the ports
+    table's: rank 0 listens here on smol_train_port, the fresh host's rank on
+    smol_train_port + 2, behind its firewall."""
+    fresh, work = provisioned["fresh"], provisioned["work"]
+    inv = work / "train.yml"
+    inv.write_text(
+        provisioned["inventory"]
+        .read_text()
+        .replace(
+            "cluster:\n  hosts:\n",
+            f"cluster:\n  hosts:\n    here:\n      ansible_connection: local\n      cluster_ip: {CTL}\n"
+            f"      smol_secret_file: {provisioned['secret']}\n      smol_train_port: 7700\n",
+        )
+        .replace("      smol_python:", f"      smol_known_hosts_file: {fresh.known_hosts}\n      smol_python:")
+    )
+    p = subprocess.run(
+        [sys.executable, "-m", "smoltrain", "run", "--strategy", "dp", "-i", str(inv), "--steps", "2"]
+        + ["--batch", "4", "--seq", "16", "--control-port", "7699", "--json", str(work / "run.json")]
+        + ["--out", str(work)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=work,
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    run = json.loads((work / "run.json").read_text())
+    assert run["world_size"] == 2 and len(run["steps"]) == 2, run.keys()
