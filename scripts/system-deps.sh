@@ -12,7 +12,8 @@ PACKAGES=(openssh-server openssh-client iperf3 iputils-ping ethtool iproute2 kmo
           nfs-ganesha nfs-ganesha-vfs libnfs-utils make gcc
           gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user  # the Arm kernels' tests (tests/test_kernels_c.py)
           python3-venv  # make setup's `python3 -m venv`
-          debootstrap nftables)  # the fresh-host provisioning test and the firewall role
+          debootstrap nftables  # the fresh-host provisioning test and the firewall role
+          python3-apt)  # Ansible's apt module on the sim's hosts (they run this machine's python3)
 
 if [[ "${1:-}" == "--list" ]]; then
   printf '%s\n' "${PACKAGES[@]}"
