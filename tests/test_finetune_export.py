@@ -383,3 +383,25 @@ def test_export_of_a_pp_run_with_uneven_stages(tmp_path, capsys):
             got[bool(stages)] = load_file(str(out / file))
         assert sorted(got[True]) == sorted(got[False])
         assert all(torch.equal(got[True][k], v) for k, v in got[False].items())
+
+
+@pytest.mark.parametrize("tuned", ["llama"], indirect=True)
+def test_a_checkpoint_export_cannot_read_is_refused(tuned, tmp_path, capsys):
+    """One tp rank's slices passed off as dp's whole model: the shapes do not fit the base (full) or its
+    layers (adapters); a mesh run: not read. One line, exit 2, nothing written."""
+    from smoltrain.run import checkpoint
+
+    arch, base, _, _ = tuned
+    for cfg in (None, LoraConfig(2, targets=("q_proj", "o_proj"))):
+        root, _ = _run_checkpoint(tmp_path / f"x{cfg is None}", base, arch, cfg, tp=True)
+        meta = json.loads((Path(root) / "step-000003" / "complete.json").read_text())
+        rank0 = checkpoint.load_part(root, 3, "rank0")
+        fake = str(tmp_path / f"fake{cfg is None}")
+        part = checkpoint.save_part(fake, 3, "rank0", {"param.units." + k[6:]: v for k, v in rank0.items()})
+        checkpoint.mark_complete(fake, 3, dict(meta, strategy="dp", world_size=1), {"rank0": part})
+        rc, err = _export(capsys, "--checkpoint-dir", fake, "--out", str(tmp_path / "never"))
+        assert rc == 2 and "\n" not in err and ("has shape" in err or "another model" in err), err
+        checkpoint.mark_complete(root, 3, dict(meta, mesh="dp=1,tp=2"), {k: v for k, v in meta["parts"].items()})
+        rc, err = _export(capsys, "--checkpoint-dir", root, "--out", str(tmp_path / "never"))
+        assert rc == 2 and "--mesh dp=1,tp=2 run" in err
+    assert not (tmp_path / "never").exists()

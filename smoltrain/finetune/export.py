@@ -163,6 +163,8 @@ def export_checkpoint(ckpt_dir: str, found, out_dir: str, merge: bool) -> tuple[
     lora_cfg = LoraConfig.from_dict(meta["lora"]) if meta.get("lora") else None
     if merge and lora_cfg is None:
         raise UsageError(f"{ckpt_dir}: --merge folds LoRA adapters into the base, and this run trained the full model")
+    if meta.get("mesh"):
+        raise UsageError(f"{ckpt_dir}: a --mesh {meta['mesh']} run; export reads the runs of one strategy")
     try:
         base = Checkpoint(spec.source)
     except CheckpointError as e:
@@ -183,12 +185,17 @@ def export_checkpoint(ckpt_dir: str, found, out_dir: str, merge: bool) -> tuple[
             trained[h] = t
     note = {k: meta.get(k) for k in ("strategy", "world_size", "seed", "step", "lora")}
     if lora_cfg is not None:
+        from smoltrain.finetune.adapter import AdaptedCheckpoint, from_state
+
         if not trained:
             raise UsageError(f"{step_dir}: a LoRA run's checkpoint without adapters")
+        adapter = from_state(trained, lora_cfg)
+        try:
+            AdaptedCheckpoint(spec.source, adapter)  # every adapter fits its layer's shape
+        except CheckpointError as e:
+            raise UsageError(f"{step_dir}: {e}") from None
         if merge:
-            from smoltrain.finetune.adapter import from_state
-
-            state = merged_state(spec.source, from_state(trained, lora_cfg))
+            state = merged_state(spec.source, adapter)
             return write_full(out_dir, state, spec.source, note), "the merged model (base + LoRA)"
         return write_adapter(out_dir, trained, lora_cfg, cfg.arch, spec.source), "a PEFT LoRA adapter"
     state = {}
@@ -201,6 +208,8 @@ def export_checkpoint(ckpt_dir: str, found, out_dir: str, merge: bool) -> tuple[
             import torch
 
             t = torch.cat([t, base.read(name)[t.shape[0] :].to(t.dtype)])
+        if tuple(t.shape) != shape:
+            raise UsageError(f"{step_dir}: {name} has shape {list(t.shape)}, the base's is {list(shape)}")
         state[key] = t
     return write_full(out_dir, state, spec.source, note), "the full fine-tuned model"
 
