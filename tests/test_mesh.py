@@ -206,16 +206,26 @@ def test_mesh_run_reproduces_the_single_process_run(runs, name):
         assert torch.allclose(whole[k], t, rtol=REL_TOL, atol=1e-6), f"{name}: {k} differs after the run"
 
 
-def test_mesh_bytes_stay_inside_the_axis_groups(runs):
-    """dp x tp: tp's activations on the tp links, dp's gradients on the dp links, nothing across."""
-    doc, _ = got(runs, "dp2xtp2")
-    mesh = parse("dp=2,tp=2", 4)
-    spec = get_model("tiny")
+@pytest.mark.parametrize("name", ["dp2xtp2", "pp2xdp2-torch", "pp2xtp2"])
+def test_mesh_bytes_per_link_equal_the_plan(runs, name):
+    """Each axis's bytes on its own groups' links, nothing across two axes, and every link's
+    bytes exactly the plan's (planner.mesh_traffic: each axis's 1-D traffic over its groups)."""
+    from smoltrain.planner.mesh_traffic import mesh_link_bytes
+
+    doc, _ = got(runs, name)
+    flag, text, world, _, extra = RUNS[name]
+    mesh = parse(text, world)
+    m = int(extra[extra.index("--microbatches") + 1]) if "--microbatches" in extra else 1
     links = {(int(b["src"][4:]), int(b["dst"][4:])): b["bytes"] for b in doc["bytes"]}
-    tp_bytes = STEPS * spec.layers * 4 * (BATCH // 2) * SEQ * spec.hidden * 4  # 2-rank all-reduce: S each way
     for a, b in links:
-        ca, cb = mesh.coords(a), mesh.coords(b)
-        assert (ca[0] == cb[0]) != (ca[1] == cb[1]), f"bytes across both axes on {a}->{b}"
-        if ca[0] == cb[0]:
-            assert links[(a, b)] == tp_bytes
-    assert len(links) == 8
+        assert sum(x != y for x, y in zip(mesh.coords(a), mesh.coords(b))) == 1, f"{name}: {a}->{b} crosses two axes"
+    plan = mesh_link_bytes(mesh, get_model("tiny"), BATCH, SEQ, m)
+    assert links == {k: STEPS * v for k, v in plan.items()}
+
+
+def test_plan_mesh_prints_bytes_per_link():
+    p = cli(["plan", "--mesh", "dp=2,tp=2", "--batch", str(BATCH), "--seq", str(SEQ)])
+    assert p.returncode == 0, p.stderr
+    assert "rank 0 -> rank 1" in p.stdout and "tp" in p.stdout and "dp" in p.stdout
+    p = cli(["plan", "--mesh", "dp=2,tp=2", "--world", "8"])
+    assert p.returncode == 2 and "multiply to 4 ranks, the world has 8" in p.stderr

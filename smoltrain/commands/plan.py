@@ -11,6 +11,7 @@ MODELS_HELP = "tiny, gpt2-124m, llama-3.2-1b, llama-3.1-8b, mixtral-8x7b, or a .
 
 def add_arguments(p) -> None:
     p.add_argument("--strategy", help=", ".join(registry.names()) + ", or all (rank them)")
+    p.add_argument("--mesh", metavar="AXIS=N,...", help="bytes per link of a mesh, e.g. dp=2,tp=2 (docs/mesh.md)")
     p.add_argument("--mode", default="train", choices=("train", "infer", "serve"))
     p.add_argument("--model", default="tiny", help=MODELS_HELP)
     p.add_argument("--world", type=validate.RANKS, help="ranks (default: inventory hosts, links-report hosts, else 2)")
@@ -129,6 +130,8 @@ def run(args) -> int:
     from smoltrain.planner.request import resolve
 
     con = Console()
+    if getattr(args, "mesh", None):
+        return _mesh(con, args)
     o, run_doc = dict(vars(args)), None
     if args.compare:
         from smoltrain.planner.compare import read_run
@@ -170,6 +173,30 @@ def run(args) -> int:
         _write_json(o["json"], out)
     if o["chart"]:
         render.chart([plan], o["chart"])
+    return 0
+
+
+def _mesh(con, args) -> int:
+    """plan --mesh: bytes per link and step, each axis's traffic over its groups (planner.mesh_traffic);
+    no step time or ranking of layouts yet (docs/mesh.md)."""
+    from smoltrain.mesh import parse
+    from smoltrain.models.spec import ModelSpecError, get_model
+    from smoltrain.planner.mesh_traffic import mesh_link_bytes
+
+    if args.strategy or args.mode != "train" or args.json or args.compare:
+        raise UsageError("plan --mesh: bytes per link of a training step (no --strategy, --mode, --json, --compare)")
+    try:
+        spec = get_model(args.model)
+    except ModelSpecError as e:
+        raise UsageError(str(e)) from None
+    mesh = parse(args.mesh, args.world or args.local, spec)
+    links = mesh_link_bytes(mesh, spec, args.batch, args.seq, args.microbatches, args.dtype)
+    con.print(f"mesh {mesh.text()} on {mesh.world} ranks, {spec.name}, batch {args.batch}x{args.seq}: bytes per step")
+    for (src, dst), b in sorted(links.items()):
+        axis = [a for a, x, y in zip(mesh.names, mesh.coords(src), mesh.coords(dst)) if x != y]
+        con.print(f"  rank {src} -> rank {dst}  {int(b):>14,d}  {'/'.join(axis)}")
+    sent = [sum(b for (s, _), b in links.items() if s == r) for r in range(mesh.world)]
+    con.print(f"  busiest rank sends {max(sent):,.0f}")
     return 0
 
 

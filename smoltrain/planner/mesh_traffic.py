@@ -1,0 +1,82 @@
+"""Bytes per link of a mesh (smoltrain.mesh): each axis's 1-D traffic over each of its groups.
+
+A mesh's traffic is the sum, over its axes, of that axis's strategy run on each of its
+groups, with what that group carries:
+- tp along a tp group: the all-reduces of its replica's batch through the layers its stage
+  holds (all layers without pp);
+- pp along a pp group: the activations and their gradients of its replica's batch, the same on
+  every tp rank of a stage (each sends its own copy);
+- dp along a dp group: one all-reduce of the gradients of what each of its ranks holds (a
+  stage's units, cut by tp: blocks' matrices by their heads and MLP columns, norms and
+  embeddings whole).
+Group-local ranks map to world ranks, so the result is one table keyed by world (src, dst), as
+the transport counts them. fsdp x tp and the Hugging Face architectures are not planned yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from smolnet.errors import UsageError
+from smoltrain.planner.placement import batch_ranges, counts_from_shares, even_counts
+from smoltrain.planner.traffic import Traffic, all_reduce, dtype_bytes, traffic
+
+
+def _tp_block_params(spec, t: int, T: int) -> int:
+    """Parameters tp rank t of T holds of one built-in block: its heads' q, k, v and out, its MLP
+    columns, and both norms whole (the split strategies.tp makes: whole KV groups, even)."""
+    g = spec.heads // spec.kv_heads
+    kv = even_counts(spec.kv_heads, T)
+    ffn = counts_from_shares(spec.ffn, [n * g for n in kv])[t]
+    q, k = kv[t] * g * spec.head_dim, kv[t] * spec.head_dim
+    mats = 2 * spec.hidden * q + 2 * spec.hidden * k + (3 if spec.gated_mlp else 2) * spec.hidden * ffn
+    return mats + 2 * spec.norm_params()
+
+
+def held_params(spec, coords: dict) -> int:
+    """Trainable parameters one rank holds at mesh coordinates {axis: (index, size)}."""
+    s, P = coords.get("pp", (0, 1))
+    t, T = coords.get("tp", (0, 1))
+    layers = even_counts(spec.layers, P)[s]
+    block = _tp_block_params(spec, t, T) if T > 1 else spec.layer_params()
+    emb = spec.vocab * spec.hidden + (spec.ctx * spec.hidden if spec.learned_pos else 0)
+    head = spec.norm_params() + (0 if spec.tied_embeddings else spec.vocab * spec.hidden)
+    return layers * block + (emb if s == 0 else 0) + (head if s == P - 1 else 0)
+
+
+def mesh_link_bytes(mesh, spec, batch: int, seq: int, microbatches: int = 1, dtype: str = "fp32") -> dict:
+    """{(world src, world dst): payload bytes per optimizer step} of a mesh run."""
+    model, data, inner = mesh.roles()
+    if model == "fsdp" or (spec.arch or "gpt") != "gpt":
+        raise UsageError(f"plan --mesh {mesh.text()}: planned today for the built-in models' dp, pp and tp axes")
+    out: dict[tuple[int, int], float] = {}
+
+    def add(group: list[int], tr: Traffic) -> None:
+        for (src, dst), b in tr.link_bytes().items():
+            key = (group[src], group[dst])
+            out[key] = out.get(key, 0.0) + b
+
+    def place(rank: int) -> dict:
+        return {a: (c, n) for (a, n), c in zip(mesh.axes, mesh.coords(rank))}
+
+    def replica_batch(rank: int) -> int:
+        if not data:
+            return batch
+        lo, hi = batch_ranges(batch, None, mesh.size(data))[place(rank)[data][0]]
+        return hi - lo
+
+    for axis in (model, inner):
+        if axis is None or mesh.size(axis) == 1:
+            continue
+        for g in mesh.groups(axis):
+            b, stage = replica_batch(g[0]), spec
+            if axis == "tp" and "pp" in mesh.names:  # tp inside a stage: only that stage's layers
+                s, P = place(g[0])["pp"]
+                stage = replace(spec, layers=even_counts(spec.layers, P)[s])
+            m = microbatches if axis == "pp" else 1
+            add(g, traffic(axis, "train", stage, len(g), dtype, b, seq, m))
+    if data and mesh.size(data) > 1:
+        for g in mesh.groups(data):
+            nbytes = held_params(spec, place(g[0])) * dtype_bytes(dtype)
+            add(g, Traffic("dp", "train", len(g), all_reduce(len(g), nbytes, "all-reduce gradients")))
+    return out
