@@ -130,8 +130,13 @@ def identity(cfg) -> dict:
     lora = getattr(cfg, "lora", None)
     if lora:
         trajectory["lora"] = lora
+    mesh = getattr(cfg, "mesh", None)  # a 2-D mesh: its strategy and world alone do not say how ranks hold the model
+    if mesh:
+        trajectory["mesh"] = mesh
     run = hashlib.sha256(json.dumps(trajectory, sort_keys=True).encode()).hexdigest()[:16]
     extra = {"model_spec": cfg.model.to_dict(), "lora": lora} if cfg.model.source else {}  # export rebuilds it
+    if mesh:
+        extra["mesh"] = mesh  # export refuses a mesh's parts
     return {
         **extra,
         "strategy": cfg.strategy,
