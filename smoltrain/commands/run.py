@@ -390,7 +390,8 @@ def _run(args, early) -> int:
             )
         where_ = f"--local {world}" if hosts is None else f"-i {args.inventory}"
         print(
-            f"# first, on this machine: smoltrain run --strategy {args.strategy} {where_} --backend {args.backend} "
+            f"# first, on this machine: smoltrain run {f'--mesh {mesh}' if mesh else f'--strategy {args.strategy}'} "
+            f"{where_} --backend {args.backend} "
             f"--external --control-port 7799 --secret-file {sfile}"
         )
         return 0
