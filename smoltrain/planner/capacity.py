@@ -41,6 +41,8 @@ class RankWork:
     in_flight: float = 0.0  # tokens whose activations are held at once (0: all of `tokens`)
     served: float = 0.0  # parameters this rank serves to workers (a parameter server's rank 0)
     wire_copies: int = 0  # flat fp32 copies of the parameters a worker keeps for the wire
+    trainable: float | None = None  # LoRA: the adapters this rank trains beside its frozen base (None: all)
+    quantized_base: str | None = None  # LoRA: the frozen base's format (int8, q4), QLoRA-style
 
 
 @dataclass
@@ -213,10 +215,13 @@ def _largest_unit(model: ModelSpec) -> float:
 
 def flops(w: RankWork, model: ModelSpec, mode: str, seq: int) -> float:
     """6 FLOPs per parameter per token in training (2 in decode), plus attention over seq;
-    8 (and 16) where the forward is recomputed in backward (fsdp)."""
+    8 (and 16) where the forward is recomputed in backward (fsdp, checkpointing); under LoRA 4
+    per frozen weight (the inputs' gradients only) and 6 per adapter weight."""
     attn = w.layers * model.hidden * seq * w.attn_share
     if mode == "train":
         k = 8 / 6 if w.recompute else 1.0
+        if w.trainable is not None:  # LoRA: the frozen base has no weight gradients (4, 6 recomputed)
+            return w.tokens * ((6 if w.recompute else 4) * w.matmul_params + 12 * k * attn + 6 * w.trainable)
         return w.tokens * k * (6 * w.matmul_params + 12 * attn)
     return w.tokens * 2 * w.matmul_params + 4 * attn * (w.kv_positions / seq if seq else 0)
 
@@ -273,6 +278,15 @@ def memory(w: RankWork, model: ModelSpec, mode: str, dtype: str, seq: int, strat
     if mode == "infer":
         return Memory(weight_bytes(w, model, a, quantize)[1], 0, 0, 0, kv)
     master = MASTER_BYTES if a < 4 and not w.served else 0  # a server's master copy is its weights
+    if w.trainable is not None:  # LoRA: the frozen base (at `dtype` or quantised) and the adapters
+        base = weight_bytes(w, model, a, w.quantized_base)[1] if w.quantized_base else w.params_held * a
+        return Memory(
+            weights=base + w.trainable * a,
+            grads=w.trainable * a,
+            optimizer=w.params_owned * (ADAM_BYTES + master),
+            activations=_activations(w, model, a, seq, strategy),
+            kv_cache=0,
+        )
     # fsdp: the shard's gradient plus one gathered unit's full gradient before its reduce-scatter
     grads_full = w.params_held + w.gathered
     return Memory(

@@ -144,19 +144,20 @@ def options(outer: dict | None) -> dict:
     }
 
 
-def finish(doc: dict, model, ranks: list, lm, outer: dict | None) -> None:
+def finish(doc: dict, model, ranks: list, lm, outer: dict | None, tuning=None) -> None:
     """Fill a compute-only plan (`make_plan` of an outer-step strategy) with the outer
-    all-reduce, amortised over H inner steps: bytes, step time, tokens/s, bottleneck."""
+    all-reduce, amortised over H inner steps: bytes, step time, tokens/s, bottleneck; under LoRA
+    (`tuning`) the adapters alone are averaged."""
     o = options(outer)
     names, world, dtype = [r["name"] for r in doc["ranks"]], doc["world_size"], o["sync_dtype"]
     from smoltrain.planner import timing
 
-    numel = model.params()
+    numel = tuning.trainable(model) if tuning is not None else model.params()
     for p in doc["ranks"]:  # the outer step's anchor and momentum: two more fp32 copies of the model
         mem = p["memory"]
         mem["optimizer"] += 2 * numel * 4
         mem["total"] += 2 * numel * 4
-        p["fits"] = mem["total"] <= p["memory_available"]
+        p["fits"] = mem["fits"] = mem["total"] <= p["memory_available"]
     tr = outer_traffic(numel, dtype, world)
     cc = timing.comm_cost(tr, names, lm)
     slowest_bw = min(rk.device.mem_bw for rk in ranks[:world]) if ranks else 0.0

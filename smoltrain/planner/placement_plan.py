@@ -100,6 +100,7 @@ class Ask:
             self.passes,
             w.get("compute_dtype"),
             w.get("quantize"),
+            w.get("tuning"),
         )
 
     @cached_property
@@ -440,7 +441,7 @@ def section(a: Ask, chosen: Placement, plan: dict) -> dict:
     out["speed_source"] = kinds.pop() if len(kinds) == 1 else "mixed"
     w = a.widths or {}
     kw = dict(dtype=a.dtype, batch=a.shape.batch, seq=a.seq, mode=a.task)
-    kw.update(compute_dtype=w.get("compute_dtype"), quantize=w.get("quantize"))
+    kw.update(compute_dtype=w.get("compute_dtype"), quantize=w.get("quantize"), tuning=w.get("tuning"))
     out["speeds"] = [
         {
             "name": rk.name,

@@ -51,6 +51,7 @@ def make_plan(
     quantize: str | None = None,
     wire_dtype: str | None = None,
     outer: dict | None = None,
+    tuning=None,
 ) -> dict:
     """The plan of these ranks over these links (the arithmetic; request.build_plan resolves
     ranks, links and placement from what a command was given, then calls this).
@@ -60,7 +61,8 @@ def make_plan(
     `compute_dtype`: the matmuls' dtype where it differs from `dtype`, the bytes' (run --dtype
     bf16 keeps fp32 weights and gradients); `quantize`, `wire_dtype`: inference weights and
     activations on the wire (planner.widths). `outer`: an outer-step strategy's settings
-    (planner.diloco.options: inner_steps, sync_dtype, target_comm)."""
+    (planner.diloco.options: inner_steps, sync_dtype, target_comm). `tuning` (train): what
+    trains and how (planner.tuning: LoRA adapters, a quantised base, checkpointing)."""
     if placement and ranks is not None:
         ranks, world = placed_ranks(ranks, placement), len(placement["order"])
     if mode == "infer":
@@ -68,7 +70,8 @@ def make_plan(
     info = registry.REGISTRY.get(strategy)  # an unknown name is refused by traffic() below
     if info is None or not info.microbatched:
         microbatches = 1  # only a pipeline cuts the batch into microbatches (as smoltrain run does)
-    tr: Traffic = traffic(strategy, mode, model, world, dtype, batch, seq, microbatches, wire=wire_dtype)
+    tuning = tuning if mode == "train" else None
+    tr: Traffic = traffic(strategy, mode, model, world, dtype, batch, seq, microbatches, wire=wire_dtype, tuning=tuning)
     ranks = ranks or resolve_ranks(world)
     names = [r.name for r in ranks]
     wire = lm or from_class("1gbe")
@@ -76,7 +79,7 @@ def make_plan(
 
     train = mode == "train"
     passes = microbatches if info.microbatched else 1
-    sh = rank_time.Shape(strategy, mode, model, dtype, batch, seq, passes, compute_dtype, quantize)
+    sh = rank_time.Shape(strategy, mode, model, dtype, batch, seq, passes, compute_dtype, quantize, tuning)
     works = capacity.layout(strategy, mode, model, world, batch, seq, microbatches, placement)
     rows = [rank_time.row(r, rk, w, sh) for r, (w, rk) in enumerate(zip(works, ranks))]
     per_rank = [p for p, _ in rows]
@@ -117,14 +120,17 @@ def make_plan(
         placement_mode=(placement or {}).get("mode", "even"),
         decode_source=None if train else rank_time.decode_source(ranks[: len(works)], sh),
     )
+    if tuning is not None:
+        doc["tuning"] = tuning.to_dict(model)
     if train and info.outer_steps:  # the all-reduce every H steps (planner.diloco)
         from smoltrain.planner import diloco
 
-        diloco.finish(doc, model, ranks, lm, outer)
+        diloco.finish(doc, model, ranks, lm, outer, tuning)
     if single:
         from smoltrain.planner import verdict
 
         kw = dict(dtype=dtype, batch=batch, seq=seq, mode=mode, compute_dtype=compute_dtype, quantize=quantize)
+        kw["tuning"] = tuning
         doc["single_host"] = verdict.single_host(model, ranks, **kw)
         doc["verdict"] = verdict.sentence(doc)
     return doc

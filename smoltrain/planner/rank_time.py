@@ -31,6 +31,11 @@ class Shape:
     passes: int = 1  # forward/backward passes per step on each rank (pipeline microbatches, accumulation)
     compute_dtype: str | None = None  # the matmuls' dtype where it differs from `dtype` (planner.widths)
     quantize: str | None = None  # inference weights' format (planner.widths)
+    tuning: object = None  # planner.tuning.Tuning: LoRA, a quantised base, checkpointing (train)
+
+    def work(self, w: capacity.RankWork) -> capacity.RankWork:
+        """`w` as this shape trains it (planner.tuning): the one place a tuning changes a rank's work."""
+        return self.tuning.work(w, self.model) if self.tuning is not None and self.mode == "train" else w
 
 
 @dataclass
@@ -49,7 +54,7 @@ def seconds(rk, w: capacity.RankWork, sh: Shape) -> RankTime:
     """One rank's compute for its work, per step (train) or per generated token (infer)."""
     if sh.mode == "infer":
         return decode(rk, w, sh)[0]
-    model = sh.model
+    model, w = sh.model, sh.work(w)
     fl = capacity.flops(w, model, sh.mode, sh.seq)
     mt = capacity.memory_traffic(w, model, sh.mode, sh.dtype, sh.batch, sh.seq, sh.strategy, sh.quantize)
     t_fl = fl / rk.device.flops(sh.compute_dtype or sh.dtype)
@@ -100,7 +105,7 @@ def decode_source(ranks: list, sh: Shape) -> str:
 
 
 def memory(w: capacity.RankWork, sh: Shape) -> capacity.Memory:
-    return capacity.memory(w, sh.model, sh.mode, sh.dtype, sh.seq, sh.strategy, sh.quantize)
+    return capacity.memory(sh.work(w), sh.model, sh.mode, sh.dtype, sh.seq, sh.strategy, sh.quantize)
 
 
 def fits(rk, mem: capacity.Memory) -> bool:
@@ -115,18 +120,19 @@ def row(r: int, rk, w: capacity.RankWork, sh: Shape) -> tuple[dict, RankTime]:
     """The plan's `ranks` entry of rank r, and its times."""
     t = seconds(rk, w, sh)
     mem = memory(w, sh)
+    tw = sh.work(w)
     return (
         {
             "rank": r,
             "name": rk.name,
             "device": rk.device.name,
-            "flops_per_step": capacity.flops(w, sh.model, sh.mode, sh.seq),
+            "flops_per_step": capacity.flops(tw, sh.model, sh.mode, sh.seq),
             "memory_traffic_bytes": capacity.memory_traffic(
-                w, sh.model, sh.mode, sh.dtype, sh.batch, sh.seq, sh.strategy, sh.quantize
+                tw, sh.model, sh.mode, sh.dtype, sh.batch, sh.seq, sh.strategy, sh.quantize
             ),
             "compute_s": t.compute_s,
             "bound": t.bound,
-            "memory": mem.to_dict(),
+            "memory": dict(mem.to_dict(), host_bytes=int(rk.memory_bytes), fits=fits(rk, mem)),
             "memory_available": int(available(rk)),
             "fits": fits(rk, mem),
         },

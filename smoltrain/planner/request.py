@@ -43,6 +43,7 @@ class PlanRequest:
     quantize: str | None = None  # inference weights' format
     wire_dtype: str | None = None  # inference activations on the wire
     outer: dict | None = None  # an outer-step strategy's settings (planner.diloco.options)
+    tuning: object = None  # train: planner.tuning.Tuning (LoRA, a quantised base, checkpointing); None: full
     lanes: int = 1  # infer: decode steps in flight through a pp chain (serve: one per stage, up to its batch)
 
     @property
@@ -53,6 +54,7 @@ class PlanRequest:
             "quantize": self.quantize,
             "wire_dtype": self.wire_dtype,
             "outer": self.outer,
+            "tuning": self.tuning,
         }
 
 

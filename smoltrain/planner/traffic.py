@@ -196,11 +196,21 @@ class Step:
     act: float = 0.0  # bytes of one token's hidden state on the wire (infer; planner.widths)
     wire: str = "fp32"
     rows: int = 1  # infer: sequences a decode message carries (serve batches them; planner.serve)
+    tuning: object = None  # planner.tuning.Tuning (train): under LoRA only the adapters' gradients move
+
+    @property
+    def lora(self) -> bool:
+        return bool(self.tuning is not None and self.tuning.lora)
+
+    @property
+    def grads(self) -> int:
+        """Gradient elements a replica synchronises: every parameter, or the adapters."""
+        return self.tuning.trainable(self.model) if self.tuning is not None else self.model.params()
 
 
 # --- train: one optimizer step ---
 def ring_allreduce_train(tr: Traffic, s: Step) -> None:
-    tr.phases += bucketed_all_reduce(s.world, s.model.params() * s.a, "all-reduce gradients")
+    tr.phases += bucketed_all_reduce(s.world, s.grads * s.a, "all-reduce gradients")
 
 
 def sharded_gather_train(tr: Traffic, s: Step) -> None:
@@ -238,7 +248,7 @@ def layer_chain_train(tr: Traffic, s: Step) -> None:
     if fwd:
         tr.phases.append(Phase("activations forward", fwd, m))
         tr.phases.append(Phase("activation gradients backward", bwd, m))
-    if model.tied_embeddings and N > 1:
+    if model.tied_embeddings and N > 1 and not s.lora:  # LoRA: the embedding is frozen
         E = model.vocab * h * s.a
         tr.phases.append(
             Phase("tied embedding gradient sync (first <-> last stage)", [Transfer(0, N - 1, E), Transfer(N - 1, 0, E)])
@@ -250,18 +260,25 @@ def layer_chain_train(tr: Traffic, s: Step) -> None:
 
 
 def tensor_allreduce_train(tr: Traffic, s: Step) -> None:
-    # Megatron: 2 all-reduces of b*s*h forward per layer and 2 backward, per microbatch.
-    N, m = s.world, s.microbatches
+    # Megatron: 2 all-reduces of b*s*h forward per layer and 2 backward, per microbatch; under
+    # LoRA no backward one before the first adapter (planner.tuning.backward_enters)
+    N, m, L = s.world, s.microbatches, s.model.layers
+    bwd = s.tuning.backward_enters(L) if s.tuning is not None else 2 * L
     if N > 1:
         tr.phases.append(
             _ring(
                 N,
                 s.batch * s.seq * s.model.hidden * s.a / m / N,
-                4 * s.model.layers * m * 2 * (N - 1),
-                "all-reduce activations (2 fwd + 2 bwd per layer)",
+                (2 * L + bwd) * m * 2 * (N - 1),
+                "all-reduce activations (2 fwd + 2 bwd per layer)"
+                if bwd == 2 * L
+                else f"all-reduce activations (2 fwd per layer, {bwd} bwd)",
             )
         )
-    if N > 1 and s.model.qk_norm:  # qwen3: every rank's heads share the q/k norm weights
+    if N > 1 and s.lora:  # the uncut factor of each adapter (A column-, B row-parallel) holds partial sums
+        if s.tuning.partial():
+            tr.phases += all_reduce(N, s.tuning.partial() * s.a, "all-reduce the uncut LoRA factors' gradients")
+    elif N > 1 and s.model.qk_norm:  # qwen3: every rank's heads share the q/k norm weights
         tr.phases += all_reduce(N, 2 * s.model.layers * s.model.head_dim * s.a, "all-reduce q/k norm gradients")
     tr.notes.append("embeddings and LM head replicated: nothing else crosses the links")
 
@@ -395,18 +412,24 @@ def traffic(
     microbatches: int = 1,
     wire: str | None = None,
     rows: int = 1,
+    tuning=None,
 ) -> Traffic:
     """Every byte the strategy sends per step (train) or per generated token (infer); `wire`:
     the dtype inference hidden states cross the links at (default `dtype`); `rows`: the
-    sequences one decode step carries (pp, tp; a served batch)."""
+    sequences one decode step carries (pp, tp; a served batch); `tuning`: what trains
+    (planner.tuning; None: every parameter)."""
     from smoltrain.planner.widths import wire_bytes
 
     validate(strategy, mode, model, world, batch, seq, microbatches)
+    if tuning is not None and mode == "train":
+        tuning.check(strategy)
+    else:
+        tuning = None
     info = registry.get(strategy)
     tr = Traffic(strategy, mode, world)
     wire = wire or dtype
     act = wire_bytes(model.hidden, wire)
-    step = Step(info, model, world, dtype_bytes(dtype), batch, seq, microbatches, act, wire, rows)
+    step = Step(info, model, world, dtype_bytes(dtype), batch, seq, microbatches, act, wire, rows, tuning)
     model_for(info, mode)(tr, step)
     return tr
 

@@ -29,11 +29,13 @@ def _replica() -> str:
     )
 
 
-def alone(rk, model, *, dtype: str, batch: int, seq: int, mode: str, compute_dtype=None, quantize=None) -> dict:
+def alone(
+    rk, model, *, dtype: str, batch: int, seq: int, mode: str, compute_dtype=None, quantize=None, tuning=None
+) -> dict:
     """One host training the whole global batch by itself: in one pass when it fits, else
     with gradient accumulation (the fewest passes whose share of the batch fits; each pass
     pays the per-pass costs, the update is paid once)."""
-    sh = rank_time.Shape(_replica(), mode, model, dtype, batch, seq, 1, compute_dtype, quantize)
+    sh = rank_time.Shape(_replica(), mode, model, dtype, batch, seq, 1, compute_dtype, quantize, tuning)
     w = capacity.layout(sh.strategy, mode, model, 1, batch, seq)[0]
     passes = range(1, batch + 1) if mode == "train" else (1,)
     for k in passes:

@@ -27,6 +27,7 @@ class RunPlan:
 
 def request(args, spec, names: list[str], hosts):
     """The PlanRequest of this run (`plan` builds the same from the same arguments)."""
+    from smoltrain.finetune.tuning import from_options
     from smoltrain.planner.placement import read_placement_file
     from smoltrain.planner.request import PlanRequest
 
@@ -64,6 +65,7 @@ def request(args, spec, names: list[str], hosts):
         strict=True,
         compute_dtype=getattr(args, "dtype", None),  # bf16 matmuls; weights, gradients and the wire stay fp32
         outer={k: getattr(args, k, None) for k in ("inner_steps", "sync_dtype", "target_comm")},
+        tuning=from_options(spec, vars(args)),  # LoRA: the adapters' bytes and memory
     )
 
 

@@ -52,8 +52,8 @@ class DiLoCo(Strategy):
         run = ctx.run
         self.H, self.steps = run.inner_steps, run.steps
         self.model = ctx.build_model().to(ctx.device)
-        self.flat = flat_params(self.model)  # the local weights, one buffer
         self.params = trainable(self.model)
+        self.flat = flat_params(self.params)  # the trained weights (LoRA: the adapters), one buffer
         self.opt = make_optimizer(run.optimizer, self.params, ctx.lr)  # inner, never shared
         self.anchor = self.flat.detach().clone()  # the shared weights of the last outer step
         self.momentum = torch.zeros_like(self.flat)  # the outer Nesterov buffer (shared)

@@ -36,9 +36,9 @@ from smoltrain.planner.placement import named_batch_ranges
 HELLO, PARAMS, GRADS, STOP = 1, 2, 3, 4
 
 
-def flat_params(model: torch.nn.Module) -> torch.Tensor:
-    """Move a model's parameters into one flat buffer; the parameters become views of it."""
-    params = list(model.parameters())
+def flat_params(model) -> torch.Tensor:
+    """Move a model's parameters (or these parameters) into one flat buffer; they become views of it."""
+    params = list(model.parameters()) if isinstance(model, torch.nn.Module) else list(model)
     flat = torch.cat([p.detach().reshape(-1) for p in params])
     off = 0
     for p in params:

@@ -1,0 +1,78 @@
+"""The planner's picture of a fine-tuning run (planner.tuning.Tuning), read off the model the run
+builds: the checkpoint's layers on the meta device (no memory, no weights read) with LoRA applied
+as `run` applies it, so the adapters the plan counts are the ones that train and cross the wire.
+"""
+
+from __future__ import annotations
+
+import re
+
+from smolnet.errors import UsageError
+from smoltrain.planner.tuning import Adapter, Tuning
+
+# tp's Megatron cut (models.causal tp_slice): these layers split their outputs (B cut by rows),
+# the others on a block split their inputs (A cut by columns)
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "c_attn", "c_fc")
+ROW = ("o_proj", "down_proj", "c_proj")
+LAYER = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
+
+
+def describe(spec, lora: dict | None, quantize: str | None = None, checkpoint_activations: bool = False) -> Tuning:
+    """The Tuning of `spec` (a Hugging Face checkpoint for LoRA or --quantize) under these settings;
+    a LoRA target or rank the model cannot take exits 2 (finetune.lora.LoraError)."""
+    if (lora or quantize) and not spec.source:
+        raise UsageError("--lora-rank and --quantize (training) need a Hugging Face checkpoint folder as --model")
+    if not lora:
+        return Tuning(None, (), quantize, checkpoint_activations)
+    import torch
+
+    from smoltrain.finetune.lora import LoraConfig, adapted, apply
+    from smoltrain.models.causal import CausalLM
+    from smoltrain.models.hf import read_config
+
+    with torch.device("meta"):
+        model = CausalLM(read_config(spec.source), spec)
+    cfg = LoraConfig.from_dict(lora)
+    apply(model, cfg, spec.arch, 0)
+    out = []
+    for name, m in adapted(model):
+        hit = LAYER.search(name)
+        unit = int(hit.group(1)) + 1 if hit else (spec.layers + 1 if name.endswith("lm_head") else 0)
+        last = name.rsplit(".", 1)[-1]
+        cut = ("col" if last in COLUMN else "row" if last in ROW else "") if hit else ""
+        a, b = m.lora_A.weight, m.lora_B.weight
+        pos = 2 * (unit - 1) + (".mlp." in name) if hit else 2 * spec.layers if unit else 0
+        out.append(Adapter(unit, name, int(a.shape[1]), int(b.shape[0]), cfg.rank, cut, pos))
+    return Tuning(cfg.to_dict(), tuple(out), quantize, checkpoint_activations)
+
+
+def add_arguments(p) -> None:
+    """`plan`'s fine-tuning inputs (run takes the same LoRA flags; --quantize is plan's own)."""
+    g = p.add_argument_group("fine-tuning (train, a Hugging Face --model)")
+    g.add_argument("--lora-rank", type=int, metavar="R", help="plan LoRA adapters of rank R (the base frozen)")
+    g.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA scale alpha/R (default 16)")
+    g.add_argument("--lora-targets", help="layers to adapt, e.g. q_proj,v_proj (default: q_proj,v_proj; c_attn)")
+    g.add_argument(
+        "--checkpoint-activations",
+        action="store_true",
+        help="plan activation checkpointing: each layer's input kept, its forward rerun in backward",
+    )
+
+
+def from_options(spec, o: dict) -> Tuning | None:
+    """The Tuning that `plan`'s or `run`'s options ask for (None: full training, nothing special);
+    --quantize in train mode is the frozen base's format (QLoRA)."""
+    rank = o.get("lora_rank")
+    quantize = o.get("quantize") if o.get("mode", "train") == "train" else None
+    ckpt = bool(o.get("checkpoint_activations"))
+    if rank is None and not quantize and not ckpt:
+        return None
+    lora = None
+    if rank is not None:
+        from smoltrain.finetune.lora import LoraConfig, parse_targets
+
+        cfg = LoraConfig(
+            rank, o.get("lora_alpha", 16.0), o.get("lora_dropout") or 0.0, parse_targets(o.get("lora_targets"))
+        )
+        lora = cfg.to_dict()
+    return describe(spec, lora, quantize, ckpt)
