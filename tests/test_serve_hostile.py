@@ -357,3 +357,38 @@ def test_two_thousand_trickling_connections_are_shed(tmp_path):
         proc.terminate()
         proc.wait(30)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_accept_pauses_when_descriptors_run_out():
+    """Out of descriptors (EMFILE), the listener stays readable: accept() is tried a few times a
+    second, not thousands (the loop used to spin on it)."""
+    from http.server import BaseHTTPRequestHandler
+
+    from smoltrain.infer.conns import Server
+
+    class Quiet(BaseHTTPRequestHandler):
+        def handle(self):
+            self.request.recv(1)  # holds its descriptor until the client closes
+
+    tries = [0]
+
+    class Counted(Server):
+        def get_request(self):
+            tries[0] += 1
+            return super().get_request()
+
+    server = Counted(("127.0.0.1", 0), Quiet, max_connections=10_000)  # no cap below the descriptors
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    socks: list[socket.socket] = []
+    try:  # 20 connections wait in the backlog; the server may open 4 more descriptors
+        socks = [socket.create_connection(server.server_address, timeout=5) for _ in range(20)]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 4, hard))
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        time.sleep(1.0)
+        assert 0 < tries[0] < 100, tries[0]
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        for sk in socks:
+            sk.close()
+        server.shutdown()
+        server.server_close()
