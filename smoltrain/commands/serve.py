@@ -82,7 +82,7 @@ def api_key(args) -> str | None:
         if not key or len(key) > 4096 or any(c.isspace() for c in key):
             raise UsageError(f"--api-key-file {args.api_key_file}: one key of 1-4096 characters, no spaces")
         return key
-    key = args.api_key if args.api_key is not None else os.environ.get("SMOL_API_KEY")
+    key = args.api_key if args.api_key is not None else (os.environ.get("SMOL_API_KEY") or None)  # "" is unset
     where = "--api-key" if args.api_key is not None else "SMOL_API_KEY"
     if key is not None and (not key.strip() or any(c.isspace() for c in key.strip())):
         raise UsageError(f"{where} is empty or has spaces")
