@@ -27,6 +27,7 @@ TIERS = {
         "test_errors.py",
         "test_model.py",
         "test_plan.py",
+        "test_plan_tuning.py",
         "test_report.py",
         "test_run_config.py",
         "test_schemas.py",

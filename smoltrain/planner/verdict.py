@@ -117,3 +117,92 @@ def sentence(plan: dict) -> str:
         f"The cluster is slower than {one['name']} alone ({tps:,.1f} vs {alone:,.1f} tokens/s, {ratio:.2g}x): "
         f"{what} limits it ({where}); train on {one['name']} alone or {fix}."
     )
+
+
+def shortfall(plan: dict) -> dict | None:
+    """The rank whose host misses the plan's memory by the most: {rank, name, needs, usable, short}
+    in bytes; None when every rank fits."""
+    worst = None
+    for p in plan.get("ranks") or []:
+        short = p["memory"]["total"] - p["memory_available"]
+        if not p["fits"] and (worst is None or short > worst["short"]):
+            worst = {
+                "rank": p["rank"],
+                "name": p["name"],
+                "needs": p["memory"]["total"],
+                "usable": p["memory_available"],
+            }
+            worst["short"] = short
+    return worst
+
+
+def refusal(plan: dict, short: dict) -> str:
+    """One line: which host the layout does not fit, and by how much."""
+    from smoltrain.planner.bottleneck import human_bytes
+
+    return (
+        f"{setup_name(plan)} on {plan['world_size']} ranks does not fit host {short['name']}: it needs "
+        f"{human_bytes(short['needs'])} of its {human_bytes(short['usable'])} usable memory, "
+        f"{human_bytes(short['short'])} short"
+    )
+
+
+def setup_name(plan: dict) -> str:
+    lora = (plan.get("tuning") or {}).get("lora")
+    q = (plan.get("tuning") or {}).get("quantize")
+    how = f"LoRA r={lora['rank']}" + (f" on a {q} base" if q else "") if lora else "full"
+    return f"{plan['strategy']} ({how})"
+
+
+def setups(plans: list[dict]) -> dict:
+    """Fine-tuning setups (strategy x full or LoRA) compared: the fastest that fits on the cluster,
+    the best single host alone under any of them, and the ratio (None where either is missing)."""
+    fits = [p for p in plans if p.get("step_s") and not shortfall(p)]
+    best = max(fits, key=lambda p: p["tokens_per_s"], default=None)
+    alone = [(p["single_host"], p) for p in plans if (p.get("single_host") or {}).get("fits")]
+    one, of = max(alone, key=lambda x: x[0]["tokens_per_s"], default=(None, None))
+
+    def rec(p: dict) -> dict:
+        lora = (p.get("tuning") or {}).get("lora")
+        hosts = [r["name"] for r in p["ranks"]]
+        return {
+            "strategy": p["strategy"],
+            "lora_rank": lora["rank"] if lora else None,
+            "quantize": (p.get("tuning") or {}).get("quantize"),
+            "world": p["world_size"],
+            "hosts": hosts,
+            "tokens_per_s": p["tokens_per_s"],
+            "step_s": p["step_s"],
+        }
+
+    out = {"best": rec(best) if best else None, "single_host": None, "speedup": None}
+    if one is not None:
+        out["single_host"] = dict(one, **{k: rec(of)[k] for k in ("lora_rank", "quantize")})
+        if best and one["tokens_per_s"] > 0:
+            out["speedup"] = best["tokens_per_s"] / one["tokens_per_s"]
+    return out
+
+
+def setups_sentence(v: dict) -> str:
+    """The setups record in words."""
+
+    def how(r):
+        return (
+            (f"LoRA r={r['lora_rank']}" + (f" on a {r['quantize']} base" if r["quantize"] else ""))
+            if r["lora_rank"]
+            else "full"
+        )
+
+    b, one = v["best"], v["single_host"]
+    if b is None:
+        return "No setup fits the cluster's memory (try LoRA, a quantised base or --checkpoint-activations)."
+    head = (
+        f"Fastest setup that fits: {b['strategy']} with {how(b)} on {b['world']} rank{'s' * (b['world'] > 1)} "
+        f"({', '.join(b['hosts'])}), {b['tokens_per_s']:,.1f} tokens/s"
+    )
+    if one is None:
+        return head + "; no single host fits it alone."
+    alone = f"{one['name']} alone ({how(one)}, {one['tokens_per_s']:,.1f} tokens/s)"
+    if v["speedup"] >= 1.05:
+        return f"{head}, {v['speedup']:.2g}x the best single host, {alone}."
+    return f"{head}: no faster than the best single host, {alone}; train there."
