@@ -37,7 +37,7 @@ class ChatError(SmolError):
     """Messages the template refuses (its raise_exception), or a template that does not render."""
 
 
-class OverBudget(Exception):
+class OverBudget(ChatError):
     """A template passed its time or output budget (the message names the limit)."""
 
 
