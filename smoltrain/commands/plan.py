@@ -16,7 +16,11 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="tiny", help=MODELS_HELP)
     p.add_argument("--world", type=validate.RANKS, help="ranks (default: inventory hosts, links-report hosts, else 2)")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
-    p.add_argument("--quantize", choices=("int8", "q4"), help="--mode infer: weights at this width (contract §9)")
+    p.add_argument(
+        "--quantize",
+        choices=("int8", "q4"),
+        help="--mode infer: weights at this width (contract §9); train: the frozen LoRA base's (QLoRA, plan only)",
+    )
     p.add_argument(
         "--wire-dtype", choices=("fp32", "bf16", "fp16", "int8"), help="--mode infer, serve: hidden states on the wire"
     )
@@ -60,6 +64,9 @@ def add_arguments(p) -> None:
         help="N ranks on this machine, sharing its cores (what `run --local N` plans)",
     )
     p.add_argument("--no-what-if", action="store_true", help="skip the table over link classes")
+    from smoltrain.finetune.tuning import add_arguments as tuning_arguments
+
+    tuning_arguments(p)
     from smoltrain.planner.diloco import add_arguments as outer_arguments
 
     outer_arguments(p, run=False)
@@ -98,9 +105,13 @@ def request(o: dict, run_doc=None):
             hosts = [selection.ReportHost(n, None) for n in names]
         placement = (run_doc.get("config") or {}).get("placement") or run_doc.get("placement") or placement
     infer = o["mode"] == "infer"
+    from smoltrain.finetune.tuning import from_options
+    from smoltrain.planner.request import model_of
+
+    model = model_of(o["model"])
     return PlanRequest(
         o["strategy"],
-        o["model"],
+        model,
         mode=o["mode"],
         world=o["local"] if local and o["local"] else o["world"],
         dtype=o["dtype"],
@@ -117,6 +128,7 @@ def request(o: dict, run_doc=None):
         quantize=o.get("quantize") if infer else None,
         wire_dtype=o.get("wire_dtype") if infer else None,
         outer={"inner_steps": o["inner_steps"], "sync_dtype": o["sync_dtype"], "target_comm": o["target_comm"]},
+        tuning=from_options(model, o) if o["mode"] == "train" else None,
     )
 
 
@@ -158,10 +170,20 @@ def run(args) -> int:
     o = vars(ns)
     req = request(o, run_doc)
     setting = resolve(req)
+    from smoltrain.planner import setups
+
     if o["strategy"] == "all":
-        return _all(con, o, selection.ranking(req, setting, o["target_comm"]))
+        doc = selection.ranking(req, setting, o["target_comm"])
+        words = setups.review(doc, req, setting) if setups.applies(req) and run_doc is None else None
+        _all(con, o, doc)
+        if words:
+            con.print(f"  [bold]fine-tuning:[/] {words}")
+        return 0
     plan = selection.one(req, setting, what_if=not o["no_what_if"])
+    words = setups.review(plan, req, setting) if setups.applies(req) and run_doc is None else None
     _show(con, plan, compare=run_doc is not None)
+    if words:
+        con.print(f"  [bold]fine-tuning:[/] {words}")
     out = plan
     if run_doc is not None:
         from smoltrain.planner.compare import compare

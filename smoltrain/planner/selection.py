@@ -139,6 +139,7 @@ def one(req, setting, what_if: bool) -> dict:
     if what_if:
         sec = plan.get("placement")
         kw = dict(dtype=req.dtype, batch=req.batch, seq=req.seq, microbatches=req.microbatches, mode=req.mode)
+        kw["tuning"] = req.tuning  # LoRA: the adapters' bytes over every link class too
         if sec is not None and "order" in sec:
             kw["placement"] = placement_plan.place_dict(sec)
         plan["what_if"] = over_classes(req.strategy, setting.model, len(setting.ranks), setting.ranks, **kw)
