@@ -52,6 +52,7 @@ TIERS = {
     ],
     "process": [
         "test_hf_train.py",
+        "test_lora_plan_runs.py",
         "test_backends.py",
         "test_kernels_c.py",
         "test_agent.py",
