@@ -6,7 +6,6 @@ once, named, and a backend the host cannot run is refused."""
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from need import native_expected, need_native
+from need import native_expected, need_native, need_tool
 
 from smolnet.errors import UsageError
 from smoltrain.models import backends, native, quant
@@ -171,8 +170,7 @@ def test_a_compiler_without_openmp_still_builds(cache, tmp_path, monkeypatch):
 def test_clang_builds_the_kernels(cache, monkeypatch):
     """A real clang (Debian's, without libomp: -fopenmp fails at link, as on a Mac) builds them too."""
     need_native()
-    if not shutil.which("clang"):
-        pytest.skip("no clang here")
+    need_tool("clang")  # scripts/system-deps.sh installs it
     monkeypatch.setenv("CC", "clang")
     so, why = _status()
     assert why is None and so.simd() == native.library().simd()
@@ -284,8 +282,6 @@ def test_one_openmp_runtime_in_the_process():
     first, so the loader hands ours torch's: one OpenMP runtime, one thread pool, not two
     contending for the same cores (issue 39). /proc/self/maps names every library mapped."""
     need_native()  # torch is imported above: loaded before ours, as in every rank
-    if not os.path.exists("/proc/self/maps"):
-        pytest.skip("no /proc/self/maps here to list the mapped libraries")
     assert native.library().openmp() == 1
     native.q4_mm(torch.randn(1, 64), *_q4())  # the pool has started
     maps = Path("/proc/self/maps").read_text().splitlines()
