@@ -29,6 +29,9 @@ def add_arguments(p) -> None:
     lora.add_argument("--lora-alpha", type=float, default=16.0, help="scale alpha/R (default 16)")
     lora.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input (default 0)")
     lora.add_argument("--lora-targets", help="layers to adapt, e.g. q_proj,v_proj (default: q_proj,v_proj; c_attn)")
+    not_yet = "planned by `smoltrain plan`, not yet trained (refused)"
+    lora.add_argument("--quantize", choices=("int8", "q4"), help=f"a quantised frozen base (QLoRA): {not_yet}")
+    p.add_argument("--checkpoint-activations", action="store_true", help=f"activation checkpointing: {not_yet}")
     p.add_argument("--steps", type=validate.STEPS, default=20)
     p.add_argument("--batch", type=validate.BATCH, default=8, help="global batch, in sequences")
     p.add_argument("--seq", type=validate.SEQ, default=64, help="sequence length in bytes (tokens)")
@@ -265,6 +268,9 @@ def _run(args, early) -> int:
     from smoltrain.models.spec import ModelSpecError, get_model
 
     console = Console(stderr=False)
+    if args.quantize or args.checkpoint_activations:  # planned (planner.tuning), not yet trained
+        flag = "--quantize" if args.quantize else "--checkpoint-activations"
+        raise UsageError(f"{flag}: `smoltrain plan` plans it, `smoltrain run` does not train that way yet")
     mesh = mesh_argument(args)
     info = registry.get(args.strategy, trainable=True)
     from smoltrain.run import preflight

@@ -49,7 +49,10 @@ def describe(spec, lora: dict | None, quantize: str | None = None, checkpoint_ac
 def add_arguments(p) -> None:
     """`plan`'s fine-tuning inputs (run takes the same LoRA flags; --quantize is plan's own)."""
     g = p.add_argument_group("fine-tuning (train, a Hugging Face --model)")
-    g.add_argument("--lora-rank", type=int, metavar="R", help="plan LoRA adapters of rank R (the base frozen)")
+    from smoltrain import validate
+
+    rank = validate.count(1 << 16)
+    g.add_argument("--lora-rank", type=rank, metavar="R", help="plan LoRA adapters of rank R (the base frozen)")
     g.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA scale alpha/R (default 16)")
     g.add_argument("--lora-targets", help="layers to adapt, e.g. q_proj,v_proj (default: q_proj,v_proj; c_attn)")
     g.add_argument(
