@@ -141,7 +141,8 @@ def refusal(plan: dict, short: dict) -> str:
     from smoltrain.planner.bottleneck import human_bytes
 
     return (
-        f"{setup_name(plan)} on {plan['world_size']} ranks does not fit host {short['name']}: it needs "
+        f"{setup_name(plan)} on {plan['world_size']} rank{'s' * (plan['world_size'] != 1)} does not fit host "
+        f"{short['name']}: it needs "
         f"{human_bytes(short['needs'])} of its {human_bytes(short['usable'])} usable memory, "
         f"{human_bytes(short['short'])} short"
     )
