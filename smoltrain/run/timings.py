@@ -15,8 +15,12 @@ the schedule with free hops, `planner.timing.pipeline`), a rank whose own step e
 
     comm_s = own - R, within 0 .. its own communication time
 
-so a rank whose messages took longer (a slow uplink, a stage that sends more) gets its own,
-larger figure rather than one number copied to every rank.
+so each figure comes from that rank's own step and calls, not one number copied to every rank.
+In a lockstep step (a ring, a pipeline in its steady state) every rank's own step is the step
+period, so the figures agree, as the plan predicts; they part where a rank's step runs longer
+than its peers' (it still sends when they are done: a server's replies, a stage's last sends).
+Telling a slow link's bytes apart from the wait for a peer inside one call needs the transport
+to time them apart, which it does not.
 
     wait_s = step - compute_s - comm_s      (step: the slowest rank's step time)
 """
