@@ -57,6 +57,12 @@ def test_lora_runs_send_the_plans_bytes(ckpt, tmp_path, strategy, extra):
     sent = {(x["src"], x["dst"]): x["bytes"] / len(doc["steps"]) for x in doc["bytes"]}
     assert sent == plan and sent
     assert doc["plan"]["tuning"]["trainable_params"] == doc["trainable_params"] < doc["model"]["params"] // 10
+    if strategy == "dp":  # plan --compare replans the run from its report: its folder and its LoRA settings
+        cmp = tmp_path / "cmp.json"
+        assert main(["plan", "--compare", str(out), "--no-what-if", "--json", str(cmp)]) == 0
+        replanned = json.loads(cmp.read_text())["plan"]
+        assert {(x["src"], x["dst"]): x["bytes_per_step"] for x in replanned["links"]} == sent
+        assert replanned["tuning"]["lora"] == doc["lora"]
 
 
 def test_plan_refuses_a_host_too_small(ckpt, tmp_path, capsys):

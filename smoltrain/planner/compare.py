@@ -34,7 +34,7 @@ def run_request(run: dict) -> dict:
     cfg = run["config"]
     req = {
         "strategy": cfg.get("strategy") or run.get("strategy"),
-        "model": cfg.get("model", "tiny"),
+        "model": (cfg.get("model_spec") or {}).get("source") or cfg.get("model", "tiny"),  # an HF run: its folder
         "world": int(cfg.get("world_size") or run.get("world_size") or 0),
         "dtype": cfg.get("dtype", "fp32"),
         "batch": int(cfg.get("batch", 8)),

@@ -58,6 +58,11 @@ def from_run(run_doc: dict, strategy: str | None) -> dict:
         out["inner_steps"] = req["inner_steps"]
         if req["sync_dtype"]:
             out["sync_dtype"] = req["sync_dtype"]
+    lora = run_doc.get("lora")  # a LoRA run: its adapters are what it synchronised (planner.tuning)
+    if lora:
+        t = lora.get("targets")
+        out.update(lora_rank=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"])
+        out["lora_targets"] = ",".join(t) if t else None
     return out
 
 
