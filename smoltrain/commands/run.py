@@ -7,6 +7,7 @@ import tempfile
 
 from smolnet.errors import UsageError
 from smoltrain import registry, validate
+from smoltrain.planner.tuning import LORA_STRATEGIES  # the plan's list: the others move frozen parameters too
 
 
 def add_arguments(p) -> None:
@@ -186,10 +187,6 @@ OUTER_PACED = (
     "; re-balanced at every outer step from each rank's measured pace (tokens per second of its "
     "inner steps; outer_steps[].ranks[].tokens)"
 )
-
-
-# the others (fsdp, syncps, edp) move every parameter, frozen or not
-LORA_STRATEGIES = ("dp", "mp", "pp", "tp", "diloco")
 
 
 def lora_settings(args, spec) -> dict | None:
