@@ -114,3 +114,21 @@ def test_a_layout_that_does_not_fit_is_refused_naming_host_and_shortfall(tmp_pat
     assert " MB of its 90 KB usable memory, " in rest  # 0.0001 GB less the 10% kept for the system
     assert main(argv) == 0  # a built-in model without fine-tuning flags: planned, bottleneck capacity, as before
     assert "does not fit" in capsys.readouterr().out
+
+
+def test_the_verdict_names_the_fastest_setup_that_fits():
+    from smoltrain.planner import verdict
+
+    m = get_model("llama-3.2-1b")
+    ad = [Adapter(i + 1, f"l{i}.q_proj", 2048, 2048, 8, "col") for i in range(16)]
+    t = Tuning({"rank": 8, "alpha": 16.0, "dropout": 0.0, "targets": None}, tuple(ad))
+    kw = dict(dtype="bf16", batch=2, seq=128)
+    lo, full = make_plan("dp", m, 2, tuning=t, **kw), make_plan("dp", m, 2, **kw)
+    assert verdict.shortfall(full)["name"] == "rank0" and verdict.shortfall(lo) is None  # generic hosts: 8 GB
+    v = verdict.setups([full, lo])
+    assert v["best"]["strategy"] == "dp" and v["best"]["lora_rank"] == 8 and v["best"]["hosts"] == ["rank0", "rank1"]
+    assert v["single_host"]["lora_rank"] == 8  # full training fits no host alone either
+    assert v["speedup"] == lo["tokens_per_s"] / lo["single_host"]["tokens_per_s"]
+    words = verdict.setups_sentence(v)
+    assert words.startswith("Fastest setup that fits: dp with LoRA r=8 on 2 ranks (rank0, rank1)")
+    assert verdict.setups_sentence(verdict.setups([full])).startswith("No setup fits")
