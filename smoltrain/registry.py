@@ -30,6 +30,8 @@ class StrategyInfo:
     shards_params: bool = False  # parameters, gradients and optimizer state are sharded over the ranks (ZeRO-3)
     even_split: bool = False  # the demo runs it only where its split (layers, heads) divides evenly over the world
     outer_steps: bool = False  # replicas train H inner steps between syncs (DiLoCo): planner.diloco plans H
+    serves: bool = False  # `generate` and `serve` split a model this way (a group of hosts per replica)
+    adapters: bool = False  # trains LoRA adapters alone (the others move every parameter, frozen or not)
 
     @property
     def elastic(self) -> bool:
@@ -54,6 +56,7 @@ _ALL = (
         loss_from="all",
         replicated_infer=True,
         module="dp",
+        adapters=True,
     ),
     StrategyInfo(
         "fsdp",
@@ -93,6 +96,7 @@ _ALL = (
         module="diloco",
         traffic="outer_allreduce",
         outer_steps=True,
+        adapters=True,
     ),
     StrategyInfo(
         "mp",
@@ -101,6 +105,7 @@ _ALL = (
         module="mp",
         topology="chain",
         traffic="layer_chain",
+        adapters=True,
     ),
     StrategyInfo(
         "pp",
@@ -111,6 +116,8 @@ _ALL = (
         traffic="layer_chain",
         microbatched=True,
         even_split=True,
+        serves=True,
+        adapters=True,
     ),
     StrategyInfo(
         "tp",
@@ -119,6 +126,8 @@ _ALL = (
         module="tp",
         traffic="tensor_allreduce",
         even_split=True,
+        serves=True,
+        adapters=True,
     ),
     StrategyInfo(
         "ep",
@@ -141,6 +150,11 @@ REGISTRY: dict[str, StrategyInfo] = {s.name: s for s in _ALL}
 def names(trainable: bool = False) -> tuple[str, ...]:
     """Strategy names in the canonical order (only the trainable ones when asked)."""
     return tuple(s.name for s in _ALL if s.trains or not trainable)
+
+
+def with_trait(trait: str) -> tuple[str, ...]:
+    """Strategy names whose StrategyInfo has `trait` set, in the canonical order."""
+    return tuple(s.name for s in _ALL if getattr(s, trait))
 
 
 def get(name: str, trainable: bool = False) -> StrategyInfo:

@@ -124,4 +124,7 @@ PORT = integer(0, 65535, want="0 (any free) or 1..65535")
 LR = real(0, 1000, lo_open=True)
 TEMPERATURE = real(0, 100)
 PROBABILITY = real(0, 1, lo_open=True)  # (0, 1]: top-p, fractions of a whole
+LORA_RANK = count(1 << 16)
+LORA_ALPHA = real(0, 1 << 16, lo_open=True)  # the adapters' scale is alpha / rank
+DROPOUT = real(0, 1, hi_open=True)  # [0, 1): a dropout of 1 drops everything
 SECONDS = seconds()

@@ -159,7 +159,12 @@ BASE = {
 }
 # options where 0 means something (any free port, no pace, greedy, only at the end, no warm-up, no queue)
 ZERO_OK = {"--checkpoint-every", "--pace", "--control-port", "--seed", "--warmup", "--rank", "--port", "--temperature"}
-ZERO_OK |= {"--eval-every", "--outer-momentum", "--max-queue"}  # no held-out loss; plain averaging; no queue
+ZERO_OK |= {
+    "--eval-every",
+    "--outer-momentum",
+    "--max-queue",
+    "--lora-dropout",
+}  # no held-out loss; plain averaging; no queue; no dropout
 BAD = ["-1", "nan", "inf", "-inf", "1e300", "99999999999999", "12abc"]
 
 

@@ -26,9 +26,11 @@ def add_arguments(p) -> None:
         "--model also .jsonl chats or prompt/completion pairs",
     )
     lora = p.add_argument_group("LoRA (a Hugging Face --model): adapters train, the base stays frozen")
-    lora.add_argument("--lora-rank", type=validate.count(1 << 16), metavar="R", help="adapter rank (off by default)")
-    lora.add_argument("--lora-alpha", type=float, default=16.0, help="scale alpha/R (default 16)")
-    lora.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input (default 0)")
+    lora.add_argument("--lora-rank", type=validate.LORA_RANK, metavar="R", help="adapter rank (off by default)")
+    lora.add_argument("--lora-alpha", type=validate.LORA_ALPHA, default=16.0, help="scale alpha/R (default 16)")
+    lora.add_argument(
+        "--lora-dropout", type=validate.DROPOUT, default=0.0, help="dropout on the adapters' input (default 0)"
+    )
     lora.add_argument("--lora-targets", help="layers to adapt, e.g. q_proj,v_proj (default: q_proj,v_proj; c_attn)")
     not_yet = "planned by `smoltrain plan`, not yet trained (refused)"
     lora.add_argument("--quantize", choices=("int8", "q4"), help=f"a quantised frozen base (QLoRA): {not_yet}")

@@ -51,9 +51,10 @@ def add_arguments(p) -> None:
     g = p.add_argument_group("fine-tuning (train, a Hugging Face --model)")
     from smoltrain import validate
 
-    rank = validate.count(1 << 16)
-    g.add_argument("--lora-rank", type=rank, metavar="R", help="plan LoRA adapters of rank R (the base frozen)")
-    g.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA scale alpha/R (default 16)")
+    g.add_argument(
+        "--lora-rank", type=validate.LORA_RANK, metavar="R", help="plan LoRA adapters of rank R (the base frozen)"
+    )
+    g.add_argument("--lora-alpha", type=validate.LORA_ALPHA, default=16.0, help="LoRA scale alpha/R (default 16)")
     g.add_argument("--lora-targets", help="layers to adapt, e.g. q_proj,v_proj (default: q_proj,v_proj; c_attn)")
     g.add_argument(
         "--checkpoint-activations",

@@ -73,11 +73,13 @@ def strategy_for(strategy: str | None, mode: str) -> str:
 
     if mode == "serve":
         strategy = strategy or "pp"
-        if strategy not in ("pp", "tp"):
-            raise UsageError(f"--mode serve splits a group of hosts with pp or tp, not {strategy}")
+        if strategy not in registry.with_trait("serves"):
+            splits = " or ".join(registry.with_trait("serves"))
+            raise UsageError(f"--mode serve splits a group of hosts with {splits}, not {strategy}")
     if not strategy:
         raise UsageError(f"--strategy is required ({', '.join(registry.names())} or all)")
-    if strategy != "all" and strategy not in STRATEGIES:
+    known = (*STRATEGIES, "all")
+    if strategy not in known:
         raise UsageError(f"unknown strategy {strategy!r} (one of {', '.join(STRATEGIES)}, or all)")
     return strategy
 

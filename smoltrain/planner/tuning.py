@@ -17,8 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from smolnet.errors import UsageError
+from smoltrain import registry
 
-LORA_STRATEGIES = ("dp", "mp", "pp", "tp", "diloco")  # the others move every parameter, frozen or not
+LORA_STRATEGIES = registry.with_trait("adapters")  # the others move every parameter, frozen or not
 
 
 @dataclass(frozen=True)
