@@ -119,13 +119,17 @@ def test_the_fault_and_decode_bars_count_a_miss_as_one():
         and not faults.ck_ok(dict(ck, rc=1, resumed_from=None))
     )
     assert not faults.ck_ok({"fault": "ck-none", "rc": 0}) and not faults.ck_ok(dict(ck, losses_match=False))
-    t = {"fp32": 10.0, "int8": 20.0, "q4": 30.0, "llama.cpp Q8_0": 30.0, "llama.cpp Q4_0": 40.0}
-    run = {"threads": 1, "tokens_per_s": t, "roofline_tokens_per_s": {"fp32": 15.0}}
+    t = {"fp32": 12.0, "int8": 29.0, "q4": 34.0, "llama.cpp Q8_0": 30.0, "llama.cpp Q4_0": 40.0}
+    err = {"int8": 0.0186, "llama.cpp Q8_0": 0.0189}
+    run = {"threads": 1, "tokens_per_s": t, "roofline_tokens_per_s": {"fp32": 15.0}, "logit_rms_error_vs_fp32": err}
     assert decode.verdict(run) == (
         True,
-        "1 thread(s): fp32 0.67 of the bound; int8 2.00x, q4 3.00x fp32; 0.67x / 0.75x llama.cpp Q8_0 / Q4_0",
+        "1 thread(s): fp32 0.80 of the bound; q4 0.85x llama.cpp Q4_0, int8 0.97x Q8_0; int8 logit error 0.98x Q8_0's",
     )
-    assert not decode.verdict(dict(run, roofline_tokens_per_s={"fp32": 20.0}))[0]  # 0.50 of the bound
+    assert not decode.verdict(dict(run, roofline_tokens_per_s={"fp32": 20.0}))[0]  # 0.60 of the bound
+    assert not decode.verdict(dict(run, tokens_per_s=dict(t, int8=27.0)))[0]  # 0.90x Q8_0
+    assert not decode.verdict(dict(run, tokens_per_s=dict(t, q4=30.0)))[0]  # 0.75x Q4_0
+    assert not decode.verdict(dict(run, logit_rms_error_vs_fp32=dict(err, int8=0.0317)))[0]  # fbgemm's 1.68x
     no_llama = {k: v for k, v in t.items() if not k.startswith("llama")}
     assert not decode.verdict(dict(run, tokens_per_s=no_llama))[0]
 
