@@ -7,7 +7,6 @@ the load and survive one dying, and a dead rank gives 503, not a hang."""
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import os
@@ -20,6 +19,7 @@ import time
 
 import openai
 import pytest
+import servetools
 from infer_models import make_chat_checkpoint, make_checkpoint, reference
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -28,26 +28,10 @@ NEW = 10
 
 
 def start(path: str, *argv: str) -> dict:
-    """`smoltrain serve` in this process (its real argument parser and build), on a free port."""
-    from smoltrain.commands import serve
-    from smoltrain.infer.server import make_server
-
-    p = argparse.ArgumentParser()
-    serve.add_arguments(p)
-    args = p.parse_args(["--model", path, "--api-key", KEY, "--timeout", "60", "--threads", "1", *argv])
-    logs: list[str] = []
-    svc, setups = serve.build(args, log=logs.append)
-    server = make_server(svc, "127.0.0.1", 0)
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
-    port = server.server_address[1]
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120)
-    return {"svc": svc, "server": server, "port": port, "logs": logs, "setups": setups, "client": client}
+    return servetools.start(path, *argv, key=KEY)
 
 
-def stop(s: dict) -> None:
-    s["server"].shutdown()
-    s["server"].server_close()
-    s["svc"].router.close()
+stop = servetools.stop
 
 
 @pytest.fixture(scope="module")

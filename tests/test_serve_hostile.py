@@ -21,6 +21,7 @@ import time
 
 import openai
 import pytest
+import servetools
 from infer_models import LLAMA3_TEMPLATE, make_chat_checkpoint, make_checkpoint
 
 KEY = "sk-hostile"
@@ -28,26 +29,10 @@ LONG = 12_000  # tokens: with 5-digit ids, ~72 KB of JSON, past the 64 KiB a fra
 
 
 def start(path: str, *argv: str) -> dict:
-    """`serve` in this process, with its real argument parser and build, on a free port."""
-    from smoltrain.commands import serve
-    from smoltrain.infer.server import make_server
-
-    p = argparse.ArgumentParser()
-    serve.add_arguments(p)
-    args = p.parse_args(["--model", path, "--api-key", KEY, "--timeout", "60", "--threads", "1", *argv])
-    logs: list[str] = []
-    svc, setups = serve.build(args, log=logs.append)
-    server = make_server(svc, "127.0.0.1", 0)
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
-    port = server.server_address[1]
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120)
-    return {"svc": svc, "server": server, "port": port, "logs": logs, "setups": setups, "client": client}
+    return servetools.start(path, *argv, key=KEY)
 
 
-def stop(s: dict) -> None:
-    s["server"].shutdown()
-    s["server"].server_close()
-    s["svc"].router.close()
+stop = servetools.stop
 
 
 def call(port, method, path, body=None, raw=None, headers=None, timeout=60):
