@@ -206,3 +206,11 @@ def test_numbered_chapters_carry_their_number():
     for n, target in re.findall(r"(?m)^(\d+)\. \[[^\]]+\]\(([^)]+)\)", index):
         title = (ROOT / "docs" / target).read_text().splitlines()[0]
         assert title.startswith(f"# {n}. ") and target.startswith(f"0{n}-"), (target, title)
+
+
+def test_the_readme_lists_every_chapter_in_the_index_order():
+    readme = (ROOT / "README.md").read_text()
+    learn = readme.split("## Learn more", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"\]\(docs/([^)#\s]+\.md)\)", learn[learn.index("\n1. [") :])
+    assert listed == _course_order() + ["registry.md"], listed
+    assert "](docs/glossary.md)" in readme
