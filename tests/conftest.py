@@ -53,6 +53,7 @@ TIERS = {
     "process": [
         "test_hf_train.py",
         "test_lora_plan_runs.py",
+        "test_checkpoint_activations.py",
         "test_backends.py",
         "test_kernels_c.py",
         "test_agent.py",
@@ -82,6 +83,7 @@ TIERS = {
         "test_faults_private.py",
         "test_infer.py",
         "test_infer_export.py",
+        "test_infer_mesh.py",
         "test_finetune_export.py",
         "test_infer_serve.py",
         "test_serve_hostile.py",

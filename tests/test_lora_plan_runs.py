@@ -83,7 +83,7 @@ def test_plan_refuses_a_host_too_small(ckpt, tmp_path, capsys):
 
 def test_run_refuses_what_it_only_plans(ckpt, capsys):
     base = ["run", "--strategy", "dp", "--local", "1", "--model", ckpt[0], "--data", ckpt[1], "--lora-rank", "4"]
-    for extra in (["--quantize", "q4"], ["--checkpoint-activations"]):
+    for extra in (["--quantize", "q4"],):  # QLoRA training is not built (--checkpoint-activations is)
         assert main([*base, *extra]) == 2
         err = capsys.readouterr().err.strip()
         want = "`smoltrain plan` plans it, `smoltrain run` does not train that way yet"

@@ -34,7 +34,11 @@ def add_arguments(p) -> None:
     lora.add_argument("--lora-targets", help="layers to adapt, e.g. q_proj,v_proj (default: q_proj,v_proj; c_attn)")
     not_yet = "planned by `smoltrain plan`, not yet trained (refused)"
     lora.add_argument("--quantize", choices=("int8", "q4"), help=f"a quantised frozen base (QLoRA): {not_yet}")
-    p.add_argument("--checkpoint-activations", action="store_true", help=f"activation checkpointing: {not_yet}")
+    p.add_argument(
+        "--checkpoint-activations",
+        action="store_true",
+        help="activation checkpointing: each block keeps its input only and reruns its forward in backward",
+    )
     p.add_argument("--steps", type=validate.STEPS, default=20)
     p.add_argument("--batch", type=validate.BATCH, default=8, help="global batch, in sequences")
     p.add_argument("--seq", type=validate.SEQ, default=64, help="sequence length in bytes (tokens)")
@@ -267,9 +271,8 @@ def _run(args, early) -> int:
     from smoltrain.models.spec import ModelSpecError, get_model
 
     console = Console(stderr=False)
-    if args.quantize or args.checkpoint_activations:  # planned (planner.tuning), not yet trained
-        flag = "--quantize" if args.quantize else "--checkpoint-activations"
-        raise UsageError(f"{flag}: `smoltrain plan` plans it, `smoltrain run` does not train that way yet")
+    if args.quantize:  # planned (planner.tuning), not yet trained
+        raise UsageError("--quantize: `smoltrain plan` plans it, `smoltrain run` does not train that way yet")
     mesh = mesh_argument(args)
     info = registry.get(args.strategy, trainable=True)
     from smoltrain.run import preflight
@@ -331,6 +334,7 @@ def _run(args, early) -> int:
             kernels=getattr(args, "kernels", None) or "auto",
             lora=lora,
             mesh=mesh,
+            checkpoint_activations=args.checkpoint_activations,
         )
 
     check_usage(config(placements))  # what the strategy or the model cannot take, before the planner looks

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from smoltrain.models.gpt import Embed
+from smoltrain.models.gpt import Embed, run_block
 from smoltrain.models.hf import GELUS, Checkpoint, HFConfig
 from smoltrain.models.llama import apply_rope, rms_norm, rope_table
 from smoltrain.models.spec import ModelSpec
@@ -124,9 +124,13 @@ class LlamaBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.eps)
         self.mlp = LlamaMLP(cfg.hidden, ffn)
         self.enter, self.leave = _same, _same
+        self.checkpoint = False  # activation checkpointing (models.gpt.run_block)
         self.partial_grads: list[nn.Parameter] = []  # tp: replicated weights whose gradients need a sum
 
     def forward(self, x):
+        return run_block(self, x)
+
+    def body(self, x):
         x = x + self.leave(self.self_attn(self.enter(self.input_layernorm(x))))
         return x + self.leave(self.mlp(self.enter(self.post_attention_layernorm(x))))
 
@@ -159,7 +163,7 @@ class LlamaBlock(nn.Module):
         cuts.update({"self_attn.o_proj": (None, qs), "mlp.down_proj": (None, fs)})
         cuts.update({"mlp.gate_proj": (fs, None), "mlp.up_proj": (fs, None)})
         _carry_adapters(part, self, cuts)
-        part.enter, part.leave = enter, leave
+        part.enter, part.leave, part.checkpoint = enter, leave, self.checkpoint
         return part
 
 
@@ -195,9 +199,13 @@ class GPT2Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.hidden, eps=cfg.eps)
         self.mlp = GPT2MLP(cfg.hidden, ffn, cfg.act, proj_bias)
         self.enter, self.leave = _same, _same
+        self.checkpoint = False  # activation checkpointing (models.gpt.run_block)
         self.partial_grads: list[nn.Parameter] = []  # tp: replicated weights whose gradients need a sum
 
     def forward(self, x):
+        return run_block(self, x)
+
+    def body(self, x):
         x = x + self.leave(self.attn(self.enter(self.ln_1(x))))
         return x + self.leave(self.mlp(self.enter(self.ln_2(x))))
 
@@ -223,7 +231,7 @@ class GPT2Block(nn.Module):
         qkv = torch.cat([torch.arange(o + c.start, o + c.stop) for o in (0, h, 2 * h)])
         cuts = {"attn.c_attn": (qkv, None), "attn.c_proj": (None, c)}
         _carry_adapters(part, self, dict(cuts, **{"mlp.c_fc": (slice(*ffn), None), "mlp.c_proj": (None, slice(*ffn))}))
-        part.enter, part.leave = enter, leave
+        part.enter, part.leave, part.checkpoint = enter, leave, self.checkpoint
         return part
 
 

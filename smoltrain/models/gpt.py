@@ -72,7 +72,20 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
+def run_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`block.body(x)`, under activation checkpointing when `block.checkpoint` is set
+    (--checkpoint-activations): autograd keeps the block's input only and reruns its forward
+    (with the same RNG state) in backward; without grad (eval) it runs plainly."""
+    if block.checkpoint and torch.is_grad_enabled():
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(block.body, x, use_reentrant=False)
+    return block.body(x)
+
+
 class Block(nn.Module):
+    checkpoint = False  # set per instance by Context.build_model (RunConfig.checkpoint_activations)
+
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.ln1 = nn.LayerNorm(spec.hidden)
@@ -81,6 +94,9 @@ class Block(nn.Module):
         self.mlp = MLP(spec.hidden, spec.ffn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return run_block(self, x)
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 

@@ -67,6 +67,7 @@ class RunConfig:
     kernels: str = "auto"  # decode kernels of every rank (models.backends: quantised layers)
     lora: dict | None = None  # finetune.lora.LoraConfig.to_dict(): adapters on a frozen base; None: full
     mesh: str | None = None  # smoltrain.mesh: e.g. "dp=2,tp=2"; `strategy` runs along its axis; None: 1-D
+    checkpoint_activations: bool = False  # each block keeps only its input; its forward reruns in backward
 
     @property
     def world_size(self) -> int:

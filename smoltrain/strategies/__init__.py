@@ -59,7 +59,8 @@ class Context:
 
     def build_model(self):
         """This run's whole model, the same on every rank: the built-in GPT from the seed, or a
-        Hugging Face checkpoint's weights (models.causal), with LoRA adapters when the run has them."""
+        Hugging Face checkpoint's weights (models.causal), with LoRA adapters when the run has them
+        and its blocks checkpointed (models.gpt.run_block) when it asks for that."""
         from smoltrain.models.gpt import build_model
 
         model = build_model(self.spec, self.seed)
@@ -67,6 +68,8 @@ class Context:
             from smoltrain.finetune.lora import LoraConfig, apply
 
             apply(model, LoraConfig.from_dict(self.run.lora), self.spec.arch, self.seed)
+        for block in list(model.units)[1:-1]:  # --checkpoint-activations: blocks rerun in backward
+            block.checkpoint = bool(getattr(self.run, "checkpoint_activations", False))
         return model
 
     @property
