@@ -28,6 +28,7 @@ class InferConfig:
     devices: tuple[str, ...] = ()  # torch device per rank (smol_device); absent: cpu
     adapter_dir: str | None = None  # a PEFT LoRA adapter folded into the weights as they load (finetune.adapter)
     kernels: str = "auto"  # decode kernels of every rank (models.backends)
+    mesh: str | None = None  # pp x tp (infer.meshed): `pp=P,tp=T`; layers: each rank's stage
 
     @property
     def world_size(self) -> int:

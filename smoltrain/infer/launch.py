@@ -17,6 +17,7 @@ from smolnet.errors import UsageError
 from smoltrain import validate
 from smoltrain.finetune.adapter import open_checkpoint
 from smoltrain.infer.config import InferConfig
+from smoltrain.infer.meshed import layout
 from smoltrain.infer.runner import RankDied, Runner
 from smoltrain.models.hf import Checkpoint, CheckpointError, load_tokenizer
 from smoltrain.models.stage import TORCH, check_tp, even_layers
@@ -141,14 +142,20 @@ def open_model(args, timeout: float = 120.0, seq: int | None = None, group=None,
         ckpt = open_checkpoint(model_dir, adapter_dir)
         ckpt.check()
         mc = ckpt.config
-        if strategy == "tp" and world > 1:
+        mesh = None
+        if getattr(args, "mesh", None):  # pp x tp (infer.meshed); one wide axis: that strategy
+            strategy, mesh, layers = layout(args.mesh, world, mc)
+            args.strategy = strategy  # the plan and the placement read it
+            if mesh:  # the report says why there is no plan to hold the measured bytes against
+                plan = {"error": f"--mesh {mesh}: the infer planner does not plan pp x tp yet (docs/mesh.md)"}
+        elif strategy == "tp" and world > 1:
             check_tp(mc, world)
             layers = [(0, mc.layers)] * world
         elif strategy == "pp":
             layers = even_layers(mc.layers, world)
         else:
             layers = [(0, mc.layers)] * world
-        if world > 1:  # where each rank runs, and what the plan says of it
+        if world > 1 and mesh is None:  # where each rank runs, and what the plan says of it
             plan, placements, hosts, cut = placed(args, mc, placements, hosts, seq or min(mc.ctx, 2048))
             layers = cut or layers
         tok = load_tokenizer(model_dir)
@@ -170,6 +177,7 @@ def open_model(args, timeout: float = 120.0, seq: int | None = None, group=None,
         threads=tuple(threads),
         devices=tuple(devices),
         kernels=kernels,
+        mesh=mesh,
     )
     if world == 1 and group is None:
         return Setup(LocalRunner(ckpt, cfg), cfg, ckpt, tok, hosts, None, plan)
@@ -248,6 +256,9 @@ def _replace(cfg: InferConfig, **kw) -> InferConfig:
 def add_placement_arguments(p) -> None:
     """Options `generate` and `serve` share (contract §7)."""
     p.add_argument("--strategy", default="pp", choices=("local", "pp", "tp"))
+    p.add_argument(
+        "--mesh", metavar="pp=P,tp=T", help="pp stages whose layers are tp-split (replaces --strategy; docs/mesh.md)"
+    )
     where = p.add_mutually_exclusive_group()
     where.add_argument(
         "--local", type=validate.RANKS, metavar="N", help="N ranks on loopback (1: one process, the reference)"

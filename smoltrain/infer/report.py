@@ -68,14 +68,15 @@ def measured_bandwidth(cfg, hosts=None, path: str | None = None) -> dict | None:
 def roofline(cfg, stats: list[dict], bandwidth: dict | None = None) -> float | None:
     """Tokens/s if decode did nothing but read each rank's weights at its memory bandwidth
     (`bandwidth`: bytes/s by host name from a compute report, else each rank's measured copy).
-    pp stages run one after another (their times add up); tp ranks read their shares at once."""
-    times = []
-    for name, s in zip(cfg.names, stats):
+    pp stages run one after another (their times add up); the tp ranks of a stage (the ranks
+    holding the same layers) read their shares at once."""
+    stage: dict = {}
+    for name, layers, s in zip(cfg.names, cfg.layers, stats):
         bw = (bandwidth or {}).get(name) or s.get("mem_bw_bytes_s")
         if not bw or not s.get("weight_bytes_per_token"):
             return None
-        times.append(s["weight_bytes_per_token"] / bw)
-    total = max(times) if cfg.strategy == "tp" else sum(times)
+        stage[tuple(layers)] = max(stage.get(tuple(layers), 0.0), s["weight_bytes_per_token"] / bw)
+    total = sum(stage.values())
     return 1 / total if total > 0 else None
 
 
@@ -92,6 +93,7 @@ def build(
     return {
         "schema": "smoltrain.generate/1",
         "strategy": cfg.strategy,
+        "mesh": _mesh(cfg.mesh),
         "backend": cfg.backend if cfg.world_size > 1 else None,
         "world_size": cfg.world_size,
         "hosts": list(cfg.names),
@@ -132,3 +134,10 @@ def build(
         "links": links,
         "plan": plan,
     }
+
+
+def _mesh(text: str | None) -> dict | None:
+    """The report's `mesh`, as run and plan reports carry it (axes, each rank's coordinates)."""
+    from smoltrain.mesh import parse
+
+    return parse(text, None).report() if text else None

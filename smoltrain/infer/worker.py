@@ -90,21 +90,32 @@ def serve(ctl: Control, rank: int, secret: bytes) -> None:
             addrs=list(cfg.addrs) or None,
         )
     first, last = cfg.layers[rank]
-    pp = cfg.strategy == "pp"
+    if cfg.mesh:  # pp x tp: this rank's stage and its place in the stage's tp group
+        from smoltrain.infer.meshed import place
+
+        s, stages, t, tp = place(cfg.mesh, rank)
+    else:
+        pp, tp_ = cfg.strategy == "pp", cfg.strategy == "tp"
+        s, stages, t, tp = (rank if pp else 0), (world if pp else 1), (rank if tp_ else 0), (world if tp_ else 1)
     stage = Stage(
         open_checkpoint(cfg.model_dir, cfg.adapter_dir),
         first,
         last,
-        is_first=rank == 0 or not pp,
-        is_last=rank == world - 1 or not pp,
-        tp_rank=rank if cfg.strategy == "tp" else 0,
-        tp_world=world if cfg.strategy == "tp" else 1,
+        is_first=s == 0,
+        is_last=s == stages - 1,
+        tp_rank=t,
+        tp_world=tp,
         dtype=cfg.dtype,
         quantize=cfg.quantize,
         device=device,
         batched=cfg.max_batch > 1,
     )
-    engine = make_engine(cfg.strategy, stage, comm, rank, world, cfg.wire_dtype)
+    if cfg.mesh:
+        from smoltrain.infer.meshed import MeshEngine
+
+        engine = MeshEngine(stage, comm, rank, world, cfg.mesh, cfg.wire_dtype)
+    else:
+        engine = make_engine(cfg.strategy, stage, comm, rank, world, cfg.wire_dtype)
     machine = host.rank_facts(stage, threads, device)
     batcher = admissions = None
     if rank == 0:
