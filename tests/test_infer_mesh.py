@@ -86,3 +86,45 @@ def test_bad_mesh(models, capsys, mesh, says):
     path = models["llama"][0]
     err = one_line_error(capsys, ["generate", "--model", path, "--prompt-ids", "1", "--local", "4", "--mesh", mesh])
     assert says in err
+
+
+def test_serve_bad_mesh(models, capsys):
+    argv = ["serve", "--model", models["llama"][0], "--local", "6", "--mesh", "pp=2,tp=2", "--api-key", "k"]
+    assert "6 ranks are not whole meshes of 4 ranks" in one_line_error(capsys, argv)
+
+
+def test_serve_mesh_batches_and_answers_as_the_reference(tmp_path):
+    """serve --mesh pp=2,tp=2 over 8 ranks: 2 replicas, each a mesh; four greedy completions at once
+    get what each gets alone, and what the one-process reference answers."""
+    import threading
+
+    import servetools
+    from infer_models import make_chat_checkpoint
+
+    path = make_chat_checkpoint(str(tmp_path / "chat"))
+    prompts = ["Hello there", "The cat sat", "one two three", "smol cluster"]
+    servers = {
+        "local": servetools.start(path, "--strategy", "local", key="k"),
+        "mesh": servetools.start(path, "--mesh", "pp=2,tp=2", "--local", "8", key="k"),
+    }
+    try:
+
+        def ask(kind, q):
+            r = servers[kind]["client"].completions.create(
+                model="chat", prompt=q, max_tokens=NEW, temperature=0.0, extra_body={"ignore_eos": True}
+            )
+            return r.choices[0].model_extra["token_ids"]
+
+        want = [ask("local", q) for q in prompts]
+        assert [ask("mesh", q) for q in prompts] == want and len({tuple(w) for w in want}) == len(want)
+        assert len(servers["mesh"]["setups"]) == 2 and all(s.cfg.mesh == "pp=2,tp=2" for s in servers["mesh"]["setups"])
+        got: dict = {}
+        ts = [threading.Thread(target=lambda i=i: got.__setitem__(i, ask("mesh", prompts[i]))) for i in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+        assert [got[i] for i in range(4)] == want
+    finally:
+        for s in servers.values():
+            servetools.stop(s)

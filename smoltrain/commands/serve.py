@@ -145,7 +145,9 @@ def groups(args) -> tuple[list | None, str]:
     n = len(placements)
     if args.replicas != "auto" and args.replicas > n:
         raise UsageError(f"--replicas {args.replicas} needs at least {args.replicas} hosts; there are {n}")
-    if args.replicas == 1 or n == 1:
+    if getattr(args, "mesh", None):  # each replica is one whole mesh, in placement order
+        idx, why = mesh_groups(args, n)
+    elif args.replicas == 1 or n == 1:
         idx, why = None, "one host" if n == 1 else "--replicas 1"
     elif hosts is None and args.replicas != "auto":  # loopback ranks are all alike
         idx, why = split_evenly(n, args.replicas), f"--replicas {args.replicas}"
@@ -154,6 +156,19 @@ def groups(args) -> tuple[list | None, str]:
     if idx is None:
         return None, why
     return [([placements[i] for i in g], [hosts[i] for i in g] if hosts else None) for g in idx], why
+
+
+def mesh_groups(args, n: int) -> tuple[list | None, str]:
+    """--mesh pp=P,tp=T over n ranks: n / (P x T) replicas of it (--replicas auto, or that count)."""
+    from smoltrain.mesh import parse
+    from smoltrain.planner.serve import split_evenly
+
+    size = parse(args.mesh, None).world
+    r = n // size
+    if n % size or args.replicas not in ("auto", r):
+        want = "whole meshes" if args.replicas == "auto" else f"{args.replicas} meshes"
+        raise UsageError(f"--mesh {args.mesh}: {n} ranks are not {want} of {size} ranks")
+    return (None if r == 1 else split_evenly(n, r)), f"--mesh {args.mesh}: {r} replica(s)"
 
 
 def build(args, log=None):
