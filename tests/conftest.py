@@ -42,6 +42,7 @@ TIERS = {
         "test_calibrate_cluster.py",
         "test_registry.py",
         "test_serve_units.py",
+        "test_sim_fastpair.py",
         "test_quant.py",
         "test_diloco_plan.py",
         "test_cost_core.py",

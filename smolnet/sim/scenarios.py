@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 from smolnet.errors import UsageError
 
-SCENARIOS = ("home", "uniform", "mtu-lab", "cores", "hidden", "random")
+SCENARIOS = ("home", "uniform", "mtu-lab", "cores", "hidden", "random", "fastpair")
 DEFAULT_UNIFORM_HOSTS = 3
 DEFAULT_UNIFORM_RATE = 1000
 DEFAULT_UNIFORM_MTU = 1500
@@ -68,6 +68,19 @@ MAX_CORE_HOSTS = 4
 # its own machine.
 HIDDEN = (("pi4", 0.15, 300), ("nuc", 0.3, 500), ("mini", 0.4, 650), ("desk", 0.6, 800))
 HIDDEN_PERIOD_US = 10_000
+
+
+# The fast-pair cluster, for a mesh's placement (smoltrain.mesh): two hosts on 10 Gbit, whose
+# pair a tp axis should ride, two on 1 GbE, one of them with a 300 Mbit uplink; every host
+# capped alike (0.3 cores), so which pair is fast is the links' doing, not the CPUs'.
+FASTPAIR = (("fast1", 10_000, 10_000), ("fast2", 10_000, 10_000), ("gbe", 1000, 1000), ("slowup", 300, 1000))
+
+
+def _fastpair() -> list[HostSpec]:
+    scale = _fit((0.3,) * len(FASTPAIR))
+    return [
+        HostSpec(n, "generic", 1500, 1500, up, down, down, cpu_cores=round(0.3 * scale, 3)) for n, up, down in FASTPAIR
+    ]
 
 
 def _fit(caps: tuple[float, ...]) -> float:
@@ -173,7 +186,7 @@ def _scenario(
 
         specs = draw(seed)
     else:
-        specs = {"home": _home, "mtu-lab": _mtu_lab, "hidden": _hidden}[name]()
+        specs = {"home": _home, "mtu-lab": _mtu_lab, "hidden": _hidden, "fastpair": _fastpair}[name]()
     if hosts is not None and hosts != len(specs):
         raise UsageError(f"scenario {name} has {len(specs)} hosts; --hosts applies to 'uniform' and 'cores' only")
     if mtu is not None:
