@@ -41,7 +41,7 @@ def test_pp_x_tp_matches_transformers_and_counts_its_bytes(models, tmp_path):
     assert doc["output_ids"] == want and len(set(want)) > 2
     assert doc["mesh"]["hosts"] == [[0, 0], [0, 1], [1, 0], [1, 1]]
     assert doc["placement"]["layers"] == [[0, 2], [0, 2], [2, 3], [2, 3]]
-    assert "does not plan pp x tp" in doc["plan"]["error"]
+    planned = {(x["src"], x["dst"]): x["bytes"] for x in doc["plan"]["links"]}  # per decode step
     steps = NEW - 1
     sent = {(x["src"], x["dst"]): x["bytes"] for x in doc["links"]}
     # stage 0 (rank0, rank1): rank 0 broadcasts the header (and a decode row's last token, 8 bytes),
@@ -55,7 +55,11 @@ def test_pp_x_tp_matches_transformers_and_counts_its_bytes(models, tmp_path):
     assert sent[("rank2", "rank3")] == (1 + steps) * HEADER + 3 * (len(PROMPT) + steps) * H
     assert sent[("rank2", "rank0")] == NEW * 8  # the sampled ids back
     # the busiest rank (rank 0): header and token to its tp peer, 4 all-reduces, the hop
-    assert doc["decode"]["bytes_per_token"] == HEADER + 8 + 4 * H + HEADER + H
+    assert doc["decode"]["bytes_per_token"] == HEADER + 8 + 4 * H + HEADER + H == doc["plan"]["bytes_per_token"]
+    prefill = {("rank0", "rank1"): HEADER + 4 * len(PROMPT) * H, ("rank1", "rank0"): 4 * len(PROMPT) * H}
+    prefill |= {("rank0", "rank2"): HEADER + len(PROMPT) * H, ("rank2", "rank3"): HEADER + 3 * len(PROMPT) * H}
+    prefill |= {("rank3", "rank2"): 2 * len(PROMPT) * H, ("rank2", "rank0"): 8}
+    assert {k: (n - prefill[k]) / steps for k, n in sent.items()} == planned  # the plan's, link by link
 
 
 def test_tp_outer_on_torch_gpt2(models, tmp_path):

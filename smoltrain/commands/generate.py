@@ -124,7 +124,9 @@ def run(args) -> int:
     )
     if d["roofline_tokens_per_s"] and d["tokens_per_s"]:
         line += f", {d['tokens_per_s'] / d['roofline_tokens_per_s']:.0%} of the memory-bandwidth bound"
-    if plan and "bytes_per_token" in plan:
+    if plan and plan.get("tokens_per_s") is None and "bytes_per_token" in plan:  # a mesh: bytes only
+        line += f" (plan: {plan['bytes_per_token']:,.0f} B/token)"
+    elif plan and "bytes_per_token" in plan:
         line += f" (plan: {plan['tokens_per_s']:,.1f} tok/s, {plan['bytes_per_token']:,.0f} B/token)"
     print(line, file=sys.stderr)
     if args.json:

@@ -17,7 +17,7 @@ from smolnet.errors import UsageError
 from smoltrain import validate
 from smoltrain.finetune.adapter import open_checkpoint
 from smoltrain.infer.config import InferConfig
-from smoltrain.infer.meshed import layout
+from smoltrain.infer.meshed import decode_plan, layout
 from smoltrain.infer.runner import RankDied, Runner
 from smoltrain.models.hf import Checkpoint, CheckpointError, load_tokenizer
 from smoltrain.models.stage import TORCH, check_tp, even_layers
@@ -146,8 +146,8 @@ def open_model(args, timeout: float = 120.0, seq: int | None = None, group=None,
         if getattr(args, "mesh", None):  # pp x tp (infer.meshed); one wide axis: that strategy
             strategy, mesh, layers = layout(args.mesh, world, mc)
             args.strategy = strategy  # the plan and the placement read it
-            if mesh:  # the report says why there is no plan to hold the measured bytes against
-                plan = {"error": f"--mesh {mesh}: the infer planner does not plan pp x tp yet (docs/mesh.md)"}
+            if mesh:  # its bytes per link, no time (docs/mesh.md)
+                plan = decode_plan(mesh, mc, [p.name for p in placements], args.dtype or mc.dtype, args.wire_dtype)
         elif strategy == "tp" and world > 1:
             check_tp(mc, world)
             layers = [(0, mc.layers)] * world

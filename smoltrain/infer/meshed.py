@@ -43,6 +43,24 @@ def layout(text: str, world: int, mc) -> tuple[str, str | None, list[tuple[int, 
     return "pp", mesh.text(), layers
 
 
+def decode_plan(text: str, mc, names, dtype: str, wire: str | None) -> dict:
+    """The report's `plan` of a pp x tp decode: bytes per link and the busiest rank's per generated
+    token (planner.mesh_traffic); the infer planner gives no time, memory or placement for a mesh."""
+    from smoltrain.mesh import parse
+    from smoltrain.planner.mesh_traffic import mesh_decode_bytes
+
+    links = mesh_decode_bytes(parse(text, len(names)), mc.spec(), dtype, wire)
+    sent = [sum(b for (src, _), b in links.items() if src == r) for r in range(len(names))]
+    return {
+        "mode": "infer",
+        "mesh": text,
+        "bytes_per_token": max(sent),
+        "links": [{"src": names[a], "dst": names[b], "bytes": n} for (a, b), n in sorted(links.items())],
+        "tokens_per_s": None,
+        "note": "a pp x tp mesh is planned for its bytes only (no time, memory or placement yet)",
+    }
+
+
 def place(text: str, rank: int) -> tuple[int, int, int, int]:
     """(stage, stages, tp rank, tp width) of a world rank on the mesh."""
     from smoltrain.mesh import parse

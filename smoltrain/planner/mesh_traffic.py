@@ -80,3 +80,35 @@ def mesh_link_bytes(mesh, spec, batch: int, seq: int, microbatches: int = 1, dty
             nbytes = held_params(spec, place(g[0])) * dtype_bytes(dtype)
             add(g, Traffic("dp", "train", len(g), all_reduce(len(g), nbytes, "all-reduce gradients")))
     return out
+
+
+def mesh_decode_bytes(mesh, spec, dtype: str = "fp32", wire: str | None = None, rows: int = 1) -> dict:
+    """{(world src, world dst): payload bytes per decode step} of `generate --mesh pp=P,tp=T`
+    (infer.meshed): pp's chain between the stages' doors (their tp rank 0), each stage's tp
+    header broadcast and all-reduces over its layers, and what a door hands its tp peers along
+    the same chain: each row's last token (stage 0) or hidden state (the later stages)."""
+    from smoltrain.planner.traffic import TOKEN_ID_BYTES
+    from smoltrain.planner.widths import wire_bytes
+
+    P, T = mesh.size("pp"), mesh.size("tp")
+    out: dict[tuple[int, int], float] = {}
+
+    def add(group: list[int], link: tuple[int, int], nbytes: float) -> None:
+        key = (group[link[0]], group[link[1]])
+        out[key] = out.get(key, 0.0) + nbytes
+
+    def coord(rank: int, axis: str) -> int:
+        return mesh.coords(rank)[mesh.names.index(axis)]
+
+    doors = next(g for g in mesh.groups("pp") if coord(g[0], "tp") == 0)
+    for link, b in traffic("pp", "infer", spec, P, dtype, 1, 1, wire=wire, rows=rows).link_bytes().items():
+        add(doors, link, b)
+    for g in mesh.groups("tp"):
+        s = coord(g[0], "pp")
+        stage = replace(spec, layers=even_counts(spec.layers, P)[s])
+        for link, b in traffic("tp", "infer", stage, T, dtype, 1, 1, wire=wire, rows=rows).link_bytes().items():
+            add(g, link, b)
+        handed = rows * (TOKEN_ID_BYTES if s == 0 else wire_bytes(spec.hidden, wire or dtype))
+        for i in range(T - 1):
+            add(g, (i, i + 1), handed)
+    return out
