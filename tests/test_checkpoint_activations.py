@@ -1,6 +1,7 @@
 """`run --checkpoint-activations` (models.gpt.run_block): each block keeps its input only and reruns
 its forward in backward, so it saves fewer tensors yet gives the same gradients; a run with it
-gives the losses of a run without it, and under dp the bytes its plan says (the plan knows it)."""
+gives the losses of a run without it, and under dp and tp (which reruns forward all-reduces) the
+bytes its plan says."""
 
 from __future__ import annotations
 
@@ -68,6 +69,19 @@ def test_run_with_it_gives_the_same_losses_and_the_plans_bytes(ckpt, tmp_path):
 
     doc = _run(ckpt, tmp_path, "dp2", ["--local", "2", "--steps", "1", "--checkpoint-activations"])
     assert doc["plan"]["tuning"]["checkpoint_activations"] is True
+    plan = {(x["src"], x["dst"]): x["bytes_per_step"] for x in doc["plan"]["links"]}
+    sent = {(x["src"], x["dst"]): x["bytes"] / len(doc["steps"]) for x in doc["bytes"]}
+    assert sent == plan and sent
+
+
+@pytest.mark.parametrize("extra", [[], ["--lora-rank", "4", "--lora-targets", "o_proj,down_proj"]])
+def test_tp_reruns_the_forward_all_reduces_the_plan_counts(ckpt, tmp_path, extra):
+    """A rerun block stops once backward has what it needs: the attention's output all-reduce
+    again, not the MLP's, in every block backward reaches (planner.tuning.recompute_leaves)."""
+    argv = ["run", "--strategy", "tp", "--local", "2", "--model", ckpt[0], "--data", ckpt[1], "--batch", "4"]
+    argv += ["--seq", "16", "--steps", "1", "--threads", "1", "--out", str(tmp_path), "--checkpoint-activations"]
+    assert main([*argv, "--json", str(tmp_path / "tp.json"), *extra]) == 0
+    doc = json.loads((tmp_path / "tp.json").read_text())
     plan = {(x["src"], x["dst"]): x["bytes_per_step"] for x in doc["plan"]["links"]}
     sent = {(x["src"], x["dst"]): x["bytes"] / len(doc["steps"]) for x in doc["bytes"]}
     assert sent == plan and sent

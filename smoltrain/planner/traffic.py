@@ -264,6 +264,7 @@ def tensor_allreduce_train(tr: Traffic, s: Step) -> None:
     # LoRA no backward one before the first adapter (planner.tuning.backward_enters)
     N, m, L = s.world, s.microbatches, s.model.layers
     bwd = s.tuning.backward_enters(L) if s.tuning is not None else 2 * L
+    bwd += s.tuning.recompute_leaves(L) if s.tuning is not None else 0  # --checkpoint-activations' reruns
     if N > 1:
         tr.phases.append(
             _ring(

@@ -78,6 +78,17 @@ class Tuning:
         first = min((a.pos for a in self.adapters), default=2 * layers)
         return max(0, 2 * layers - 1 - first)
 
+    def recompute_leaves(self, layers: int) -> int:
+        """tp with checkpointing: forward all-reduces rerun in backward. A block's rerun stops once
+        what backward needs is back (torch's early stop), so it redoes the attention's output
+        all-reduce (the MLP norm's input) and not the MLP's; under LoRA only the blocks from the
+        first adapted one on run backward at all."""
+        if not self.checkpoint_activations:
+            return 0
+        if not self.lora:
+            return layers
+        return max(0, layers - min((a.pos for a in self.adapters), default=2 * layers) // 2)
+
     def check(self, strategy: str) -> None:
         if self.lora and strategy not in LORA_STRATEGIES:
             raise UsageError(f"LoRA trains with {', '.join(LORA_STRATEGIES)}, not {strategy}")
