@@ -85,6 +85,8 @@ ROWS = [
      bench("decode", "bench_decode.py", "--rounds 3 --tokens 32", sim=True),
      "per CPU-second fp32 0.95 of the bound, q4 1.21-1.23x, int8 0.99-1.06x; int8 error 0.98x Q8_0's"),
     ("bf16 training tokens/s >= fp32's (26M model, 1 thread)", bench("dtype", "bench_dtype.py"), "2.22x"),
+    ("fine-tuning: ours tokens/s >= a plain transformers + AdamW loop's (31M Llama, fp32, 1 thread)",
+     bench("bench_finetune", "bench_finetune.py", "--rounds 3 --steps 12 --warmup 2 --lora"), ""),
     ("serving: 8 concurrent clients >= 4x one client's tokens/s; replicas vs split within 25% of the serve plan",
      bench("serve", "bench_serve.py", sim=True), "4.37-7.02x; plan 12 of 12 on caps that fit, 0.35-0.43 at load 2"),
     ("concurrent greedy answers equal the same requests served alone", test("tests/test_infer_serve.py"), ""),

@@ -60,7 +60,8 @@ def test_a_result_file_becomes_its_row(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "name",
     ["bench_compute", "bench_diloco", "bench_allreduce", "bench_calibrate", "bench_probe", "bench_matrix"]
-    + ["bench_plan", "bench_placement", "bench_infer", "bench_decode", "bench_faults", "bench_dtype", "bench_serve"],
+    + ["bench_plan", "bench_placement", "bench_infer", "bench_decode", "bench_faults", "bench_dtype", "bench_serve"]
+    + ["bench_finetune"],
 )
 def test_benches_that_judge_a_bar_exit_by_it(name):
     text = (BENCH / f"{name}.py").read_text()
