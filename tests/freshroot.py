@@ -19,11 +19,31 @@ import subprocess
 import time
 from pathlib import Path
 
-SUITE, MIRROR = "bookworm", "http://deb.debian.org/debian"
+SUITE = "bookworm"
 IMAGE_PACKAGES = "openssh-server,python3,sudo,iproute2,ca-certificates"
 NS, VETH, NET = "smolfresh", "smolfresh0", "10.213.40"
 CTL, HOST = f"{NET}.1", f"{NET}.2"
 WHEELS = "/opt/wheels"  # this machine's local torch wheel, bound read-only into the root
+
+
+def mirror() -> list[str]:
+    """The archive this machine's own apt is set up with, for debootstrap (none found: debootstrap's
+    default), so the root is built from where this machine already gets its packages."""
+    for f in sorted(Path("/etc/apt/sources.list.d").glob("*.sources")):
+        for stanza in f.read_text().split("\n\n"):
+            fields = dict(
+                line.split(":", 1) for line in stanza.splitlines() if ":" in line and not line.startswith("#")
+            )
+            if SUITE in fields.get("Suites", "").split() and fields.get("URIs", "").strip():
+                return [fields["URIs"].split()[0]]
+    try:
+        for line in Path("/etc/apt/sources.list").read_text().splitlines():
+            words = line.split()
+            if len(words) >= 3 and words[0] == "deb" and words[2] == SUITE and not words[1].startswith("["):
+                return [words[1]]
+    except OSError:
+        pass
+    return []
 
 
 def cache_dir() -> Path:
@@ -43,7 +63,7 @@ def image() -> Path:
         work = d / f"root.{os.getpid()}"
         shutil.rmtree(work, ignore_errors=True)
         p = subprocess.run(
-            ["debootstrap", "--variant=minbase", f"--include={IMAGE_PACKAGES}", SUITE, str(work), MIRROR],
+            ["debootstrap", "--variant=minbase", f"--include={IMAGE_PACKAGES}", SUITE, str(work), *mirror()],
             capture_output=True,
             text=True,
             timeout=900,
