@@ -260,11 +260,51 @@ def _groups(k: int) -> int:
     return k // GROUP
 
 
-def _ok(rc: int, what: str) -> None:
+def _ok(rc: int, what) -> None:
+    """`what` is a callable giving the product's words: built only when the kernel refused."""
     if rc == -2:
-        raise MemoryError(f"{what}: no scratch memory")
+        raise MemoryError(f"{what()}: no scratch memory")
     if rc != 0:
-        raise ValueError(f"{what}: refused by the kernel (rc {rc})")
+        raise ValueError(f"{what()}: refused by the kernel (rc {rc})")
+
+
+class Packed:
+    """A Q4_0 or Q8_0 weight whose bytes and scales were checked once, when it was built: a decode
+    step multiplies by the same few hundred weights every token, so each product checks only its
+    activations (a weight's checks cost about 5 us, a tenth of a small q4 product)."""
+
+    __slots__ = ("fn", "q", "d", "n", "k")
+
+    def __init__(self, fn: str, q: torch.Tensor, d: torch.Tensor, n: int, k: int):
+        self.fn, self.q, self.d, self.n, self.k = fn, q, d, n, k
+
+    def mm(self, x: torch.Tensor, so: ctypes.CDLL | None = None) -> torch.Tensor:
+        """x fp32 [M, K] times this weight transposed: [M, N]."""
+        x = _rows(x)
+        m, k = x.shape
+        if k != self.k:
+            raise ValueError(f"x: {k} columns for a [{self.n}, {self.k}] weight")
+        y = torch.empty(m, self.n)
+        call = getattr(so or library(), self.fn)
+        rc = call(x.data_ptr(), m, k, self.q.data_ptr(), self.d.data_ptr(), self.n, y.data_ptr(), _threads())
+        _ok(rc, lambda: f"{self.fn} of [{m}, {k}] x [{self.n}, {k}]")
+        return y
+
+
+def q4_weight(qs: torch.Tensor, d: torch.Tensor) -> Packed:
+    """The Q4_0 weight qs uint8 [N, K/2] with fp32 scales d [N, K/32], checked."""
+    n, half = _arg(qs, "qs", torch.uint8, (None, None)).shape
+    ng = _groups(2 * half)
+    _arg(d, "d", torch.float32, (n, ng))
+    return Packed("q4_0_mm", qs, d, n, 2 * half)
+
+
+def q8_weight(q: torch.Tensor, d: torch.Tensor) -> Packed:
+    """The Q8_0 weight q int8 [N, K] (-127..127) with fp16 scales d [N, K/32], checked."""
+    n, k = _arg(q, "q", torch.int8, (None, None)).shape
+    ng = _groups(k)
+    _arg(d, "d", torch.float16, (n, ng))
+    return Packed("q8_0_mm", q, d, n, k)
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:
@@ -285,27 +325,17 @@ def unpack(qs: torch.Tensor) -> torch.Tensor:
 def q4_mm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, so: ctypes.CDLL | None = None) -> torch.Tensor:
     """x fp32 [M, K] times the Q4_0 weight (qs uint8 [N, K/2], d fp32 [N, K/32]) transposed: [M, N]."""
     x = _rows(x)
-    m, k = x.shape
-    ng = _groups(k)
-    n = _arg(qs, "qs", torch.uint8, (None, k // 2)).shape[0]
-    _arg(d, "d", torch.float32, (n, ng))
-    y = torch.empty(m, n)
-    rc = (so or library()).q4_0_mm(x.data_ptr(), m, k, qs.data_ptr(), d.data_ptr(), n, y.data_ptr(), _threads())
-    _ok(rc, f"q4_0_mm of [{m}, {k}] x [{n}, {k}]")
-    return y
+    _groups(x.shape[1])
+    _arg(qs, "qs", torch.uint8, (None, x.shape[1] // 2))
+    return q4_weight(qs, d).mm(x, so)
 
 
 def q8_mm(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, so: ctypes.CDLL | None = None) -> torch.Tensor:
     """x fp32 [M, K] times the Q8_0 weight (q int8 [N, K] in -127..127, d fp16 [N, K/32]) transposed: [M, N]."""
     x = _rows(x)
-    m, k = x.shape
-    ng = _groups(k)
-    n = _arg(q, "q", torch.int8, (None, k)).shape[0]
-    _arg(d, "d", torch.float16, (n, ng))
-    y = torch.empty(m, n)
-    rc = (so or library()).q8_0_mm(x.data_ptr(), m, k, q.data_ptr(), d.data_ptr(), n, y.data_ptr(), _threads())
-    _ok(rc, f"q8_0_mm of [{m}, {k}] x [{n}, {k}]")
-    return y
+    _groups(x.shape[1])
+    _arg(q, "q", torch.int8, (None, x.shape[1]))
+    return q8_weight(q, d).mm(x, so)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, so: ctypes.CDLL | None = None) -> torch.Tensor:
@@ -315,7 +345,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, so: ctypes.CDLL | None = None) -> tor
     if x.numel() != k or n < 1:
         raise ValueError(f"x: {x.numel()} values for a [{n}, {k}] weight")
     y = torch.empty(n)
-    _ok((so or library()).f32_gemv(x.data_ptr(), k, w.data_ptr(), n, y.data_ptr(), _threads()), "f32_gemv")
+    _ok((so or library()).f32_gemv(x.data_ptr(), k, w.data_ptr(), n, y.data_ptr(), _threads()), lambda: "f32_gemv")
     return y
 
 
@@ -393,7 +423,7 @@ def attend(qkv: torch.Tensor, heads: int, kv_heads: int, k: torch.Tensor, v: tor
     so = library()
     rc = so.attend_row(qkv.data_ptr(), heads, kv_heads, hd, cos, sin, k.data_ptr(), v.data_ptr(), max_len, pos,
                        out.data_ptr(), _threads())  # fmt: skip
-    _ok(rc, f"attend_row of {heads} heads over {pos + 1} positions")
+    _ok(rc, lambda: f"attend_row of {heads} heads over {pos + 1} positions")
     return out
 
 

@@ -161,6 +161,7 @@ class Linear:
                 self.kernel = "q8_0"
                 q, d = quantize_q8_0(w)
                 self.q, self.scale = hugepages.hold(q), d.contiguous()
+                self.product = native.q8_weight(self.q, self.scale)  # checked once, not every token
                 return
             q, s = quantize_int8(w)
             self.kernel = "fbgemm" if cpu and _fbgemm() else "int8pack" if cpu and _has("_weight_int8pack_mm") else None
@@ -174,6 +175,7 @@ class Linear:
             self.kernel = be.q4 if cpu and be.q4 in ("q4_0", "kleidiai") else "int4pack" if fits else None
             if self.kernel == "q4_0":
                 self.q, self.scale = hugepages.hold(native.pack(q)), d.contiguous()  # Q4_0's bytes; fp32 scales
+                self.product = native.q4_weight(self.q, self.scale)  # checked once, not every token
             elif self.kernel == "kleidiai":  # Q4_0's nibbles, bf16 scales (KleidiAI's groupwise layout)
                 n, k = w.shape
                 self.q = torch.ops.aten._dyn_quant_pack_4bit_weight(
@@ -240,16 +242,14 @@ class Linear:
         if not self.kernel:
             w = self.dequantized().to(x.dtype)
             y = F.linear(x2, w)
-        elif self.kernel == "q8_0":
-            y = native.q8_mm(x2, self.q, self.scale)
+        elif self.kernel in ("q8_0", "q4_0"):
+            y = self.product.mm(x2)
         elif self.kernel == "kleidiai":
             y = self._kleidiai(x2)
         elif self.kernel == "fbgemm":
             y = torch.ops.quantized.linear_dynamic(x2.float(), self.packed)
         elif self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x2.to(KERNEL_DTYPE), self.q, self.scale)
-        elif self.kernel == "q4_0":
-            y = native.q4_mm(x2, self.q, self.scale)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(KERNEL_DTYPE), self.q, GROUP, self.scale)
         y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
