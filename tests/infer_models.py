@@ -85,6 +85,16 @@ LLAMA3_TEMPLATE = (
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 
 
+def checkpoints(root, prompt: list[int], new: int) -> dict:
+    """A tiny 3-layer Llama and GPT-2 under `root`, each with transformers' greedy tokens: the
+    module fixture of the inference tests."""
+    return {
+        arch: (path, reference(path, prompt, new))
+        for arch in ("llama", "gpt2")
+        for path in [make_checkpoint(str(root / arch), arch, layers=3)]
+    }
+
+
 def make_bytelevel_tokenizer():
     """A byte-level BPE tokenizer (300 tokens, Llama 3's special tokens), trained with `tokenizers`:
     multi-byte characters span several tokens, as in GPT-2's and Llama 3's tokenizers."""

@@ -4,6 +4,8 @@ port, with an openai client bound to it (the serving tests share this)."""
 from __future__ import annotations
 
 import argparse
+import http.client
+import json
 import threading
 
 import openai
@@ -29,3 +31,15 @@ def stop(s: dict) -> None:
     s["server"].shutdown()
     s["server"].server_close()
     s["svc"].router.close()
+
+
+def call(port, method, path, body=None, raw=None, headers=None, timeout=60, key: str | None = None):
+    """One raw HTTP request (what the openai client cannot send); (status, JSON body or None)."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    h = {"Content-Type": "application/json", "Authorization": f"Bearer {key}" if key else None, **(headers or {})}
+    c.request(method, path, body=data, headers={k: v for k, v in h.items() if v is not None})
+    r = c.getresponse()
+    out = r.status, r.read()
+    c.close()
+    return out[0], json.loads(out[1]) if out[1] else None

@@ -9,7 +9,7 @@ import os
 import shutil
 
 import pytest
-from infer_models import make_checkpoint, reference
+from infer_models import checkpoints
 
 from smoltrain.cli import main
 
@@ -19,12 +19,7 @@ NEW = 10
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hf")
-    out = {}
-    for arch in ("llama", "gpt2"):
-        path = make_checkpoint(str(root / arch), arch, layers=3)
-        out[arch] = (path, reference(path, PROMPT, NEW))
-    return out
+    return checkpoints(tmp_path_factory.mktemp("hf"), PROMPT, NEW)
 
 
 def generate(tmp_path, model: str, *extra) -> dict:

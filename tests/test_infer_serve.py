@@ -170,14 +170,7 @@ def test_chat_prompt_is_transformers_apply_chat_template(servers, model):
 
 
 def call(port, method, path, body=None, raw=None, headers=None, timeout=60):
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    h = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}", **(headers or {})}
-    c.request(method, path, body=data, headers={k: v for k, v in h.items() if v is not None})
-    r = c.getresponse()
-    out = r.status, r.read()
-    c.close()
-    return out[0], json.loads(out[1]) if out[1] else None
+    return servetools.call(port, method, path, body, raw, headers, timeout, key=KEY)
 
 
 def completion(prompt="Hello", **kw):

@@ -9,7 +9,6 @@ or grows without end gets a 400 naming its budget; Host/Origin, Content-Length, 
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import resource
@@ -36,14 +35,7 @@ stop = servetools.stop
 
 
 def call(port, method, path, body=None, raw=None, headers=None, timeout=60):
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    h = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}", **(headers or {})}
-    c.request(method, path, body=data, headers={k: v for k, v in h.items() if v is not None})
-    r = c.getresponse()
-    out = r.status, r.read()
-    c.close()
-    return out[0], json.loads(out[1]) if out[1] else None
+    return servetools.call(port, method, path, body, raw, headers, timeout, key=KEY)
 
 
 def long_prompt(n: int, seed: int = 0) -> list[int]:

@@ -113,22 +113,28 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class LlamaBlock(nn.Module):
-    """Pre-norm block; `enter`/`leave` are identities alone and tp's f/g all-reduces when sliced."""
+class Block(nn.Module):
+    """A pre-norm block: `body` holds its maths; `enter`/`leave` are identities alone and tp's f/g
+    all-reduces when sliced; forward goes through models.gpt.run_block (activation checkpointing)."""
 
-    def __init__(self, cfg: HFConfig, heads: int, kv_heads: int, ffn: int, o_bias: bool | None = None):
+    def __init__(self, cfg: HFConfig):
         super().__init__()
         self.cfg = cfg
-        self.input_layernorm = RMSNorm(cfg.hidden, cfg.eps)
-        self.self_attn = LlamaAttention(cfg, heads, kv_heads, cfg.bias if o_bias is None else o_bias)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.eps)
-        self.mlp = LlamaMLP(cfg.hidden, ffn)
         self.enter, self.leave = _same, _same
         self.checkpoint = False  # activation checkpointing (models.gpt.run_block)
         self.partial_grads: list[nn.Parameter] = []  # tp: replicated weights whose gradients need a sum
 
     def forward(self, x):
         return run_block(self, x)
+
+
+class LlamaBlock(Block):
+    def __init__(self, cfg: HFConfig, heads: int, kv_heads: int, ffn: int, o_bias: bool | None = None):
+        super().__init__(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden, cfg.eps)
+        self.self_attn = LlamaAttention(cfg, heads, kv_heads, cfg.bias if o_bias is None else o_bias)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.eps)
+        self.mlp = LlamaMLP(cfg.hidden, ffn)
 
     def body(self, x):
         x = x + self.leave(self.self_attn(self.enter(self.input_layernorm(x))))
@@ -190,20 +196,13 @@ class GPT2MLP(nn.Module):
         return self.c_proj(F.gelu(self.c_fc(x), approximate=self.approx))
 
 
-class GPT2Block(nn.Module):
+class GPT2Block(Block):
     def __init__(self, cfg: HFConfig, heads: int, ffn: int, proj_bias: bool = True):
-        super().__init__()
-        self.cfg = cfg
+        super().__init__(cfg)
         self.ln_1 = nn.LayerNorm(cfg.hidden, eps=cfg.eps)
         self.attn = GPT2Attention(cfg.hidden, heads, cfg.head_dim, proj_bias)
         self.ln_2 = nn.LayerNorm(cfg.hidden, eps=cfg.eps)
         self.mlp = GPT2MLP(cfg.hidden, ffn, cfg.act, proj_bias)
-        self.enter, self.leave = _same, _same
-        self.checkpoint = False  # activation checkpointing (models.gpt.run_block)
-        self.partial_grads: list[nn.Parameter] = []  # tp: replicated weights whose gradients need a sum
-
-    def forward(self, x):
-        return run_block(self, x)
 
     def body(self, x):
         x = x + self.leave(self.attn(self.enter(self.ln_1(x))))
