@@ -11,7 +11,11 @@ MODELS_HELP = "tiny, gpt2-124m, llama-3.2-1b, llama-3.1-8b, mixtral-8x7b, or a .
 
 def add_arguments(p) -> None:
     p.add_argument("--strategy", help=", ".join(registry.names()) + ", or all (rank them)")
-    p.add_argument("--mesh", metavar="AXIS=N,...", help="bytes per link of a mesh, e.g. dp=2,tp=2 (docs/mesh.md)")
+    p.add_argument(
+        "--mesh",
+        metavar="AXIS=N,...|auto",
+        help="a mesh's bytes and step time, e.g. pp=2,tp=2; auto ranks every layout",
+    )
     p.add_argument("--mode", default="train", choices=("train", "infer", "serve"))
     p.add_argument("--model", default="tiny", help=MODELS_HELP)
     p.add_argument("--world", type=validate.RANKS, help="ranks (default: inventory hosts, links-report hosts, else 2)")
@@ -142,9 +146,9 @@ def run(args) -> int:
     from smoltrain.planner.request import resolve
 
     con = Console()
-    if getattr(args, "mesh", None):
-        return _mesh(con, args)
     o, run_doc = dict(vars(args)), None
+    if o.get("mesh"):
+        return _mesh(con, o)
     if args.compare:
         from smoltrain.planner.compare import read_run
 
@@ -174,6 +178,9 @@ def run(args) -> int:
 
     if o["strategy"] == "all":
         doc = selection.ranking(req, setting, o["target_comm"])
+        from smoltrain.planner.mesh_search import beside_strategies
+
+        beside_strategies(doc, req)  # the best meshes under `meshes`, where the world allows one
         words = setups.review(doc, req, setting) if setups.applies(req) and run_doc is None else None
         _all(con, o, doc)
         if words:
@@ -198,27 +205,25 @@ def run(args) -> int:
     return 0
 
 
-def _mesh(con, args) -> int:
-    """plan --mesh: bytes per link and step, each axis's traffic over its groups (planner.mesh_traffic);
-    no step time or ranking of layouts yet (docs/mesh.md)."""
-    from smoltrain.mesh import parse
-    from smoltrain.models.spec import ModelSpecError, get_model
-    from smoltrain.planner.mesh_traffic import mesh_link_bytes
+def _mesh(con, o: dict) -> int:
+    """plan --mesh AXIS=N,...|auto: each layout's bytes per link, step time and bottleneck on
+    these hosts and links, ranked (planner.mesh_search; docs/mesh.md)."""
+    from smoltrain.planner import mesh_render, mesh_search
+    from smoltrain.planner.request import resolve
 
-    if args.strategy or args.mode != "train" or args.json or args.compare:
-        raise UsageError("plan --mesh: bytes per link of a training step (no --strategy, --mode, --json, --compare)")
-    try:
-        spec = get_model(args.model)
-    except ModelSpecError as e:
-        raise UsageError(str(e)) from None
-    mesh = parse(args.mesh, args.world or args.local, spec)
-    links = mesh_link_bytes(mesh, spec, args.batch, args.seq, args.microbatches, args.dtype)
-    con.print(f"mesh {mesh.text()} on {mesh.world} ranks, {spec.name}, batch {args.batch}x{args.seq}: bytes per step")
-    for (src, dst), b in sorted(links.items()):
-        axis = [a for a, x, y in zip(mesh.names, mesh.coords(src), mesh.coords(dst)) if x != y]
-        con.print(f"  rank {src} -> rank {dst}  {int(b):>14,d}  {'/'.join(axis)}")
-    sent = [sum(b for (s, _), b in links.items() if s == r) for r in range(mesh.world)]
-    con.print(f"  busiest rank sends {max(sent):,.0f}")
+    if o["strategy"] or o["mode"] != "train" or o["compare"]:
+        raise UsageError("plan --mesh: a training step's layouts (no --strategy, --mode or --compare)")
+    req = mesh_search.mesh_request(request(dict(o, strategy="tp", world=mesh_search.world_of(o))))
+    setting = resolve(req)
+    how = o["placement"] or "auto"
+    if o["mesh"] == "auto":
+        doc = mesh_search.search(req, setting, how)
+        mesh_render.ranking(con, doc)
+    else:
+        doc = mesh_search.explicit(req, setting, o["mesh"], how)
+        mesh_render.layout(con, doc, doc["meshes"][0])
+    if o["json"]:
+        _write_json(o["json"], doc)
     return 0
 
 
@@ -256,6 +261,10 @@ def _all(con, o: dict, doc: dict) -> int:
         f"  best here: [bold]{best['strategy']}[/], {best['tokens_per_s']:,.1f} tokens/s, "
         f"bottleneck {best['bottleneck']} (each under its {best.get('placement_mode', 'even')} placement)"
     )
+    if doc.get("meshes"):
+        from smoltrain.planner import mesh_render
+
+        con.print(f"  [bold]verdict:[/] {mesh_render.beside(con, doc, best)}")
     if doc.get("low_communication"):
         con.print(f"  [bold]low communication:[/] {doc['low_communication']['sentence']}")
     if o["json"]:

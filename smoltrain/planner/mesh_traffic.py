@@ -44,17 +44,13 @@ def held_params(spec, coords: dict) -> int:
     return layers * block + (emb if s == 0 else 0) + (head if s == P - 1 else 0)
 
 
-def mesh_link_bytes(mesh, spec, batch: int, seq: int, microbatches: int = 1, dtype: str = "fp32") -> dict:
-    """{(world src, world dst): payload bytes per optimizer step} of a mesh run."""
+def axis_traffic(mesh, spec, batch: int, seq: int, microbatches: int = 1, dtype: str = "fp32") -> list:
+    """[(axis, world ranks of the group in group order, that group's 1-D Traffic)] of a mesh run's
+    step: what mesh_link_bytes adds up and planner.mesh_plan times, group by group."""
     model, data, inner = mesh.roles()
     if model == "fsdp" or (spec.arch or "gpt") != "gpt":
         raise UsageError(f"plan --mesh {mesh.text()}: planned today for the built-in models' dp, pp and tp axes")
-    out: dict[tuple[int, int], float] = {}
-
-    def add(group: list[int], tr: Traffic) -> None:
-        for (src, dst), b in tr.link_bytes().items():
-            key = (group[src], group[dst])
-            out[key] = out.get(key, 0.0) + b
+    out = []
 
     def place(rank: int) -> dict:
         return {a: (c, n) for (a, n), c in zip(mesh.axes, mesh.coords(rank))}
@@ -74,11 +70,21 @@ def mesh_link_bytes(mesh, spec, batch: int, seq: int, microbatches: int = 1, dty
                 s, P = place(g[0])["pp"]
                 stage = replace(spec, layers=even_counts(spec.layers, P)[s])
             m = microbatches if axis == "pp" else 1
-            add(g, traffic(axis, "train", stage, len(g), dtype, b, seq, m))
+            out.append((axis, g, traffic(axis, "train", stage, len(g), dtype, b, seq, m)))
     if data and mesh.size(data) > 1:
         for g in mesh.groups(data):
             nbytes = held_params(spec, place(g[0])) * dtype_bytes(dtype)
-            add(g, Traffic("dp", "train", len(g), all_reduce(len(g), nbytes, "all-reduce gradients")))
+            out.append((data, g, Traffic("dp", "train", len(g), all_reduce(len(g), nbytes, "all-reduce gradients"))))
+    return out
+
+
+def mesh_link_bytes(mesh, spec, batch: int, seq: int, microbatches: int = 1, dtype: str = "fp32") -> dict:
+    """{(world src, world dst): payload bytes per optimizer step} of a mesh run."""
+    out: dict[tuple[int, int], float] = {}
+    for _, group, tr in axis_traffic(mesh, spec, batch, seq, microbatches, dtype):
+        for (src, dst), b in tr.link_bytes().items():
+            key = (group[src], group[dst])
+            out[key] = out.get(key, 0.0) + b
     return out
 
 

@@ -1,0 +1,252 @@
+"""`plan --mesh auto|AXIS=N,...` and `run --mesh auto`: the layouts a world allows, each laid
+onto the hosts, timed (planner.mesh_plan) and ranked.
+
+The search:
+- layouts: every way to write the world as sizes of two or three of dp, pp and tp (each
+  wider than one), in every axis order; refused (listed under `skipped`, with why): tp wider
+  than the KV head groups, pp deeper than the layers, a batch smaller than the replicas, more
+  microbatches than a replica's sequences;
+- hosts (`--placement auto`, the default): the innermost axis's groups are formed greedily
+  from the fastest measured pairs (a 1 MB message's time each way, Link.seconds), the groups
+  then tried in every order (up to 4 groups; the outer axes' hops differ), beside inventory
+  order; the layout keeps the assignment with the shortest predicted step. `--placement even`
+  keeps inventory order;
+- dropped: a layout that does not fit memory on some rank, or that no assignment keeps off
+  a down link;
+- ranked by tokens per second (the same batch for all), ties to the earlier layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from itertools import permutations
+
+from smolnet.errors import UsageError
+from smoltrain.mesh import Mesh, MeshError, parse
+from smoltrain.planner import mesh_plan
+from smoltrain.planner.compute import cpu_links
+from smoltrain.planner.mesh_traffic import axis_traffic, mesh_link_bytes
+
+SCHEMA = "smoltrain.meshplan/1"
+SEARCHED = ("dp", "pp", "tp")  # the axes the planner times today (outermost first)
+NOT_SEARCHED = "fsdp x tp and diloco beside another axis are not planned yet (docs/mesh.md)"
+GROUP_ORDERS = 4  # try every order of the innermost groups up to this many groups
+
+
+def check(mesh: Mesh, spec, batch: int, microbatches: int) -> None:
+    """What the runtime would refuse (mesh.check_run's checks), before any timing."""
+    from smoltrain.mesh import check_model
+
+    check_model(mesh, spec)
+    _, data, _ = mesh.roles()
+    n = mesh.size(data) if data else 1
+    if batch < n:
+        raise MeshError(f"--mesh {mesh.text()}: --batch {batch} is smaller than the {n} {data} replicas")
+    if mesh.size("pp") > 1 and microbatches > batch // n:
+        raise MeshError(
+            f"--mesh {mesh.text()}: --microbatches {microbatches} exceeds a replica's {batch // n} sequences"
+        )
+
+
+def layouts(world: int) -> list[Mesh]:
+    """Every mesh of two or three axes from SEARCHED, each wider than one, multiplying to `world`."""
+    out = []
+    for d in _divisors(world):
+        for p in _divisors(world // d):
+            sizes = {"dp": d, "pp": p, "tp": world // d // p}
+            wide = [(a, n) for a, n in sizes.items() if n > 1]
+            if len(wide) < 2:
+                continue
+            out += [Mesh(tuple(o)) for o in permutations(wide)]
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def pair_cost(lm, a: str, b: str) -> float:
+    """How far apart two hosts are: a 1 MB message's time, the slower way (inf: a link down)."""
+    return max(lm.get(a, b).seconds(1e6), lm.get(b, a).seconds(1e6))
+
+
+def inner_groups(names: list[str], size: int, lm) -> list[list[int]]:
+    """The hosts (indices) in groups of `size`, greedily: the closest remaining pair first, then
+    the host closest to all of the group's, until it is full; ties to inventory order."""
+    left = list(range(len(names)))
+    out = []
+    while left:
+        if size == 1:
+            out.append([left.pop(0)])
+            continue
+        pairs = [
+            (pair_cost(lm, names[a], names[b]), i, j) for i, a in enumerate(left) for j, b in enumerate(left) if i < j
+        ]
+        _, i, j = min(pairs)
+        g = [left[i], left[j]]
+        while len(g) < size:
+            g.append(
+                min((h for h in left if h not in g), key=lambda h: max(pair_cost(lm, names[h], names[x]) for x in g))
+            )
+        out.append(sorted(g))
+        left = [h for h in left if h not in g]
+    return out
+
+
+def assignments(mesh: Mesh, names: list[str], lm, how: str) -> list[list[int]]:
+    """Candidate host orders (rank r on host order[r]): inventory order, and under `auto` the
+    innermost axis's groups on the closest hosts, the groups in every order (up to 4)."""
+    ident = list(range(mesh.world))
+    if how == "even":
+        return [ident]
+    size = mesh.axes[-1][1]
+    groups = inner_groups(names[: mesh.world], size, lm)
+    orders = permutations(groups) if len(groups) <= GROUP_ORDERS else [groups]
+    out = [ident]
+    for o in orders:
+        cand = [h for g in o for h in g]
+        if cand not in out:
+            out.append(cand)
+    return out
+
+
+def lay_out(mesh: Mesh, sh: mesh_plan.Shape, ranks: list, lm, how: str) -> dict:
+    """The best assignment of one mesh onto these ranks (first in inventory order), as an entry."""
+    groups = axis_traffic(mesh, sh.model, sh.batch, sh.seq, sh.microbatches, sh.dtype)
+    link_bytes = mesh_link_bytes(mesh, sh.model, sh.batch, sh.seq, sh.microbatches, sh.dtype)
+    best = None
+    for order in assignments(mesh, [r.name for r in ranks], lm, how):
+        hosts = [ranks[i] for i in order]
+        e = mesh_plan.entry(mesh, sh, hosts, cpu_links(lm, hosts), lm, groups, link_bytes, how)
+        if best is None or _key(e) < _key(best):
+            best = e
+    return best
+
+
+def _key(e: dict) -> tuple:
+    """Runnable and fitting first, then the shortest step."""
+    return (not e["fits"], e["step_s"] is None, e["step_s"] or 0.0)
+
+
+def shape_of(req, model) -> mesh_plan.Shape:
+    return mesh_plan.Shape(model, req.batch, req.seq, req.microbatches, req.dtype, req.compute_dtype)
+
+
+def mesh_request(req):
+    """The request its ranks resolve under: every rank busy (a mesh keeps them all computing)."""
+    if req.mode != "train":
+        raise UsageError("plan --mesh: a training step (--mode train)")
+    if req.tuning is not None:
+        raise UsageError("plan --mesh: LoRA, a quantised base and checkpointing are not planned for a mesh yet")
+    return replace(req, strategy="tp", placement="even")
+
+
+def world_of(o: dict) -> int | None:
+    """plan's world for a mesh: --world or --local, else (no hosts named) the explicit mesh's own."""
+    if o.get("world") or o.get("local") or o.get("inventory") or o.get("links") or o["mesh"] == "auto":
+        return o.get("world")
+    return parse(o["mesh"], None).world
+
+
+def beside_strategies(doc: dict, req) -> None:
+    """`plan --strategy all`: the ranked layouts under doc["meshes"] and the best under
+    doc["best_mesh"], where the world allows a mesh and the planner times one (else nothing)."""
+    from smoltrain.planner.request import resolve
+
+    try:
+        r = mesh_request(req)
+        setting = resolve(r)
+        if len(setting.ranks) < 4:
+            return
+        found = search(r, setting, "even" if req.placement == "even" else "auto")
+    except UsageError:
+        return
+    doc["meshes"], doc["best_mesh"] = found["meshes"], found["best"]
+
+
+def explicit(req, setting, text: str, how: str) -> dict:
+    """`plan --mesh AXIS=N,...`: one layout's document; a mesh the world, the model or the
+    links cannot take is refused in one line."""
+    mesh = parse(text, len(setting.ranks), setting.model)
+    check(mesh, setting.model, req.batch, req.microbatches)
+    e = lay_out(mesh, shape_of(req, setting.model), setting.ranks, setting.lm, how)
+    if e["step_s"] is None and e["bottleneck"] == "link":
+        raise MeshError(f"--mesh {text}: {e['bottleneck_where']}")
+    return _doc(req, setting, [e], [])
+
+
+def search(req, setting, how: str) -> dict:
+    """`plan --mesh auto`: every layout the world allows that fits and avoids down links, ranked."""
+    world = len(setting.ranks)
+    sh = shape_of(req, setting.model)
+    found, skipped = [], []
+    for mesh in layouts(world):
+        try:
+            check(mesh, setting.model, req.batch, req.microbatches)
+            e = lay_out(mesh, sh, setting.ranks, setting.lm, how)
+        except UsageError as err:  # MeshError is one
+            skipped.append({"layout": mesh.text(), "reason": str(err)})
+            continue
+        if not e["fits"] or e["step_s"] is None:
+            skipped.append({"layout": mesh.text(), "reason": e["bottleneck_where"]})
+            continue
+        found.append(e)
+    if not found:
+        why = skipped[0]["reason"] if skipped else f"a world of {world} has no layout of two axes or more"
+        raise MeshError(f"--mesh auto: no layout of {world} ranks fits and runs here ({why})")
+    found.sort(key=lambda e: -e["tokens_per_s"])
+    return _doc(req, setting, found, skipped)
+
+
+def _doc(req, setting, meshes: list[dict], skipped: list[dict]) -> dict:
+    return {
+        "schema": SCHEMA,
+        "model": setting.model.name,
+        "world_size": len(setting.ranks),
+        "dtype": req.dtype,
+        "batch": req.batch,
+        "seq": req.seq,
+        "microbatches": req.microbatches,
+        "compute_source": setting.compute_source,
+        "link_source": setting.lm.source,
+        "best": meshes[0]["layout"],
+        "meshes": meshes,
+        "skipped": skipped,
+        "not_searched": NOT_SEARCHED,
+    }
+
+
+def for_run(args) -> tuple[str, list[str] | None, str]:
+    """`run --mesh auto`: the plan's pick for this run's ranks, links and compute (what `plan
+    --mesh auto` says for the same arguments), as (mesh text, host names in rank order, None on
+    this machine, and a line saying what was chosen)."""
+    from smoltrain.planner.links import read_report
+    from smoltrain.planner.request import PlanRequest, model_of, resolve
+    from smoltrain.planner.selection import hosts as inventory_hosts
+
+    if args.shares or (args.placement and args.placement not in ("even", "auto")):
+        raise MeshError("--mesh auto: --shares and a placement file do not apply to a mesh")
+    hosts = inventory_hosts(args.inventory, None) if args.inventory else None
+    req = PlanRequest(
+        "tp",
+        model_of(args.model),
+        world=args.local or len(hosts),
+        dtype="fp32",
+        batch=args.batch,
+        seq=args.seq,
+        microbatches=args.microbatches,
+        placement="even",
+        hosts=hosts,
+        links=read_report(args.links) if args.links else None,
+        compute=getattr(args, "compute", None),
+        local=hosts is None,
+        compute_dtype=getattr(args, "dtype", None),
+    )
+    setting = resolve(req)
+    how = "even" if hosts is None or args.placement == "even" else "auto"
+    best = search(req, setting, how)["meshes"][0]
+    line = (
+        f"mesh auto: {best['layout']} on {', '.join(best['order'])}, {best['step_s'] * 1e3:.1f} ms/step predicted, "
+        f"bottleneck {best['bottleneck']} ({best['bottleneck_where']})"
+    )
+    return best["layout"], (best["order"] if hosts is not None else None), line
