@@ -12,7 +12,9 @@ from smoltrain.planner.tuning import LORA_STRATEGIES  # the plan's list: the oth
 
 def add_arguments(p) -> None:
     p.add_argument("--strategy", help=", ".join(registry.names(trainable=True)))
-    p.add_argument("--mesh", metavar="AXIS=N,...", help="strategies along mesh axes, e.g. dp=2,tp=2 (docs/mesh.md)")
+    p.add_argument(
+        "--mesh", metavar="AXIS=N,...|auto", help="strategies along mesh axes, e.g. dp=2,tp=2; auto: the plan's pick"
+    )
     where = p.add_mutually_exclusive_group()
     where.add_argument("--local", type=validate.RANKS, metavar="N", help="run N worker processes on loopback")
     where.add_argument("-i", "--inventory", help="run one worker per `cluster` host of this inventory")
@@ -252,6 +254,11 @@ def mesh_argument(args) -> str | None:
         raise UsageError("give --strategy or --mesh, not both (--strategy S is the mesh S=world)")
     from smoltrain.mesh import parse
 
+    if args.mesh == "auto":  # the plan's pick (planner.mesh_search.for_run), and its hosts in rank order
+        from smoltrain.planner.mesh_search import for_run
+
+        args.mesh, args.mesh_hosts, line = for_run(args)
+        print(line, flush=True)
     m = parse(args.mesh, args.local)
     args.strategy, data, inner = m.roles()
     return m.text() if data or inner else None
@@ -290,6 +297,9 @@ def _run(args, early) -> int:
     from smoltrain.run.controller import Controller, check_usage, plot_losses, rank_placements, route_source, write_json
 
     placements, hosts = rank_placements(args.local, args.inventory)
+    if getattr(args, "mesh_hosts", None):  # run --mesh auto: rank r on the plan's r-th host
+        placements = [next(p for p in placements if p.name == n) for n in args.mesh_hosts]
+        hosts = [p.host for p in placements]
     threads = machine_settings(args, hosts, len(placements))
     if not args.inventory:  # ranks on this machine: refuse here a backend it cannot run
         from smoltrain.models import backends
@@ -342,7 +352,7 @@ def _run(args, early) -> int:
 
     if mesh:  # the planner plans one axis; a mesh runs its even split unplanned (docs/mesh.md)
         planned = RunPlan(None, None)
-        console.print(f"mesh {mesh}: {args.strategy} along its axis, even splits; the plan does not cover meshes yet")
+        console.print(f"mesh {mesh}: {args.strategy} along its axis, even splits (its plan: smoltrain plan --mesh)")
     else:
         planned = plan_run(args, spec, [p.name for p in placements], hosts, console)
     placed = planned.placement
