@@ -103,7 +103,7 @@ def test_verdict_when_nothing_fits_alone():
             "world_size": 4,
             "tokens_per_s": 10.0,
             "bottleneck": "link",
-            "bottleneck_where": "link a -> b carries 1 GB",
+            "bottleneck_detail": {"kind": "link", "cause": "nic", "limiter": "a's uplink", "compute_s": 1, "comm_s": 2},
             "single_host": {"name": "mac", "fits": False, "step_s": None, "tokens_per_s": 0.0},
         }
     )

@@ -119,7 +119,17 @@ def test_verdict_suggests_auto_only_where_the_split_was_even():
         "world_size": 4,
         "tokens_per_s": 100.0,
         "bottleneck": "compute",
-        "bottleneck_where": "rank 0",
+        "bottleneck_detail": {
+            "kind": "compute",
+            "cause": "rank",
+            "rank": 0,
+            "host": "a",
+            "device": "generic",
+            "seconds": 0.1,
+            "comm_s": 0.01,
+            "work": "FLOPs",
+            "per": "step",
+        },
         "single_host": {"name": "laptop", "fits": True, "step_s": 0.1, "tokens_per_s": 1000.0},
         "placement_mode": "even",
     }

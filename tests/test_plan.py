@@ -8,10 +8,11 @@ import pytest
 from smolnet.errors import UsageError
 from smoltrain.cli import main
 from smoltrain.models.spec import get_model
-from smoltrain.planner import plan_for_run
 from smoltrain.planner.devices import LINK_CLASSES
 from smoltrain.planner.links import from_class
-from smoltrain.planner.plan import make_plan, resolve_ranks, what_if, what_if_sentence
+from smoltrain.planner.plan import make_plan, what_if, what_if_sentence
+from smoltrain.planner.ranks import resolve_ranks
+from smoltrain.planner.request import PlanRequest, build_plan
 from smoltrain.schema import check_any
 
 TINY = get_model("tiny")
@@ -22,8 +23,10 @@ assert P_TINY == 721344
 
 
 def plan(strategy, model=TINY, world=2, **kw):
+    """The plan `run` would show: the one resolver, ranks on this machine unless hosts are given."""
     kw.setdefault("calibration", False)
-    return plan_for_run(strategy, model, world, **kw)
+    kw.setdefault("placement", "even")
+    return build_plan(PlanRequest(strategy, model, world=world, local=kw.get("hosts") is None, **kw))
 
 
 def links(doc):

@@ -10,8 +10,8 @@ import pytest
 
 from smoltrain import registry
 from smoltrain.models.spec import get_model
-from smoltrain.planner import plan_for_run
 from smoltrain.planner.compare import compare
+from smoltrain.planner.request import PlanRequest, build_plan
 from smoltrain.schema import check_any
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,14 +66,18 @@ def test_predicted_bytes_match_measured_on_local_runs(runs, strategy):
     assert rc == 0, log[-2000:]
     run = json.loads(path.read_text())
     cfg = run["config"]
-    plan = plan_for_run(
-        strategy,
-        get_model(cfg["model"]),
-        run["world_size"],
-        batch=cfg["batch"],
-        seq=cfg["seq"],
-        microbatches=cfg["microbatches"],
-        calibration=False,
+    plan = build_plan(
+        PlanRequest(
+            strategy,
+            get_model(cfg["model"]),
+            world=run["world_size"],
+            batch=cfg["batch"],
+            seq=cfg["seq"],
+            microbatches=cfg["microbatches"],
+            placement="even",
+            calibration=False,
+            local=True,
+        )
     )
     cmp = compare(plan, run)
     assert cmp["steps"] == 2

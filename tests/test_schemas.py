@@ -149,9 +149,9 @@ def _serveplan():
 
 def _plan():
     from smoltrain.models.spec import get_model
-    from smoltrain.planner.plan import plan_for_run
+    from smoltrain.planner.request import PlanRequest, build_plan
 
-    return plan_for_run("dp", get_model("tiny"), 2, calibration=False)
+    return build_plan(PlanRequest("dp", get_model("tiny"), world=2, placement="even", calibration=False, local=True))
 
 
 def _examples() -> dict:

@@ -144,105 +144,33 @@ def options(outer: dict | None) -> dict:
     }
 
 
-def finish(doc: dict, model, ranks: list, lm, outer: dict | None, tuning=None) -> None:
-    """Fill a compute-only plan (`make_plan` of an outer-step strategy) with the outer
-    all-reduce, amortised over H inner steps: bytes, step time, tokens/s, bottleneck; under LoRA
-    (`tuning`) the adapters alone are averaged."""
-    o = options(outer)
-    names, world, dtype = [r["name"] for r in doc["ranks"]], doc["world_size"], o["sync_dtype"]
+def outer_phase(model, ranks: list, names: list[str], lm, outer: dict | None, compute_s: float, tuning=None):
+    """The outer step as the builder's amortised phase (planner.phases): one ring all-reduce of
+    the pseudo-gradient and the outer update, every H inner steps, and the anchor and momentum
+    every rank keeps (two fp32 copies of what trains); under LoRA (`tuning`) the adapters alone.
+    H is the given inner_steps, else the smallest keeping communication at or under target_comm."""
     from smoltrain.planner import timing
+    from smoltrain.planner.phases import Amortised
 
+    o = options(outer)
+    world, dtype = len(names), o["sync_dtype"]
     numel = tuning.trainable(model) if tuning is not None else model.params()
-    for p in doc["ranks"]:  # the outer step's anchor and momentum: two more fp32 copies of the model
-        mem = p["memory"]
-        mem["optimizer"] += 2 * numel * 4
-        mem["total"] += 2 * numel * 4
-        p["fits"] = mem["fits"] = mem["total"] <= p["memory_available"]
     tr = outer_traffic(numel, dtype, world)
     cc = timing.comm_cost(tr, names, lm)
     slowest_bw = min(rk.device.mem_bw for rk in ranks[:world]) if ranks else 0.0
     update_s = UPDATE_PASSES * numel * 4 / slowest_bw if slowest_bw else 0.0
     sync_s = cc.total_s + update_s
-    compute_s = doc["compute_s_per_step"]
     H = o["inner_steps"] or pick_inner_steps(sync_s, compute_s, o["target_comm"])
-    per_outer = [rank_bytes(numel, dtype, world, r) for r in range(world)]
-    busiest = max(per_outer) if per_outer else 0
-    tokens = doc["batch"] * doc["seq"]
-    link_b, link_s = tr.link_bytes(), timing.link_seconds(tr, names, lm)
-    links = []
-    for (s, d), b in sorted(link_b.items()):
-        ln = lm.get(names[s], names[d])
-        sec = link_s[(s, d)]
-        links.append(
-            {
-                "src": names[s],
-                "dst": names[d],
-                "bytes_per_step": int(round(b / H)),
-                "bytes_per_outer_step": int(round(b)),
-                "messages_per_step": (world - 1) * 2 / H,
-                "seconds_per_step": sec / H if math.isfinite(sec) else None,
-                "rate_mbit": ln.rate_mbit or 0.0,
-                "rtt_us": ln.rtt_us,
-            }
-        )
-    comm_s = sync_s / H
-    step_s = compute_s + comm_s
-    finite = math.isfinite(step_s)
-    doc.update(
-        {
-            "inner_steps": H,
-            "inner_steps_source": "given" if o["inner_steps"] else f"target_comm {o['target_comm']:g}",
-            "sync_dtype": dtype,
-            "target_comm": o["target_comm"],
-            "outer": {
-                "bytes_per_outer_step": busiest,
-                "total_bytes_per_outer_step": sum(per_outer),
-                "allreduce_s": cc.total_s if math.isfinite(cc.total_s) else None,
-                "update_s": update_s,
-                "sync_s": sync_s if math.isfinite(sync_s) else None,
-                "comm_fraction": comm_s / step_s if finite and step_s > 0 else None,
-            },
-            "bytes_per_token": busiest / (H * tokens),
-            "bytes_per_step": int(round(busiest / H)),
-            "total_bytes_per_step": int(round(sum(per_outer) / H)),
-            "links": links,
-            "comm_s_per_step": comm_s if finite else None,
-            "step_s": step_s if finite else None,
-            "tokens_per_s": tokens / step_s if finite and step_s > 0 else 0.0,
-            "phases": [
-                {"what": ph.what, "rounds": 1, "bytes_per_round": sum(t.nbytes for t in ph.transfers)}
-                for ph in tr.phases
-            ],
-        }
-    )
-    unfit = [p for p in doc["ranks"] if not p["fits"]]
-    if unfit and doc["bottleneck"] != "capacity":
-        p = unfit[0]
-        doc["bottleneck"], doc["bottleneck_where"] = (
-            "capacity",
-            (
-                f"rank {p['rank']} ({p['name']}) needs {human_bytes(p['memory']['total'])} of "
-                f"{human_bytes(p['memory_available'])} usable memory, with the outer step's anchor and momentum"
-            ),
-        )
-    elif doc["bottleneck"] != "capacity":
-        if not finite:
-            doc["bottleneck"], doc["bottleneck_where"] = (
-                "link",
-                "a link of the ring is down; the plan cannot run over it",
-            )
-        elif comm_s > compute_s:
-            doc["bottleneck"] = "link"
-            doc["bottleneck_where"] = (
-                f"{cc.limiter}: one {human_bytes(busiest)} {dtype} all-reduce every {H} steps takes "
-                f"{human_s(sync_s)}, {human_s(comm_s)} per step against {human_s(compute_s)} of compute"
-            )
-        else:
-            doc["bottleneck_where"] = (doc.get("bottleneck_where") or "").split("; communication adds")[0] + (
-                f"; communication adds {human_s(comm_s)} per step ({human_bytes(busiest)} every {H} steps)"
-            )
+    ph = Amortised("outer step", tr, H, cc, update_s, 2 * numel * 4, dtype)
+    ph.settings = {
+        "inner_steps": H,
+        "inner_steps_source": "given" if o["inner_steps"] else f"target_comm {o['target_comm']:g}",
+        "sync_dtype": dtype,
+        "target_comm": o["target_comm"],
+    }
     why = "as given" if o["inner_steps"] else f"keeps communication at or under {o['target_comm']:.0%} of the step"
-    doc["notes"].append(
-        f"{doc['strategy']}: one ring all-reduce of the {dtype} pseudo-gradient every {H} inner steps "
-        f"({human_bytes(busiest)} from the busiest rank, {human_s(sync_s)} with the outer update); H {why}"
+    ph.note = (
+        f"one ring all-reduce of the {dtype} pseudo-gradient every {H} inner steps "
+        f"({human_bytes(ph.busiest)} from the busiest rank, {human_s(sync_s)} with the outer update); H {why}"
     )
+    return ph

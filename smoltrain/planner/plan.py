@@ -1,10 +1,13 @@
 """Build one smoltrain.plan/1 document: traffic per link, time per step, memory per rank and
-the bottleneck, in words. Everything else in the planner (CLI, tables, chart, compare) reads
-these documents.
+the bottleneck. This module is the one plan builder: every plan (train, infer, an outer-step
+strategy's) is made here, and everything else in the planner (CLI, tables, chart, compare)
+reads its documents.
 
-make_plan is the arithmetic in three parts: each rank's compute and memory for its work
-(rank_time.py), the step time of the strategy's kind of split (steps.py), and the
-document. request.build_plan is the one way commands get there.
+make_plan is the arithmetic in phases: each rank's compute and memory for its work
+(rank_time.py), the inner step of the strategy's kind of split (steps.py), any amortised
+phase that runs once every H steps (phases.py; diloco's outer step), then the document and
+its bottleneck record (bottleneck.py, turned into words here). request.build_plan is the one
+way commands get there.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import math
 from smoltrain import registry
 from smoltrain.models.spec import ModelSpec
 from smoltrain.planner import capacity, rank_time, steps, timing
-from smoltrain.planner.bottleneck import bottleneck, human_bytes
+from smoltrain.planner.bottleneck import Step, find, human_bytes, words
 from smoltrain.planner.devices import LINK_CLASSES
 from smoltrain.planner.links import LinkModel, from_class, link_model  # noqa: F401
 from smoltrain.planner.ranks import (  # noqa: F401  (public names others import from here)
@@ -112,7 +115,13 @@ def make_plan(
             f"{', '.join(busy)}: torch threads take every core, so gradient sends share them and do not "
             "overlap the backward pass (smol_threads one below the host's cores leaves the transport one)"
         )
-    doc = document(tr, info, model, names, ranks, per_rank, st, lm, dtype, batch, seq, microbatches)
+    outer_ph = None
+    if train and info.outer_steps:  # the all-reduce every H steps (planner.diloco)
+        from smoltrain.planner import diloco
+
+        outer_ph = diloco.outer_phase(model, ranks, names[: tr.world], lm, outer, st.compute_s, tuning)
+        keep(per_rank, outer_ph)
+    doc = document(tr, info, model, names, ranks, per_rank, st, lm, dtype, batch, seq, microbatches, outer_ph)
     doc.update(
         compute_dtype=compute_dtype or dtype,  # the dtype whose FLOP/s the plan assumed
         quantize=quantize,
@@ -122,10 +131,9 @@ def make_plan(
     )
     if tuning is not None:
         doc["tuning"] = tuning.to_dict(model)
-    if train and info.outer_steps:  # the all-reduce every H steps (planner.diloco)
-        from smoltrain.planner import diloco
-
-        diloco.finish(doc, model, ranks, lm, outer, tuning)
+    if outer_ph is not None:
+        doc.update(outer_ph.settings)
+        doc["outer"] = outer_section(outer_ph, doc)
     if single:
         from smoltrain.planner import verdict
 
@@ -136,36 +144,94 @@ def make_plan(
     return doc
 
 
-def document(tr, info, model, names, ranks, per_rank, st, lm, dtype, batch, seq, microbatches) -> dict:
-    """The smoltrain.plan/1 document of one plan: traffic per link, time, memory, bottleneck."""
+def keep(per_rank: list[dict], ph) -> None:
+    """Each rank's memory with the state an amortised phase keeps between runs (diloco's anchor and
+    momentum, counted as optimizer state)."""
+    for p in per_rank:
+        mem = p["memory"]
+        mem["optimizer"] += ph.state_bytes
+        mem["total"] += ph.state_bytes
+        p["fits"] = mem["fits"] = mem["total"] <= p["memory_available"]
+
+
+def outer_section(ph, doc: dict) -> dict:
+    """The doc's `outer`: one run of the amortised phase, and its share of the step."""
+    comm, step = doc["comm_s_per_step"], doc["step_s"]
+    per = ph.rank_bytes
+    return {
+        "bytes_per_outer_step": int(round(ph.busiest)),
+        "total_bytes_per_outer_step": int(round(sum(per))),
+        "allreduce_s": ph.cc.total_s if math.isfinite(ph.cc.total_s) else None,
+        "update_s": ph.update_s,
+        "sync_s": ph.sync_s if math.isfinite(ph.sync_s) else None,
+        "comm_fraction": comm / step if step is not None and step > 0 else None,
+    }
+
+
+def _per_step(tr: Traffic, names: list[str], lm: LinkModel, ph) -> tuple[dict, dict, dict]:
+    """Bytes, messages and busy seconds per step on each directed link: the inner step's, plus an
+    amortised phase's runs divided by its `every`."""
+    link_b, link_m, link_s = tr.link_bytes(), tr.link_msgs(), timing.link_seconds(tr, names, lm)
+    if ph is not None:
+        h = ph.every
+        ob, om, os_ = ph.tr.link_bytes(), ph.tr.link_msgs(), timing.link_seconds(ph.tr, names, lm)
+        for k in ob:
+            link_b[k] = link_b.get(k, 0) + ob[k] / h
+            link_m[k] = link_m.get(k, 0) + om[k] / h
+            link_s[k] = link_s.get(k, 0) + os_[k] / h
+    return link_b, link_m, link_s
+
+
+def document(tr, info, model, names, ranks, per_rank, st, lm, dtype, batch, seq, microbatches, ph=None) -> dict:
+    """The smoltrain.plan/1 document of one plan: traffic per link, time, memory, bottleneck;
+    `ph`: an amortised phase (planner.phases), its bytes and seconds charged 1/every per step."""
     train = tr.mode == "train"
-    step_s = st.compute_s + st.comm_s
+    h = ph.every if ph is not None else 1
+    comm_s = st.comm_s + ph.sync_s / h if ph is not None else st.comm_s
+    step_s = st.compute_s + comm_s
     finite = math.isfinite(step_s)
     tokens_step = batch * seq if train else 1
     if not train and info.replicated_infer:  # replicas serve their own streams
         tps = sum(1 / p["compute_s"] for p in per_rank if p["compute_s"] > 0)
     else:
         tps = tokens_step / step_s if finite and step_s > 0 else 0.0
-    link_b = tr.link_bytes()
-    link_m = tr.link_msgs()
-    link_s = timing.link_seconds(tr, names, lm)
+    link_b, link_m, link_s = _per_step(tr, names, lm, ph)
     down = [(s, d) for (s, d) in link_b if not lm.get(names[s], names[d]).up]
-    bn, where = bottleneck(tr, per_rank, names, lm, link_b, link_s, st.compute_s, st.comm_s, st.cc, down, st.bubble)
-    busiest = tr.rank_bytes()
+    bn = find(Step(tr, per_rank, names, lm, link_b, link_s, link_m, st.compute_s, comm_s, st.cc, down, st.bubble, ph))
+    sent = tr.rank_bytes()  # per step; with an amortised phase, per `h` steps then divided
+    if ph is not None:
+        sent = [h * a + b for a, b in zip(sent, ph.rank_bytes)]
+    busiest = max(sent) if sent else 0.0
+    total = sum(tr.link_bytes().values()) * h + (sum(ph.rank_bytes) if ph is not None else 0)
+    outer_b = ph.tr.link_bytes() if ph is not None else {}
     links_out = []
     for (s, d), b in sorted(link_b.items()):
         ln = lm.get(names[s], names[d])
-        links_out.append(
-            {
-                "src": names[s],
-                "dst": names[d],
-                "bytes_per_step": int(round(b)),
-                "messages_per_step": link_m.get((s, d), 0),
-                "seconds_per_step": link_s[(s, d)] if math.isfinite(link_s[(s, d)]) else None,
-                "rate_mbit": ln.rate_mbit or 0.0,
-                "rtt_us": ln.rtt_us,
-            }
+        row = {"src": names[s], "dst": names[d], "bytes_per_step": int(round(b))}
+        if ph is not None:
+            row["bytes_per_outer_step"] = int(round(outer_b.get((s, d), 0)))
+        row.update(
+            messages_per_step=link_m.get((s, d), 0),
+            seconds_per_step=link_s[(s, d)] if math.isfinite(link_s[(s, d)]) else None,
+            rate_mbit=ln.rate_mbit or 0.0,
+            rtt_us=ln.rtt_us,
         )
+        links_out.append(row)
+    phases = [
+        {"what": p.what, "rounds": p.repeat, "bytes_per_round": int(round(sum(t.nbytes for t in p.transfers)))}
+        for p in tr.phases
+    ]
+    if ph is not None:
+        phases += [
+            {"what": p.what, "rounds": p.repeat, "bytes_per_round": int(round(sum(t.nbytes for t in p.transfers)))}
+            | {"every_steps": h}
+            for p in ph.tr.phases
+        ]
+    notes = tr.notes + (
+        [] if train else [f"infer: one generated token per step, batch-1 decode, KV cache over {seq} positions"]
+    )
+    if ph is not None:
+        notes.append(f"{tr.strategy}: {ph.note}")
     return {
         "schema": PLAN_SCHEMA,
         "strategy": tr.strategy,
@@ -189,76 +255,25 @@ def document(tr, info, model, names, ranks, per_rank, st, lm, dtype, batch, seq,
         "seq": seq,
         "microbatches": microbatches,
         "tokens_per_step": tokens_step,
-        "bytes_per_token": bytes_per_token(tr, batch, seq),
-        "bytes_per_step": int(round(max(busiest))) if busiest else 0,
-        "total_bytes_per_step": int(round(sum(link_b.values()))),
+        "bytes_per_token": busiest / (h * batch * seq) if train else bytes_per_token(tr, batch, seq),
+        "bytes_per_step": int(round(busiest / h)),
+        "total_bytes_per_step": int(round(total / h)),
         "links": links_out,
         "compute_s_per_step": st.compute_s,
         "compute_source": "measured" if ranks and all(rk.measured for rk in ranks) else "nominal",
         "compute_s_per_rank": [p["compute_s"] for p in per_rank],
-        "comm_s_per_step": st.comm_s if finite else None,
+        "comm_s_per_step": comm_s if finite else None,
         "step_s": step_s if finite else None,
         "tokens_per_s": tps,
         "bubble_fraction": st.bubble,
-        "bottleneck": bn,
-        "bottleneck_where": where,
+        "bottleneck": bn.kind,
+        "bottleneck_where": words(bn),
+        "bottleneck_detail": bn.to_dict(),
         "ranks": per_rank,
-        "phases": [
-            {"what": ph.what, "rounds": ph.repeat, "bytes_per_round": int(round(sum(t.nbytes for t in ph.transfers)))}
-            for ph in tr.phases
-        ],
+        "phases": phases,
         "link_source": lm.source,
-        "notes": tr.notes
-        + ([] if train else [f"infer: one generated token per step, batch-1 decode, KV cache over {seq} positions"]),
+        "notes": notes,
     }
-
-
-def plan_for_run(
-    strategy,
-    model: ModelSpec,
-    world: int,
-    dtype: str = "fp32",
-    batch: int = 8,
-    seq: int = 64,
-    microbatches: int = 1,
-    mode: str = "train",
-    hosts=None,
-    links: dict | None = None,
-    link_class: str | None = None,
-    *,
-    calibration=None,
-    overlap: bool = True,
-    compute: str | None | bool = None,
-    placement: dict | str | None = None,
-    **widths,
-) -> dict:
-    """The plan of a run (request.build_plan): host names are the inventory's, or
-    rank0..rank{N-1} on this machine when `hosts` is None (`--local N`).
-    `calibration`: a DeviceProfile, a calibration file path, False to ignore, or None to use
-    ~/.config/smolcluster/calibration.json for `generic` hosts when it exists."""
-    from smoltrain.planner.request import PlanRequest, build_plan
-
-    return build_plan(
-        PlanRequest(
-            strategy,
-            model,
-            mode=mode,
-            world=world,
-            dtype=dtype,
-            batch=batch,
-            seq=seq,
-            microbatches=microbatches,
-            placement=placement if placement is not None else "even",
-            hosts=hosts,
-            links=links,
-            link_class=link_class,
-            compute=compute,
-            calibration=calibration,
-            local=hosts is None,
-            overlap=overlap,
-            **widths,
-        )
-    )
 
 
 WHAT_IF_CLASSES = ("1gbe", "2.5gbe", "10gbe", "tb4", "25gbe", "tb5", "100gbe", "200gbe")  # by goodput

@@ -21,7 +21,8 @@ from smoltrain.planner.traffic import Phase, Traffic
 class PhaseCost:
     seconds: float  # per step, all rounds
     alpha_s: float  # of which latency
-    limiter: str  # "link a -> b" or "host a egress" ...
+    limiter: str  # "link a -> b", "a's uplink", "2 hops in series"
+    limiter_kind: str = ""  # what the limiter names: link, nic or series
 
 
 def transfer_seconds(t, names: list[str], lm: LinkModel) -> tuple[float, float]:
@@ -31,18 +32,21 @@ def transfer_seconds(t, names: list[str], lm: LinkModel) -> tuple[float, float]:
 
 
 def phase_cost(ph: Phase, names: list[str], lm: LinkModel) -> PhaseCost:
-    best, best_alpha, limiter = 0.0, 0.0, ""
+    best, best_alpha, limiter, kind = 0.0, 0.0, "", ""
     out_b: dict[int, float] = {}
     in_b: dict[int, float] = {}
     if ph.serial:  # hops one after another: the round costs their sum
         secs = [transfer_seconds(t, names, lm) for t in ph.transfers]
         return PhaseCost(
-            sum(s for _, s in secs) * ph.repeat, sum(a for a, _ in secs) * ph.repeat, f"{len(secs)} hops in series"
+            sum(s for _, s in secs) * ph.repeat,
+            sum(a for a, _ in secs) * ph.repeat,
+            f"{len(secs)} hops in series",
+            "series",
         )
     for t in ph.transfers:
         alpha, sec = transfer_seconds(t, names, lm)
         if sec > best:
-            best, best_alpha, limiter = sec, alpha, f"link {names[t.src]} -> {names[t.dst]}"
+            best, best_alpha, limiter, kind = sec, alpha, f"link {names[t.src]} -> {names[t.dst]}", "link"
         out_b[t.src] = out_b.get(t.src, 0.0) + t.nbytes
         in_b[t.dst] = in_b.get(t.dst, 0.0) + t.nbytes
     peers = list(names)
@@ -53,8 +57,8 @@ def phase_cost(ph: Phase, names: list[str], lm: LinkModel) -> PhaseCost:
             rate = rate_of(names[r], peers)
             sec = (b / rate if rate else math.inf) + best_alpha
             if sec > best:
-                best, limiter = sec, f"{names[r]}'s {word}"
-    return PhaseCost(best * ph.repeat, best_alpha * ph.repeat, limiter)
+                best, limiter, kind = sec, f"{names[r]}'s {word}", "nic"
+    return PhaseCost(best * ph.repeat, best_alpha * ph.repeat, limiter, kind)
 
 
 @dataclass
@@ -65,11 +69,12 @@ class CommCost:
     last_bucket_s: float
     limiter: str
     limiter_s: float
+    limiter_kind: str = ""  # PhaseCost.limiter_kind of the costliest phase
 
 
 def comm_cost(tr: Traffic, names: list[str], lm: LinkModel, skip: set[int] = frozenset()) -> CommCost:
     total = alpha = ov = last = 0.0
-    limiter, limiter_s = "", -1.0
+    limiter, limiter_s, kind = "", -1.0, ""
     for i, ph in enumerate(tr.phases):
         if i in skip:
             continue
@@ -80,8 +85,8 @@ def comm_cost(tr: Traffic, names: list[str], lm: LinkModel, skip: set[int] = fro
             ov += c.seconds
             last = c.seconds / ph.buckets
         if c.seconds > limiter_s:
-            limiter, limiter_s = c.limiter, c.seconds
-    return CommCost(total, alpha, ov, last, limiter, limiter_s)
+            limiter, limiter_s, kind = c.limiter, c.seconds, c.limiter_kind
+    return CommCost(total, alpha, ov, last, limiter, limiter_s, kind)
 
 
 def staggered_saving(tr: Traffic, names: list[str], lm: LinkModel, compute_s: list[float]) -> float:

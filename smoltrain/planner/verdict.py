@@ -10,6 +10,7 @@ import math
 
 from smoltrain import registry
 from smoltrain.planner import capacity, rank_time
+from smoltrain.planner.bottleneck import Bottleneck, head
 
 WORDS = {
     "capacity": "memory capacity",
@@ -72,16 +73,17 @@ def single_host(model, ranks: list, **kw) -> dict:
 
 
 def sentence(plan: dict) -> str:
-    """One sentence: faster than the best single host or not, and the limit, in words."""
+    """One sentence: faster than the best single host or not, and the limit, in words (from the
+    plan's bottleneck record)."""
     one = plan.get("single_host") or {}
     tps = plan.get("tokens_per_s") or 0.0
-    what = WORDS.get(plan.get("bottleneck"), plan.get("bottleneck") or "?")
-    where = plan.get("bottleneck_where") or ""
-    where = where.split(";")[0]
+    bn = Bottleneck.from_dict(plan["bottleneck_detail"])
+    what = WORDS.get(bn.kind, bn.kind)
+    where = head(bn)
     n, s = plan.get("world_size"), plan.get("strategy")
-    if plan.get("bottleneck") == "capacity":
+    if bn.kind == "capacity":
         return f"{s} on {n} ranks does not fit: {where}."
-    if plan.get("bottleneck") == "link" and "is down" in where:  # a link it needs is down
+    if bn.cause == "down":  # a link it needs is down
         return f"{s} on {n} ranks cannot run here: {where}."
     if not one.get("name"):
         return f"{s} on {n} ranks runs {tps:,.1f} tokens/s, limited by {what} ({where})."
@@ -107,7 +109,7 @@ def sentence(plan: dict) -> str:
             f"The cluster is no faster than {one['name']} alone ({tps:,.1f} vs {alone:,.1f} tokens/s); "
             f"{what} limits it ({where})."
         )
-    if plan.get("bottleneck") in ("link", "latency"):
+    if bn.kind in ("link", "latency"):
         fix = "use faster links"
     elif plan.get("placement_mode") == "auto":  # already split by speed: the hosts are too slow
         fix = "add faster hosts"
