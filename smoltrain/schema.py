@@ -15,7 +15,8 @@ CALIBRATION = "smoltrain.calibration/1"
 COMPUTE = "smoltrain.compute/1"
 GENERATE = "smoltrain.generate/1"
 SERVEPLAN = "smoltrain.serveplan/1"
-ALL = (PLAN, PLANS, RUN, BENCH, COMPARE, CALIBRATION, COMPUTE, GENERATE, SERVEPLAN)
+MESHPLAN = "smoltrain.meshplan/1"
+ALL = (PLAN, PLANS, RUN, BENCH, COMPARE, CALIBRATION, COMPUTE, GENERATE, SERVEPLAN, MESHPLAN)
 
 __all__ = [
     "SchemaError",
@@ -23,7 +24,7 @@ __all__ = [
     "check_any",
     "load_schema",
     "schema_errors",
-    *["PLAN", "PLANS", "RUN", "BENCH", "COMPARE", "CALIBRATION", "COMPUTE", "GENERATE", "SERVEPLAN", "ALL"],
+    *["PLAN", "PLANS", "RUN", "BENCH", "COMPARE", "CALIBRATION", "COMPUTE", "GENERATE", "SERVEPLAN", "MESHPLAN", "ALL"],
 ]
 
 

@@ -154,9 +154,18 @@ def _plan():
     return build_plan(PlanRequest("dp", get_model("tiny"), world=2, placement="even", calibration=False, local=True))
 
 
+def _meshplan():
+    from smoltrain.planner import mesh_search
+    from smoltrain.planner.request import PlanRequest, resolve
+
+    req = mesh_search.mesh_request(PlanRequest("tp", "tiny", world=4, calibration=False, compute=False, local=True))
+    return mesh_search.explicit(req, resolve(req), "dp=2,tp=2", "even")
+
+
 def _examples() -> dict:
     ex = copy.deepcopy(EXAMPLES)
     plan = _plan()  # the real writer's output
+    ex[ts.MESHPLAN] = _meshplan()  # the real writer's output
     ex[ts.PLAN] = plan
     ex[ts.SERVEPLAN] = _serveplan()  # the real writer's output
     ex[ts.PLANS] = {"schema": ts.PLANS, "ranking": ["dp"], "plans": [plan], "skipped": []}

@@ -100,6 +100,7 @@ class Part:
     seconds: float
     where: str
     latency: bool = False
+    rank: int | None = None  # compute: the slowest rank
 
 
 def _group_step(mesh, axis, tr, group, hosts, lm, wire, sh: Shape, compute_s, update_s) -> steps.StepTime:
@@ -153,7 +154,7 @@ def time_layout(mesh, sh: Shape, hosts: list, lm, wire, groups: list) -> dict:
         slow = max(g, key=lambda r: stage[r])
         tp_share = tp_comm[slow] / stage[slow] if stage[slow] > 0 else 0.0
         parts = [
-            Part("compute", st.compute_s * (1 - tp_share), _compute_where(rows, slow, hosts, st.bubble)),
+            Part("compute", st.compute_s * (1 - tp_share), _compute_where(rows, slow, hosts, st.bubble), rank=slow),
             Part("tp", st.compute_s * tp_share, tp_where[slow], tp_alpha[slow]),
             Part("pp", st.comm_s, st.cc.limiter, st.cc.alpha_s > st.cc.total_s / 2),
         ]
@@ -161,7 +162,7 @@ def time_layout(mesh, sh: Shape, hosts: list, lm, wire, groups: list) -> dict:
         model_s.append(st.compute_s + st.comm_s)
     if not pp_groups:  # tp alone inside each replica (or nothing but the data axis)
         for r in range(mesh.world):
-            parts = [Part("compute", compute[r], _compute_where(rows, r, hosts, 0.0))]
+            parts = [Part("compute", compute[r], _compute_where(rows, r, hosts, 0.0), rank=r)]
             if tp_comm[r]:
                 parts.append(Part("tp", tp_comm[r], tp_where[r], tp_alpha[r]))
             model_parts.append(parts)
@@ -205,8 +206,7 @@ def bottleneck(parts: list[Part], rows, names: list[str], down: list) -> tuple[s
         return "link", axis, f"{axis} link {names[s]} -> {names[d]} is down; the layout cannot run over it"
     top = max(parts, key=lambda p: p.seconds)
     if top.what == "compute":
-        bound = next(t.bound for p, t in rows if p["rank"] == int(top.where.split()[1]))
-        return bound, None, top.where
+        return rows[top.rank][1].bound, None, top.where
     total = sum(p.seconds for p in parts)
     kind = "latency" if top.latency else "link"
     return kind, top.what, f"{top.what} over {top.where}: {human_s(top.seconds)} of the {human_s(total)} step"

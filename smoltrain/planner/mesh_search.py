@@ -39,6 +39,8 @@ def check(mesh: Mesh, spec, batch: int, microbatches: int) -> None:
 
     check_model(mesh, spec)
     _, data, _ = mesh.roles()
+    if data == "diloco":
+        raise MeshError(f"--mesh {mesh.text()}: diloco beside another axis is not planned yet (docs/mesh.md)")
     n = mesh.size(data) if data else 1
     if batch < n:
         raise MeshError(f"--mesh {mesh.text()}: --batch {batch} is smaller than the {n} {data} replicas")
