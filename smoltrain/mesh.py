@@ -9,8 +9,9 @@ differ from it only along that axis (comm.new_group). `--strategy S` alone is th
 What runs today (smoltrain.strategies.Context): one strategy runs along its axis's comm (pp,
 tp, or fsdp with tp); a tp axis beside pp or fsdp splits the blocks of every stage or unit
 over its tp group; a dp axis replicates the whole, each replica on its slice of the batch,
-their gradients summed over the dp comm before the step. Anything else (diloco beside another
-axis, two data axes) is refused in one line.
+their gradients summed over the dp comm before the step; a diloco axis (outermost) does the
+same with an outer step every H inner steps instead (strategies.outer). Anything else (two
+data axes, diloco inside another axis) is refused in one line.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from smolnet.errors import UsageError
 
 AXES = ("dp", "fsdp", "diloco", "pp", "tp")
 MODEL_AXES = ("pp", "tp")  # split the model; the data axes replicate it
-RUNS_WITH = {"dp"}  # data axes that compose with a model axis today
+RUNS_WITH = {"dp", "diloco"}  # data axes that compose with a model axis today
 
 
 class MeshError(UsageError):
@@ -89,6 +90,8 @@ class Mesh:
         """(the strategy run along its axis, the data axis replicating it, tp inside pp's stages),
         None where absent, over the axes wider than one; what does not compose yet is refused."""
         wide = [a for a, n in self.axes if n > 1] or [self.axes[-1][0]]
+        if "diloco" in wide[1:]:  # its replicas are whole meshes of the inner axes, on the slow links
+            raise MeshError(f"--mesh {self.text()}: diloco must be the outermost axis (docs/mesh.md)")
         if len(wide) == 1:
             return wide[0], None, None
         model = [a for a in MODEL_AXES if a in wide]
@@ -99,7 +102,7 @@ class Mesh:
             return model[0], (data or [None])[0], (model[1] if len(model) == 2 else None)
         raise MeshError(
             f"--mesh {self.text()}: {' x '.join(wide)} does not run yet (today: pp, tp or pp x tp, "
-            f"each alone or with {', '.join(sorted(RUNS_WITH))}, and fsdp x tp; docs/mesh.md)"
+            f"each alone or with dp or diloco, and fsdp x tp; docs/mesh.md)"
         )
 
     def along(self, axis: str, rank: int, comm=None) -> Axis:

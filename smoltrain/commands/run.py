@@ -158,13 +158,14 @@ def machine_settings(args, hosts, world: int) -> dict[str, int]:
     return {h.name: n for h, n in zip(hosts, inventory_threads(hosts))}
 
 
-def check_outer(args, info) -> None:
-    """The outer-step flags (diloco) against the strategy and the backend: one line before anything starts."""
+def check_outer(args, outer: bool) -> None:
+    """The outer-step flags (diloco, or a mesh's diloco axis: `outer`) against the strategy and the
+    backend: one line before anything starts."""
     from smoltrain.comm import SYNC_DTYPES
     from smoltrain.planner.diloco import check_args
 
-    check_args(args, info.outer_steps)
-    if info.outer_steps and args.sync_dtype not in SYNC_DTYPES[args.backend]:
+    check_args(args, outer)
+    if outer and args.sync_dtype not in SYNC_DTYPES[args.backend]:
         raise UsageError(
             f"--sync-dtype {args.sync_dtype}: the {args.backend} backend cannot carry it "
             f"(it carries {', '.join(SYNC_DTYPES[args.backend])}; int8 needs --backend socket)"
@@ -282,9 +283,11 @@ def _run(args, early) -> int:
         raise UsageError("--quantize: `smoltrain plan` plans it, `smoltrain run` does not train that way yet")
     mesh = mesh_argument(args)
     info = registry.get(args.strategy, trainable=True)
+    from smoltrain.mesh import parse
     from smoltrain.run import preflight
 
-    check_outer(args, info)
+    outer = info.outer_steps or bool(mesh and parse(mesh, None).size("diloco") > 1)  # diloco, or its mesh axis
+    check_outer(args, outer)
     if args.local is None and not args.inventory:
         raise UsageError("give --local N or -i INVENTORY")
     try:
@@ -416,7 +419,7 @@ def _run(args, early) -> int:
         return 0
 
     plan = planned.plan
-    if info.outer_steps:
+    if outer:
         cfg = outer_settings(cfg, args, plan, console)
     if args.secret_file or hosts is not None or info.joiners or args.external:
         secret = ensure_secret(

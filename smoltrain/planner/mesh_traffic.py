@@ -8,7 +8,9 @@ groups, with what that group carries:
   every tp rank of a stage (each sends its own copy);
 - dp along a dp group: one all-reduce of the gradients of what each of its ranks holds (a
   stage's units, cut by tp: blocks' matrices by their heads and MLP columns, norms and
-  embeddings whole).
+  embeddings whole);
+- diloco along a diloco group: every H steps one ring all-reduce of the pseudo-gradient of what
+  each rank holds, at the sync dtype (planner.diloco.outer_traffic), amortised over H.
 Group-local ranks map to world ranks, so the result is one table keyed by world (src, dst), as
 the transport counts them. fsdp x tp and the Hugging Face architectures are not planned yet.
 """
@@ -44,12 +46,17 @@ def held_params(spec, coords: dict) -> int:
     return layers * block + (emb if s == 0 else 0) + (head if s == P - 1 else 0)
 
 
-def axis_traffic(mesh, spec, batch: int, seq: int, microbatches: int = 1, dtype: str = "fp32") -> list:
+def axis_traffic(
+    mesh, spec, batch: int, seq: int, microbatches: int = 1, dtype: str = "fp32", inner_steps=None, sync_dtype="fp32"
+) -> list:
     """[(axis, world ranks of the group in group order, that group's 1-D Traffic)] of a mesh run's
-    step: what mesh_link_bytes adds up and planner.mesh_plan times, group by group."""
+    step: what mesh_link_bytes adds up and planner.mesh_plan times, group by group. A diloco
+    axis needs its `inner_steps` H and `sync_dtype`: its outer all-reduce, amortised over H."""
     model, data, inner = mesh.roles()
     if model == "fsdp" or (spec.arch or "gpt") != "gpt":
         raise UsageError(f"plan --mesh {mesh.text()}: planned today for the built-in models' dp, pp and tp axes")
+    if data == "diloco" and not inner_steps:
+        raise UsageError(f"plan --mesh {mesh.text()}: a diloco axis is planned only with its inner steps H (a run's)")
     out = []
 
     def place(rank: int) -> dict:
@@ -73,15 +80,24 @@ def axis_traffic(mesh, spec, batch: int, seq: int, microbatches: int = 1, dtype:
             out.append((axis, g, traffic(axis, "train", stage, len(g), dtype, b, seq, m)))
     if data and mesh.size(data) > 1:
         for g in mesh.groups(data):
+            if data == "diloco":  # the pseudo-gradient's ring all-reduce every H steps (planner.diloco)
+                from smoltrain.planner.diloco import outer_traffic
+
+                tr = outer_traffic(held_params(spec, place(g[0])), sync_dtype, len(g))
+                for t in (t for ph in tr.phases for t in ph.transfers):
+                    t.nbytes /= inner_steps
+                out.append((data, g, tr))
+                continue
             nbytes = held_params(spec, place(g[0])) * dtype_bytes(dtype)
             out.append((data, g, Traffic("dp", "train", len(g), all_reduce(len(g), nbytes, "all-reduce gradients"))))
     return out
 
 
-def mesh_link_bytes(mesh, spec, batch: int, seq: int, microbatches: int = 1, dtype: str = "fp32") -> dict:
-    """{(world src, world dst): payload bytes per optimizer step} of a mesh run."""
+def mesh_link_bytes(mesh, spec, batch: int, seq: int, microbatches: int = 1, dtype: str = "fp32", **outer) -> dict:
+    """{(world src, world dst): payload bytes per optimizer step} of a mesh run (`outer`: a diloco
+    axis's inner_steps and sync_dtype, as axis_traffic takes them)."""
     out: dict[tuple[int, int], float] = {}
-    for _, group, tr in axis_traffic(mesh, spec, batch, seq, microbatches, dtype):
+    for _, group, tr in axis_traffic(mesh, spec, batch, seq, microbatches, dtype, **outer):
         for (src, dst), b in tr.link_bytes().items():
             key = (group[src], group[dst])
             out[key] = out.get(key, 0.0) + b

@@ -215,6 +215,10 @@ def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, co
         server_saver=server_saver,
     )
     strat = load_strategy(cfg.strategy)(ctx)
+    if ctx.replica is not None and ctx.replica.name == "diloco":  # a mesh's diloco axis around it
+        from smoltrain.strategies.outer import OuterSteps
+
+        strat = OuterSteps(strat)
     if start and not ps:
         part = resume_part(cfg, rank)
         strat.load_state_tensors(load_part(cfg.checkpoint_dir, start, part, _sha(cfg, part)))

@@ -93,8 +93,9 @@ class Context:
 
     def sync_replicas(self, params) -> None:
         """Sum the gradients over the replicas of a mesh's data axis (one flat all-reduce), so
-        every replica steps with the gradient of the global batch's mean loss; no-op without one."""
-        if self.replica is None or self.replica.size == 1:
+        every replica steps with the gradient of the global batch's mean loss; no-op without one,
+        and along diloco, whose replicas step alone and meet at the outer step (strategies.outer)."""
+        if self.replica is None or self.replica.size == 1 or self.replica.name == "diloco":
             return
         import torch
 
@@ -108,7 +109,10 @@ class Context:
 
     def loss_tokens(self, step: int) -> int:
         """Targets of step's global batch that carry loss: the denominator of its mean loss
-        (batch*seq for text; fewer where a loss mask leaves prompts out)."""
+        (batch*seq for text; fewer where a loss mask leaves prompts out). A mesh's diloco
+        worker trains alone on its replica's slice, on that slice's mean loss."""
+        if self.replica is not None and self.replica.name == "diloco":
+            return targets(self.strategy_batch(step)[1])
         return self.batches.loss_tokens(step)
 
     # --- this rank's part of the work, as the run's placement says (planner.placement) ---

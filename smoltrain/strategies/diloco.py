@@ -11,9 +11,11 @@ rank applies the same outer step to the anchor: SGD with Nesterov momentum
 
     m <- mu * m + delta;   anchor <- anchor - outer_lr * (delta + mu * m);   weights <- anchor
 
-(`--outer-lr`, `--outer-momentum`). The all-reduce hands every rank the same bits, so
-all hold bit-identical weights after each outer step. The inner optimizer's state stays
-local. With H = 1, plain SGD, outer lr 1 and momentum 0 this is exactly `dp`.
+(`--outer-lr`, `--outer-momentum`; strategies.outer). The all-reduce hands every rank the
+same bits, so all hold bit-identical weights after each outer step. The inner optimizer's
+state stays local. With H = 1, plain SGD, outer lr 1 and momentum 0 this is exactly `dp`.
+On a mesh (`--mesh diloco=2,pp=2`) each diloco worker is a whole pipeline or tp group
+instead: strategies.outer.OuterSteps, with fixed members and even shares.
 
 What crosses the wire, per outer step: one ring all-reduce of the parameters in
 `--sync-dtype` (fp32, bf16, fp16, or int8 with one fp32 scale per 1024 elements,
@@ -32,7 +34,6 @@ trains floor(n/H) or one more sequences of each step, n its sequences for the ou
 
 from __future__ import annotations
 
-import hashlib
 import time
 
 import torch
@@ -42,6 +43,7 @@ from smoltrain.comm.quantized import all_reduce_as
 from smoltrain.models.gpt import loss_sum
 from smoltrain.models.optim import make_optimizer
 from smoltrain.strategies import Context, Strategy, mean_loss, targets, trainable
+from smoltrain.strategies.outer import digest, outer_update
 from smoltrain.strategies.parameter_server import flat_params
 from smoltrain.strategies.roster import Member, Roster
 
@@ -123,15 +125,10 @@ class DiLoCo(Strategy):
                     break
                 self.close_group()  # someone failed: every rank builds a fresh ring and redoes the step
                 roster = None
-        mu, lr = self.ctx.run.outer_momentum, self.ctx.run.outer_lr
-        with torch.no_grad():
-            self.momentum.mul_(mu).add_(delta)
-            self.anchor.sub_(delta.add_(self.momentum, alpha=mu), alpha=lr)
-            self.flat.copy_(self.anchor)
+        outer_update(self.anchor, self.momentum, self.flat, delta, self.ctx.run.outer_lr, self.ctx.run.outer_momentum)
         seconds = self.clock + time.perf_counter() - t_in  # this rank's inner steps and the sync
-        digest = hashlib.sha256(memoryview(self.anchor.cpu().numpy())).hexdigest()[:16]  # equal on every rank
         self.ctx.reporter.outer(
-            self.step_of(outer), sync_s, self.sent_bytes() - sent0, waited, seconds, digest, self.tokens
+            self.step_of(outer), sync_s, self.sent_bytes() - sent0, waited, seconds, digest(self.anchor), self.tokens
         )
         self.tokens, self.clock = 0, 0.0
 
