@@ -11,7 +11,8 @@ from smoltrain.models.spec import get_model
 from smoltrain.planner import compute as measured
 from smoltrain.planner import cpu_quota
 from smoltrain.planner.links import from_class
-from smoltrain.planner.plan import make_plan, resolve_ranks
+from smoltrain.planner.plan import make_plan
+from smoltrain.planner.ranks import resolve_ranks
 
 
 class H:
@@ -113,7 +114,7 @@ def test_verdict_when_nothing_fits_alone():
 def test_busy_host_cpu_slows_its_messages_and_bytes():
     from smoltrain.planner.compute import cpu_links
     from smoltrain.planner.devices import get_device
-    from smoltrain.planner.plan import Rank
+    from smoltrain.planner.ranks import Rank
 
     lm = from_class("1gbe")  # 941 Mbit/s, RTT 200 us: alpha 100 us
     ranks = [
@@ -131,7 +132,7 @@ def test_a_quota_held_host_pays_its_cpu_and_the_wire_in_turn():
     CPU time and the wire's add up: 1 / (1/117.6 + 1/150) MB/s, not min(117.6, 150)."""
     from smoltrain.planner.compute import cpu_links
     from smoltrain.planner.devices import get_device
-    from smoltrain.planner.plan import Rank
+    from smoltrain.planner.ranks import Rank
 
     lm = from_class("1gbe")  # 941 Mbit/s: 117.6 MB/s
     wire = 941e6 / 8
@@ -243,7 +244,7 @@ def test_a_pipeline_hop_from_an_idle_quota_host_pays_its_cpu_as_a_burst():
     """0.2 MB from a 0.25-core host (1 ms per message, 100 MB/s of CPU at its pace): the
     wire's time plus (1 + 2) ms x 2.5/10, not the pace's 3 ms on top."""
     from smoltrain.planner.devices import get_device
-    from smoltrain.planner.plan import Rank
+    from smoltrain.planner.ranks import Rank
 
     wire = from_class("1gbe").get("a", "b")
     held = Rank(
@@ -264,7 +265,7 @@ def test_a_decode_chain_on_quota_hosts_takes_the_longer_of_its_full_speed_trip_a
     under 5.5: the capped host's pace sets the step. The uncapped sum would be 5.5 + 1.15 +
     wire. A chain without quota hosts keeps the sum (None here)."""
     from smoltrain.planner.devices import get_device
-    from smoltrain.planner.plan import Rank
+    from smoltrain.planner.ranks import Rank
     from smoltrain.planner.traffic import traffic
 
     tr = traffic("pp", "infer", get_model("tiny"), 2, batch=1)

@@ -19,7 +19,8 @@ from smoltrain.models.optim import SGD, make_optimizer
 from smoltrain.models.spec import get_model
 from smoltrain.planner import diloco, diloco_verdict
 from smoltrain.planner.links import from_class
-from smoltrain.planner.plan import make_plan, resolve_ranks
+from smoltrain.planner.plan import make_plan
+from smoltrain.planner.ranks import resolve_ranks
 from smoltrain.schema import check_any
 
 TINY = get_model("tiny")

@@ -10,7 +10,8 @@ from computetools import write_compute
 
 from smoltrain.models.spec import get_model
 from smoltrain.planner import capacity
-from smoltrain.planner.plan import Rank, make_plan, resolve_ranks
+from smoltrain.planner.plan import make_plan
+from smoltrain.planner.ranks import Rank, resolve_ranks
 
 TINY8 = get_model("tiny8")
 

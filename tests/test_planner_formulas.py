@@ -12,7 +12,8 @@ import pytest
 
 from smoltrain.models.spec import get_model
 from smoltrain.planner.links import from_class
-from smoltrain.planner.plan import make_plan, resolve_ranks
+from smoltrain.planner.plan import make_plan
+from smoltrain.planner.ranks import resolve_ranks
 from smoltrain.planner.traffic import padded
 
 

@@ -103,7 +103,8 @@ def test_compare_names_the_rank_and_part_that_missed():
     from smoltrain.models.spec import get_model
     from smoltrain.planner.compare import compare
     from smoltrain.planner.links import from_class
-    from smoltrain.planner.plan import make_plan, resolve_ranks
+    from smoltrain.planner.plan import make_plan
+    from smoltrain.planner.ranks import resolve_ranks
 
     plan = make_plan("dp", get_model("tiny"), 2, ranks=resolve_ranks(2), lm=from_class("1gbe"), single=False)
     c0, c1, comm = plan["ranks"][0]["compute_s"], plan["ranks"][1]["compute_s"], plan["comm_s_per_step"]
@@ -129,7 +130,8 @@ def test_compare_judges_each_ranks_own_communication(tmp_path):
     from smoltrain.models.spec import get_model
     from smoltrain.planner.compare import compare, read_run
     from smoltrain.planner.links import from_class
-    from smoltrain.planner.plan import make_plan, resolve_ranks
+    from smoltrain.planner.plan import make_plan
+    from smoltrain.planner.ranks import resolve_ranks
 
     plan = make_plan("dp", get_model("tiny"), 2, ranks=resolve_ranks(2), lm=from_class("1gbe"), single=False)
     c = [r["compute_s"] for r in plan["ranks"]]

@@ -13,7 +13,8 @@ from smoltrain import registry
 from smoltrain.demo.flow import runnable
 from smoltrain.models.spec import get_model
 from smoltrain.planner import traffic as traffic_mod
-from smoltrain.planner.plan import busy_ranks, make_plan
+from smoltrain.planner.plan import make_plan
+from smoltrain.planner.ranks import busy_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = get_model("tiny")

@@ -86,7 +86,8 @@ def test_every_trainable_strategy_has_its_module_and_traits():
 
 
 def test_planner_models_every_registered_strategy():
-    from smoltrain.planner import STRATEGIES, make_plan
+    from smoltrain.planner.plan import make_plan
+    from smoltrain.planner.traffic import STRATEGIES
 
     assert tuple(STRATEGIES) == registry.names()
     for name in registry.names():

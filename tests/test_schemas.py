@@ -142,7 +142,7 @@ def _serveplan():
     from smoltrain.models.spec import get_model
     from smoltrain.planner import serve
     from smoltrain.planner.links import from_class
-    from smoltrain.planner.plan import resolve_ranks
+    from smoltrain.planner.ranks import resolve_ranks
 
     return serve.plan(get_model("tiny"), resolve_ranks(2), from_class("1gbe"), concurrency=4)
 

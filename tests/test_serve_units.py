@@ -162,7 +162,7 @@ def test_serve_plan_arithmetic():
     from smoltrain.models.spec import get_model
     from smoltrain.planner import capacity, serve
     from smoltrain.planner.links import from_class
-    from smoltrain.planner.plan import resolve_ranks
+    from smoltrain.planner.ranks import resolve_ranks
     from smoltrain.planner.traffic import STEP_HEADER_BYTES, TOKEN_ID_BYTES
 
     assert serve.split_evenly(5, 2) == [[0, 1, 2], [3, 4]]
@@ -232,7 +232,7 @@ def test_serve_pp_group_balances_its_stages():
     from smoltrain.planner import serve
     from smoltrain.planner.links import from_class
     from smoltrain.planner.placement_plan import Ask, search
-    from smoltrain.planner.plan import resolve_ranks
+    from smoltrain.planner.ranks import resolve_ranks
     from smoltrain.planner.request import build_plan
 
     class H:

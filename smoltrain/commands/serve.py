@@ -98,7 +98,7 @@ def choose(args, placements, hosts) -> tuple[list[list[int]] | None, str]:
     from smoltrain.planner.devices import load_calibration
     from smoltrain.planner.links import find_report, link_model, read_report
     from smoltrain.planner.placement_plan import default_mode
-    from smoltrain.planner.plan import resolve_ranks, share_machine
+    from smoltrain.planner.ranks import resolve_ranks, share_machine
     from smoltrain.planner.serve import split_evenly
 
     names = [p.name for p in placements]

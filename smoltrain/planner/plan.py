@@ -19,17 +19,8 @@ from smoltrain.models.spec import ModelSpec
 from smoltrain.planner import capacity, rank_time, steps, timing
 from smoltrain.planner.bottleneck import Step, find, human_bytes, words
 from smoltrain.planner.devices import LINK_CLASSES
-from smoltrain.planner.links import LinkModel, from_class, link_model  # noqa: F401
-from smoltrain.planner.ranks import (  # noqa: F401  (public names others import from here)
-    Rank,
-    busy_ranks,
-    host_memory,
-    in_placement_order,
-    placed_ranks,
-    rank_names,
-    resolve_ranks,
-    share_machine,
-)
+from smoltrain.planner.links import LinkModel, from_class
+from smoltrain.planner.ranks import Rank, placed_ranks, resolve_ranks
 from smoltrain.planner.traffic import Traffic, bytes_per_token, traffic
 
 PLAN_SCHEMA = "smoltrain.plan/1"

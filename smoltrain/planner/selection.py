@@ -46,8 +46,8 @@ def from_run(run_doc: dict, strategy: str | None) -> dict:
     batch, sequence, microbatches, train mode, and an outer-step strategy's inner steps and sync
     dtype. A --strategy that differs from the run's is refused."""
     from smoltrain import registry
-    from smoltrain.planner import STRATEGIES
     from smoltrain.planner.compare import run_request
+    from smoltrain.planner.traffic import STRATEGIES
 
     req = run_request(run_doc)
     if strategy and strategy != req["strategy"]:
@@ -69,7 +69,7 @@ def from_run(run_doc: dict, strategy: str | None) -> dict:
 def strategy_for(strategy: str | None, mode: str) -> str:
     """The strategy a plan request names, checked: serve splits a group with pp (default) or tp."""
     from smoltrain import registry
-    from smoltrain.planner import STRATEGIES
+    from smoltrain.planner.traffic import STRATEGIES
 
     if mode == "serve":
         strategy = strategy or "pp"
@@ -110,8 +110,9 @@ def serve(req, concurrency: int, max_batch: int, wire: str | None) -> dict:
 def ranking(req, setting, target_comm) -> dict:
     """`--strategy all`: every strategy's plan under its own placement, ranked (smoltrain.plans/1),
     what could not run and why, and in train mode the low-communication verdict."""
-    from smoltrain.planner import STRATEGIES, diloco_verdict, render
+    from smoltrain.planner import diloco_verdict, render
     from smoltrain.planner.request import build_plan
+    from smoltrain.planner.traffic import STRATEGIES
 
     plans, skipped = [], []
     for s in STRATEGIES:
