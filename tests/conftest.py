@@ -50,6 +50,7 @@ TIERS = {
         "test_finetune_data.py",
         "test_lora.py",
         "test_sim_random.py",
+        "test_mesh_plan.py",
     ],
     "process": [
         "test_hf_train.py",

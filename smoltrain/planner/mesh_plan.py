@@ -155,9 +155,10 @@ def time_layout(mesh, sh: Shape, hosts: list, lm, wire, groups: list) -> dict:
         tp_share = tp_comm[slow] / stage[slow] if stage[slow] > 0 else 0.0
         parts = [
             Part("compute", st.compute_s * (1 - tp_share), _compute_where(rows, slow, hosts, st.bubble), rank=slow),
-            Part("tp", st.compute_s * tp_share, tp_where[slow], tp_alpha[slow]),
             Part("pp", st.comm_s, st.cc.limiter, st.cc.alpha_s > st.cc.total_s / 2),
         ]
+        if mesh.size("tp") > 1:
+            parts.insert(1, Part("tp", st.compute_s * tp_share, tp_where[slow], tp_alpha[slow]))
         model_parts.append(parts)
         model_s.append(st.compute_s + st.comm_s)
     if not pp_groups:  # tp alone inside each replica (or nothing but the data axis)

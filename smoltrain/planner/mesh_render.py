@@ -43,11 +43,13 @@ def layout(con: Console, doc: dict, e: dict) -> None:
 
 
 def ranking(con: Console, doc: dict, top: int | None = None) -> None:
-    """The layouts, best first; what was not searched or refused, in a line each."""
-    t = Table(title=f"meshes of {doc['world_size']} ranks, best first", title_justify="left")
+    """The layouts, best first (`top`: only so many, and no refusals); what was not searched
+    or refused, in a line each. `doc`: a meshplan, or a plans document with `meshes`."""
+    meshes = doc["meshes"]
+    t = Table(title=f"meshes of {len(meshes[0]['order'])} ranks, best first", title_justify="left")
     for c in ("#", "mesh", "hosts", "step", "tokens/s", "bottleneck"):
         t.add_column(c)
-    for i, e in enumerate(doc["meshes"][:top], 1):
+    for i, e in enumerate(meshes[:top], 1):
         where = e["bottleneck"] + (f" ({e['bottleneck_axis']})" if e["bottleneck_axis"] else "")
         t.add_row(str(i), e["layout"], ",".join(e["order"]), _step(e), f"{e['tokens_per_s']:,.1f}", where)
     con.print(t)
@@ -55,7 +57,7 @@ def ranking(con: Console, doc: dict, top: int | None = None) -> None:
         for s in doc["skipped"]:
             con.print(f"  [dim]{s['layout']}: not planned: {s['reason']}[/]")
         con.print(f"  [dim]{doc['not_searched']}[/]")
-    best = doc["meshes"][0]
+    best = meshes[0]
     con.print(f"  best mesh: [bold]{best['layout']}[/] on {', '.join(best['order'])}: {best['bottleneck_where']}")
 
 

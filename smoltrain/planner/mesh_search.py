@@ -19,7 +19,7 @@ The search:
 from __future__ import annotations
 
 from dataclasses import replace
-from itertools import permutations
+from itertools import permutations, product
 
 from smolnet.errors import UsageError
 from smoltrain.mesh import Mesh, MeshError, parse
@@ -31,6 +31,7 @@ SCHEMA = "smoltrain.meshplan/1"
 SEARCHED = ("dp", "pp", "tp")  # the axes the planner times today (outermost first)
 NOT_SEARCHED = "fsdp x tp and diloco beside another axis are not planned yet (docs/mesh.md)"
 GROUP_ORDERS = 4  # try every order of the innermost groups up to this many groups
+CANDIDATES = 48  # host orders timed per layout at most (each a few ms)
 
 
 def check(mesh: Mesh, spec, batch: int, microbatches: int) -> None:
@@ -96,24 +97,35 @@ def inner_groups(names: list[str], size: int, lm) -> list[list[int]]:
 
 
 def assignments(mesh: Mesh, names: list[str], lm, how: str) -> list[list[int]]:
-    """Candidate host orders (rank r on host order[r]): inventory order, and under `auto` the
-    innermost axis's groups on the closest hosts, the groups in every order (up to 4)."""
+    """Candidate host orders (rank r on host order[r]). `even`: inventory order. `auto`: the
+    innermost axis's groups on the closest hosts, the groups in every order and each later group
+    turned every way (which hosts meet along the outer axes), then, on up to 4 ranks, every other
+    order, and inventory order last; at most CANDIDATES."""
     ident = list(range(mesh.world))
     if how == "even":
         return [ident]
     size = mesh.axes[-1][1]
     groups = inner_groups(names[: mesh.world], size, lm)
     orders = permutations(groups) if len(groups) <= GROUP_ORDERS else [groups]
-    out = [ident]
-    for o in orders:
-        cand = [h for g in o for h in g]
-        if cand not in out:
+    out: list[list[int]] = []
+
+    def add(cand):
+        if cand not in out and len(out) < CANDIDATES:
             out.append(cand)
-    return out
+
+    for o in orders:
+        for turns in product(range(size), repeat=len(o) - 1):
+            add(o[0] + [h for g, k in zip(o[1:], turns) for h in g[k:] + g[:k]])
+    if mesh.world <= 4:
+        for cand in permutations(ident):
+            add(list(cand))
+    if ident in out:
+        out.remove(ident)
+    return out + [ident]  # on a tie the innermost axis keeps the closest hosts
 
 
 def lay_out(mesh: Mesh, sh: mesh_plan.Shape, ranks: list, lm, how: str) -> dict:
-    """The best assignment of one mesh onto these ranks (first in inventory order), as an entry."""
+    """The best assignment of one mesh onto these ranks (the first of equals), as an entry."""
     groups = axis_traffic(mesh, sh.model, sh.batch, sh.seq, sh.microbatches, sh.dtype)
     link_bytes = mesh_link_bytes(mesh, sh.model, sh.batch, sh.seq, sh.microbatches, sh.dtype)
     best = None
