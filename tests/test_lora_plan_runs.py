@@ -79,12 +79,3 @@ def test_plan_refuses_a_host_too_small(ckpt, tmp_path, capsys):
     assert err.startswith("smoltrain: error: pp (LoRA r=4) on 2 ranks does not fit host b: it needs ")
     assert "\n" not in err
     assert err.endswith(" short") and "of its 180 KB usable memory" in err
-
-
-def test_run_refuses_what_it_only_plans(ckpt, capsys):
-    base = ["run", "--strategy", "dp", "--local", "1", "--model", ckpt[0], "--data", ckpt[1], "--lora-rank", "4"]
-    for extra in (["--quantize", "q4"],):  # QLoRA training is not built (--checkpoint-activations is)
-        assert main([*base, *extra]) == 2
-        err = capsys.readouterr().err.strip()
-        want = "`smoltrain plan` plans it, `smoltrain run` does not train that way yet"
-        assert err == f"smoltrain: error: {extra[0]}: {want}"

@@ -52,11 +52,11 @@ def test_memory_of_full_lora_qlora_and_checkpointing_by_hand():
     # bf16: weights and gradients at 2 bytes, AdamW's two moments and an fp32 master copy per trained weight
     _, bf = mem(tuning=lora(), dtype="bf16")
     assert (bf["weights"], bf["grads"], bf["optimizer"]) == (2 * P + 2 * T, 2 * T, 12 * T)
-    # int8 base (QLoRA): the blocks' and the head's weights at Q8_0's 17/16 bytes, embeddings and the final norm
-    # at the dtype, adapters at the dtype
+    # int8 base (QLoRA): the blocks' linear weights and the head's at Q8_0's 17/16 bytes; embeddings, norms (the
+    # blocks' too: models.qlinear quantises linear layers only) and adapters at the dtype
     q = Tuning(lora().lora, lora().adapters, "int8")
     _, qm = mem(tuning=q)
-    matmul = 2 * (P - 2 * 300 * 32 - 32) // 2 + 300 * 32  # the two blocks and the LM head
+    matmul = 2 * (2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64) + 300 * 32  # the two blocks' linears and the LM head
     assert qm["weights"] == int(matmul * 17 / 16 + (P - matmul) * 4 + 4 * T)
     # checkpointing: each layer's input (and the embeddings' and the head's) kept, one layer's full set live
     ck = Tuning(lora().lora, lora().adapters, checkpoint_activations=True)

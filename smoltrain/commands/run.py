@@ -34,8 +34,7 @@ def add_arguments(p) -> None:
         "--lora-dropout", type=validate.DROPOUT, default=0.0, help="dropout on the adapters' input (default 0)"
     )
     lora.add_argument("--lora-targets", help="layers to adapt, e.g. q_proj,v_proj (default: q_proj,v_proj; c_attn)")
-    not_yet = "planned by `smoltrain plan`, not yet trained (refused)"
-    lora.add_argument("--quantize", choices=("int8", "q4"), help=f"a quantised frozen base (QLoRA): {not_yet}")
+    lora.add_argument("--quantize", choices=("int8", "q4"), help="a frozen base held int8 or q4 (QLoRA; needs LoRA)")
     p.add_argument(
         "--checkpoint-activations",
         action="store_true",
@@ -279,8 +278,6 @@ def _run(args, early) -> int:
     from smoltrain.models.spec import ModelSpecError, get_model
 
     console = Console(stderr=False)
-    if args.quantize:  # planned (planner.tuning), not yet trained
-        raise UsageError("--quantize: `smoltrain plan` plans it, `smoltrain run` does not train that way yet")
     mesh = mesh_argument(args)
     info = registry.get(args.strategy, trainable=True)
     from smoltrain.mesh import parse
@@ -295,6 +292,9 @@ def _run(args, early) -> int:
     except ModelSpecError as e:
         raise UsageError(str(e)) from None
     lora = lora_settings(args, spec)
+    from smoltrain.finetune.tuning import check_quantize
+
+    check_quantize(args.quantize, spec, lora, args.strategy, mesh)
 
     from smoltrain.run.config import RunConfig
     from smoltrain.run.controller import Controller, check_usage, plot_losses, rank_placements, route_source, write_json
@@ -348,6 +348,7 @@ def _run(args, early) -> int:
             lora=lora,
             mesh=mesh,
             checkpoint_activations=args.checkpoint_activations,
+            quantize=args.quantize,
         )
 
     check_usage(config(placements))  # what the strategy or the model cannot take, before the planner looks

@@ -78,6 +78,8 @@ def linear_shape(module) -> tuple[int, int, bool] | None:
     if isinstance(module, torch.nn.Linear):
         return module.in_features, module.out_features, False
     w = getattr(module, "weight", None)
+    if w is None and hasattr(module, "in_features") and hasattr(module, "out_features"):  # models.qlinear
+        return int(module.in_features), int(module.out_features), bool(getattr(module, "fan_in_fan_out", False))
     if getattr(module, "fan_in_fan_out", False) or (hasattr(module, "nf") and w is not None):  # Conv1D
         return int(w.shape[0]), int(w.shape[1]), True
     if hasattr(module, "in_features") and hasattr(module, "out_features"):
@@ -141,7 +143,7 @@ def _attach(module, a, b, dropout: float, scaling: float, fan_in_fan_out: bool) 
     """lora_A (weights a, r x in) and lora_B (b, out x r) as children of `module`, added to its output."""
     import torch
 
-    w = getattr(module, "weight", None)
+    w = getattr(module, "weight", getattr(module, "q", None))  # models.qlinear holds `q`, no weight
     dev = w.device if w is not None else None
     module.lora_A = torch.nn.Linear(a.shape[1], a.shape[0], bias=False, device=dev)
     module.lora_B = torch.nn.Linear(b.shape[1], b.shape[0], bias=False, device=dev)
@@ -189,6 +191,8 @@ def merge(model) -> int:
     import torch
 
     done = adapted(model)
+    if any(getattr(m, "weight", None) is None for _, m in done):
+        raise LoraError("a quantised base has no full-width weights to merge into: merge on its checkpoint")
     with torch.no_grad():
         for _, m in done:
             w = m.weight

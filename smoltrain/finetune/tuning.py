@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 from smolnet.errors import UsageError
-from smoltrain.planner.tuning import Adapter, Tuning
+from smoltrain.planner.tuning import QUANTIZED_STRATEGIES, Adapter, Tuning
 
 # tp's Megatron cut (models.causal tp_slice): these layers split their outputs (B cut by rows),
 # the others on a block split their inputs (A cut by columns)
@@ -44,6 +44,23 @@ def describe(spec, lora: dict | None, quantize: str | None = None, checkpoint_ac
         pos = 2 * (unit - 1) + (".mlp." in name) if hit else 2 * spec.layers if unit else 0
         out.append(Adapter(unit, name, int(a.shape[1]), int(b.shape[0]), cfg.rank, cut, pos))
     return Tuning(cfg.to_dict(), tuple(out), quantize, checkpoint_activations)
+
+
+def check_quantize(quantize: str | None, spec, lora: dict | None, strategy: str, mesh: str | None) -> None:
+    """`run --quantize`: a frozen base held quantised (models.qlinear) under LoRA adapters, with a
+    strategy that keeps each layer whole; anything else exits 2 in one line naming why."""
+    if not quantize:
+        return
+    if not spec.source:
+        raise UsageError("--quantize (training) needs a Hugging Face checkpoint folder as --model")
+    if not lora:
+        raise UsageError(f"--quantize {quantize} in training quantises a frozen base: it needs --lora-rank")
+    axes = [a.split("=")[0].strip() for a in (mesh or "").split(",") if a]
+    if strategy not in QUANTIZED_STRATEGIES or any(a not in QUANTIZED_STRATEGIES for a in axes):
+        raise UsageError(
+            f"--quantize with {'--mesh ' + mesh if mesh else strategy}: a quantised base trains with "
+            f"{', '.join(QUANTIZED_STRATEGIES)} (tp cuts each layer's full-width weight; fsdp, syncps and edp move it)"
+        )
 
 
 def add_arguments(p) -> None:

@@ -320,15 +320,31 @@ def trainable_params(spec: ModelSpec, lora: dict | None) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def build(spec: ModelSpec) -> CausalLM:
-    """The checkpoint at `spec.source` as fp32 parameters (the master weights whatever its dtype)."""
+def build(spec: ModelSpec, quantize: str | None = None) -> CausalLM:
+    """The checkpoint at `spec.source` as fp32 parameters (the master weights whatever its dtype);
+    with `quantize` (QLoRA) the blocks' linear layers and an untied head are held quantised and
+    frozen (models.qlinear), each quantised as it is read: the base is never whole at fp32."""
     ckpt = Checkpoint(spec.source)
     ckpt.check()
-    model = CausalLM(ckpt.config, spec)
+    if quantize:
+        from smoltrain.models.qlinear import swap_in
+
+        with torch.device("meta"):
+            model = CausalLM(ckpt.config, spec)
+        quantised = swap_in(model, quantize)
+        model.to_empty(device="cpu")
+        if ckpt.config.tied:  # to_empty gives each use of the shared table its own storage
+            model.units[-1].lm_head.weight = model.units[0].wte.weight
+    else:
+        model, quantised = CausalLM(ckpt.config, spec), {}
     with torch.no_grad():
         for key, p in hf_state_dict(model).items():
             t = ckpt.read(key).float()
             if ckpt.config.family == "gpt2" and key == "wpe.weight":
                 t = t[: p.shape[0]]
             p.copy_(t)
+        for key, layer in quantised.items():
+            layer.load(ckpt.read(key))
+    if quantize:
+        model.requires_grad_(False)  # frozen until LoRA adds what trains
     return model

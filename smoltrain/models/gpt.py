@@ -128,13 +128,16 @@ class GPT(nn.Module):
         return x
 
 
-def build_model(spec: ModelSpec, seed: int) -> GPT:
+def build_model(spec: ModelSpec, seed: int, quantize: str | None = None) -> GPT:
     """The full model with GPT-2 style initialisation, a function of the seed only; a Hugging Face
-    checkpoint's shape (`spec.source`) is that checkpoint's weights instead (models.causal)."""
+    checkpoint's shape (`spec.source`) is that checkpoint's weights instead (models.causal), its
+    base quantised and frozen under `quantize` (QLoRA)."""
     if spec.source:
         from smoltrain.models.causal import build
 
-        return build(spec)
+        return build(spec, quantize)
+    if quantize:
+        raise ValueError("--quantize (training) needs a Hugging Face checkpoint")
     gen = torch.Generator().manual_seed(seed)
     model = GPT(spec)
     for name, p in model.named_parameters():

@@ -4,8 +4,10 @@ Full training trains every parameter. Under LoRA only the adapters train: they a
 gradients and AdamW state, cross the wire (dp's all-reduce, diloco's outer step) and, under
 tp, the uncut factor of each adapter (A of a column-parallel layer, B of a row-parallel one)
 has a partial-sum gradient that tp all-reduces. The frozen base may sit at a narrower width
-(`quantize`, QLoRA-style: plan only, `run` does not quantise a training base yet), and
-activation checkpointing keeps each layer's input only and reruns its forward in backward.
+(`quantize`, QLoRA-style: the blocks' linear weights and an untied head int8 or q4 as
+models.qlinear holds them, norms, biases and embeddings at the dtype; tp cannot cut such a
+layer, so it is dp, mp, pp or diloco), and activation checkpointing keeps each layer's input
+only and reruns its forward in backward.
 
 A Tuning is torch-free: `smoltrain.finetune.tuning.describe` builds it from the checkpoint's
 own layers (the model on the meta device with finetune.lora applied), so names, shapes and
@@ -20,6 +22,8 @@ from smolnet.errors import UsageError
 from smoltrain import registry
 
 LORA_STRATEGIES = registry.with_trait("adapters")  # the others move every parameter, frozen or not
+# a quantised base keeps each layer whole: not tp, which cuts a layer's full-width weight by heads
+QUANTIZED_STRATEGIES = tuple(s for s in LORA_STRATEGIES if registry.get(s).splits != "heads")
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,8 @@ class Tuning:
     def check(self, strategy: str) -> None:
         if self.lora and strategy not in LORA_STRATEGIES:
             raise UsageError(f"LoRA trains with {', '.join(LORA_STRATEGIES)}, not {strategy}")
+        if self.quantize and strategy not in QUANTIZED_STRATEGIES:
+            raise UsageError(f"a quantised base trains with {', '.join(QUANTIZED_STRATEGIES)}, not {strategy}")
 
     def work(self, w, model):
         """The RankWork `w` (planner.capacity) as this tuning trains it: under LoRA the rank owns
@@ -107,7 +113,10 @@ class Tuning:
         blocks = sum(a.held(w.attn_share) for a in self.adapters if 1 <= a.unit <= model.layers)
         t = blocks * w.layers / model.layers
         t += sum(a.params for a in self.adapters if a.unit > model.layers) if w.logits else 0.0
-        return replace(w, params_owned=t, trainable=t, quantized_base=self.quantize)
+        w = replace(w, params_owned=t, trainable=t, quantized_base=self.quantize)
+        if self.quantize:  # quantised are the linear weights alone: a layer's norms and biases stay at the dtype
+            w = replace(w, matmul_params=w.matmul_params - w.layers * (model.layer_params() - linear_weights(model)))
+        return w
 
     def to_dict(self, model) -> dict:
         return {
@@ -116,3 +125,9 @@ class Tuning:
             "quantize": self.quantize,
             "checkpoint_activations": self.checkpoint_activations,
         }
+
+
+def linear_weights(model) -> int:
+    """A layer's linear weights (q, k, v, o and the MLP's), without its norms and biases."""
+    h = model.hidden
+    return 2 * h * (model.q_dim + model.kv_dim) + (3 if model.gated_mlp else 2) * h * model.ffn * model.experts

@@ -130,6 +130,8 @@ def identity(cfg) -> dict:
     lora = getattr(cfg, "lora", None)
     if lora:
         trajectory["lora"] = lora
+    if getattr(cfg, "quantize", None):  # the base the adapters train on
+        trajectory["quantize"] = cfg.quantize
     mesh = getattr(cfg, "mesh", None)  # a 2-D mesh: its strategy and world alone do not say how ranks hold the model
     if mesh:
         trajectory["mesh"] = mesh

@@ -68,6 +68,7 @@ class RunConfig:
     lora: dict | None = None  # finetune.lora.LoraConfig.to_dict(): adapters on a frozen base; None: full
     mesh: str | None = None  # smoltrain.mesh: e.g. "dp=2,tp=2"; `strategy` runs along its axis; None: 1-D
     checkpoint_activations: bool = False  # each block keeps only its input; its forward reruns in backward
+    quantize: str | None = None  # LoRA on a frozen base held int8 or q4 (models.qlinear, QLoRA); None: fp32
 
     @property
     def world_size(self) -> int:

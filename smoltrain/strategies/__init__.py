@@ -63,7 +63,7 @@ class Context:
         and its blocks checkpointed (models.gpt.run_block) when it asks for that."""
         from smoltrain.models.gpt import build_model
 
-        model = build_model(self.spec, self.seed)
+        model = build_model(self.spec, self.seed, getattr(self.run, "quantize", None))
         if getattr(self.run, "lora", None):
             from smoltrain.finetune.lora import LoraConfig, apply
 
