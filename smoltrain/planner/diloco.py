@@ -161,13 +161,8 @@ def outer_phase(model, ranks: list, names: list[str], lm, outer: dict | None, co
     update_s = UPDATE_PASSES * numel * 4 / slowest_bw if slowest_bw else 0.0
     sync_s = cc.total_s + update_s
     H = o["inner_steps"] or pick_inner_steps(sync_s, compute_s, o["target_comm"])
-    ph = Amortised("outer step", tr, H, cc, update_s, 2 * numel * 4, dtype)
-    ph.settings = {
-        "inner_steps": H,
-        "inner_steps_source": "given" if o["inner_steps"] else f"target_comm {o['target_comm']:g}",
-        "sync_dtype": dtype,
-        "target_comm": o["target_comm"],
-    }
+    why_every = "given" if o["inner_steps"] else f"target_comm {o['target_comm']:g}"
+    ph = Amortised("outer step", tr, H, cc, update_s, 2 * numel * 4, dtype, why_every, o["target_comm"])
     why = "as given" if o["inner_steps"] else f"keeps communication at or under {o['target_comm']:.0%} of the step"
     ph.note = (
         f"one ring all-reduce of the {dtype} pseudo-gradient every {H} inner steps "

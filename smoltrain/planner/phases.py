@@ -9,7 +9,7 @@ step, and each rank the state it keeps between runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from smoltrain.planner.timing import CommCost
 from smoltrain.planner.traffic import Traffic
@@ -24,7 +24,8 @@ class Amortised:
     update_s: float  # one run's compute beyond its traffic (the outer optimizer)
     state_bytes: float  # per rank, kept between runs (an anchor and a momentum)
     dtype: str  # the dtype on the wire
-    settings: dict = field(default_factory=dict)  # the doc's fields for this phase (inner_steps, ...)
+    every_source: str  # why `every`: "given", or the target it keeps ("target_comm 0.1")
+    target_comm: float  # the share of the step communication may take
     note: str = ""
 
     @property

@@ -122,8 +122,11 @@ def make_plan(
     )
     if tuning is not None:
         doc["tuning"] = tuning.to_dict(model)
-    if outer_ph is not None:
-        doc.update(outer_ph.settings)
+    if outer_ph is not None:  # the outer step's settings (CONTRACT: inner_steps, sync_dtype) and figures
+        doc["inner_steps"] = outer_ph.every
+        doc["inner_steps_source"] = outer_ph.every_source
+        doc["sync_dtype"] = outer_ph.dtype
+        doc["target_comm"] = outer_ph.target_comm
         doc["outer"] = outer_section(outer_ph, doc)
     if single:
         from smoltrain.planner import verdict
