@@ -119,9 +119,7 @@ def assignments(mesh: Mesh, names: list[str], lm, how: str) -> list[list[int]]:
     if mesh.world <= 4:
         for cand in permutations(ident):
             add(list(cand))
-    if ident in out:
-        out.remove(ident)
-    return out + [ident]  # on a tie the innermost axis keeps the closest hosts
+    return out + ([] if ident in out else [ident])  # on a tie the innermost axis keeps the closest hosts
 
 
 def lay_out(mesh: Mesh, sh: mesh_plan.Shape, ranks: list, lm, how: str) -> dict:
@@ -138,8 +136,8 @@ def lay_out(mesh: Mesh, sh: mesh_plan.Shape, ranks: list, lm, how: str) -> dict:
 
 
 def _key(e: dict) -> tuple:
-    """Runnable and fitting first, then the shortest step."""
-    return (not e["fits"], e["step_s"] is None, e["step_s"] or 0.0)
+    """Runnable and fitting first, then the shortest step (to the microsecond: equal steps keep the first)."""
+    return (not e["fits"], e["step_s"] is None, round(e["step_s"] or 0.0, 6))
 
 
 def shape_of(req, model) -> mesh_plan.Shape:
