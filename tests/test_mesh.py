@@ -4,6 +4,9 @@ The runs are real: `smoltrain run --local 4 --mesh ...` with worker processes on
 beside one `--local 1` reference. Each composed run must give the reference's loss at every
 step and its weights after the run (gathered from the checkpoint parts: tp's slices
 concatenated back, pp's stages laid end to end), and every replica must end bit-identical.
+diloco runs as dp does there with one inner step of sgd and plain averaging (H=1, outer lr 1,
+momentum 0, as tests/test_diloco.py checks 1-D diloco against dp); one more diloco run (H=2,
+int8 on the wire) checks only its bytes against the plan.
 """
 
 from __future__ import annotations
@@ -21,13 +24,18 @@ from smoltrain.mesh import Mesh, MeshError, parse
 from smoltrain.models.spec import get_model
 
 BATCH, SEQ, STEPS, REL_TOL = 6, 32, 4, 1e-5
+PLAIN = ["--inner-steps", "1", "--outer-lr", "1", "--outer-momentum", "0"]  # diloco H=1 with sgd: dp
 RUNS = {
     "ref": ("--strategy", "dp", 1, "socket", []),
     "dp2xtp2": ("--mesh", "dp=2,tp=2", 4, "socket", []),
     "pp2xdp2-torch": ("--mesh", "pp=2,dp=2", 4, "torch", ["--microbatches", "3"]),
     "pp2xtp2": ("--mesh", "pp=2,tp=2", 4, "socket", ["--microbatches", "2"]),
     "fsdp2xtp2": ("--mesh", "fsdp=2,tp=2", 4, "socket", []),
+    "diloco2xpp2": ("--mesh", "diloco=2,pp=2", 4, "socket", ["--microbatches", "3", *PLAIN]),
+    "diloco2xtp2": ("--mesh", "diloco=2,tp=2", 4, "socket", PLAIN),
 }
+H2_INT8 = ["--inner-steps", "2", "--sync-dtype", "int8"]
+BYTES_ONLY = {"diloco2xtp2-h2-int8": ("--mesh", "diloco=2,tp=2", 4, "socket", H2_INT8)}
 
 
 # ----------------------------------------------------------------- the layout
@@ -45,6 +53,8 @@ def test_coordinates_and_groups_innermost_last():
     assert m.roles() == ("tp", "dp", None) and parse("pp=2,dp=2", 4).roles() == ("pp", "dp", None)
     assert parse("dp=2,pp=2,tp=2", 8).roles() == ("pp", "dp", "tp")
     assert parse("fsdp=2,tp=2", 4).roles() == ("fsdp", None, "tp")
+    assert parse("diloco=2,pp=2", 4).roles() == ("pp", "diloco", None)
+    assert parse("diloco=2,pp=2,tp=2", 8).roles() == ("pp", "diloco", "tp")
     assert Mesh((("tp", 4),)).roles() == ("tp", None, None)
 
 
@@ -66,8 +76,11 @@ def test_bad_meshes_name_why(text, world, why):
 
 
 def test_pairs_that_do_not_compose_yet_are_refused():
-    for text in ("diloco=2,tp=2", "dp=2,fsdp=2", "fsdp=2,pp=2"):
+    for text in ("diloco=2,fsdp=2", "dp=2,fsdp=2", "fsdp=2,pp=2"):
         with pytest.raises(MeshError, match="does not run yet"):
+            parse(text, 4).roles()
+    for text in ("pp=2,diloco=2", "tp=2,diloco=2", "dp=2,diloco=2"):  # its replicas are whole inner meshes
+        with pytest.raises(MeshError, match="diloco must be the outermost axis"):
             parse(text, 4).roles()
 
 
@@ -77,6 +90,14 @@ def test_cli_refuses_a_bad_mesh_in_one_line():
     assert len(p.stderr.strip().splitlines()) == 1
     p = cli(["run", "--mesh", "dp=2,fsdp=2", "--local", "4", "--steps", "1"])
     assert p.returncode == 2 and "dp x fsdp does not run yet" in p.stderr
+    for args, why in [
+        (["--mesh", "pp=2,diloco=2"], "diloco must be the outermost axis"),
+        (["--mesh", "dp=2,tp=2", "--inner-steps", "2"], "--inner-steps: only for a low-communication strategy"),
+        (["--mesh", "diloco=2,tp=2", "--backend", "torch", "--sync-dtype", "int8"], "torch backend cannot carry it"),
+        (["--mesh", "diloco=2,pp=2", "--batch", "1"], "--batch 1 is smaller than the 2 diloco replicas"),
+    ]:
+        p = cli(["run", *args, "--local", "4", "--steps", "1"])
+        assert p.returncode == 2 and why in p.stderr and len(p.stderr.strip().splitlines()) == 1, (args, p.stderr)
 
 
 # ------------------------------------------------------------------- the runs
@@ -92,7 +113,7 @@ def runs(tmp_path_factory):
     secret.chmod(0o600)
 
     def one(name):
-        flag, what, world, backend, extra = RUNS[name]
+        flag, what, world, backend, extra = {**RUNS, **BYTES_ONLY}[name]
         out, ck = d / f"{name}.json", d / f"ck-{name}"
         args = [flag, what, "--local", str(world), "--backend", backend, "--steps", str(STEPS)]
         args += ["--batch", str(BATCH), "--seq", str(SEQ), "--seed", "7", "--optimizer", "sgd", "--lr", "0.05"]
@@ -103,7 +124,8 @@ def runs(tmp_path_factory):
         return json.loads(out.read_text()), ck / f"step-{STEPS:06d}"
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(RUNS, pool.map(one, RUNS)))
+        names = [*RUNS, *BYTES_ONLY]
+        return dict(zip(names, pool.map(one, names)))
 
 
 def got(runs, name):
@@ -112,12 +134,13 @@ def got(runs, name):
     return runs[name]
 
 
-def parts(folder, world: int) -> list[dict]:
-    """Each rank's parameters by name (param.NAME), or its fsdp shards (shard.I)."""
+def parts(folder, world: int, keep=("param.", "shard.")) -> list[dict]:
+    """Each rank's parameters by name (param.NAME), or its fsdp shards (shard.I); with
+    keep=("outer.",) a diloco axis's anchor and outer momentum instead."""
     from safetensors.torch import load_file
 
     return [
-        {k.split(".", 1)[1] if k.startswith("param.") else k: v for k, v in load_file(path).items() if k[:4] != "opt."}
+        {k.removeprefix("param."): v for k, v in load_file(path).items() if k.startswith(keep)}
         for path in (folder / f"rank{r}.safetensors" for r in range(world))
     ]
 
@@ -204,23 +227,42 @@ def test_mesh_run_reproduces_the_single_process_run(runs, name):
     assert whole.keys() == want.keys()
     for k, t in want.items():
         assert torch.allclose(whole[k], t, rtol=REL_TOL, atol=1e-6), f"{name}: {k} differs after the run"
+    if data == "diloco":  # the last step ends an outer step: each group's anchor is shared, and its weights
+        outer = parts(ck, 4, keep=("outer.",))
+        for g in mesh.groups(data):
+            assert all(torch.equal(outer[r]["outer.anchor"], outer[g[0]]["outer.anchor"]) for r in g)
+            held = torch.cat([t.reshape(-1) for t in ranks[g[0]].values()])  # (in name order, not the anchor's)
+            assert torch.equal(held.sort().values, outer[g[0]]["outer.anchor"].sort().values)
+        assert doc["config"]["inner_steps"] == 1 and len(doc["outer_steps"]) == STEPS
 
 
-@pytest.mark.parametrize("name", ["dp2xtp2", "pp2xdp2-torch", "pp2xtp2"])
+@pytest.mark.parametrize("name", ["dp2xtp2", "pp2xdp2-torch", "pp2xtp2", "diloco2xpp2", "diloco2xtp2-h2-int8"])
 def test_mesh_bytes_per_link_equal_the_plan(runs, name):
     """Each axis's bytes on its own groups' links, nothing across two axes, and every link's
-    bytes exactly the plan's (planner.mesh_traffic: each axis's 1-D traffic over its groups)."""
+    bytes exactly the plan's (planner.mesh_traffic: each axis's 1-D traffic over its groups;
+    diloco's outer all-reduce amortised over its H inner steps, H dividing the run's steps)."""
     from smoltrain.planner.mesh_traffic import mesh_link_bytes
 
     doc, _ = got(runs, name)
-    flag, text, world, _, extra = RUNS[name]
+    flag, text, world, _, extra = {**RUNS, **BYTES_ONLY}[name]
     mesh = parse(text, world)
     m = int(extra[extra.index("--microbatches") + 1]) if "--microbatches" in extra else 1
     links = {(int(b["src"][4:]), int(b["dst"][4:])): b["bytes"] for b in doc["bytes"]}
     for a, b in links:
         assert sum(x != y for x, y in zip(mesh.coords(a), mesh.coords(b))) == 1, f"{name}: {a}->{b} crosses two axes"
-    plan = mesh_link_bytes(mesh, get_model("tiny"), BATCH, SEQ, m)
+    cfg = doc["config"]
+    outer = dict(inner_steps=cfg["inner_steps"], sync_dtype=cfg["sync_dtype"]) if "diloco" in text else {}
+    plan = mesh_link_bytes(mesh, get_model("tiny"), BATCH, SEQ, m, **outer)
     assert links == {k: STEPS * v for k, v in plan.items()}
+    if outer:  # each outer step's bytes, and the same weights on every rank of a diloco group after it
+        assert [o["step"] for o in doc["outer_steps"]] == list(range(cfg["inner_steps"] - 1, STEPS, cfg["inner_steps"]))
+        for o in doc["outer_steps"]:
+            by = {int(r["name"][4:]): r for r in o["ranks"]}
+            for g in mesh.groups("diloco"):
+                assert len({by[r]["digest"] for r in g}) == 1, (o["step"], g)
+                assert [by[r]["bytes"] for r in g] == [
+                    sum(v for (s, d), v in plan.items() if s == r and d in g) * cfg["inner_steps"] for r in g
+                ]
 
 
 def test_plan_mesh_prints_bytes_per_link():
