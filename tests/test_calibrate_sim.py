@@ -23,8 +23,9 @@ def test_calibration_reads_each_capped_hosts_cap(tmp_path):
     from smoltrain.calibration.cluster import calibrate_hosts
 
     sim.down(NAME)
+    # 0.3 cores: a CFS period longer than the 5 ms default (8.3 ms), without the tenfold slower run of 0.1
     st = sim.up(
-        name=NAME, scenario="uniform", hosts=2, subnet=SUBNET, inventory=str(tmp_path / "sim.yml"), cpu_limit="0.1,0.9"
+        name=NAME, scenario="uniform", hosts=2, subnet=SUBNET, inventory=str(tmp_path / "sim.yml"), cpu_limit="0.3,0.9"
     )
     try:
         doc = calibrate_hosts(load_inventory(st["inventory"]).hosts, "tiny", 0.5)
@@ -32,9 +33,10 @@ def test_calibration_reads_each_capped_hosts_cap(tmp_path):
         sim.down(NAME)
     slow, fast = doc["hosts"]  # rank order only: on a busy machine an uncapped share shrinks
     assert slow["status"] == fast["status"] == "ok", doc
-    assert slow["cpu_limit_cores"] == pytest.approx(0.1) and fast["cpu_limit_cores"] == pytest.approx(0.9)
     from smolnet.sim.cgroup import period_quota
 
-    assert [slow["cpu_period_s"], fast["cpu_period_s"]] == pytest.approx([period_quota(c)[0] / 1e6 for c in (0.1, 0.9)])
+    (p_slow, q_slow), (p_fast, q_fast) = period_quota(0.3), period_quota(0.9)  # the cap the quota rounds to
+    assert [slow["cpu_limit_cores"], fast["cpu_limit_cores"]] == pytest.approx([q_slow / p_slow, q_fast / p_fast])
+    assert [slow["cpu_period_s"], fast["cpu_period_s"]] == pytest.approx([period_quota(c)[0] / 1e6 for c in (0.3, 0.9)])
     assert slow["machine_id"] == fast["machine_id"]
     assert all(h["flops"]["fp32"] > 0 and h["train_step"][-1]["seconds"] > 0 for h in (slow, fast))
