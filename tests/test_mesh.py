@@ -90,14 +90,24 @@ def test_cli_refuses_a_bad_mesh_in_one_line():
     assert len(p.stderr.strip().splitlines()) == 1
     p = cli(["run", "--mesh", "dp=2,fsdp=2", "--local", "4", "--steps", "1"])
     assert p.returncode == 2 and "dp x fsdp does not run yet" in p.stderr
-    for args, why in [
+
+
+@pytest.mark.parametrize(
+    "args, why",
+    [
         (["--mesh", "pp=2,diloco=2"], "diloco must be the outermost axis"),
         (["--mesh", "dp=2,tp=2", "--inner-steps", "2"], "--inner-steps: only for a low-communication strategy"),
         (["--mesh", "diloco=2,tp=2", "--backend", "torch", "--sync-dtype", "int8"], "torch backend cannot carry it"),
         (["--mesh", "diloco=2,pp=2", "--batch", "1"], "--batch 1 is smaller than the 2 diloco replicas"),
-    ]:
-        p = cli(["run", *args, "--local", "4", "--steps", "1"])
-        assert p.returncode == 2 and why in p.stderr and len(p.stderr.strip().splitlines()) == 1, (args, p.stderr)
+    ],
+)
+def test_a_diloco_mesh_that_cannot_run_is_one_line(capsys, tmp_path, args, why):
+    from smoltrain.cli import main
+
+    rc = main(["run", *args, "--local", "4", "--steps", "1", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and why in err and err.count("\n") == 0, err
+    assert not (tmp_path / "out").exists()
 
 
 # ------------------------------------------------------------------- the runs
