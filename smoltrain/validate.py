@@ -21,7 +21,7 @@ Adding an option is one line (pick the closest preset, or give a range):
 Choices (`--quantize int8|q4`, `--sync-dtype`) stay argparse `choices=`. Defaults are not
 passed through `type=`, so keep them inside the range. Checks that relate two options or need
 the model (`--seq` against the model's context, `--batch` against the world) stay where that
-knowledge is (smoltrain.run.controller.check_usage, the planner).
+knowledge is (smoltrain.run.preflight.check_usage, the planner).
 """
 
 from __future__ import annotations

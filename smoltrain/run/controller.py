@@ -1,4 +1,6 @@
-"""The controller side of `smoltrain run`: place ranks, start workers, gather what they measure.
+"""The controller side of `smoltrain run`: place ranks, start workers, gather what they measure
+(the run report made of it: smoltrain.run.report; what is refused before it starts:
+smoltrain.run.preflight; the launch that builds it: smoltrain.run.launch).
 
 Ranks are placed on `--local N` loopback processes (names rank0..rank{N-1}) or on
 the inventory's `cluster` hosts (coordinator first, so it is rank 0), started over
@@ -11,21 +13,19 @@ workers measured. A worker that fails stops the run with its one-line reason
 from __future__ import annotations
 
 import math
-import os
 import queue
 import socket
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from smolnet.errors import SmolError, UsageError
-from smolnet.files import write_json_atomic
 from smolnet.launcher import ProcessGroup, remote_log
 from smoltrain import registry
 from smoltrain.run import blame, checkpoint
 from smoltrain.run.channel import ControlServer, dead_after
 from smoltrain.run.config import RunConfig
+from smoltrain.run.report import step_loss
 
 
 @dataclass
@@ -351,167 +351,7 @@ class Controller:
             self._decide()
 
     def report(self, partial: bool = False) -> dict:
-        """The run report; `partial`: only the steps that finished (a failed or interrupted run)."""
-        start, steps = self.cfg.start_step, self.cfg.steps
-        tokens = self.cfg.global_tokens
-        rows = []
-        for k in range(start, steps):
-            rec = self.steps.get(k)
-            if rec is None or not rec["parts"]:
-                if partial:
-                    continue
-                raise SmolError(f"step {k}: no loss reported")
-            loss = step_loss(rec)
-            row = {"step": k, "loss": loss, "step_s": rec["step_s"], "comm_s": rec["comm_s"], "tokens": tokens}
-            rows.append(dict(row, loss_tokens=rec.get("loss_tokens", tokens)))
-        total_s = sum(r["step_s"] for r in rows)
-        order = {n: i for i, n in enumerate(self.names)}
-        from smoltrain.run.timings import rank_timings
+        """The run report (smoltrain.run.report); `partial`: only the steps that finished."""
+        from smoltrain.run.report import run_report
 
-        # pipeline stages wait for each other by design: their communication is read off the schedule
-        stages_m = (self.cfg.microbatches if self.info.microbatched else 1) if self.info.splits == "layers" else None
-        for row in rows:
-            by = self.steps[row["step"]].get("by", {})
-            row["ranks"] = rank_timings(
-                {order.get(n, len(order) + i): v for i, (n, v) in enumerate(sorted(by.items()))},
-                row["step_s"],
-                stages_m,
-            )
-        links = sorted(
-            self.links.items(),
-            key=lambda kv: (order.get(kv[0][0], 1 << 20), kv[0][0], order.get(kv[0][1], 1 << 20), kv[0][1]),
-        )
-        return {
-            "schema": "smoltrain.run/1",
-            "strategy": self.strategy,
-            "backend": self.cfg.backend,
-            "world_size": self.world,
-            "hosts": self.names,
-            "config": self.cfg.report_view(),
-            "steps": rows,
-            "bytes": [{"src": s, "dst": d, "bytes": n} for (s, d), n in links],
-            "events": sorted(self.events, key=lambda e: (e["step"], e["kind"] != "resume")),
-            "final_loss": rows[-1]["loss"] if rows else None,
-            "tokens_per_s": (tokens * len(rows) / total_s) if total_s > 0 else None,
-            "state_bytes": self.state_bytes,
-            "threads": self.threads,
-            "kernels": self.kernels,
-            **model_sections(self.cfg),
-            **self.extra_sections(tokens),
-        }
-
-    def extra_sections(self, tokens: int) -> dict:
-        """`mesh` (contract section 12), and `evals` (--eval-every) and `outer_steps` (diloco) when
-        the run has them."""
-        from smoltrain.mesh import mesh_of
-
-        out = {"mesh": mesh_of(self.cfg).report()}
-        if self.evals:
-            out["evals"] = [
-                {"step": k, "tokens": (k + 1) * tokens, "loss": step_loss(rec)} for k, rec in sorted(self.evals.items())
-            ]
-        if self.outer:
-            order = {n: i for i, n in enumerate(self.names)}
-            out["outer_steps"] = [
-                {
-                    "step": k,
-                    "sync_s": max(r["sync_s"] for r in by.values()),
-                    "bytes": sum(r["bytes"] for r in by.values()),
-                    # the outer step's wall time: the rank that waited least at the sync came last, so
-                    # its inner steps and sync are the critical path (what others did between steps,
-                    # like evaluating, shows up in their waits, not here)
-                    "seconds": min(by.values(), key=lambda r: r["wait_s"])["seconds"],
-                    "ranks": [
-                        dict(by[n], name=n, rank=order.get(n, -1)) for n in sorted(by, key=lambda n: order.get(n, 99))
-                    ],
-                }
-                for k, by in sorted(self.outer.items())
-            ]
-            # ranks run their inner steps apart: the outer steps' wall time gives the rate
-            wall = sum(o["seconds"] for o in out["outer_steps"])
-            rows = sum(1 for k in self.steps if k >= self.cfg.start_step)
-            out["tokens_per_s"] = tokens * rows / wall if wall > 0 else None
-        return out
-
-
-def model_sections(cfg: RunConfig) -> dict:
-    """The report's `model` {name, arch, params}, `trainable_params` and `lora` (contract section 11)."""
-    spec = cfg.model
-    trainable = spec.params()
-    if cfg.lora:
-        from smoltrain.models.causal import trainable_params
-
-        trainable = trainable_params(spec, cfg.lora)
-    return {
-        "model": {"name": spec.name, "arch": spec.arch or "gpt", "params": spec.params()},
-        "trainable_params": trainable,
-        "lora": cfg.lora,
-    }
-
-
-def step_loss(rec: dict) -> float:
-    """A step's loss: the ranks' shares summed; where shares carry the part of the batch they
-    stand for (elastic members), over the parts that arrived."""
-    loss = sum(v for _, v in sorted(rec["parts"].items()))
-    weights = rec.get("weights") or {}
-    if weights and len(weights) == len(rec["parts"]):
-        total = sum(weights.values())
-        return loss / total if total > 0 else loss
-    return loss
-
-
-def write_json(path: str | os.PathLike, doc: dict) -> None:
-    write_json_atomic(path, doc, indent=1)
-
-
-def plot_losses(doc: dict, path: str | os.PathLike) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([s["step"] + 1 for s in doc["steps"]], [s["loss"] for s in doc["steps"]], marker=".", label="training")
-    if doc.get("evals"):  # --eval-every: the held-out slice no worker trains on
-        ev = doc["evals"]
-        ax.plot([e["step"] + 1 for e in ev], [e["loss"] for e in ev], marker="o", label="held-out")
-        ax.legend()
-    for e in doc["events"]:
-        if e["kind"] in ("join", "leave"):
-            ax.axvline(e["step"] + 1, color="red" if e["kind"] == "leave" else "green", ls="--", lw=0.8)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (mean over the global batch)")
-    ax.set_title(f"{doc['strategy']} on {doc['world_size']} ranks ({doc['backend']})")
-    fig.tight_layout()
-    tmp = p.with_name(p.stem + f".tmp{os.getpid()}.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, p)
-
-
-def check_usage(cfg: RunConfig) -> None:
-    """Refuse what the strategy or the model cannot take, before any process starts."""
-    from smoltrain.strategies import check_world
-
-    world, spec, info = cfg.world_size, cfg.model, registry.get(cfg.strategy, trainable=True)
-    if cfg.mesh:  # the strategy splits along its own axis; the data axis splits the batch first
-        from smoltrain.mesh import check_run
-
-        world = check_run(cfg)
-    check_world(cfg.strategy, spec, world)
-    if cfg.seq > spec.ctx or cfg.seq < 1:
-        raise UsageError(f"--seq {cfg.seq} must be between 1 and the model's context {spec.ctx}")
-    if cfg.steps < 1 or cfg.batch < 1:
-        raise UsageError("--steps and --batch must be positive")
-    if info.splits == "batch" and cfg.batch < world:
-        raise UsageError(f"--batch {cfg.batch} is smaller than the {world} ranks sharing it")
-    if cfg.strategy == "pp" and cfg.microbatches > cfg.batch:
-        raise UsageError(f"--microbatches {cfg.microbatches} exceeds --batch {cfg.batch}")
-    if cfg.shares and len(cfg.shares) != world:
-        raise UsageError(f"--shares has {len(cfg.shares)} entries for {world} ranks")
-    if cfg.placement:
-        from smoltrain.planner.placement import validate
-
-        validate(cfg.placement, cfg.strategy, spec, cfg.batch, world)
+        return run_report(self, partial)

@@ -3,7 +3,8 @@
 Why: a links file that is not one, or an output path that cannot be written used to surface
 as a traceback or only after the whole run; and a run that failed or was interrupted (even
 before any worker started: a refused resume, no intact checkpoint) left no report at all.
-Option ranges are checked by argparse itself (smoltrain.validate).
+Option ranges are checked by argparse itself (smoltrain.validate); what the strategy or the
+model cannot take, by check_usage.
 """
 
 from __future__ import annotations
@@ -163,3 +164,30 @@ class EarlyReport:
             write_json_atomic(path, self.doc(exc), indent=1)
         except OSError:
             pass  # an unwritable --json is itself the error being reported
+
+
+def check_usage(cfg) -> None:
+    """Refuse what the strategy or the model cannot take (a RunConfig), before any process starts."""
+    from smoltrain import registry
+    from smoltrain.strategies import check_world
+
+    world, spec, info = cfg.world_size, cfg.model, registry.get(cfg.strategy, trainable=True)
+    if cfg.mesh:  # the strategy splits along its own axis; the data axis splits the batch first
+        from smoltrain.mesh import check_run
+
+        world = check_run(cfg)
+    check_world(cfg.strategy, spec, world)
+    if cfg.seq > spec.ctx or cfg.seq < 1:
+        raise UsageError(f"--seq {cfg.seq} must be between 1 and the model's context {spec.ctx}")
+    if cfg.steps < 1 or cfg.batch < 1:
+        raise UsageError("--steps and --batch must be positive")
+    if info.splits == "batch" and cfg.batch < world:
+        raise UsageError(f"--batch {cfg.batch} is smaller than the {world} ranks sharing it")
+    if cfg.strategy == "pp" and cfg.microbatches > cfg.batch:
+        raise UsageError(f"--microbatches {cfg.microbatches} exceeds --batch {cfg.batch}")
+    if cfg.shares and len(cfg.shares) != world:
+        raise UsageError(f"--shares has {len(cfg.shares)} entries for {world} ranks")
+    if cfg.placement:
+        from smoltrain.planner.placement import validate
+
+        validate(cfg.placement, cfg.strategy, spec, cfg.batch, world)
