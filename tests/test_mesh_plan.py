@@ -255,3 +255,19 @@ def test_cli_auto_json_and_strategy_all_name_the_best_mesh(capsys, files, tmp_pa
     best_1d = max(p["tokens_per_s"] for p in plans["plans"])
     if plans["meshes"][0]["tokens_per_s"] > best_1d:
         assert f"the mesh {doc['best']}" in " ".join(text.split())
+
+
+def test_plan_leaves_its_arguments_as_parsed(capsys, files):
+    import argparse
+
+    from smoltrain.commands import plan as command
+
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    links, compute = files
+    for argv in (["--mesh", "auto"], ["--mesh", "pp=2,tp=2"], ["--strategy", "all", "--no-what-if"]):
+        args = parser.parse_args([*argv, "--links", links, "--compute", compute, "--microbatches", "2"])
+        before = dict(vars(args))
+        assert command.run(args) == 0
+        assert vars(args) == before, argv
+    capsys.readouterr()
