@@ -220,7 +220,8 @@ def cli(capsys, *argv):
         (["--mesh", "dp=1,tp=8", "--world", "8"], "tp=8 is wider than tiny's 6 KV head groups"),
         (["--mesh", "auto", "--world", "4", "--model", "llama-3.1-8b", "--link-class", "1gbe"], "no layout of 4"),
         (["--mesh", "auto", "--world", "3"], "no layout of 3 ranks"),
-        (["--mesh", "fsdp=2,tp=2"], "planned today for the built-in models' dp, pp and tp"),
+        (["--mesh", "fsdp=2,tp=2"], "fsdp x tp runs, but the plan does not time it yet"),
+        (["--mesh", "dp=4"], "dp alone is `plan --strategy dp`"),
         (["--mesh", "pp=2,tp=2", "--mode", "infer"], "a training step's layouts"),
     ],
 )

@@ -39,7 +39,13 @@ def check(mesh: Mesh, spec, batch: int, microbatches: int) -> None:
     from smoltrain.mesh import check_model
 
     check_model(mesh, spec)
-    _, data, _ = mesh.roles()
+    model, data, _ = mesh.roles()
+    if model == "fsdp":
+        raise MeshError(f"--mesh {mesh.text()}: fsdp x tp runs, but the plan does not time it yet (docs/mesh.md)")
+    if model not in ("pp", "tp"):
+        raise MeshError(
+            f"--mesh {mesh.text()}: {model} alone is `plan --strategy {model}` (a mesh splits the model too)"
+        )
     if data == "diloco":
         raise MeshError(f"--mesh {mesh.text()}: diloco beside another axis is not planned yet (docs/mesh.md)")
     n = mesh.size(data) if data else 1
