@@ -84,6 +84,59 @@ def add_arguments(p) -> None:
 _write_json = write_json_atomic
 
 
+def request(o: dict, run_doc=None):
+    """The PlanRequest the parsed options `o` describe (a run's own, with --compare); here, not in
+    the planner, because a LoRA request reads its model with torch (finetune.tuning)."""
+    from smoltrain.planner import selection
+    from smoltrain.planner.links import read_report
+    from smoltrain.planner.request import PlanRequest
+
+    if o["link_class"]:
+        from smoltrain.planner.devices import get_link_class
+
+        get_link_class(o["link_class"])
+    if o["local"] is not None and (o["inventory"] or o["world"]):
+        raise UsageError("give --local N, or -i INVENTORY / --world N, not both")
+    links_doc = read_report(o["links"]) if o["links"] else None
+    named = selection.hosts(o["inventory"], links_doc)
+    local = o["local"] is not None
+    placement = o["placement"]
+    if run_doc is not None:
+        from smoltrain.planner.compare import is_local_names, run_hosts
+
+        names = run_hosts(run_doc)
+        local = is_local_names(names)
+        if named is None and not local:
+            named = [selection.ReportHost(n, None) for n in names]
+        placement = (run_doc.get("config") or {}).get("placement") or run_doc.get("placement") or placement
+    infer = o["mode"] == "infer"
+    from smoltrain.finetune.tuning import from_options
+    from smoltrain.planner.request import model_of
+
+    model = model_of(o["model"])
+    return PlanRequest(
+        o["strategy"],
+        model,
+        mode=o["mode"],
+        world=o["local"] if local and o["local"] else o["world"],
+        dtype=o["dtype"],
+        batch=o["batch"],
+        seq=o["seq"],
+        microbatches=o["microbatches"],
+        placement=placement,
+        hosts=named,
+        links=links_doc,
+        link_class=o["link_class"],
+        compute=o.get("compute"),
+        calibration=o["calibration"] or None,
+        local=local,
+        quantize=o.get("quantize") if infer else None,
+        wire_dtype=o.get("wire_dtype") if infer else None,
+        outer={"inner_steps": o["inner_steps"], "sync_dtype": o["sync_dtype"], "target_comm": o["target_comm"]},
+        tuning=from_options(model, o) if o["mode"] == "train" else None,
+    )
+
+
 def run(args) -> int:
     """Parse, choose through planner/selection.py, print and write; `args` is left as parsed."""
     from argparse import Namespace
@@ -106,7 +159,7 @@ def run(args) -> int:
         raise UsageError("--warmup applies to --compare RUN.json")
     o["strategy"] = selection.strategy_for(o["strategy"], o["mode"])
     if o["mode"] == "serve":  # planner/serve.py places its own candidates on these ranks and links
-        doc = selection.serve(selection.request(o, run_doc), o["concurrency"], o["max_batch"], o.get("wire_dtype"))
+        doc = selection.serve(request(o, run_doc), o["concurrency"], o["max_batch"], o.get("wire_dtype"))
         from smoltrain.planner import serve
 
         serve.render(con, doc)
@@ -120,7 +173,7 @@ def run(args) -> int:
     ns = Namespace(**o)  # the outer-step flags checked and their defaults filled on a copy
     diloco.check_args(ns, o["strategy"] == "all" or registry.get(o["strategy"]).outer_steps)
     o = vars(ns)
-    req = selection.request(o, run_doc)
+    req = request(o, run_doc)
     setting = resolve(req)
     from smoltrain.planner import setups
 
@@ -156,12 +209,12 @@ def run(args) -> int:
 def _mesh(con, o: dict) -> int:
     """plan --mesh AXIS=N,...|auto: each layout's bytes per link, step time and bottleneck on
     these hosts and links, ranked (planner.mesh_search; docs/mesh.md)."""
-    from smoltrain.planner import mesh_render, mesh_search, selection
+    from smoltrain.planner import mesh_render, mesh_search
     from smoltrain.planner.request import resolve
 
     if o["strategy"] or o["mode"] != "train" or o["compare"]:
         raise UsageError("plan --mesh: a training step's layouts (no --strategy, --mode or --compare)")
-    req = mesh_search.mesh_request(selection.request(dict(o, strategy="tp", world=mesh_search.world_of(o))))
+    req = mesh_search.mesh_request(request(dict(o, strategy="tp", world=mesh_search.world_of(o))))
     setting = resolve(req)
     how = o["placement"] or "auto"
     if o["mesh"] == "auto":

@@ -41,57 +41,6 @@ def hosts(inventory: str | None, links_doc: dict | None) -> list | None:
     return None
 
 
-def request(o: dict, run_doc=None):
-    """The PlanRequest the parsed options `o` describe (a run's own, with --compare)."""
-    from smoltrain.planner.links import read_report
-    from smoltrain.planner.request import PlanRequest
-
-    if o["link_class"]:
-        from smoltrain.planner.devices import get_link_class
-
-        get_link_class(o["link_class"])
-    if o["local"] is not None and (o["inventory"] or o["world"]):
-        raise UsageError("give --local N, or -i INVENTORY / --world N, not both")
-    links_doc = read_report(o["links"]) if o["links"] else None
-    named = hosts(o["inventory"], links_doc)
-    local = o["local"] is not None
-    placement = o["placement"]
-    if run_doc is not None:
-        from smoltrain.planner.compare import is_local_names, run_hosts
-
-        names = run_hosts(run_doc)
-        local = is_local_names(names)
-        if named is None and not local:
-            named = [ReportHost(n, None) for n in names]
-        placement = (run_doc.get("config") or {}).get("placement") or run_doc.get("placement") or placement
-    infer = o["mode"] == "infer"
-    from smoltrain.finetune.tuning import from_options
-    from smoltrain.planner.request import model_of
-
-    model = model_of(o["model"])
-    return PlanRequest(
-        o["strategy"],
-        model,
-        mode=o["mode"],
-        world=o["local"] if local and o["local"] else o["world"],
-        dtype=o["dtype"],
-        batch=o["batch"],
-        seq=o["seq"],
-        microbatches=o["microbatches"],
-        placement=placement,
-        hosts=named,
-        links=links_doc,
-        link_class=o["link_class"],
-        compute=o.get("compute"),
-        calibration=o["calibration"] or None,
-        local=local,
-        quantize=o.get("quantize") if infer else None,
-        wire_dtype=o.get("wire_dtype") if infer else None,
-        outer={"inner_steps": o["inner_steps"], "sync_dtype": o["sync_dtype"], "target_comm": o["target_comm"]},
-        tuning=from_options(model, o) if o["mode"] == "train" else None,
-    )
-
-
 def from_run(run_doc: dict, strategy: str | None) -> dict:
     """What a run report fixes of its plan (`plan --compare`): strategy, model, world, widths,
     batch, sequence, microbatches, train mode, and an outer-step strategy's inner steps and sync
