@@ -17,8 +17,10 @@ from hf_train_models import make
 from smoltrain.cli import main
 from smoltrain.finetune import lora
 from smoltrain.finetune.lora import LoraConfig
+from smoltrain.models import quant
 from smoltrain.models.causal import build
 from smoltrain.models.gpt import loss_sum
+from smoltrain.models.hf import Checkpoint
 from smoltrain.models.qlinear import QuantLinear
 from smoltrain.models.spec import get_model
 
@@ -72,10 +74,16 @@ def _peft(tm, cfg: LoraConfig, arch: str):
 def test_the_loss_on_a_quantised_base_is_peft_on_its_dequantised_weights(ckpts, arch, kind):
     spec = get_model(ckpts[arch])
     ours = build(spec, kind)
-    quantised = [m for _, m in ours.hf_named_modules() if isinstance(m, QuantLinear)]
+    quantised = {n: m for n, m in ours.hf_named_modules() if isinstance(m, QuantLinear)}
     per_layer = 4 if arch == "gpt2" else 7
     assert len(quantised) == 2 * per_layer + (0 if arch == "gpt2" else 1)  # an untied head too
-    assert {m.format for m in quantised} == {"q4_0" if kind == "q4" else "q8_0"}
+    assert {m.format for m in quantised.values()} == {"q4_0" if kind == "q4" else "q8_0"}
+    ckpt = Checkpoint(ckpts[arch])
+    for name, m in quantised.items():  # the checkpoint's weight as models.quant quantises it for inference
+        w = ckpt.read(name + ".weight").float()
+        w = w.t() if m.fan_in_fan_out else w
+        fmt = (quant.quantize_q4, quant.dequantize_q4) if kind == "q4" else (quant.quantize_q8_0, quant.dequantize_q8_0)
+        assert torch.equal(m.dequantized(), fmt[1](*fmt[0](w))), name
     assert not any(p.requires_grad for p in ours.parameters())
     cfg = LoraConfig(rank=4, alpha=8.0, targets=("c_attn", "c_fc") if arch == "gpt2" else ("q_proj", "down_proj"))
     lora.apply(ours, cfg, arch, seed=0)
