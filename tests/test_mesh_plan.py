@@ -18,7 +18,8 @@ from smoltrain.mesh import Mesh, parse
 from smoltrain.models.spec import get_model
 from smoltrain.planner import mesh_search
 from smoltrain.planner.links import read_report
-from smoltrain.planner.mesh_traffic import mesh_link_bytes
+from smoltrain.planner.mesh_plan import place
+from smoltrain.planner.mesh_traffic import held_params, mesh_link_bytes
 from smoltrain.planner.request import PlanRequest, build_plan, resolve
 from smoltrain.planner.selection import hosts as report_hosts
 
@@ -205,6 +206,28 @@ def test_search_avoids_a_down_link_and_explicit_refuses_one(files, tmp_path):
         assert not any({ln["src"], ln["dst"]} == {"fast1", "gbe"} for ln in e["links"]), e["layout"]
     with pytest.raises(Exception, match="fast1 -> gbe is down|gbe -> fast1 is down"):
         mesh_search.explicit(req, st, "dp=2,tp=2", "even")  # inventory order: fast1 and gbe share tp
+
+
+def test_with_inner_steps_diloco_is_an_outer_axis_with_its_bytes_and_state(files):
+    req, st = setting_of(files)
+    plain = by_layout(mesh_search.search(req, st, "auto"))
+    req = PlanRequest(**{**req.__dict__, "outer": {"inner_steps": 4, "sync_dtype": "int8"}})
+    doc = mesh_search.search(req, st, "auto")
+    got = by_layout(doc)
+    dil = [t for t in got if t.startswith("diloco")]
+    assert sorted(dil) == ["diloco=2,pp=2", "diloco=2,tp=2"] and not any("diloco" in t[1:] for t in plain)
+    for text in dil:
+        e = got[text]
+        want = mesh_link_bytes(parse(text, 4), get_model("tiny"), BATCH, SEQ, MB, inner_steps=4, sync_dtype="int8")
+        assert {(ln["src_rank"], ln["dst_rank"]): ln["bytes_per_step"] for ln in e["links"]} == want
+        # each rank also keeps an anchor and a momentum (fp32) of what it holds: 8 bytes a parameter
+        same = plain[text.replace("diloco", "dp")]
+        for r, (a, b) in enumerate(zip(e["ranks"], same["ranks"])):
+            held = held_params(get_model("tiny"), place(parse(text, 4), r))
+            assert a["memory_bytes"] - b["memory_bytes"] == 8 * held
+        assert e["seconds"]["diloco"] < same["seconds"]["dp"] / 4  # int8 every 4 steps, not fp32 every step
+    with pytest.raises(Exception, match="planned with --inner-steps H"):
+        mesh_search.explicit(PlanRequest(**{**req.__dict__, "outer": None}), st, "diloco=2,pp=2", "auto")
 
 
 def cli(capsys, *argv):

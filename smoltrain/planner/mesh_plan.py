@@ -36,6 +36,13 @@ class Shape:
     microbatches: int
     dtype: str = "fp32"
     compute_dtype: str | None = None
+    inner_steps: int | None = None  # a diloco axis's H (its outer all-reduce amortised over H)
+    sync_dtype: str = "fp32"  # a diloco axis's pseudo-gradient on the wire
+
+    @property
+    def outer(self) -> dict:
+        """What axis_traffic and mesh_link_bytes take for a diloco axis."""
+        return {"inner_steps": self.inner_steps, "sync_dtype": self.sync_dtype}
 
 
 def place(mesh, rank: int) -> dict:
@@ -88,8 +95,16 @@ def rank_shape(mesh, sh: Shape, rank: int) -> rank_time.Shape:
 
 
 def rank_rows(mesh, sh: Shape, hosts: list) -> list[tuple[dict, rank_time.RankTime]]:
-    """The plan's `ranks` entries of a layout (rank r on hosts[r]) and their times."""
-    return [rank_time.row(r, hosts[r], rank_work(mesh, sh, r), rank_shape(mesh, sh, r)) for r in range(mesh.world)]
+    """The plan's `ranks` entries of a layout (rank r on hosts[r]) and their times; under a diloco
+    axis each rank also keeps its anchor and outer momentum (fp32, as 1-D diloco's plan counts)."""
+    rows = [rank_time.row(r, hosts[r], rank_work(mesh, sh, r), rank_shape(mesh, sh, r)) for r in range(mesh.world)]
+    if mesh.size("diloco") > 1:
+        for p, _ in rows:
+            mem, state = p["memory"], 2 * held_params(sh.model, place(mesh, p["rank"])) * 4
+            mem["optimizer"] += state
+            mem["total"] += state
+            p["fits"] = mem["fits"] = mem["total"] <= p["memory_available"]
+    return rows
 
 
 @dataclass

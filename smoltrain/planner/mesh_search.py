@@ -28,13 +28,13 @@ from smoltrain.planner.compute import cpu_links
 from smoltrain.planner.mesh_traffic import axis_traffic, mesh_link_bytes
 
 SCHEMA = "smoltrain.meshplan/1"
-SEARCHED = ("dp", "pp", "tp")  # the axes the planner times today (outermost first)
-NOT_SEARCHED = "fsdp x tp and diloco beside another axis are not planned yet (docs/mesh.md)"
+SEARCHED = ("dp", "pp", "tp")  # the axes the planner times today (outermost first); diloco given H
+NOT_SEARCHED = "fsdp x tp is not planned yet; diloco only with --inner-steps H (docs/mesh.md)"
 GROUP_ORDERS = 4  # try every order of the innermost groups up to this many groups
 CANDIDATES = 48  # host orders timed per layout at most (each a few ms)
 
 
-def check(mesh: Mesh, spec, batch: int, microbatches: int) -> None:
+def check(mesh: Mesh, spec, batch: int, microbatches: int, inner_steps: int | None = None) -> None:
     """What the runtime would refuse (mesh.check_run's checks), before any timing."""
     from smoltrain.mesh import check_model
 
@@ -46,8 +46,10 @@ def check(mesh: Mesh, spec, batch: int, microbatches: int) -> None:
         raise MeshError(
             f"--mesh {mesh.text()}: {model} alone is `plan --strategy {model}` (a mesh splits the model too)"
         )
-    if data == "diloco":
-        raise MeshError(f"--mesh {mesh.text()}: diloco beside another axis is not planned yet (docs/mesh.md)")
+    if data == "diloco" and not inner_steps:
+        raise MeshError(
+            f"--mesh {mesh.text()}: a diloco axis is planned with --inner-steps H (no H is picked for a mesh)"
+        )
     n = mesh.size(data) if data else 1
     if batch < n:
         raise MeshError(f"--mesh {mesh.text()}: --batch {batch} is smaller than the {n} {data} replicas")
@@ -57,8 +59,9 @@ def check(mesh: Mesh, spec, batch: int, microbatches: int) -> None:
         )
 
 
-def layouts(world: int) -> list[Mesh]:
-    """Every mesh of two or three axes from SEARCHED, each wider than one, multiplying to `world`."""
+def layouts(world: int, diloco: bool = False) -> list[Mesh]:
+    """Every mesh of two or three axes from SEARCHED, each wider than one, multiplying to `world`;
+    with `diloco`, also those whose data axis is diloco (outermost, as it runs)."""
     out = []
     for d in _divisors(world):
         for p in _divisors(world // d):
@@ -67,6 +70,8 @@ def layouts(world: int) -> list[Mesh]:
             if len(wide) < 2:
                 continue
             out += [Mesh(tuple(o)) for o in permutations(wide)]
+            if diloco and d > 1:
+                out += [Mesh((("diloco", d), *o)) for o in permutations(wide[1:])]
     return out
 
 
@@ -130,8 +135,8 @@ def assignments(mesh: Mesh, names: list[str], lm, how: str) -> list[list[int]]:
 
 def lay_out(mesh: Mesh, sh: mesh_plan.Shape, ranks: list, lm, how: str) -> dict:
     """The best assignment of one mesh onto these ranks (the first of equals), as an entry."""
-    groups = axis_traffic(mesh, sh.model, sh.batch, sh.seq, sh.microbatches, sh.dtype)
-    link_bytes = mesh_link_bytes(mesh, sh.model, sh.batch, sh.seq, sh.microbatches, sh.dtype)
+    groups = axis_traffic(mesh, sh.model, sh.batch, sh.seq, sh.microbatches, sh.dtype, **sh.outer)
+    link_bytes = mesh_link_bytes(mesh, sh.model, sh.batch, sh.seq, sh.microbatches, sh.dtype, **sh.outer)
     best = None
     for order in assignments(mesh, [r.name for r in ranks], lm, how):
         hosts = [ranks[i] for i in order]
@@ -147,7 +152,17 @@ def _key(e: dict) -> tuple:
 
 
 def shape_of(req, model) -> mesh_plan.Shape:
-    return mesh_plan.Shape(model, req.batch, req.seq, req.microbatches, req.dtype, req.compute_dtype)
+    o = req.outer or {}
+    return mesh_plan.Shape(
+        model,
+        req.batch,
+        req.seq,
+        req.microbatches,
+        req.dtype,
+        req.compute_dtype,
+        o.get("inner_steps"),
+        o.get("sync_dtype") or "fp32",
+    )
 
 
 def mesh_request(req):
@@ -186,8 +201,9 @@ def explicit(req, setting, text: str, how: str) -> dict:
     """`plan --mesh AXIS=N,...`: one layout's document; a mesh the world, the model or the
     links cannot take is refused in one line."""
     mesh = parse(text, len(setting.ranks), setting.model)
-    check(mesh, setting.model, req.batch, req.microbatches)
-    e = lay_out(mesh, shape_of(req, setting.model), setting.ranks, setting.lm, how)
+    sh = shape_of(req, setting.model)
+    check(mesh, setting.model, req.batch, req.microbatches, sh.inner_steps)
+    e = lay_out(mesh, sh, setting.ranks, setting.lm, how)
     if e["step_s"] is None and e["bottleneck"] == "link":
         raise MeshError(f"--mesh {text}: {e['bottleneck_where']}")
     return _doc(req, setting, [e], [])
@@ -198,9 +214,9 @@ def search(req, setting, how: str) -> dict:
     world = len(setting.ranks)
     sh = shape_of(req, setting.model)
     found, skipped = [], []
-    for mesh in layouts(world):
+    for mesh in layouts(world, diloco=sh.inner_steps is not None):
         try:
-            check(mesh, setting.model, req.batch, req.microbatches)
+            check(mesh, setting.model, req.batch, req.microbatches, sh.inner_steps)
             e = lay_out(mesh, sh, setting.ranks, setting.lm, how)
         except UsageError as err:  # MeshError is one
             skipped.append({"layout": mesh.text(), "reason": str(err)})
@@ -259,6 +275,7 @@ def for_run(args) -> tuple[str, list[str] | None, str]:
         compute=getattr(args, "compute", None),
         local=hosts is None,
         compute_dtype=getattr(args, "dtype", None),
+        outer={"inner_steps": args.inner_steps, "sync_dtype": args.sync_dtype},  # H given: diloco layouts too
     )
     setting = resolve(req)
     how = "even" if hosts is None or args.placement == "even" else "auto"
