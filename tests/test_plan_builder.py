@@ -89,6 +89,54 @@ def test_no_module_but_the_builder_assembles_a_plan():
     assert assembly_sites(HOME.read_text()), "the builder no longer assembles the plan"
 
 
+PARSE = {"split", "partition", "rpartition", "startswith", "endswith", "find", "index", "replace"}
+
+
+def _reads_where(node, tainted: set[str]) -> bool:
+    """The expression reads the bottleneck's words: plan["bottleneck_where"], .get("bottleneck_where"),
+    or a name assigned from one."""
+    for n in ast.walk(node):
+        if isinstance(n, ast.Constant) and n.value == "bottleneck_where":
+            return True
+        if isinstance(n, ast.Name) and n.id in tainted:
+            return True
+    return False
+
+
+def prose_parsing_sites(source: str) -> list[int]:
+    """Lines that read the bottleneck back out of its words: a comparison (`in`, `==`) or a string
+    method (split, startswith, ...) on bottleneck_where, directly or through a variable."""
+    hits = []
+    for fn in ast.walk(ast.parse(source)):
+        if not isinstance(fn, (ast.FunctionDef, ast.Module)):
+            continue
+        tainted: set[str] = set()
+        for n in ast.walk(fn):
+            if isinstance(n, ast.Assign) and _reads_where(n.value, tainted):
+                tainted |= {t.id for t in n.targets if isinstance(t, ast.Name)}
+        for n in ast.walk(fn):
+            method = isinstance(n, ast.Attribute) and n.attr in PARSE and _reads_where(n.value, tainted)
+            if method or (isinstance(n, ast.Compare) and _reads_where(n, tainted)):
+                hits.append(n.lineno)
+    return sorted(set(hits))
+
+
+def test_the_detector_sees_the_words_parsed():
+    assert prose_parsing_sites('w = plan.get("bottleneck_where") or ""\nw = w.split(";")[0]')
+    assert prose_parsing_sites('down = "is down" in plan["bottleneck_where"]')
+    assert prose_parsing_sites('x = doc["bottleneck_where"].split("; communication adds")[0]')
+    assert not prose_parsing_sites("print(f\"limited by {plan['bottleneck_where']}\")")
+
+
+def test_no_module_parses_the_bottleneck_out_of_its_words():
+    found = {}
+    for path in sorted([*(ROOT / "smoltrain").rglob("*.py"), *(ROOT / "bench").rglob("*.py")]):
+        lines = prose_parsing_sites(path.read_text())
+        if lines:
+            found[str(path.relative_to(ROOT))] = lines
+    assert not found, f"the bottleneck read back out of its words (read bottleneck_detail): {found}"
+
+
 class H:
     def __init__(self, name):
         self.name, self.device, self.local, self.link_rate_mbit, self.vars = name, "generic", False, None, {}

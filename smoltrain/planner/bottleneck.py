@@ -137,7 +137,7 @@ def head(b: Bottleneck) -> str:
 
 
 @dataclass
-class Step:
+class Parts:
     """What `find` weighs: the step's parts and the traffic over its links."""
 
     tr: object  # the inner step's traffic (planner.traffic.Traffic)
@@ -155,12 +155,12 @@ class Step:
     outer: object = None  # an amortised phase (planner.phases.Amortised), or None
 
 
-def _share(seconds: float, step: Step) -> float | None:
-    total = step.compute_s + step.comm_s
+def _share(seconds: float, s: Parts) -> float | None:
+    total = s.compute_s + s.comm_s
     return seconds / total if total > 0 and total != float("inf") else None
 
 
-def find(s: Step) -> Bottleneck:
+def find(s: Parts) -> Bottleneck:
     """The plan's limit, as a record: memory first, then a down link, then communication when it
     takes longer than compute (latency, the busiest link, a star's NIC, an outer step), else the
     slowest rank (or stage)."""

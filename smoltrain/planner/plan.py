@@ -17,7 +17,7 @@ import math
 from smoltrain import registry
 from smoltrain.models.spec import ModelSpec
 from smoltrain.planner import capacity, rank_time, steps, timing
-from smoltrain.planner.bottleneck import Step, find, human_bytes, words
+from smoltrain.planner.bottleneck import Parts, find, human_bytes, words
 from smoltrain.planner.devices import LINK_CLASSES
 from smoltrain.planner.links import LinkModel, from_class
 from smoltrain.planner.ranks import Rank, placed_ranks, resolve_ranks
@@ -191,7 +191,7 @@ def document(tr, info, model, names, ranks, per_rank, st, lm, dtype, batch, seq,
         tps = tokens_step / step_s if finite and step_s > 0 else 0.0
     link_b, link_m, link_s = _per_step(tr, names, lm, ph)
     down = [(s, d) for (s, d) in link_b if not lm.get(names[s], names[d]).up]
-    bn = find(Step(tr, per_rank, names, lm, link_b, link_s, link_m, st.compute_s, comm_s, st.cc, down, st.bubble, ph))
+    bn = find(Parts(tr, per_rank, names, lm, link_b, link_s, link_m, st.compute_s, comm_s, st.cc, down, st.bubble, ph))
     sent = tr.rank_bytes()  # per step; with an amortised phase, per `h` steps then divided
     if ph is not None:
         sent = [h * a + b for a, b in zip(sent, ph.rank_bytes)]
