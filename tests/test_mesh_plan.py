@@ -295,3 +295,30 @@ def test_plan_leaves_its_arguments_as_parsed(capsys, files):
         assert command.run(args) == 0
         assert vars(args) == before, argv
     capsys.readouterr()
+
+
+def test_run_mesh_auto_takes_the_plans_layout_and_host_order(tmp_path, files):
+    """`run -i INVENTORY --mesh auto` asks mesh_search.for_run, which plans as `plan --mesh auto`
+    does for the inventory's hosts and links: the same layout, rank r on the plan's r-th host."""
+    import argparse
+
+    from smoltrain.commands import run as run_command
+
+    inv = tmp_path / "inv.yml"
+    rows = "".join(
+        f"        {n}: {{ansible_connection: local, cluster_ip: 127.0.0.{21 + i}, device: generic}}\n"
+        for i, n in enumerate(NAMES)
+    )
+    inv.write_text("all:\n  children:\n    cluster:\n      hosts:\n" + rows)
+    parser = argparse.ArgumentParser()
+    run_command.add_arguments(parser)
+    links, compute = files
+    args = parser.parse_args(["-i", str(inv), "--mesh", "auto", "--links", links, "--compute", compute])
+    text, order, line = mesh_search.for_run(args)
+    out = tmp_path / "plan.json"
+    argv = ["--mesh", "auto", "-i", str(inv), "--links", links, "--compute", compute, "--json", str(out)]
+    argv += ["--batch", str(args.batch), "--seq", str(args.seq), "--microbatches", str(args.microbatches)]
+    assert main(["plan", *argv]) == 0
+    best = json.loads(out.read_text())["meshes"][0]
+    assert (text, order) == (best["layout"], best["order"]) and line.startswith(f"mesh auto: {text} on ")
+    assert sorted(order) == sorted(NAMES) and order != NAMES  # the plan's order, not the inventory's

@@ -3,7 +3,8 @@ onto the hosts, timed (planner.mesh_plan) and ranked.
 
 The search:
 - layouts: every way to write the world as sizes of two or three of dp, pp and tp (each
-  wider than one), in every axis order; refused (listed under `skipped`, with why): tp wider
+  wider than one), in every axis order, and given --inner-steps H each with diloco in dp's
+  place (outermost, as it runs); refused (listed under `skipped`, with why): tp wider
   than the KV head groups, pp deeper than the layers, a batch smaller than the replicas, more
   microbatches than a replica's sequences;
 - hosts (`--placement auto`, the default): the innermost axis's groups are formed greedily
