@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+from smoltrain.cli import main
 from smoltrain.mesh import parse
 
 SHAPE = ["--batch", "6", "--seq", "32", "--microbatches", "2"]
@@ -17,9 +18,8 @@ def cli(args, timeout=120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "smoltrain", *args], capture_output=True, text=True, timeout=timeout)
 
 
-def test_run_mesh_auto_runs_the_plans_pick(tmp_path):
-    p = cli(["plan", "--mesh", "auto", "--local", "4", *SHAPE, "--json", str(tmp_path / "plan.json")])
-    assert p.returncode == 0, p.stderr
+def test_run_mesh_auto_runs_the_plans_pick(tmp_path, capsys):
+    assert main(["plan", "--mesh", "auto", "--local", "4", *SHAPE, "--json", str(tmp_path / "plan.json")]) == 0
     plan = json.loads((tmp_path / "plan.json").read_text())
     best = plan["meshes"][0]
     secret = tmp_path / "secret"
