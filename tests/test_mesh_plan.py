@@ -84,9 +84,10 @@ def write_links(path, down=(), names=NAMES) -> str:
     return str(path)
 
 
-def write_compute(path, names=NAMES) -> str:
+def write_compute(path, names=NAMES, slow=()) -> str:
     def host(n):
-        steps = [{"model": "tiny", "batch": b, "seq": 64, "seconds": 0.005 + 2e-5 * b * 64} for b in (2, 8)]
+        k = 4 if n in slow else 1
+        steps = [{"model": "tiny", "batch": b, "seq": 64, "seconds": k * (0.005 + 2e-5 * b * 64)} for b in (2, 8)]
         return {
             "name": n,
             "status": "ok",
@@ -167,6 +168,18 @@ def test_pp_x_tp_ranks_above_1d_tp_and_the_ranking_is_by_tokens_per_s(files):
     assert {
         (a, b) for a, b in (("dp", "pp"), ("pp", "dp"), ("pp", "tp"), ("tp", "pp"), ("dp", "tp"), ("tp", "dp"))
     } == {tuple(n for n, _ in parse(e["layout"], 4).axes) for e in doc["meshes"]}
+
+
+def test_a_slow_host_is_the_bottleneck_on_fast_links(tmp_path):
+    """On 100 GbE the step is compute: every layout names the slow host's rank, and its parts
+    (the slowest rank's compute, then each axis) add up to the step."""
+    doc = read_report(write_links(tmp_path / "l.json"))
+    req = PlanRequest("tp", "tiny", batch=BATCH, seq=SEQ, microbatches=MB, hosts=report_hosts(None, doc))
+    req.link_class, req.compute = "100gbe", write_compute(tmp_path / "c.json", slow={"gbe"})
+    req = mesh_search.mesh_request(req)
+    for e in mesh_search.search(req, resolve(req), "even")["meshes"]:
+        assert e["bottleneck"] in ("compute", "memory-bandwidth") and "(gbe," in e["bottleneck_where"], e["layout"]
+        assert sum(e["seconds"].values()) == pytest.approx(e["step_s"]), e["layout"]
 
 
 def test_bytes_in_meshes_equal_mesh_link_bytes_exactly(files):

@@ -153,13 +153,14 @@ def time_layout(mesh, sh: Shape, hosts: list, lm, wire, groups: list) -> dict:
     tp_comm = [0.0] * mesh.world
     tp_where = [""] * mesh.world
     tp_alpha = [False] * mesh.world
+    slowest = list(range(mesh.world))  # the slowest rank of each rank's tp group (itself without tp)
     names = [h.name for h in hosts]
     for axis, g, tr in groups:
         if axis != "tp":
             continue
         st = _group_step(mesh, axis, tr, g, hosts, lm, wire, sh, [compute[r] for r in g], [update[r] for r in g])
         for r in g:
-            stage[r], tp_comm[r] = st.compute_s + st.comm_s, st.comm_s
+            stage[r], tp_comm[r], slowest[r] = st.compute_s + st.comm_s, st.comm_s, max(g, key=compute.__getitem__)
             tp_where[r], tp_alpha[r] = st.cc.limiter, st.cc.alpha_s > st.cc.total_s / 2
     model_parts: list[list[Part]] = []
     model_s: list[float] = []
@@ -168,8 +169,9 @@ def time_layout(mesh, sh: Shape, hosts: list, lm, wire, groups: list) -> dict:
         st = _group_step(mesh, "pp", tr, g, hosts, lm, wire, sh, [stage[r] for r in g], [update[r] for r in g])
         slow = max(g, key=lambda r: stage[r])
         tp_share = tp_comm[slow] / stage[slow] if stage[slow] > 0 else 0.0
+        s = slowest[slow]  # the rank whose compute sets the slowest stage's pace
         parts = [
-            Part("compute", st.compute_s * (1 - tp_share), _compute_where(rows, slow, hosts, st.bubble), rank=slow),
+            Part("compute", st.compute_s * (1 - tp_share), _compute_where(rows, s, hosts, st.bubble), rank=s),
             Part("pp", st.comm_s, st.cc.limiter, st.cc.alpha_s > st.cc.total_s / 2),
         ]
         if mesh.size("tp") > 1:
@@ -178,7 +180,8 @@ def time_layout(mesh, sh: Shape, hosts: list, lm, wire, groups: list) -> dict:
         model_s.append(st.compute_s + st.comm_s)
     if not pp_groups:  # tp alone inside each replica (or nothing but the data axis)
         for r in range(mesh.world):
-            parts = [Part("compute", compute[r], _compute_where(rows, r, hosts, 0.0), rank=r)]
+            s = slowest[r]
+            parts = [Part("compute", compute[s], _compute_where(rows, s, hosts, 0.0), rank=s)]
             if tp_comm[r]:
                 parts.append(Part("tp", tp_comm[r], tp_where[r], tp_alpha[r]))
             model_parts.append(parts)
