@@ -8,6 +8,7 @@ fast pair apart (fast1, gbe, fast2, slowup) so that inventory order does not pla
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -335,3 +336,19 @@ def test_run_mesh_auto_takes_the_plans_layout_and_host_order(tmp_path, files):
     best = json.loads(out.read_text())["meshes"][0]
     assert (text, order) == (best["layout"], best["order"]) and line.startswith(f"mesh auto: {text} on ")
     assert sorted(order) == sorted(NAMES) and order != NAMES  # the plan's order, not the inventory's
+
+
+def test_the_verdict_names_the_mesh_only_when_it_beats_the_best_strategy(files):
+    from rich.console import Console
+
+    from smoltrain.planner import mesh_render
+
+    req, st = setting_of(files)
+    doc = mesh_search.search(req, st, "auto")
+    best = doc["meshes"][0]
+    con = Console(file=io.StringIO())
+    slower = {"strategy": "pp", "tokens_per_s": best["tokens_per_s"] / 2}
+    faster = {"strategy": "diloco", "tokens_per_s": best["tokens_per_s"] * 2}
+    assert mesh_render.beside(con, doc, slower).startswith(f"the mesh {best['layout']} on ")
+    assert "2.00x the best single strategy (pp)" in mesh_render.beside(con, doc, slower)
+    assert mesh_render.beside(con, doc, faster).startswith(f"diloco alone beats every mesh (the best, {best['layout']}")
