@@ -162,6 +162,7 @@ def test_pp_x_tp_ranks_above_1d_tp_and_the_ranking_is_by_tokens_per_s(files):
     one_d = build_plan(PlanRequest(**{**req.__dict__, "strategy": "tp", "placement": "even"}), st)
     mesh = by_layout(doc)["pp=2,tp=2"]
     assert mesh["tokens_per_s"] > 1.3 * one_d["tokens_per_s"]
+    assert one_d["mesh"] == {"axes": [{"name": "tp", "size": 4}], "hosts": [[0], [1], [2], [3]]}  # tp=4
     # the parts of the step add up to it, and the bottleneck is the largest part
     assert sum(mesh["seconds"].values()) == pytest.approx(mesh["step_s"])
     top = max(mesh["seconds"], key=mesh["seconds"].get)

@@ -178,4 +178,7 @@ def build_plan(req: PlanRequest, setting: Setting | None = None) -> dict:
     plan["compute_source"] = st.compute_source if plan["compute_source"] == "measured" else "nominal"
     if req.local and world > 1:
         plan["notes"].append(f"--local: the {world} ranks share this machine's {os.cpu_count()} cores and its memory")
+    from smoltrain.mesh import Mesh
+
+    plan["mesh"] = Mesh(((req.strategy, plan["world_size"]),)).report()  # the 1-D mesh S=world (contract §12)
     return plan
