@@ -1,8 +1,11 @@
-"""A Hugging Face causal LM as a trainable model: Llama (and SmolLM2, Llama 3.x), Qwen2/2.5, Qwen3, GPT-2.
+"""The trainable causal LM: Llama (and SmolLM2, Llama 3.x), Qwen2/2.5, Qwen3, GPT-2, and the built-in GPT.
 
-The same `units` as the built-in GPT (models.gpt): `Embed`, one block per layer, `Head`, so
-every strategy cuts it the way it cuts the toy (mp/pp a run of units, fsdp each unit's
-parameters, tp the inside of each block through `Block.tp_slice`). The arithmetic is the
+One model for every strategy: `units` = `Embed`, one block per layer, `Head`, so mp/pp take a
+run of units, fsdp each unit's parameters and tp the inside of each block (`Block.tp_slice`;
+the built-in block through strategies.tp). A config picks the block: a Hugging Face
+checkpoint's (models.hf.HFConfig) or the built-in shapes' (`tiny`, `tiny8`, a JSON shape:
+models.gpt.config, arch "gpt": LayerNorm, learned positions, exact GELU, no linear biases,
+its own short parameter names, which its checkpoints and export keep). The arithmetic is the
 inference blocks' (models.llama: RMSNorm, RoPE tables with Llama 3 scaling, grouped-query
 attention), written once more without KV caches or packed weights because training needs
 plain parameters and autograd; both follow transformers number for number, and the tests
@@ -15,11 +18,12 @@ LoRA targets and what export writes.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from smoltrain.models.gpt import Embed, run_block
 from smoltrain.models.hf import GELUS, Checkpoint, HFConfig
 from smoltrain.models.llama import apply_rope, rms_norm, rope_table
 from smoltrain.models.spec import ModelSpec
@@ -27,6 +31,32 @@ from smoltrain.models.spec import ModelSpec
 
 def _same(t):
     return t
+
+
+def run_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`block.body(x)`, under activation checkpointing when `block.checkpoint` is set
+    (--checkpoint-activations): autograd keeps the block's input only and reruns its forward
+    (with the same RNG state) in backward; without grad (eval) it runs plainly."""
+    if block.checkpoint and torch.is_grad_enabled():
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(block.body, x, use_reentrant=False)
+    return block.body(x)
+
+
+class Embed(nn.Module):
+    """Token embeddings, plus learned positions where the model has them (GPT-2, the built-in GPT)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.wte = nn.Embedding(spec.vocab, spec.hidden)
+        self.wpe = nn.Embedding(spec.ctx, spec.hidden) if spec.learned_pos else None
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        return x
 
 
 def _carry_adapters(part, whole, cuts: dict) -> None:
@@ -234,12 +264,63 @@ class GPT2Block(Block):
         return part
 
 
+class Attention(nn.Module):
+    """The built-in GPT's causal self-attention over `heads` heads (tp builds it with a slice)."""
+
+    def __init__(self, hidden: int, heads: int, head_dim: int):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        inner = heads * head_dim
+        self.q = nn.Linear(hidden, inner, bias=False)
+        self.k = nn.Linear(hidden, inner, bias=False)
+        self.v = nn.Linear(hidden, inner, bias=False)
+        self.out = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.mix(x))
+
+    def mix(self, x: torch.Tensor) -> torch.Tensor:
+        """Everything up to (not including) the output projection."""
+        b, t, _ = x.shape
+        split = lambda y: y.view(b, t, self.heads, self.head_dim).transpose(1, 2)  # noqa: E731
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        return (att @ v).transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.fc = nn.Linear(hidden, ffn, bias=False)
+        self.proj = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class GPTBlock(Block):
+    """The built-in GPT's block: GPT-2's pre-norm layout without linear biases, exact GELU."""
+
+    def __init__(self, cfg: HFConfig):
+        super().__init__(cfg)
+        self.ln1 = nn.LayerNorm(cfg.hidden, eps=cfg.eps)
+        self.attn = Attention(cfg.hidden, cfg.heads, cfg.head_dim)
+        self.ln2 = nn.LayerNorm(cfg.hidden, eps=cfg.eps)
+        self.mlp = MLP(cfg.hidden, cfg.ffn)
+
+    def body(self, x):
+        x = x + self.leave(self.attn(self.enter(self.ln1(x))))
+        return x + self.leave(self.mlp(self.enter(self.ln2(x))))
+
+
 class Head(nn.Module):
     """The final norm and the LM head (tied: the embedding table itself)."""
 
     def __init__(self, cfg: HFConfig):
         super().__init__()
-        if cfg.family == "gpt2":
+        if cfg.family in ("gpt2", "gpt"):
             self.ln_f = nn.LayerNorm(cfg.hidden, eps=cfg.eps)
         else:
             self.norm = RMSNorm(cfg.hidden, cfg.eps)
@@ -257,6 +338,8 @@ class CausalLM(nn.Module):
         self.cfg, self.spec = cfg, spec
         if cfg.family == "gpt2":
             blocks = [GPT2Block(cfg, cfg.heads, cfg.ffn) for _ in range(cfg.layers)]
+        elif cfg.family == "gpt":
+            blocks = [GPTBlock(cfg) for _ in range(cfg.layers)]
         else:
             blocks = [LlamaBlock(cfg, cfg.heads, cfg.kv_heads, cfg.ffn) for _ in range(cfg.layers)]
         self.units = nn.ModuleList([Embed(spec), *blocks, Head(cfg)])

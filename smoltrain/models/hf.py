@@ -49,8 +49,9 @@ class HFConfig:
 
     @property
     def family(self) -> str:
-        """The block code an arch runs: qwen2 and qwen3 are Llama blocks with biases or q/k norms."""
-        return "gpt2" if self.arch == "gpt2" else "llama"
+        """The block code an arch runs: qwen2 and qwen3 are Llama blocks with biases or q/k norms
+        ("gpt": the built-in shapes' own block, models.gpt.config, training only)."""
+        return self.arch if self.arch in ("gpt2", "gpt") else "llama"
 
     def to_dict(self) -> dict:
         return asdict(self)
