@@ -54,8 +54,8 @@ build() {
   # this network's CA bundle: its proxy signs the mirrors' certificates
   cp /etc/ssl/certs/ca-certificates.crt "$work/etc/ssl/certs/ca-certificates.crt"
   local deps
-  deps=$(python3 -c "import sys, tomllib; d = tomllib.load(open(sys.argv[1], 'rb'))['project']['dependencies'];
-print(' '.join(x for x in d if not x.startswith('torch')))" "$TREE/pyproject.toml")
+  deps=$(python3 -c "import shlex, sys, tomllib; d = tomllib.load(open(sys.argv[1], 'rb'))['project']['dependencies'];
+print(' '.join(shlex.quote(x) for x in d if not x.startswith('torch')))" "$TREE/pyproject.toml")
   # shellcheck disable=SC2086
   chroot "$work" /bin/sh -c "python3 -m venv /opt/venv && PIP_CERT=/etc/ssl/certs/ca-certificates.crt \
     /opt/venv/bin/pip install -q --no-compile --disable-pip-version-check torch==$TORCH $deps" >&2
