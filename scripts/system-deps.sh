@@ -13,6 +13,7 @@ PACKAGES=(openssh-server openssh-client iperf3 iputils-ping ethtool iproute2 kmo
           gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user  # the Arm kernels' tests (tests/test_kernels_c.py)
           clang  # a Mac-like build: clang without libomp (tests/test_backends.py)
           python3-venv  # make setup's `python3 -m venv`
+          qemu-user-static  # bench/bench_kleidiai.py's emulated arm64 root (scripts/arm64-root.sh)
           debootstrap nftables  # the fresh-host provisioning test and the firewall role
           python3-apt)  # Ansible's apt module on the sim's hosts (they run this machine's python3)
 
