@@ -94,6 +94,7 @@ TIERS = {
         "test_serve_hostile.py",
         "test_placement_run.py",
         "test_demo_report.py",
+        "test_demo_sections.py",
         "test_machine.py",
         "test_diloco.py",
     ],

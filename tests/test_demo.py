@@ -98,8 +98,12 @@ def test_demo_quick_writes_every_section(tmp_path):
         "## 5. Placement by measured speed",
         "## 6. Generation across the cluster",
         "## 7. Low-communication training: diloco beside dp and the best host alone",
+        "## 8. Strategies that compose: the 2-D layouts beside the 1-D ones",
+        "## 9. Fine-tuning a Hugging Face checkpoint",
     ):
         assert section in report, section
+    assert "`plan --strategy all` names the same best layout with the same figures." in report  # --mesh auto agrees
+    assert "--quick: planned only" in report and "--quick: fine-tuning skipped" in report
     before = report.split("## 1b.")[0]
     assert "both ends are set to 9000 but the path carries 1500" in before  # the sim's MTU fault
     for png in ("before/links.png", "links.png", "plan.png", "loss.png", "placement.png"):

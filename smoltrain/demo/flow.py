@@ -226,6 +226,17 @@ class Demo:
 
         diloco.stages(self)
 
+    def meshes(self) -> None:
+        from smoltrain.demo import mesh
+
+        mesh.stages(self)
+
+    def finetune(self) -> None:
+        from smoltrain.demo import finetune
+
+        if not self.args.quick:  # about half a minute: more than --quick allows (the report says so)
+            finetune.stages(self)
+
     # --- the whole ---
     def run(self) -> int:
         from smoltrain.demo import report
@@ -243,6 +254,8 @@ class Demo:
             placed = self.placement()
             self.generation()
             self.low_communication()  # diloco beside dp and the best host alone
+            self.meshes()  # the 2-D layouts beside the 1-D strategies
+            self.finetune()  # a Hugging Face checkpoint, LoRA with the plan's pick, answers before and after
         except SmolError as e:
             self.console.print(f"[bold red]{e}")
             if not self.stages.failed:  # a failure outside a stage still fails the demo

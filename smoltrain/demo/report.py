@@ -258,7 +258,8 @@ def write(demo, trained: list[str], placed: list[str]) -> Path:
         "# smolcluster demo report",
         "",
         "The whole flow on the built-in cluster: measured links, the plan for every strategy, training runs "
-        "that check the plan, placement by measured speed, and generation from the trained model.",
+        "that check the plan, placement by measured speed, generation from the trained model, low-communication "
+        "training, the 2-D layouts, and fine-tuning a Hugging Face checkpoint.",
         "",
     ]
     lines += links(out)
@@ -270,6 +271,10 @@ def write(demo, trained: list[str], placed: list[str]) -> Path:
     from smoltrain.demo import diloco
 
     lines += diloco.section(out)
+    from smoltrain.demo import finetune, mesh
+
+    lines += mesh.section(out, flow.MODEL, flow.BATCH, flow.SEQ, flow.MICRO)
+    lines += finetune.section(out, demo.args.quick)
     lines += ["## Stages", "", "| stage | exit | seconds | ok |", "|---|---|---|---|"]
     lines += [
         f"| {st['stage'].strip()} | {st['rc']} | {st['seconds']} | {'yes' if st['ok'] else '**FAILED**: ' + (st['why'] or '')} |"  # noqa: E501
