@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, replace
 
 from smoltrain import registry
+from smoltrain.mesh import MODEL_AXES
 from smoltrain.planner import capacity, rank_time, steps, timing
 from smoltrain.planner.bottleneck import human_s
 from smoltrain.planner.mesh_traffic import held_params
@@ -188,7 +189,7 @@ def time_layout(mesh, sh: Shape, hosts: list, lm, wire, groups: list) -> dict:
             model_s.append(stage[r])
     crit = max(range(len(model_s)), key=lambda i: model_s[i])
     parts = list(model_parts[crit])
-    data = [(axis, g, tr) for axis, g, tr in groups if axis not in ("tp", "pp")]
+    data = [(axis, g, tr) for axis, g, tr in groups if axis not in MODEL_AXES]
     if data:
         costs = [(timing.comm_cost(tr, [names[r] for r in g], lm), axis) for axis, g, tr in data]
         cc, axis = max(costs, key=lambda c: c[0].total_s)

@@ -23,13 +23,13 @@ from dataclasses import replace
 from itertools import permutations, product
 
 from smolnet.errors import UsageError
-from smoltrain.mesh import Mesh, MeshError, parse
+from smoltrain.mesh import AXES, MODEL_AXES, Mesh, MeshError, parse
 from smoltrain.planner import mesh_plan
 from smoltrain.planner.compute import cpu_links
 from smoltrain.planner.mesh_traffic import axis_traffic, mesh_link_bytes
 
 SCHEMA = "smoltrain.meshplan/1"
-SEARCHED = ("dp", "pp", "tp")  # the axes the planner times today (outermost first); diloco given H
+SEARCHED = (AXES[0], *MODEL_AXES)  # the axes the planner times today: dp, then pp and tp; diloco given H
 NOT_SEARCHED = "fsdp x tp is not planned yet; diloco only with --inner-steps H (docs/mesh.md)"
 GROUP_ORDERS = 4  # try every order of the innermost groups up to this many groups
 CANDIDATES = 48  # host orders timed per layout at most (each a few ms)
@@ -43,7 +43,7 @@ def check(mesh: Mesh, spec, batch: int, microbatches: int, inner_steps: int | No
     model, data, _ = mesh.roles()
     if model == "fsdp":
         raise MeshError(f"--mesh {mesh.text()}: fsdp x tp runs, but the plan does not time it yet (docs/mesh.md)")
-    if model not in ("pp", "tp"):
+    if model not in MODEL_AXES:
         raise MeshError(
             f"--mesh {mesh.text()}: {model} alone is `plan --strategy {model}` (a mesh splits the model too)"
         )
