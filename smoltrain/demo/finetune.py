@@ -185,8 +185,8 @@ def section(out: Path, quick: bool) -> list[str]:
         f"Plan (`plan --strategy all --model DIR --lora-rank {RANK}`): fastest setup that fits: **{best['strategy']}** "
         f"on {best['world']} ranks ({', '.join(best['hosts'])}), {best['tokens_per_s']:,.0f} tokens/s; "
         + (
-            f"the best single host, {alone['name']} alone, {alone['tokens_per_s']:,.0f} tokens/s "
-            f"({s['plan']['speedup']:.2f}x)."
+            f"{s['plan']['speedup']:.2f}x the best single host, {alone['name']} alone "
+            f"({alone['tokens_per_s']:,.0f} tokens/s)."
             if alone.get("tokens_per_s")
             else "no single host fits."
         ),
