@@ -49,6 +49,7 @@ def _plan_docs(out: Path, best_mesh: str = "dp=2,tp=2") -> None:
     (out / "plans.json").write_text(json.dumps(doc))
 
 
+@pytest.mark.unit
 def test_mesh_section_names_the_hosts_of_each_axis_and_checks_the_plans_agree(tmp_path):
     assert mesh.section(tmp_path, "tiny8", 8, 64, 4) == []  # the stage did not run: no section
     _plan_docs(tmp_path)
@@ -66,6 +67,7 @@ def test_mesh_section_names_the_hosts_of_each_axis_and_checks_the_plans_agree(tm
     assert "**`plan --strategy all` names another best layout" in "\n".join(mesh.section(tmp_path, "tiny8", 8, 64, 4))
 
 
+@pytest.mark.unit
 def test_mesh_run_check_reads_bytes_per_step_and_the_layout():
     run = {
         "mesh": BEST["mesh"],

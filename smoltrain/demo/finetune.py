@@ -9,8 +9,8 @@ the demo's hosts, links and compute (each rank's memory, and the fastest setup t
 cross the wire), `export` of the adapter (a PEFT folder), and `generate` on the base without
 and with `--adapter`: the same questions answered before and after, side by side in the report.
 
-It costs more than --quick allows (a checkpoint, a 4-host run and five other commands:
-about half a minute here), so --quick skips it and the report says so.
+It costs more than --quick allows (a checkpoint to make and seven commands, one a 4-host run: about
+45 s on a loaded 2-core machine), so --quick skips it and the report says so.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ CHATS = [
 ]
 ASK = (0, 4)  # the questions asked before and after
 STAGE = "finetune-stage.json"
-SKIPPED = "--quick: fine-tuning skipped (about half a minute here: the full demo runs it, or `smoltrain demo`)."
+SKIPPED = "--quick: fine-tuning skipped (it takes about 45 s; `smoltrain demo` without --quick runs it)."
 
 
 def folder(out: Path) -> Path:

@@ -234,7 +234,7 @@ class Demo:
     def finetune(self) -> None:
         from smoltrain.demo import finetune
 
-        if not self.args.quick:  # about half a minute: more than --quick allows (the report says so)
+        if not self.args.quick:  # about 45 s: more than --quick allows (the report says so)
             finetune.stages(self)
 
     # --- the whole ---
