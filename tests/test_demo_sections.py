@@ -150,3 +150,19 @@ def test_finetune_stage_on_loopback_hosts_answers_before_and_after(tmp_path, mon
     assert "| 0 | pi5 |" in text and "| 3 | laptop |" in text
     assert f"| {finetune.CHATS[0][0]} | `" in text and f"| {finetune.CHATS[0][1]} |" in text
     assert "\n".join(finetune.section(tmp_path, quick=True)).count(finetune.SKIPPED) == 1
+
+
+@pytest.mark.unit
+def test_the_demo_checkpoint_is_a_transformers_llama_folder(tmp_path):
+    """What tinymodel writes loads in transformers with every weight named (none missing or
+    left over), and its tokenizer renders the chat prompt the stage sends as transformers does."""
+    import transformers
+
+    model_dir, _ = finetune.prepare(tmp_path)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True)
+    assert model.config.model_type == "llama" and not any(info[k] for k in ("missing_keys", "unexpected_keys"))
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    question = [{"role": "user", "content": finetune.CHATS[0][0]}]
+    want = tok.apply_chat_template(question, add_generation_prompt=True, tokenize=True)
+    want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
+    assert finetune.prompt_ids(model_dir, finetune.CHATS[0][0]) == ",".join(map(str, want))
