@@ -34,7 +34,11 @@ def spare_core(threads: int) -> bool:
 
 
 def resolve_device(want: str | None) -> str:
-    """`smol_device`: auto picks cuda, then mps, then cpu; an explicit device must exist."""
+    """`smol_device`: auto picks cuda, then mps, then cpu; an explicit device must exist. The
+    CPU always does, and a controller that asks about it need not import torch (a second
+    of start-up for every run)."""
+    if want == "cpu":
+        return want
     import torch
 
     if want in (None, "", "auto"):
@@ -52,7 +56,10 @@ def resolve_device(want: str | None) -> str:
 
 
 def check_dtype(dtype: str, device: str) -> None:
-    """Refuse a compute dtype this torch cannot multiply in on `device` (a tiny matmul tells)."""
+    """Refuse a compute dtype this torch cannot multiply in on `device` (a tiny matmul tells;
+    fp32 on a CPU always multiplies, so that needs no torch here)."""
+    if dtype == "fp32" and device == "cpu":
+        return
     import torch
 
     t = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]

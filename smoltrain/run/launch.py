@@ -170,10 +170,11 @@ def launch(args, early, mesh: str | None) -> int:
         placements = [next(p for p in placements if p.name == n) for n in args.mesh_hosts]
         hosts = [p.host for p in placements]
     threads = machine_settings(args, hosts, len(placements))
-    if not args.inventory:  # ranks on this machine: refuse here a backend it cannot run
-        from smoltrain.models import backends
+    want = getattr(args, "kernels", None) or os.environ.get("SMOL_KERNELS")
+    if not args.inventory and want not in (None, "auto"):  # ranks on this machine: refuse here a
+        from smoltrain.models import backends  # backend it cannot run (auto always runs one)
 
-        backends.select(getattr(args, "kernels", None))
+        backends.select(want)
     early.world, early.names = len(placements), [p.name for p in placements]
     data = os.path.abspath(args.data) if args.data else None
 
@@ -220,9 +221,13 @@ def launch(args, early, mesh: str | None) -> int:
     check_usage(config(placements))  # what the strategy or the model cannot take, before the planner looks
     from smoltrain.run.planning import RunPlan, plan_run
 
-    if mesh:  # the planner plans one axis; a mesh runs its even split unplanned (docs/mesh.md)
-        planned = RunPlan(None, None)
-        console.print(f"mesh {mesh}: {args.strategy} along its axis, even splits (its plan: smoltrain plan --mesh)")
+    if mesh:  # a mesh runs `plan --mesh`'s uneven cuts where it finds them (docs/mesh.md), else even splits
+        from smoltrain.planner.mesh_search import run_placement
+
+        placed, _ = run_placement(args, mesh)
+        planned = RunPlan(placed, None)
+        cuts = ", ".join(f"{k} {placed[k]}" for k in ("layers", "rows") if k in placed) if placed else "even splits"
+        console.print(f"mesh {mesh}: {args.strategy} along its axis, {cuts} (its plan: smoltrain plan --mesh)")
     else:
         planned = plan_run(args, spec, [p.name for p in placements], hosts, console)
     placed = planned.placement
