@@ -18,8 +18,10 @@ from smoltrain.cli import main
 from smoltrain.mesh import Mesh, parse
 from smoltrain.models.spec import get_model
 from smoltrain.planner import mesh_search
+from smoltrain.planner.bottleneck import Bottleneck
 from smoltrain.planner.links import read_report
 from smoltrain.planner.mesh_plan import place
+from smoltrain.planner.mesh_render import words
 from smoltrain.planner.mesh_traffic import held_params, mesh_link_bytes
 from smoltrain.planner.request import PlanRequest, build_plan, resolve
 from smoltrain.planner.selection import hosts as report_hosts
@@ -181,6 +183,8 @@ def test_a_slow_host_is_the_bottleneck_on_fast_links(tmp_path):
     req = mesh_search.mesh_request(req)
     for e in mesh_search.search(req, resolve(req), "even")["meshes"]:
         assert e["bottleneck"] in ("compute", "memory-bandwidth") and "(gbe," in e["bottleneck_where"], e["layout"]
+        d = e["bottleneck_detail"]
+        assert d["host"] == "gbe" and d["cause"] == ("stages" if "pp" in e["layout"] else "rank"), e["layout"]
         assert sum(e["seconds"].values()) == pytest.approx(e["step_s"]), e["layout"]
 
 
@@ -221,6 +225,34 @@ def test_search_avoids_a_down_link_and_explicit_refuses_one(files, tmp_path):
         assert not any({ln["src"], ln["dst"]} == {"fast1", "gbe"} for ln in e["links"]), e["layout"]
     with pytest.raises(Exception, match="fast1 -> gbe is down|gbe -> fast1 is down"):
         mesh_search.explicit(req, st, "dp=2,tp=2", "even")  # inventory order: fast1 and gbe share tp
+
+
+def test_the_bottleneck_is_a_record_and_its_words_are_rendered_from_it(files, tmp_path):
+    """Each layout's bottleneck_detail is planner.bottleneck's record (compute, an axis's link, a
+    down link, a rank short of memory); bottleneck_where is mesh_render.words of it."""
+    req, st = setting_of(files)
+    entries = mesh_search.search(req, st, "auto")["meshes"]
+    req, st = setting_of((write_links(tmp_path / "down.json", down={("fast1", "gbe")}), files[1]))
+    sh = mesh_search.shape_of(req, st.model)
+    entries.append(mesh_search.lay_out(parse("dp=2,tp=2", 4), sh, st.ranks, st.lm, "even"))
+    c = json.loads((tmp_path / "compute.json").read_text())
+    for h in c["hosts"]:
+        h["usable_memory_bytes"] = 2e6
+    (tmp_path / "small.json").write_text(json.dumps(c))
+    req, st = setting_of((files[0], str(tmp_path / "small.json")))
+    doc = mesh_search.explicit(req, st, "pp=2,tp=2", "even")
+    entries.append(doc["meshes"][0])
+    causes = set()
+    for e in entries:
+        rec = Bottleneck.from_dict(e["bottleneck_detail"])
+        assert (rec.kind, rec.axis) == (e["bottleneck"], e["bottleneck_axis"]), e["layout"]
+        assert words(rec) == e["bottleneck_where"], e["layout"]
+        causes.add(rec.cause)
+    down, small = (Bottleneck.from_dict(e["bottleneck_detail"]) for e in entries[-2:])
+    assert (down.cause, down.axis, {down.src, down.dst}) == ("down", "tp", {"fast1", "gbe"})
+    assert small.cause == "memory" and small.needs > small.usable and not entries[-1]["fits"]
+    assert {"bandwidth", "down", "memory"} <= causes
+    schema.check(doc, schema.MESHPLAN, "doc")
 
 
 def test_with_inner_steps_diloco_is_an_outer_axis_with_its_bytes_and_state(files):

@@ -24,10 +24,10 @@ from smoltrain.planner.ranks import resolve_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 HOME = ROOT / "smoltrain" / "planner" / "plan.py"  # the one module allowed to assemble a plan
-# fields only a smoltrain.plan/1 document has (the mesh plan and serve plan have their own documents)
+# fields only a smoltrain.plan/1 document has (the mesh plan and serve plan have their own documents;
+# bottleneck_detail is not one: a mesh plan's layouts carry theirs, planner.mesh_plan.entry)
 PLAN_FIELDS = {
     "smoltrain.plan/1",
-    "bottleneck_detail",
     "comm_s_per_step",
     "compute_s_per_step",
     "compute_s_per_rank",

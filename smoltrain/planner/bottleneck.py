@@ -68,6 +68,7 @@ class Bottleneck:
     sync_s: float | None = None  # outer: one outer step's communication and update
     outer_bytes: float | None = None  # bytes per run of the amortised phase (busiest rank)
     with_outer_state: bool = False  # capacity: the memory includes the outer step's anchor and momentum
+    axis: str | None = None  # a mesh plan's axis (mesh_plan) whose link is down or whose communication limits
 
     def to_dict(self) -> dict:
         """The doc's bottleneck_detail: the fields that apply (a down link's infinite time is left out)."""

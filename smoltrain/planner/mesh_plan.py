@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 
 from smoltrain import registry
 from smoltrain.mesh import MODEL_AXES
-from smoltrain.planner import capacity, rank_time, steps, timing
-from smoltrain.planner.bottleneck import human_s
+from smoltrain.planner import capacity, mesh_render, rank_time, steps, timing
+from smoltrain.planner.bottleneck import Bottleneck
 from smoltrain.planner.mesh_traffic import held_params
 from smoltrain.planner.placement import batch_ranges, counts_from_shares, even_counts
 
@@ -114,9 +114,10 @@ class Part:
 
     what: str  # compute, tp, pp, dp
     seconds: float
-    where: str
+    where: str  # an axis: timing's name for its limiting link or NIC; "" for compute
     latency: bool = False
     rank: int | None = None  # compute: the slowest rank
+    bubble: float = 0.0  # compute under pp: the pipeline's bubble
 
 
 def _group_step(mesh, axis, tr, group, hosts, lm, wire, sh: Shape, compute_s, update_s) -> steps.StepTime:
@@ -172,7 +173,7 @@ def time_layout(mesh, sh: Shape, hosts: list, lm, wire, groups: list) -> dict:
         tp_share = tp_comm[slow] / stage[slow] if stage[slow] > 0 else 0.0
         s = slowest[slow]  # the rank whose compute sets the slowest stage's pace
         parts = [
-            Part("compute", st.compute_s * (1 - tp_share), _compute_where(rows, s, hosts, st.bubble), rank=s),
+            Part("compute", st.compute_s * (1 - tp_share), "", rank=s, bubble=st.bubble),
             Part("pp", st.comm_s, st.cc.limiter, st.cc.alpha_s > st.cc.total_s / 2),
         ]
         if mesh.size("tp") > 1:
@@ -182,7 +183,7 @@ def time_layout(mesh, sh: Shape, hosts: list, lm, wire, groups: list) -> dict:
     if not pp_groups:  # tp alone inside each replica (or nothing but the data axis)
         for r in range(mesh.world):
             s = slowest[r]
-            parts = [Part("compute", compute[s], _compute_where(rows, s, hosts, 0.0), rank=s)]
+            parts = [Part("compute", compute[s], "", rank=s)]
             if tp_comm[r]:
                 parts.append(Part("tp", tp_comm[r], tp_where[r], tp_alpha[r]))
             model_parts.append(parts)
@@ -198,13 +199,6 @@ def time_layout(mesh, sh: Shape, hosts: list, lm, wire, groups: list) -> dict:
     return {"rows": rows, "step_s": step_s, "parts": parts, "link_s": _link_seconds(groups, names, lm)}
 
 
-def _compute_where(rows, r: int, hosts, bubble: float) -> str:
-    p, t = rows[r]
-    what = "FLOPs" if t.bound == "compute" else "memory traffic"
-    tail = f"; pipeline bubble {bubble:.0%}" if bubble else ""
-    return f"rank {r} ({hosts[r].name}, {p['device']}): {human_s(t.compute_s)} of {what} per step{tail}"
-
-
 def _link_seconds(groups, names: list[str], lm) -> dict:
     """{(world src, world dst): seconds each link is busy per step}, over every axis's groups."""
     out: dict[tuple[int, int], float] = {}
@@ -214,22 +208,41 @@ def _link_seconds(groups, names: list[str], lm) -> dict:
     return out
 
 
-def bottleneck(parts: list[Part], rows, names: list[str], down: list) -> tuple[str, str | None, str]:
-    """(kind, axis or None, where): a rank that does not fit, a down link, else the largest part."""
+def bottleneck(parts: list[Part], rows, names: list[str], down: list, mesh) -> Bottleneck:
+    """The layout's limit as planner.bottleneck's record (mesh_render.words says it): a rank that
+    does not fit, a down link (and its axis), else the largest part: the slowest rank's compute
+    (with pp, its stage's) or an axis's communication over its limiting link."""
     unfit = [p for p, _ in rows if not p["fits"]]
     if unfit:
         p = max(unfit, key=lambda p: p["memory"]["total"] / max(1, p["memory_available"]))
-        need, have = p["memory"]["total"] / 1e9, p["memory_available"] / 1e9
-        return "capacity", None, f"rank {p['rank']} ({p['name']}) needs {need:.3g} GB of {have:.3g} GB usable memory"
+        return Bottleneck(
+            "capacity",
+            "memory",
+            rank=p["rank"],
+            host=p["name"],
+            device=p["device"],
+            needs=p["memory"]["total"],
+            usable=p["memory_available"],
+            with_outer_state=mesh.size("diloco") > 1,
+        )
     if down:
         (s, d), axis = down[0]
-        return "link", axis, f"{axis} link {names[s]} -> {names[d]} is down; the layout cannot run over it"
+        return Bottleneck("link", "down", src=names[s], dst=names[d], axis=axis)
     top = max(parts, key=lambda p: p.seconds)
-    if top.what == "compute":
-        return rows[top.rank][1].bound, None, top.where
+    compute_s = sum(p.seconds for p in parts if p.what == "compute")
+    comm_s = sum(p.seconds for p in parts if p.what != "compute")
     total = sum(p.seconds for p in parts)
-    kind = "latency" if top.latency else "link"
-    return kind, top.what, f"{top.what} over {top.where}: {human_s(top.seconds)} of the {human_s(total)} step"
+    step = dict(share=top.seconds / total if total > 0 else None, compute_s=compute_s, comm_s=comm_s)
+    if top.what != "compute":
+        kind = "latency" if top.latency else "link"
+        cause = "latency" if top.latency else "bandwidth"
+        return Bottleneck(kind, cause, axis=top.what, limiter=top.where, seconds=top.seconds, **step)
+    p, t = rows[top.rank]
+    rec = dict(rank=top.rank, host=names[top.rank], device=p["device"], seconds=t.compute_s, per="step", **step)
+    rec["work"] = "FLOPs" if t.bound == "compute" else "memory traffic"
+    if mesh.size("pp") > 1:
+        return Bottleneck(t.bound, "stages", stages=mesh.size("pp"), bubble=top.bubble, **rec)
+    return Bottleneck(t.bound, "rank", **rec)
 
 
 def entry(mesh, sh: Shape, hosts: list, lm, wire, groups: list, link_bytes: dict, placement: str) -> dict:
@@ -238,7 +251,7 @@ def entry(mesh, sh: Shape, hosts: list, lm, wire, groups: list, link_bytes: dict
     names = [h.name for h in hosts]
     axis_of = {(g[s], g[d]): axis for axis, g, tr in groups for (s, d) in tr.link_bytes()}
     down = [((s, d), axis_of[(s, d)]) for (s, d) in link_bytes if not lm.get(names[s], names[d]).up]
-    kind, axis, where = bottleneck(t["parts"], t["rows"], names, down)
+    bn = bottleneck(t["parts"], t["rows"], names, down, mesh)
     step = t["step_s"] if math.isfinite(t["step_s"]) and not down else None
     links = []
     for (s, d), b in sorted(link_bytes.items()):
@@ -268,9 +281,10 @@ def entry(mesh, sh: Shape, hosts: list, lm, wire, groups: list, link_bytes: dict
         "step_s": step,
         "tokens_per_s": sh.batch * sh.seq / step if step else 0.0,
         "seconds": {p.what: p.seconds for p in t["parts"] if math.isfinite(p.seconds)},
-        "bottleneck": kind,
-        "bottleneck_axis": axis,
-        "bottleneck_where": where,
+        "bottleneck": bn.kind,
+        "bottleneck_axis": bn.axis,
+        "bottleneck_where": mesh_render.words(bn),
+        "bottleneck_detail": bn.to_dict(),
         "links": links,
         "ranks": ranks,
     }

@@ -1,14 +1,27 @@
-"""How mesh plans look (planner.mesh_search's documents): one layout's bytes and time per link,
-the ranking of layouts, and the best mesh beside the single strategies (`plan --strategy all`)."""
+"""How mesh plans look (planner.mesh_search's documents): a layout's bottleneck in words, its
+bytes and time per link, the ranking of layouts, and the best mesh beside the single strategies
+(`plan --strategy all`)."""
 
 from __future__ import annotations
 
 from rich.console import Console
 from rich.table import Table
 
-from smoltrain.planner.bottleneck import human_bytes, human_s
+from smoltrain.planner.bottleneck import Bottleneck, human_bytes, human_s
 
 TOP = 5  # layouts `--strategy all` shows beside the single strategies
+
+
+def words(b: Bottleneck) -> str:
+    """A layout's bottleneck record (planner.mesh_plan.bottleneck) as its `bottleneck_where`."""
+    if b.cause == "memory":
+        return f"rank {b.rank} ({b.host}) needs {b.needs / 1e9:.3g} GB of {b.usable / 1e9:.3g} GB usable memory"
+    if b.cause == "down":
+        return f"{b.axis} link {b.src} -> {b.dst} is down; the layout cannot run over it"
+    if b.axis is not None:  # an axis's communication, over the link or NIC that limits it
+        return f"{b.axis} over {b.limiter}: {human_s(b.seconds)} of the {human_s(b.compute_s + b.comm_s)} step"
+    tail = f"; pipeline bubble {b.bubble:.0%}" if b.bubble else ""
+    return f"rank {b.rank} ({b.host}, {b.device}): {human_s(b.seconds)} of {b.work} per {b.per}{tail}"
 
 
 def _step(e: dict) -> str:
