@@ -2,7 +2,7 @@
 # An emulated arm64 Debian root with an aarch64 torch, for checking the Arm code paths on an x86
 # machine (bench/bench_kleidiai.py): no Arm hardware was at hand, so qemu-user runs Arm's code.
 #
-#   scripts/arm64-root.sh build             make the root once (about 6 minutes), print its path
+#   scripts/arm64-root.sh build             make the root once (6-10 minutes), print its path
 #   scripts/arm64-root.sh exec DIR CMD...   run CMD in the root, the tree at /src (read-only) and
 #                                           DIR at /work, in a mount namespace of its own
 #
@@ -57,8 +57,10 @@ build() {
   deps=$(python3 -c "import shlex, sys, tomllib; d = tomllib.load(open(sys.argv[1], 'rb'))['project']['dependencies'];
 print(' '.join(shlex.quote(x) for x in d if not x.startswith('torch')))" "$TREE/pyproject.toml")
   # shellcheck disable=SC2086
-  chroot "$work" /bin/sh -c "python3 -m venv /opt/venv && PIP_CERT=/etc/ssl/certs/ca-certificates.crt \
-    /opt/venv/bin/pip install -q --no-compile --disable-pip-version-check torch==$TORCH $deps" >&2
+  # a clean environment: this machine's PIP_* settings name its own paths
+  chroot "$work" /usr/bin/env -i PATH=/usr/bin:/bin HOME=/root /bin/sh -c "python3 -m venv /opt/venv && \
+    PIP_CERT=/etc/ssl/certs/ca-certificates.crt /opt/venv/bin/pip install -q --no-compile \
+    --disable-pip-version-check torch==$TORCH $deps" >&2
   mv "$work" "$ROOT"
   trap - EXIT
   echo "$ROOT"
