@@ -155,6 +155,8 @@ def run(args) -> int:
 
         run_doc = read_run(args.compare)
         o.update(selection.from_run(run_doc, args.strategy))
+        if compare_mesh_run(con, o, run_doc):
+            return 0
     elif args.warmup is not None:
         raise UsageError("--warmup applies to --compare RUN.json")
     o["strategy"] = selection.strategy_for(o["strategy"], o["mode"])
@@ -204,6 +206,23 @@ def run(args) -> int:
     if o["chart"]:
         render.chart([plan], o["chart"])
     return 0
+
+
+def compare_mesh_run(con, o: dict, run_doc: dict) -> bool:
+    """plan --compare on a mesh run (two axes or more): its layout on its hosts, as `plan --mesh`
+    times it, against the run (planner.compare.compare_mesh); False for a 1-D run."""
+    from smoltrain.planner import compare, mesh_render, mesh_search
+    from smoltrain.planner.request import resolve
+
+    if compare.run_mesh(run_doc) is None:
+        return False
+    req = compare.mesh_request(mesh_search.mesh_request(request(dict(o, strategy="tp"), run_doc)), run_doc)
+    out = compare.compare_mesh(req, resolve(req), run_doc, o["warmup"])
+    mesh_render.layout(con, out["plan"], out["plan"]["meshes"][0])
+    compare.render(con, out)
+    if o["json"]:
+        _write_json(o["json"], out)
+    return True
 
 
 def _mesh(con, o: dict) -> int:

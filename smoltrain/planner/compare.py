@@ -7,6 +7,10 @@ steps, by default max(2, a quarter of the steps), the same rule for every strate
 all of them (at least the last step is used). No step is dropped for being slow: a slow step
 after the warm-up is part of what the run measured. The compare says what it left out
 (`warmup_steps`, `steps_used`).
+
+A run with a mesh of two axes or more (`run --mesh`) is planned as that mesh on its hosts in
+its rank order, with its cuts (planner.mesh_plan, as `plan --mesh` times a layout), never as
+its model axis's 1-D strategy over all the ranks (compare_mesh).
 """
 
 from __future__ import annotations
@@ -143,6 +147,70 @@ def compare(plan: dict, run: dict, warmup: int | None = None) -> dict:
     return out
 
 
+def run_mesh(run: dict):
+    """The run's mesh (smoltrain.mesh.Mesh, with its uneven cuts) where two axes or more are
+    wider than one, else None: a 1-D run is planned by its strategy."""
+    from smoltrain.mesh import Mesh, with_cuts
+
+    m = run.get("mesh") or {}
+    try:
+        mesh = with_cuts(Mesh(tuple((a["name"], int(a["size"])) for a in m.get("axes") or [])), m)
+    except (KeyError, TypeError, ValueError) as e:
+        raise UsageError(f"run report: its mesh is not {{axes: [{{name, size}}], hosts: [[coords]]}} ({e})") from None
+    if sum(n > 1 for _, n in mesh.axes) < 2:
+        return None
+    if m.get("hosts") is not None and [list(c) for c in m["hosts"]] != mesh.report()["hosts"]:
+        raise UsageError(f"run report: its mesh's rank coordinates are not those of {mesh.text()}")
+    return mesh
+
+
+def mesh_request(req, run: dict):
+    """The mesh plan's request for a mesh run: what the run planned for itself
+    (mesh_search._run_setting): fp32 parameters and wire, the run's --dtype as compute dtype,
+    and a diloco axis's H and sync dtype from the run's config."""
+    from dataclasses import replace
+
+    cfg = run["config"]
+    outer = {"inner_steps": int(cfg.get("inner_steps") or 0) or None, "sync_dtype": cfg.get("sync_dtype")}
+    return replace(req, dtype="fp32", compute_dtype=cfg.get("dtype"), outer=outer)
+
+
+def compare_mesh(req, setting, run: dict, warmup: int | None = None) -> dict:
+    """A mesh run against its layout's plan: the run's mesh and cuts on the run's hosts in its
+    rank order (`mesh` and `hosts` of the report), timed and counted as `plan --mesh` does; then
+    compare() on it. The mesh plan has no per-rank communication term, so each rank's
+    communication is judged against the step's (predicted_for "step")."""
+    from smoltrain.planner import mesh_search
+
+    mesh, names = run_mesh(run), run_hosts(run)
+    by_name = {r.name: r for r in setting.ranks}
+    missing = [n for n in names if n not in by_name]
+    if missing or len(names) != mesh.world:
+        raise UsageError(
+            f"run report: its {mesh.world} ranks' hosts ({', '.join(names)}) are not all among the plan's "
+            f"({', '.join(by_name)})"
+        )
+    sh = mesh_search.shape_of(req, setting.model)
+    mesh_search.check(mesh, setting.model, req.batch, req.microbatches, sh.inner_steps)
+    e = mesh_search.lay_out(mesh, sh, [by_name[n] for n in names], setting.lm, "even")  # even: this order only
+    e["placement"] = "auto" if (run["config"].get("placement") or {}).get("mode") == "auto" else "even"
+    doc = mesh_search._doc(req, setting, [e], [])
+    view = {
+        "strategy": run.get("strategy") or run["config"].get("strategy"),
+        "world_size": mesh.world,
+        "links": e["links"],
+        "step_s": e["step_s"],
+        "comm_s_per_step": sum(v for k, v in e["seconds"].items() if k != "compute"),
+        "tokens_per_s": e["tokens_per_s"],
+        "ranks": e["ranks"],
+    }
+    out = compare(view, run, warmup)
+    off = [abs(r["measured_bytes_per_step"] - r["predicted_bytes_per_step"]) for r in out["links"]]
+    out["bytes_exact"] = all(x <= 0.5 for x in off)  # to the byte: counted, not estimated
+    out |= {"layout": e["layout"], "mesh": e["mesh"], "order": e["order"], "plan": doc}
+    return out
+
+
 MISS = 0.25  # a per-rank figure further than this from its prediction "missed"
 SMALL = 0.05  # of the step: a term this small on both sides is not judged (timer noise)
 
@@ -203,8 +271,9 @@ def render(con, cmp: dict) -> None:
     from smoltrain.planner.bottleneck import human_bytes, human_s
 
     used = cmp.get("steps_used", cmp["steps"])
+    what = f"mesh {cmp['layout']}" if cmp.get("layout") else cmp["strategy"]
     t = Table(
-        title=f"{cmp['strategy']}: predicted vs measured per step (bytes over {cmp['steps']} steps; times: median of "
+        title=f"{what}: predicted vs measured per step (bytes over {cmp['steps']} steps; times: median of "
         f"{used} after a warm-up of {cmp.get('warmup_steps', 0)})",
         title_justify="left",
     )
@@ -254,5 +323,6 @@ def render(con, cmp: dict) -> None:
         )
     verdict = "all links within 2%" if cmp["bytes_within_2pct"] else "[red]some links differ by more than 2%[/]"
     if "bytes_exact" in cmp:
-        verdict += "; per outer step " + ("exactly as planned" if cmp["bytes_exact"] else "[red]not as planned[/]")
+        per = "per outer step " if (cmp.get("plan") or {}).get("inner_steps") else "per step "
+        verdict += "; " + per + ("exactly as planned" if cmp["bytes_exact"] else "[red]not as planned[/]")
     con.print(f"  bytes: {verdict}")
