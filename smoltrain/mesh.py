@@ -43,6 +43,8 @@ class Axis:
 @dataclass(frozen=True)
 class Mesh:
     axes: tuple[tuple[str, int], ...]  # (name, size), outermost first
+    layers: tuple[int, ...] | None = None  # layers per pp stage (None: even), a placement's cut
+    rows: tuple[int, ...] | None = None  # sequences per data-axis replica (None: even)
 
     names = property(lambda self: [a for a, _ in self.axes])
     world = property(lambda self: prod(n for _, n in self.axes))
@@ -79,12 +81,25 @@ class Mesh:
                 out.append(g)
         return out
 
+    def stage_layers(self, total: int) -> list[int]:
+        return list(self.layers) if self.layers else _even(total, self.size("pp"))
+
+    def replica_rows(self, batch: int) -> list[int]:
+        return list(self.rows) if self.rows else _even(batch, self.size(self.roles()[1] or "dp"))
+
     def report(self) -> dict:
-        """The run and plan reports' `mesh` field: the axes, and each rank's coordinates."""
-        return {
+        """The run and plan reports' `mesh` field: the axes, each rank's coordinates, and any
+        uneven cut: `layers` per pp stage, `rows` (sequences) per replica, each [first, last+1)."""
+        out = {
             "axes": [{"name": a, "size": n} for a, n in self.axes],
             "hosts": [list(self.coords(r)) for r in range(self.world)],
         }
+        return out | {k: _ranges(v) for k, v in (("layers", self.layers), ("rows", self.rows)) if v}
+
+    def placement(self, names: list[str]) -> dict:
+        """The run's placement (RunConfig.placement) of this mesh's cuts, rank r on names[r]."""
+        cuts = {k: v for k, v in self.report().items() if k in ("layers", "rows")}
+        return {"mode": "auto", "strategy": self.roles()[0], "mesh": self.text(), "order": list(names)} | cuts
 
     def roles(self) -> tuple[str, str | None, str | None]:
         """(the strategy run along its axis, the data axis replicating it, tp inside pp's stages),
@@ -107,6 +122,20 @@ class Mesh:
 
     def along(self, axis: str, rank: int, comm=None) -> Axis:
         return Axis(axis, self.coords(rank)[self.names.index(axis)], self.size(axis), comm)
+
+
+def _even(n: int, k: int) -> list[int]:
+    return [n // k + (i < n % k) for i in range(k)]
+
+
+def _ranges(counts) -> list[list[int]]:
+    return [[sum(counts[:i]), sum(counts[: i + 1])] for i in range(len(counts))]
+
+
+def with_cuts(mesh: Mesh, placement: dict | None) -> Mesh:
+    """The mesh under a mesh placement's uneven cuts (Mesh.placement's `layers` and `rows`)."""
+    cut = {k: tuple(hi - lo for lo, hi in (placement or {}).get(k) or []) or None for k in ("layers", "rows")}
+    return Mesh(mesh.axes, **cut)
 
 
 def parse(text: str, world: int | None, spec=None) -> Mesh:
@@ -146,17 +175,24 @@ def check_run(cfg) -> int:
     model, data, _ = mesh.roles()
     if model != cfg.strategy:
         raise MeshError(f"--mesh {cfg.mesh} runs {model} along its axis, not {cfg.strategy}")
-    if cfg.shares or cfg.placement:
-        raise MeshError(f"--mesh {cfg.mesh}: --shares and --placement do not apply to a mesh yet (even splits)")
+    if cfg.shares or (cfg.placement and cfg.placement.get("mesh") != mesh.text()):
+        raise MeshError(f"--mesh {cfg.mesh}: --shares and placement files do not apply to a mesh (--placement auto)")
+    mesh = with_cuts(mesh, cfg.placement)
     if data:
         n = mesh.size(data)
         if cfg.batch < n:
             raise MeshError(f"--mesh {cfg.mesh}: --batch {cfg.batch} is smaller than the {n} {data} replicas")
-        if model == "pp" and cfg.microbatches > cfg.batch // n:
+        if model == "pp" and cfg.microbatches > min(mesh.replica_rows(cfg.batch)):
             raise MeshError(
                 f"--mesh {cfg.mesh}: --microbatches {cfg.microbatches} exceeds a replica's "
-                f"{cfg.batch // n} sequences (--batch {cfg.batch} over {data}={n})"
+                f"{min(mesh.replica_rows(cfg.batch))} sequences (--batch {cfg.batch} over {data}={n})"
             )
+    for what, cut, n, total in (
+        ("layers", mesh.stage_layers(cfg.model.layers), mesh.size("pp"), cfg.model.layers),
+        ("rows", mesh.replica_rows(cfg.batch), mesh.size(data or "dp"), cfg.batch),
+    ):
+        if len(cut) != n or sum(cut) != total or min(cut) < 1:
+            raise MeshError(f"--mesh {cfg.mesh}: the placement's {what} {cut} do not cover {total} over {n}")
     return mesh.size(model)
 
 
@@ -190,7 +226,11 @@ def strategy_axes(text: str, rank: int, comm) -> dict:
 
 def mesh_of(cfg) -> Mesh:
     """The mesh a run config describes: its --mesh, or the 1-D mesh of its --strategy."""
-    return parse(cfg.mesh, cfg.world_size) if cfg.mesh else Mesh(((cfg.strategy, cfg.world_size),))
+    return (
+        with_cuts(parse(cfg.mesh, cfg.world_size), cfg.placement)
+        if cfg.mesh
+        else Mesh(((cfg.strategy, cfg.world_size),))
+    )
 
 
 def loss_shares(cfg) -> int:

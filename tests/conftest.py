@@ -66,6 +66,7 @@ TIERS = {
         "test_comm_groups.py",
         "test_mesh.py",
         "test_mesh_auto_run.py",
+        "test_mesh_placement.py",
         "test_comm_bench.py",
         "test_comm_failure.py",
         "test_inventory.py",

@@ -24,7 +24,7 @@ from smoltrain.mesh import MODEL_AXES
 from smoltrain.planner import capacity, mesh_render, rank_time, steps, timing
 from smoltrain.planner.bottleneck import Bottleneck
 from smoltrain.planner.mesh_traffic import held_params
-from smoltrain.planner.placement import batch_ranges, counts_from_shares, even_counts
+from smoltrain.planner.placement import counts_from_shares, even_counts
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,7 @@ def replica_batch(mesh, rank: int, batch: int) -> int:
     _, data, _ = mesh.roles()
     if not data:
         return batch
-    lo, hi = batch_ranges(batch, None, mesh.size(data))[place(mesh, rank)[data][0]]
-    return hi - lo
+    return mesh.replica_rows(batch)[place(mesh, rank)[data][0]]
 
 
 def tp_shares(spec, t: int, T: int) -> tuple[float, float]:
@@ -73,7 +72,7 @@ def rank_work(mesh, sh: Shape, rank: int) -> capacity.RankWork:
     spec, pl = sh.model, place(mesh, rank)
     s, P = pl.get("pp", (0, 1))
     t, T = pl.get("tp", (0, 1))
-    nl = even_counts(spec.layers, P)[s]
+    nl = mesh.stage_layers(spec.layers)[s]
     b = replica_batch(mesh, rank, sh.batch)
     w = capacity.stage_work(spec, s, P, nl, "train", b, sh.seq, sh.microbatches, P > 1)
     if T == 1:
@@ -81,7 +80,7 @@ def rank_work(mesh, sh: Shape, rank: int) -> capacity.RankWork:
     attn, mlp = tp_shares(spec, t, T)
     frac = (spec.attn_params() * attn + spec.mlp_params() * mlp) / (spec.attn_params() + spec.mlp_params())
     blocks = nl * capacity._active_layer_params(spec)
-    held = held_params(spec, pl)
+    held = held_params(spec, pl, nl)
     return replace(
         w, params_held=held, params_owned=held, matmul_params=w.matmul_params - blocks * (1 - frac), attn_share=attn
     )
@@ -101,11 +100,16 @@ def rank_rows(mesh, sh: Shape, hosts: list) -> list[tuple[dict, rank_time.RankTi
     rows = [rank_time.row(r, hosts[r], rank_work(mesh, sh, r), rank_shape(mesh, sh, r)) for r in range(mesh.world)]
     if mesh.size("diloco") > 1:
         for p, _ in rows:
-            mem, state = p["memory"], 2 * held_params(sh.model, place(mesh, p["rank"])) * 4
+            mem, state = p["memory"], 2 * _held(mesh, sh.model, p["rank"]) * 4
             mem["optimizer"] += state
             mem["total"] += state
             p["fits"] = mem["fits"] = mem["total"] <= p["memory_available"]
     return rows
+
+
+def _held(mesh, spec, rank: int) -> int:
+    pl = place(mesh, rank)
+    return held_params(spec, pl, mesh.stage_layers(spec.layers)[pl.get("pp", (0, 1))[0]])
 
 
 @dataclass

@@ -12,6 +12,8 @@ The search:
   then tried in every order (up to 4 groups; the outer axes' hops differ), beside inventory
   order; the layout keeps the assignment with the shortest predicted step. `--placement even`
   keeps inventory order;
+- cuts (`--placement auto` on measured compute): each assignment is also timed under uneven
+  cuts (cut_by_speed), kept where its predicted step is shorter;
 - dropped: a layout that does not fit memory on some rank, or that no assignment keeps off
   a down link;
 - ranked by tokens per second (the same batch for all), ties to the earlier layout.
@@ -20,13 +22,15 @@ The search:
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import cache
 from itertools import permutations, product
 
 from smolnet.errors import UsageError
-from smoltrain.mesh import AXES, MODEL_AXES, Mesh, MeshError, parse
-from smoltrain.planner import mesh_plan
+from smoltrain.mesh import AXES, MODEL_AXES, Mesh, MeshError, parse, with_cuts
+from smoltrain.planner import mesh_plan, rank_time
 from smoltrain.planner.compute import cpu_links
 from smoltrain.planner.mesh_traffic import axis_traffic, mesh_link_bytes
+from smoltrain.planner.placement import greedy_counts
 
 SCHEMA = "smoltrain.meshplan/1"
 SEARCHED = (AXES[0], *MODEL_AXES)  # the axes the planner times today: dp, then pp and tp; diloco given H
@@ -134,17 +138,56 @@ def assignments(mesh: Mesh, names: list[str], lm, how: str) -> list[list[int]]:
     return out + ([] if ident in out else [ident])  # on a tie the innermost axis keeps the closest hosts
 
 
-def lay_out(mesh: Mesh, sh: mesh_plan.Shape, ranks: list, lm, how: str) -> dict:
-    """The best assignment of one mesh onto these ranks (the first of equals), as an entry."""
-    groups = axis_traffic(mesh, sh.model, sh.batch, sh.seq, sh.microbatches, sh.dtype, **sh.outer)
-    link_bytes = mesh_link_bytes(mesh, sh.model, sh.batch, sh.seq, sh.microbatches, sh.dtype, **sh.outer)
+def lay_out(mesh: Mesh, sh: mesh_plan.Shape, ranks: list, lm, how: str, measured: bool = False) -> dict:
+    """The best assignment of one mesh onto these ranks (the first of equals), as an entry; with
+    `how` auto on `measured` compute, each assignment also under uneven cuts (kept where faster)."""
+
+    def timed(m: Mesh, hosts: list) -> dict:
+        groups = axis_traffic(m, sh.model, sh.batch, sh.seq, sh.microbatches, sh.dtype, **sh.outer)
+        link_bytes = mesh_link_bytes(m, sh.model, sh.batch, sh.seq, sh.microbatches, sh.dtype, **sh.outer)
+        return mesh_plan.entry(m, sh, hosts, cpu_links(lm, hosts), lm, groups, link_bytes, how)
+
     best = None
     for order in assignments(mesh, [r.name for r in ranks], lm, how):
         hosts = [ranks[i] for i in order]
-        e = mesh_plan.entry(mesh, sh, hosts, cpu_links(lm, hosts), lm, groups, link_bytes, how)
-        if best is None or _key(e) < _key(best):
-            best = e
+        cut = cut_by_speed(mesh, sh, hosts) if how == "auto" and measured else mesh
+        for e in [timed(mesh, hosts)] + ([timed(cut, hosts)] if cut != mesh else []):
+            if best is None or _key(e) < _key(best):
+                best = e
     return best
+
+
+def cut_by_speed(mesh: Mesh, sh: mesh_plan.Shape, hosts: list) -> Mesh:
+    """The mesh with uneven cuts from each rank's compute on hosts[r] (rank_time, as the plan
+    times it), by the 1-D placement's greedy split (placement.greedy_counts, least slowest part):
+    layers per pp stage, a stage as slow as its slowest rank (its tp members, in every replica),
+    then, under those cuts, sequences per dp replica, a replica as slow as its slowest rank
+    (at least --microbatches each under pp). Memory is left to the plan's check (`fits`)."""
+    model, data, _ = mesh.roles()
+    idx = {a: i for i, a in enumerate(mesh.names)}
+
+    def slowest(m: Mesh, members: list[int]) -> float:
+        return max(
+            rank_time.seconds(hosts[r], mesh_plan.rank_work(m, sh, r), mesh_plan.rank_shape(m, sh, r)).compute_s
+            for r in members
+        )
+
+    def split(axis: str, total: int, least: int, field: str, base: Mesh) -> Mesh:
+        n = base.size(axis)
+        members = [[r for r in range(base.world) if base.coords(r)[idx[axis]] == i] for i in range(n)]
+
+        @cache
+        def cost(i: int, c: int) -> float:
+            return slowest(replace(base, **{field: tuple(c if j == i else least for j in range(n))}), members[i])
+
+        counts = greedy_counts(total, cost, [least] * n, [total] * n)
+        return replace(base, **{field: tuple(counts)}) if counts and len(set(counts)) > 1 else base
+
+    if mesh.size("pp") > 1:
+        mesh = split("pp", sh.model.layers, 1, "layers", mesh)
+    if data == "dp" and mesh.size("dp") > 1:
+        mesh = split("dp", sh.batch, sh.microbatches if mesh.size("pp") > 1 else 1, "rows", mesh)
+    return mesh
 
 
 def _key(e: dict) -> tuple:
@@ -204,7 +247,7 @@ def explicit(req, setting, text: str, how: str) -> dict:
     mesh = parse(text, len(setting.ranks), setting.model)
     sh = shape_of(req, setting.model)
     check(mesh, setting.model, req.batch, req.microbatches, sh.inner_steps)
-    e = lay_out(mesh, sh, setting.ranks, setting.lm, how)
+    e = lay_out(mesh, sh, setting.ranks, setting.lm, how, setting.compute_source == "measured")
     if e["step_s"] is None and e["bottleneck"] == "link":
         raise MeshError(f"--mesh {text}: {e['bottleneck_where']}")
     return _doc(req, setting, [e], [])
@@ -218,7 +261,7 @@ def search(req, setting, how: str) -> dict:
     for mesh in layouts(world, diloco=sh.inner_steps is not None):
         try:
             check(mesh, setting.model, req.batch, req.microbatches, sh.inner_steps)
-            e = lay_out(mesh, sh, setting.ranks, setting.lm, how)
+            e = lay_out(mesh, sh, setting.ranks, setting.lm, how, setting.compute_source == "measured")
         except UsageError as err:  # MeshError is one
             skipped.append({"layout": mesh.text(), "reason": str(err)})
             continue
@@ -251,16 +294,15 @@ def _doc(req, setting, meshes: list[dict], skipped: list[dict]) -> dict:
     }
 
 
-def for_run(args) -> tuple[str, list[str] | None, str]:
-    """`run --mesh auto`: the plan's pick for this run's ranks, links and compute (what `plan
-    --mesh auto` says for the same arguments), as (mesh text, host names in rank order, None on
-    this machine, and a line saying what was chosen)."""
+def _run_setting(args):
+    """(request, resolved setting, inventory hosts or None) of a mesh run's arguments: what `plan
+    --mesh` resolves for the same ranks, links and compute."""
     from smoltrain.planner.links import read_report
     from smoltrain.planner.request import PlanRequest, model_of, resolve
     from smoltrain.planner.selection import hosts as inventory_hosts
 
     if args.shares or (args.placement and args.placement not in ("even", "auto")):
-        raise MeshError("--mesh auto: --shares and a placement file do not apply to a mesh")
+        raise MeshError(f"--mesh {args.mesh}: --shares and placement files do not apply to a mesh (--placement auto)")
     hosts = inventory_hosts(args.inventory, None) if args.inventory else None
     req = PlanRequest(
         "tp",
@@ -278,11 +320,36 @@ def for_run(args) -> tuple[str, list[str] | None, str]:
         compute_dtype=getattr(args, "dtype", None),
         outer={"inner_steps": args.inner_steps, "sync_dtype": args.sync_dtype},  # H given: diloco layouts too
     )
-    setting = resolve(req)
-    how = "even" if hosts is None or args.placement == "even" else "auto"
+    return req, resolve(req), hosts
+
+
+def run_how(args, hosts) -> str:
+    """A mesh run's placement: auto where asked, or on an inventory unless --placement even."""
+    return "auto" if args.placement == "auto" or (hosts is not None and args.placement != "even") else "even"
+
+
+def for_run(args) -> tuple[str, list[str] | None, str]:
+    """`run --mesh auto`: the plan's pick for this run's ranks, links and compute (what `plan
+    --mesh auto` says for the same arguments), as (mesh text, host names in rank order, None on
+    this machine, and a line saying what was chosen)."""
+    req, setting, hosts = _run_setting(args)
+    how = run_how(args, hosts)
     best = search(req, setting, how)["meshes"][0]
     line = (
         f"mesh auto: {best['layout']} on {', '.join(best['order'])}, {best['step_s'] * 1e3:.1f} ms/step predicted, "
         f"bottleneck {best['bottleneck']} ({best['bottleneck_where']})"
     )
     return best["layout"], (best["order"] if hosts is not None else None), line
+
+
+def run_placement(args, text: str) -> tuple[dict | None, dict | None]:
+    """A mesh run's placement and its plan entry: what `plan --mesh TEXT` picks for the same
+    arguments (its host order and uneven cuts), or (None, None) where that is the even split
+    in the given order (--placement even, nominal compute, or no faster cut)."""
+    req, setting, hosts = _run_setting(args)
+    if run_how(args, hosts) != "auto" or setting.compute_source != "measured":
+        return None, None
+    e = explicit(req, setting, text, "auto")["meshes"][0]
+    if "layers" not in e["mesh"] and "rows" not in e["mesh"]:
+        return None, None
+    return with_cuts(parse(text, None), e["mesh"]).placement(e["order"]), e

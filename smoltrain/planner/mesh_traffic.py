@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from smolnet.errors import UsageError
-from smoltrain.planner.placement import batch_ranges, counts_from_shares, even_counts
+from smoltrain.planner.placement import counts_from_shares, even_counts
 from smoltrain.planner.traffic import Traffic, all_reduce, dtype_bytes, traffic
 
 
@@ -35,11 +35,12 @@ def _tp_block_params(spec, t: int, T: int) -> int:
     return mats + 2 * spec.norm_params()
 
 
-def held_params(spec, coords: dict) -> int:
-    """Trainable parameters one rank holds at mesh coordinates {axis: (index, size)}."""
+def held_params(spec, coords: dict, layers: int | None = None) -> int:
+    """Trainable parameters one rank holds at mesh coordinates {axis: (index, size)}, its stage
+    `layers` long (None: the even cut's)."""
     s, P = coords.get("pp", (0, 1))
     t, T = coords.get("tp", (0, 1))
-    layers = even_counts(spec.layers, P)[s]
+    layers = even_counts(spec.layers, P)[s] if layers is None else layers
     block = _tp_block_params(spec, t, T) if T > 1 else spec.layer_params()
     emb = spec.vocab * spec.hidden + (spec.ctx * spec.hidden if spec.learned_pos else 0)
     head = spec.norm_params() + (0 if spec.tied_embeddings else spec.vocab * spec.hidden)
@@ -65,8 +66,10 @@ def axis_traffic(
     def replica_batch(rank: int) -> int:
         if not data:
             return batch
-        lo, hi = batch_ranges(batch, None, mesh.size(data))[place(rank)[data][0]]
-        return hi - lo
+        return mesh.replica_rows(batch)[place(rank)[data][0]]
+
+    def held(rank: int) -> int:
+        return held_params(spec, place(rank), mesh.stage_layers(spec.layers)[place(rank).get("pp", (0, 1))[0]])
 
     for axis in (model, inner):
         if axis is None or mesh.size(axis) == 1:
@@ -75,7 +78,7 @@ def axis_traffic(
             b, stage = replica_batch(g[0]), spec
             if axis == "tp" and "pp" in mesh.names:  # tp inside a stage: only that stage's layers
                 s, P = place(g[0])["pp"]
-                stage = replace(spec, layers=even_counts(spec.layers, P)[s])
+                stage = replace(spec, layers=mesh.stage_layers(spec.layers)[s])
             m = microbatches if axis == "pp" else 1
             out.append((axis, g, traffic(axis, "train", stage, len(g), dtype, b, seq, m)))
     if data and mesh.size(data) > 1:
@@ -83,12 +86,12 @@ def axis_traffic(
             if data == "diloco":  # the pseudo-gradient's ring all-reduce every H steps (planner.diloco)
                 from smoltrain.planner.diloco import outer_traffic
 
-                tr = outer_traffic(held_params(spec, place(g[0])), sync_dtype, len(g))
+                tr = outer_traffic(held(g[0]), sync_dtype, len(g))
                 for t in (t for ph in tr.phases for t in ph.transfers):
                     t.nbytes /= inner_steps
                 out.append((data, g, tr))
                 continue
-            nbytes = held_params(spec, place(g[0])) * dtype_bytes(dtype)
+            nbytes = held(g[0]) * dtype_bytes(dtype)
             out.append((data, g, Traffic("dp", "train", len(g), all_reduce(len(g), nbytes, "all-reduce gradients"))))
     return out
 

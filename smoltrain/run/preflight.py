@@ -187,7 +187,7 @@ def check_usage(cfg) -> None:
         raise UsageError(f"--microbatches {cfg.microbatches} exceeds --batch {cfg.batch}")
     if cfg.shares and len(cfg.shares) != world:
         raise UsageError(f"--shares has {len(cfg.shares)} entries for {world} ranks")
-    if cfg.placement:
+    if cfg.placement and not cfg.mesh:  # a mesh's cuts: mesh.check_run
         from smoltrain.planner.placement import validate
 
         validate(cfg.placement, cfg.strategy, spec, cfg.batch, world)

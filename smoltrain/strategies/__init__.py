@@ -81,9 +81,15 @@ class Context:
         return hi - lo
 
     def _replica_range(self) -> tuple[int, int]:
+        """This replica's sequences: a mesh placement's uneven `rows` (by replica speed), else even."""
         from smoltrain.planner.placement import batch_ranges
 
-        return batch_ranges(self.run.batch, None, self.replica.size)[self.replica.index]
+        rows = self.placement.get("rows")
+        return (
+            tuple(rows[self.replica.index])
+            if rows
+            else batch_ranges(self.run.batch, None, self.replica.size)[self.replica.index]
+        )
 
     def strategy_batch(self, step: int):
         """(x, y) the strategy trains on: the global batch, or its replica's slice in a mesh."""
