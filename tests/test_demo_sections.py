@@ -68,20 +68,26 @@ def test_mesh_section_names_the_hosts_of_each_axis_and_checks_the_plans_agree(tm
 
 
 @pytest.mark.unit
-def test_mesh_run_check_reads_bytes_per_step_and_the_layout():
-    run = {
+def test_mesh_run_check_reads_the_runs_compare_beside_the_plans_pick():
+    """The section's check from the run's `plan --compare` document (its real making:
+    tests/test_mesh_auto_run.py), beside the plan's pick."""
+    run = {"steps": [{"step": i, "step_s": 0.1, "tokens": 512, "loss": 1.0} for i in range(6)], "final_loss": 1.0}
+    link = {"src": "fast1", "dst": "fast2", "predicted_bytes_per_step": 1000.0, "measured_bytes_per_step": 1000.0}
+    cmp = {
+        "layout": BEST["layout"],
         "mesh": BEST["mesh"],
-        "hosts": BEST["order"],
-        "steps": [{"step": i, "step_s": 0.1, "tokens": 512, "loss": 1.0} for i in range(6)],
-        "bytes": [{"src": "fast1", "dst": "fast2", "bytes": 6000}],
-        "final_loss": 1.0,
+        "order": BEST["order"],
+        "bytes_exact": True,
+        "links": [link],
+        "tokens_per_s": {"predicted": BEST["tokens_per_s"], "measured": 5120.0},
     }
-    c = mesh.run_check(BEST, run)
-    assert c["same_layout"] and c["bytes_exact"] and c["tokens_per_s"]["measured"] == pytest.approx(5120.0)
-    run["bytes"].append({"src": "gbe", "dst": "slowup", "bytes": 60})  # a link the plan has no bytes on
-    run["hosts"] = list(reversed(BEST["order"]))
-    c = mesh.run_check(BEST, run)
-    assert not c["same_layout"] and not c["bytes_exact"]
+    c = mesh.run_check(BEST, cmp, run)
+    assert c["same_layout"] and c["same_prediction"] and c["bytes_exact"] and c["steps"] == 6
+    assert c["links"] == [{"src": "fast1", "dst": "fast2", "predicted": 1000.0, "measured": 1000.0}]
+    cmp |= {"order": list(reversed(BEST["order"])), "bytes_exact": False}
+    cmp["tokens_per_s"] = {"predicted": 1.0, "measured": 5120.0}
+    c = mesh.run_check(BEST, cmp, run)
+    assert not c["same_layout"] and not c["same_prediction"] and not c["bytes_exact"]
 
 
 def _links(path: Path, names: list[str]) -> None:
