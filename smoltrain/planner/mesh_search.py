@@ -301,8 +301,7 @@ def _run_setting(args):
     from smoltrain.planner.request import PlanRequest, model_of, resolve
     from smoltrain.planner.selection import hosts as inventory_hosts
 
-    if args.shares or (args.placement and args.placement not in ("even", "auto")):
-        raise MeshError(f"--mesh {args.mesh}: --shares and placement files do not apply to a mesh (--placement auto)")
+    only_modes(args)
     hosts = inventory_hosts(args.inventory, None) if args.inventory else None
     req = PlanRequest(
         "tp",
@@ -321,6 +320,11 @@ def _run_setting(args):
         outer={"inner_steps": args.inner_steps, "sync_dtype": args.sync_dtype},  # H given: diloco layouts too
     )
     return req, resolve(req), hosts
+
+
+def only_modes(args) -> None:
+    if args.shares or (args.placement and args.placement not in ("even", "auto")):
+        raise MeshError(f"--mesh {args.mesh}: --shares and placement files do not apply to a mesh (--placement auto)")
 
 
 def run_how(args, hosts) -> str:
@@ -346,10 +350,18 @@ def run_placement(args, text: str) -> tuple[dict | None, dict | None]:
     """A mesh run's placement and its plan entry: what `plan --mesh TEXT` picks for the same
     arguments (its host order and uneven cuts), or (None, None) where that is the even split
     in the given order (--placement even, nominal compute, or no faster cut)."""
-    req, setting, hosts = _run_setting(args)
-    if run_how(args, hosts) != "auto" or setting.compute_source != "measured":
+    only_modes(args)
+    if run_how(args, args.inventory) != "auto":  # before resolving: a run it would not place
         return None, None
-    e = explicit(req, setting, text, "auto")["meshes"][0]
+    try:
+        req, setting, _ = _run_setting(args)
+        if setting.compute_source != "measured":
+            return None, None
+        e = explicit(req, setting, text, "auto")["meshes"][0]
+    except UsageError:
+        if args.placement == "auto":  # asked for: say why not; else the mesh runs even, as unplanned
+            raise
+        return None, None
     if "layers" not in e["mesh"] and "rows" not in e["mesh"]:
         return None, None
     return with_cuts(parse(text, None), e["mesh"]).placement(e["order"]), e
