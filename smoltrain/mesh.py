@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from math import prod
 
 from smolnet.errors import UsageError
+from smoltrain.planner.placement import even_counts, ranges
 
 AXES = ("dp", "fsdp", "diloco", "pp", "tp")
 MODEL_AXES = ("pp", "tp")  # split the model; the data axes replicate it
@@ -82,10 +83,10 @@ class Mesh:
         return out
 
     def stage_layers(self, total: int) -> list[int]:
-        return list(self.layers) if self.layers else _even(total, self.size("pp"))
+        return list(self.layers) if self.layers else even_counts(total, self.size("pp"))
 
     def replica_rows(self, batch: int) -> list[int]:
-        return list(self.rows) if self.rows else _even(batch, self.size(self.roles()[1] or "dp"))
+        return list(self.rows) if self.rows else even_counts(batch, self.size(self.roles()[1] or "dp"))
 
     def report(self) -> dict:
         """The run and plan reports' `mesh` field: the axes, each rank's coordinates, and any
@@ -94,12 +95,7 @@ class Mesh:
             "axes": [{"name": a, "size": n} for a, n in self.axes],
             "hosts": [list(self.coords(r)) for r in range(self.world)],
         }
-        return out | {k: _ranges(v) for k, v in (("layers", self.layers), ("rows", self.rows)) if v}
-
-    def placement(self, names: list[str]) -> dict:
-        """The run's placement (RunConfig.placement) of this mesh's cuts, rank r on names[r]."""
-        cuts = {k: v for k, v in self.report().items() if k in ("layers", "rows")}
-        return {"mode": "auto", "strategy": self.roles()[0], "mesh": self.text(), "order": list(names)} | cuts
+        return out | {k: ranges(v) for k, v in (("layers", self.layers), ("rows", self.rows)) if v}
 
     def roles(self) -> tuple[str, str | None, str | None]:
         """(the strategy run along its axis, the data axis replicating it, tp inside pp's stages),
@@ -124,16 +120,8 @@ class Mesh:
         return Axis(axis, self.coords(rank)[self.names.index(axis)], self.size(axis), comm)
 
 
-def _even(n: int, k: int) -> list[int]:
-    return [n // k + (i < n % k) for i in range(k)]
-
-
-def _ranges(counts) -> list[list[int]]:
-    return [[sum(counts[:i]), sum(counts[: i + 1])] for i in range(len(counts))]
-
-
 def with_cuts(mesh: Mesh, placement: dict | None) -> Mesh:
-    """The mesh under a mesh placement's uneven cuts (Mesh.placement's `layers` and `rows`)."""
+    """The mesh under a mesh placement's uneven cuts (its `layers` and `rows`, as Mesh.report's)."""
     cut = {k: tuple(hi - lo for lo, hi in (placement or {}).get(k) or []) or None for k in ("layers", "rows")}
     return Mesh(mesh.axes, **cut)
 
@@ -166,34 +154,6 @@ def check_model(mesh: Mesh, spec) -> None:
         raise MeshError(f"--mesh {mesh.text()}: tp={tp} is wider than {spec.name}'s {spec.kv_heads} KV head groups")
     if pp > spec.layers:
         raise MeshError(f"--mesh {mesh.text()}: pp={pp} is deeper than {spec.name}'s {spec.layers} layers")
-
-
-def check_run(cfg) -> int:
-    """A mesh run's config (the mesh against its world and model, a pair that composes, a batch
-    the data axis can split); returns the strategy axis's size, what the strategy splits over."""
-    mesh = parse(cfg.mesh, cfg.world_size, cfg.model)
-    model, data, _ = mesh.roles()
-    if model != cfg.strategy:
-        raise MeshError(f"--mesh {cfg.mesh} runs {model} along its axis, not {cfg.strategy}")
-    if cfg.shares or (cfg.placement and cfg.placement.get("mesh") != mesh.text()):
-        raise MeshError(f"--mesh {cfg.mesh}: --shares and placement files do not apply to a mesh (--placement auto)")
-    mesh = with_cuts(mesh, cfg.placement)
-    if data:
-        n = mesh.size(data)
-        if cfg.batch < n:
-            raise MeshError(f"--mesh {cfg.mesh}: --batch {cfg.batch} is smaller than the {n} {data} replicas")
-        if model == "pp" and cfg.microbatches > min(mesh.replica_rows(cfg.batch)):
-            raise MeshError(
-                f"--mesh {cfg.mesh}: --microbatches {cfg.microbatches} exceeds a replica's "
-                f"{min(mesh.replica_rows(cfg.batch))} sequences (--batch {cfg.batch} over {data}={n})"
-            )
-    for what, cut, n, total in (
-        ("layers", mesh.stage_layers(cfg.model.layers), mesh.size("pp"), cfg.model.layers),
-        ("rows", mesh.replica_rows(cfg.batch), mesh.size(data or "dp"), cfg.batch),
-    ):
-        if len(cut) != n or sum(cut) != total or min(cut) < 1:
-            raise MeshError(f"--mesh {cfg.mesh}: the placement's {what} {cut} do not cover {total} over {n}")
-    return mesh.size(model)
 
 
 def axis_comms(mesh: Mesh, comm) -> dict:

@@ -26,7 +26,7 @@ from functools import cache
 from itertools import permutations, product
 
 from smolnet.errors import UsageError
-from smoltrain.mesh import AXES, MODEL_AXES, Mesh, MeshError, parse, with_cuts
+from smoltrain.mesh import AXES, MODEL_AXES, Mesh, MeshError, parse
 from smoltrain.planner import mesh_plan, rank_time
 from smoltrain.planner.compute import cpu_links
 from smoltrain.planner.mesh_traffic import axis_traffic, mesh_link_bytes
@@ -40,7 +40,7 @@ CANDIDATES = 48  # host orders timed per layout at most (each a few ms)
 
 
 def check(mesh: Mesh, spec, batch: int, microbatches: int, inner_steps: int | None = None) -> None:
-    """What the runtime would refuse (mesh.check_run's checks), before any timing."""
+    """What the runtime would refuse (run.preflight.check_mesh's checks), before any timing."""
     from smoltrain.mesh import check_model
 
     check_model(mesh, spec)
@@ -364,4 +364,5 @@ def run_placement(args, text: str) -> tuple[dict | None, dict | None]:
         return None, None
     if "layers" not in e["mesh"] and "rows" not in e["mesh"]:
         return None, None
-    return with_cuts(parse(text, None), e["mesh"]).placement(e["order"]), e
+    mesh, cuts = parse(text, None), {k: v for k, v in e["mesh"].items() if k in ("layers", "rows")}
+    return {"mode": "auto", "strategy": mesh.roles()[0], "mesh": mesh.text(), "order": e["order"]} | cuts, e

@@ -173,9 +173,7 @@ def check_usage(cfg) -> None:
 
     world, spec, info = cfg.world_size, cfg.model, registry.get(cfg.strategy, trainable=True)
     if cfg.mesh:  # the strategy splits along its own axis; the data axis splits the batch first
-        from smoltrain.mesh import check_run
-
-        world = check_run(cfg)
+        world = check_mesh(cfg)
     check_world(cfg.strategy, spec, world)
     if cfg.seq > spec.ctx or cfg.seq < 1:
         raise UsageError(f"--seq {cfg.seq} must be between 1 and the model's context {spec.ctx}")
@@ -187,7 +185,37 @@ def check_usage(cfg) -> None:
         raise UsageError(f"--microbatches {cfg.microbatches} exceeds --batch {cfg.batch}")
     if cfg.shares and len(cfg.shares) != world:
         raise UsageError(f"--shares has {len(cfg.shares)} entries for {world} ranks")
-    if cfg.placement and not cfg.mesh:  # a mesh's cuts: mesh.check_run
+    if cfg.placement and not cfg.mesh:  # a mesh's cuts: check_mesh
         from smoltrain.planner.placement import validate
 
         validate(cfg.placement, cfg.strategy, spec, cfg.batch, world)
+
+
+def check_mesh(cfg) -> int:
+    """A mesh run's config (the mesh against its world and model, a pair that composes, a batch
+    the data axis can split); returns the strategy axis's size, what the strategy splits over."""
+    from smoltrain.mesh import MeshError, parse, with_cuts
+
+    mesh = parse(cfg.mesh, cfg.world_size, cfg.model)
+    model, data, _ = mesh.roles()
+    if model != cfg.strategy:
+        raise MeshError(f"--mesh {cfg.mesh} runs {model} along its axis, not {cfg.strategy}")
+    if cfg.shares or (cfg.placement and cfg.placement.get("mesh") != mesh.text()):
+        raise MeshError(f"--mesh {cfg.mesh}: --shares and placement files do not apply to a mesh (--placement auto)")
+    mesh = with_cuts(mesh, cfg.placement)
+    if data:
+        n = mesh.size(data)
+        if cfg.batch < n:
+            raise MeshError(f"--mesh {cfg.mesh}: --batch {cfg.batch} is smaller than the {n} {data} replicas")
+        if model == "pp" and cfg.microbatches > min(mesh.replica_rows(cfg.batch)):
+            raise MeshError(
+                f"--mesh {cfg.mesh}: --microbatches {cfg.microbatches} exceeds a replica's "
+                f"{min(mesh.replica_rows(cfg.batch))} sequences (--batch {cfg.batch} over {data}={n})"
+            )
+    for what, cut, n, total in (
+        ("layers", mesh.stage_layers(cfg.model.layers), mesh.size("pp"), cfg.model.layers),
+        ("rows", mesh.replica_rows(cfg.batch), mesh.size(data or "dp"), cfg.batch),
+    ):
+        if len(cut) != n or sum(cut) != total or min(cut) < 1:
+            raise MeshError(f"--mesh {cfg.mesh}: the placement's {what} {cut} do not cover {total} over {n}")
+    return mesh.size(model)
