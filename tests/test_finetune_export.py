@@ -94,7 +94,8 @@ def test_a_full_folder_of_trained_weights_loads_in_transformers(tuned, tmp_path)
 
 def test_adapter_on_the_base_reads_as_the_merged_model(tuned, tmp_path):
     """generate/serve --adapter: every weight a rank reads, whole or a tp window, is the merged weight."""
-    from smoltrain.models.stage import Stage, even_layers
+    from smoltrain.models.split import even_layers
+    from smoltrain.models.stage import Stage
 
     arch, base, ours, adapter = tuned
     merged = write_full(str(tmp_path / "merged"), merged_state(base, adapter), base)

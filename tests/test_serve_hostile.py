@@ -112,7 +112,7 @@ def test_one_requests_engine_failure_is_its_own(long_model):
     """A real LocalRunner: a step that raises (an id past the embedding) fails that request alone."""
     import types
 
-    from smoltrain.infer.engine import Request
+    from smoltrain.infer.batching import Request
     from smoltrain.infer.launch import open_model
 
     args = types.SimpleNamespace(

@@ -11,8 +11,7 @@ import pytest
 from infer_models import LLAMA3_TEMPLATE, make_bytelevel_tokenizer
 
 from smoltrain.infer.api import BadRequest, parse_json
-from smoltrain.infer.batching import DECODE, PREFILL, Batcher, lead
-from smoltrain.infer.engine import Request
+from smoltrain.infer.batching import DECODE, PREFILL, Batcher, Request, lead
 from smoltrain.infer.textstream import TextStream
 
 

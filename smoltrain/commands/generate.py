@@ -71,7 +71,7 @@ class Printer:
 
 def run(args) -> int:
     from smoltrain.infer import report
-    from smoltrain.infer.engine import Request
+    from smoltrain.infer.batching import Request
     from smoltrain.infer.launch import open_model
     from smoltrain.infer.runner import RankDied
 

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from smolnet.errors import SmolError
-from smoltrain.infer.engine import Request
+from smoltrain.infer.batching import Request
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOPS = 4

@@ -21,6 +21,22 @@ from collections import deque
 from dataclasses import dataclass, field
 
 DECODE, PREFILL, IDLE, QUIT = 0, 1, 2, 3
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_ids: list[int] = field(default_factory=list)
+    rid: int = 0
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
 HEADER_FIELDS = 4  # int64: kind, slot mask, prompt tokens (prefill), request id (prefill)
 HEADER_BYTES = 8 * HEADER_FIELDS
 MAX_SLOTS = 62  # the slot mask is one int64

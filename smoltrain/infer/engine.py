@@ -13,27 +13,12 @@ can say what a decode step costs per token.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from smoltrain.infer.batching import DECODE, HEADER_FIELDS, IDLE, PREFILL, QUIT, Item
 from smoltrain.infer.sampling import Sampler
 from smoltrain.models.stage import Stage
-
-
-@dataclass
-class Request:
-    prompt_ids: list[int]
-    max_new_tokens: int = 32
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    stop_ids: list[int] = field(default_factory=list)
-    rid: int = 0
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 class Engine:

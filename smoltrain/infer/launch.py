@@ -17,10 +17,10 @@ from smolnet.errors import UsageError
 from smoltrain import validate
 from smoltrain.finetune.adapter import open_checkpoint
 from smoltrain.infer.config import InferConfig
-from smoltrain.infer.meshed import decode_plan, layout
+from smoltrain.infer.mesh_layout import decode_plan, layout
 from smoltrain.infer.runner import RankDied, Runner
 from smoltrain.models.hf import Checkpoint, CheckpointError, load_tokenizer
-from smoltrain.models.stage import TORCH, check_tp, even_layers
+from smoltrain.models.split import DTYPES, check_tp, even_layers
 
 
 class LocalRunner(Runner):
@@ -130,9 +130,9 @@ def open_model(args, timeout: float = 120.0, seq: int | None = None, group=None,
         )
     check_choices(args)
     adapter_dir = os.path.abspath(args.adapter) if getattr(args, "adapter", None) else None
-    kernels = getattr(args, "kernels", None) or "auto"
-    if getattr(args, "inventory", None) is None:  # ranks on this machine: refuse here what they would
-        from smoltrain.models import backends
+    kernels = getattr(args, "kernels", None) or os.environ.get("SMOL_KERNELS") or "auto"
+    if getattr(args, "inventory", None) is None and kernels != "auto":  # ranks on this machine: refuse
+        from smoltrain.models import backends  # here what they would (auto always finds one)
 
         backends.select(kernels)
     strategy, placements, hosts = resolve(args) if group is None else (args.strategy, *group)
@@ -214,7 +214,7 @@ def check_choices(args) -> None:
     from smoltrain.planner.widths import QUANTIZE, WIRE_DTYPES
 
     for opt, value, ok in (
-        ("--dtype", args.dtype, tuple(TORCH)),
+        ("--dtype", args.dtype, DTYPES),
         ("--quantize", getattr(args, "quantize", None), QUANTIZE),
         ("--wire-dtype", getattr(args, "wire_dtype", None), WIRE_DTYPES),
     ):

@@ -154,6 +154,6 @@ class Runner:
 
 
 def _warm_request(prompt: int, new: int):
-    from smoltrain.infer.engine import Request
+    from smoltrain.infer.batching import Request
 
     return Request([0] * prompt, new, 0.0, 1.0, 0, [])

@@ -20,9 +20,9 @@ import time
 import traceback
 
 from smolnet import wire
-from smoltrain.infer.batching import Admissions, Batcher, lead
+from smoltrain.infer.batching import Admissions, Batcher, Request, lead
 from smoltrain.infer.config import InferConfig
-from smoltrain.infer.engine import Request, make_engine
+from smoltrain.infer.engine import make_engine
 from smoltrain.infer.runner import MAX_IDS, pack_ids, unpack_ids
 
 MSG = 1
@@ -91,7 +91,7 @@ def serve(ctl: Control, rank: int, secret: bytes) -> None:
         )
     first, last = cfg.layers[rank]
     if cfg.mesh:  # pp x tp: this rank's stage and its place in the stage's tp group
-        from smoltrain.infer.meshed import place
+        from smoltrain.infer.mesh_layout import place
 
         s, stages, t, tp = place(cfg.mesh, rank)
     else:

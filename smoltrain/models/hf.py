@@ -291,7 +291,8 @@ class Checkpoint:
         self.index: dict[str, tuple[str, tuple[int, ...], str]] = {}
         for fp in files:
             try:
-                with safe_open(str(fp), framework="pt") as f:
+                # numpy: the headers alone are read, and the controller need not import torch
+                with safe_open(str(fp), framework="numpy") as f:
                     for k in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                         sl = f.get_slice(k)
                         if k in self.index:  # which copy a rank read would depend on the file order

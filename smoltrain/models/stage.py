@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from smoltrain.models import gpt2, llama
-from smoltrain.models.hf import Checkpoint, CheckpointError, expected_tensors
+from smoltrain.models.hf import Checkpoint, expected_tensors
+from smoltrain.models.split import check_tp
 
 ARCH = {"llama": llama, "gpt2": gpt2}  # by HFConfig.family
 TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -37,25 +38,6 @@ class Rows:
     slots: list
     pos: list
     cache: dict = field(default_factory=dict)
-
-
-def even_layers(layers: int, world: int) -> list[tuple[int, int]]:
-    """`--placement even`: [first, last) per stage, the first stages one layer longer (3 over 2: 2,1)."""
-    if world > layers:
-        raise CheckpointError(f"{world} pipeline stages for {layers} layers: at most one stage per layer")
-    base, extra = divmod(layers, world)
-    out, at = [], 0
-    for r in range(world):
-        n = base + (1 if r < extra else 0)
-        out.append((at, at + n))
-        at += n
-    return out
-
-
-def check_tp(cfg, world: int) -> None:
-    for what, n in (("attention heads", cfg.heads), ("kv heads", cfg.kv_heads), ("MLP width", cfg.ffn)):
-        if n % world:
-            raise CheckpointError(f"tp over {world} ranks: the model's {n} {what} do not split evenly")
 
 
 def stage_tensors(cfg, first: int, last: int, is_first: bool, is_last: bool) -> set[str]:
