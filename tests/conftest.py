@@ -51,6 +51,7 @@ TIERS = {
         "test_finetune_data.py",
         "test_lora.py",
         "test_sim_random.py",
+        "test_startup.py",
         "test_mesh_plan.py",
     ],
     "process": [
