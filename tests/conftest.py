@@ -57,6 +57,7 @@ TIERS = {
     "process": [
         "test_hf_train.py",
         "test_lora_plan_runs.py",
+        "test_mesh_lora.py",
         "test_qlora.py",
         "test_checkpoint_activations.py",
         "test_backends.py",

@@ -39,11 +39,13 @@ class Shape:
     compute_dtype: str | None = None
     inner_steps: int | None = None  # a diloco axis's H (its outer all-reduce amortised over H)
     sync_dtype: str = "fp32"  # a diloco axis's pseudo-gradient on the wire
+    tuning: object = None  # planner.tuning.Tuning: LoRA (its adapters train, the base frozen); None: full
 
     @property
     def outer(self) -> dict:
-        """What axis_traffic and mesh_link_bytes take for a diloco axis."""
-        return {"inner_steps": self.inner_steps, "sync_dtype": self.sync_dtype}
+        """What axis_traffic and mesh_link_bytes take beyond the step: a diloco axis's H and sync
+        dtype, and what trains."""
+        return {"inner_steps": self.inner_steps, "sync_dtype": self.sync_dtype, "tuning": self.tuning}
 
 
 def place(mesh, rank: int) -> dict:
@@ -68,7 +70,8 @@ def tp_shares(spec, t: int, T: int) -> tuple[float, float]:
 
 def rank_work(mesh, sh: Shape, rank: int) -> capacity.RankWork:
     """What one rank holds and computes: its pp stage (the whole model without pp) on its
-    replica's batch, cut to its tp slice; the parameters it holds exactly as mesh_traffic's."""
+    replica's batch, cut to its tp slice; the parameters it holds exactly as mesh_traffic's;
+    under LoRA as the tuning trains it (its adapters alone, the frozen base without gradients)."""
     spec, pl = sh.model, place(mesh, rank)
     s, P = pl.get("pp", (0, 1))
     t, T = pl.get("tp", (0, 1))
@@ -76,14 +79,15 @@ def rank_work(mesh, sh: Shape, rank: int) -> capacity.RankWork:
     b = replica_batch(mesh, rank, sh.batch)
     w = capacity.stage_work(spec, s, P, nl, "train", b, sh.seq, sh.microbatches, P > 1)
     if T == 1:
-        return w
+        return sh.tuning.work(w, spec) if sh.tuning is not None else w
     attn, mlp = tp_shares(spec, t, T)
     frac = (spec.attn_params() * attn + spec.mlp_params() * mlp) / (spec.attn_params() + spec.mlp_params())
     blocks = nl * capacity._active_layer_params(spec)
     held = held_params(spec, pl, nl)
-    return replace(
+    w = replace(
         w, params_held=held, params_owned=held, matmul_params=w.matmul_params - blocks * (1 - frac), attn_share=attn
     )
+    return sh.tuning.work(w, spec) if sh.tuning is not None else w
 
 
 def rank_shape(mesh, sh: Shape, rank: int) -> rank_time.Shape:
@@ -96,11 +100,14 @@ def rank_shape(mesh, sh: Shape, rank: int) -> rank_time.Shape:
 
 def rank_rows(mesh, sh: Shape, hosts: list) -> list[tuple[dict, rank_time.RankTime]]:
     """The plan's `ranks` entries of a layout (rank r on hosts[r]) and their times; under a diloco
-    axis each rank also keeps its anchor and outer momentum (fp32, as 1-D diloco's plan counts)."""
-    rows = [rank_time.row(r, hosts[r], rank_work(mesh, sh, r), rank_shape(mesh, sh, r)) for r in range(mesh.world)]
+    axis each rank also keeps its anchor and outer momentum (fp32, as 1-D diloco's plan counts) of
+    what it trains (under LoRA its adapters)."""
+    works = [rank_work(mesh, sh, r) for r in range(mesh.world)]
+    rows = [rank_time.row(r, hosts[r], works[r], rank_shape(mesh, sh, r)) for r in range(mesh.world)]
     if mesh.size("diloco") > 1:
         for p, _ in rows:
-            mem, state = p["memory"], 2 * _held(mesh, sh.model, p["rank"]) * 4
+            w = works[p["rank"]]
+            mem, state = p["memory"], 2 * (_held(mesh, sh.model, p["rank"]) if w.trainable is None else w.trainable) * 4
             mem["optimizer"] += state
             mem["total"] += state
             p["fits"] = mem["fits"] = mem["total"] <= p["memory_available"]

@@ -36,6 +36,7 @@ SCHEMA = "smoltrain.meshplan/1"
 SEARCHED = (AXES[0], *MODEL_AXES)  # the axes the planner times today: dp, then pp and tp; diloco given H
 NOT_SEARCHED = "fsdp x tp is not planned yet; diloco only with --inner-steps H (docs/mesh.md)"
 GROUP_ORDERS = 4  # try every order of the innermost groups up to this many groups
+TUNING = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "quantize", "checkpoint_activations")  # run's
 CANDIDATES = 48  # host orders timed per layout at most (each a few ms)
 
 
@@ -206,6 +207,7 @@ def shape_of(req, model) -> mesh_plan.Shape:
         req.compute_dtype,
         o.get("inner_steps"),
         o.get("sync_dtype") or "fp32",
+        req.tuning,
     )
 
 
@@ -213,8 +215,9 @@ def mesh_request(req):
     """The request its ranks resolve under: every rank busy (a mesh keeps them all computing)."""
     if req.mode != "train":
         raise UsageError("plan --mesh: a training step (--mode train)")
-    if req.tuning is not None:
-        raise UsageError("plan --mesh: LoRA, a quantised base and checkpointing are not planned for a mesh yet")
+    t = req.tuning
+    if t is not None and (t.quantize or t.checkpoint_activations):  # LoRA is planned (mesh_traffic)
+        raise UsageError("plan --mesh: a quantised base and checkpointing are not planned for a mesh yet")
     return replace(req, strategy="tp", placement="even")
 
 
@@ -303,9 +306,12 @@ def _run_setting(args):
 
     only_modes(args)
     hosts = inventory_hosts(args.inventory, None) if args.inventory else None
+    from smoltrain.finetune.tuning import from_options
+
+    spec = model_of(args.model)
     req = PlanRequest(
         "tp",
-        model_of(args.model),
+        spec,
         world=args.local or len(hosts),
         dtype="fp32",
         batch=args.batch,
@@ -318,7 +324,9 @@ def _run_setting(args):
         local=hosts is None,
         compute_dtype=getattr(args, "dtype", None),
         outer={"inner_steps": args.inner_steps, "sync_dtype": args.sync_dtype},  # H given: diloco layouts too
+        tuning=from_options(spec, {k: v for k in TUNING if (v := getattr(args, k, None)) is not None}),
     )
+    req = mesh_request(req)  # LoRA is planned; a quantised base and checkpointing are refused
     return req, resolve(req), hosts
 
 

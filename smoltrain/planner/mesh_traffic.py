@@ -17,11 +17,12 @@ the transport counts them. fsdp x tp and the Hugging Face architectures are not 
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from smolnet.errors import UsageError
 from smoltrain.planner.placement import counts_from_shares, even_counts
 from smoltrain.planner.traffic import Traffic, all_reduce, dtype_bytes, traffic
+from smoltrain.planner.tuning import Tuning
 
 
 def _tp_block_params(spec, t: int, T: int) -> int:
@@ -47,15 +48,65 @@ def held_params(spec, coords: dict, layers: int | None = None) -> int:
     return layers * block + (emb if s == 0 else 0) + (head if s == P - 1 else 0)
 
 
+def adapter_params(tuning, spec, coords: dict, layers: int) -> float:
+    """LoRA: the adapter elements a rank at mesh coordinates {axis: (index, size)} trains (its
+    stage `layers` long): its blocks' adapters cut by its tp share of the heads (the uncut factor
+    whole), and the head's on the last stage; as planner.tuning.Tuning.work counts them."""
+    s, P = coords.get("pp", (0, 1))
+    t, T = coords.get("tp", (0, 1))
+    share = even_counts(spec.kv_heads, T)[t] / spec.kv_heads
+    blocks = sum(a.held(share) for a in tuning.adapters if 1 <= a.unit <= spec.layers) * layers / spec.layers
+    return blocks + (sum(a.params for a in tuning.adapters if a.unit > spec.layers) if s == P - 1 else 0)
+
+
+@dataclass(frozen=True)
+class StageTuning(Tuning):
+    """LoRA in one pp stage's tp group: the stage's adapters, numbered as a model of its own; when
+    an earlier stage trains adapters, this stage's input needs its gradient (pp sends it back),
+    so every one of its backward all-reduces runs."""
+
+    input_grad: bool = False
+
+    def backward_enters(self, layers: int) -> int:
+        return 2 * layers if self.input_grad else super().backward_enters(layers)
+
+
+def stage_tuning(tuning, first: int, layers: int, total: int) -> StageTuning:
+    """`tuning` cut to the stage of `layers` blocks from block `first` (of `total`); the head's
+    adapters on the last stage."""
+    last = first + layers == total
+    kept = [
+        replace(a, unit=a.unit - first, pos=a.pos - 2 * first)
+        for a in tuning.adapters
+        if first < a.unit <= first + layers or (last and a.unit > total)
+    ]
+    earlier = any(a.unit <= first for a in tuning.adapters)
+    return StageTuning(tuning.lora, tuple(kept), tuning.quantize, tuning.checkpoint_activations, earlier)
+
+
 def axis_traffic(
-    mesh, spec, batch: int, seq: int, microbatches: int = 1, dtype: str = "fp32", inner_steps=None, sync_dtype="fp32"
+    mesh,
+    spec,
+    batch: int,
+    seq: int,
+    microbatches: int = 1,
+    dtype: str = "fp32",
+    inner_steps=None,
+    sync_dtype="fp32",
+    tuning=None,
 ) -> list:
     """[(axis, world ranks of the group in group order, that group's 1-D Traffic)] of a mesh run's
     step: what mesh_link_bytes adds up and planner.mesh_plan times, group by group. A diloco
-    axis needs its `inner_steps` H and `sync_dtype`: its outer all-reduce, amortised over H."""
+    axis needs its `inner_steps` H and `sync_dtype`: its outer all-reduce, amortised over H.
+    `tuning` (planner.tuning) under LoRA: the data axes move the adapters' gradients alone, tp
+    and pp what their 1-D traffic under LoRA sends; a Hugging Face model is planned so."""
     model, data, inner = mesh.roles()
-    if model == "fsdp" or (spec.arch or "gpt") != "gpt":
-        raise UsageError(f"plan --mesh {mesh.text()}: planned today for the built-in models' dp, pp and tp axes")
+    lora = tuning is not None and tuning.lora
+    if model == "fsdp" or ((spec.arch or "gpt") != "gpt" and not lora):
+        raise UsageError(
+            f"plan --mesh {mesh.text()}: planned today for the built-in models' dp, pp and tp axes"
+            " (a Hugging Face model's under LoRA, --lora-rank)"
+        )
     if data == "diloco" and not inner_steps:
         raise UsageError(f"plan --mesh {mesh.text()}: a diloco axis is planned only with its inner steps H (a run's)")
     out = []
@@ -71,27 +122,35 @@ def axis_traffic(
     def held(rank: int) -> int:
         return held_params(spec, place(rank), mesh.stage_layers(spec.layers)[place(rank).get("pp", (0, 1))[0]])
 
+    def trained(rank: int) -> float:  # what a data axis synchronises: the adapters under LoRA
+        if not lora:
+            return held(rank)
+        pl = place(rank)
+        return adapter_params(tuning, spec, pl, mesh.stage_layers(spec.layers)[pl.get("pp", (0, 1))[0]])
+
     for axis in (model, inner):
         if axis is None or mesh.size(axis) == 1:
             continue
         for g in mesh.groups(axis):
-            b, stage = replica_batch(g[0]), spec
+            b, stage, tuned = replica_batch(g[0]), spec, tuning
             if axis == "tp" and "pp" in mesh.names:  # tp inside a stage: only that stage's layers
                 s, P = place(g[0])["pp"]
-                stage = replace(spec, layers=mesh.stage_layers(spec.layers)[s])
+                cut = mesh.stage_layers(spec.layers)
+                stage = replace(spec, layers=cut[s])
+                tuned = stage_tuning(tuning, sum(cut[:s]), cut[s], spec.layers) if lora else tuning
             m = microbatches if axis == "pp" else 1
-            out.append((axis, g, traffic(axis, "train", stage, len(g), dtype, b, seq, m)))
+            out.append((axis, g, traffic(axis, "train", stage, len(g), dtype, b, seq, m, tuning=tuned)))
     if data and mesh.size(data) > 1:
         for g in mesh.groups(data):
             if data == "diloco":  # the pseudo-gradient's ring all-reduce every H steps (planner.diloco)
                 from smoltrain.planner.diloco import outer_traffic
 
-                tr = outer_traffic(held(g[0]), sync_dtype, len(g))
+                tr = outer_traffic(trained(g[0]), sync_dtype, len(g))
                 for t in (t for ph in tr.phases for t in ph.transfers):
                     t.nbytes /= inner_steps
                 out.append((data, g, tr))
                 continue
-            nbytes = held(g[0]) * dtype_bytes(dtype)
+            nbytes = trained(g[0]) * dtype_bytes(dtype)
             out.append((data, g, Traffic("dp", "train", len(g), all_reduce(len(g), nbytes, "all-reduce gradients"))))
     return out
 
