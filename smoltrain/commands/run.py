@@ -134,6 +134,11 @@ def mesh_argument(args) -> str | None:
         raise UsageError("give --strategy or --mesh, not both (--strategy S is the mesh S=world)")
     from smoltrain.mesh import parse
 
+    if getattr(args, "lora_rank", None) is not None:  # what a mesh's plan counts under LoRA
+        from smoltrain.finetune.tuning import from_options
+        from smoltrain.planner.request import model_of
+
+        args.tuning = from_options(model_of(args.model), vars(args))
     if args.mesh == "auto":  # the plan's pick (planner.mesh_search.for_run), and its hosts in rank order
         from smoltrain.planner.mesh_search import for_run
 

@@ -36,7 +36,6 @@ SCHEMA = "smoltrain.meshplan/1"
 SEARCHED = (AXES[0], *MODEL_AXES)  # the axes the planner times today: dp, then pp and tp; diloco given H
 NOT_SEARCHED = "fsdp x tp is not planned yet; diloco only with --inner-steps H (docs/mesh.md)"
 GROUP_ORDERS = 4  # try every order of the innermost groups up to this many groups
-TUNING = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "quantize", "checkpoint_activations")  # run's
 CANDIDATES = 48  # host orders timed per layout at most (each a few ms)
 
 
@@ -306,12 +305,9 @@ def _run_setting(args):
 
     only_modes(args)
     hosts = inventory_hosts(args.inventory, None) if args.inventory else None
-    from smoltrain.finetune.tuning import from_options
-
-    spec = model_of(args.model)
     req = PlanRequest(
         "tp",
-        spec,
+        model_of(args.model),
         world=args.local or len(hosts),
         dtype="fp32",
         batch=args.batch,
@@ -324,7 +320,7 @@ def _run_setting(args):
         local=hosts is None,
         compute_dtype=getattr(args, "dtype", None),
         outer={"inner_steps": args.inner_steps, "sync_dtype": args.sync_dtype},  # H given: diloco layouts too
-        tuning=from_options(spec, {k: v for k in TUNING if (v := getattr(args, k, None)) is not None}),
+        tuning=getattr(args, "tuning", None),  # a LoRA run's, made by commands.run (the planner reads no model)
     )
     req = mesh_request(req)  # LoRA is planned; a quantised base and checkpointing are refused
     return req, resolve(req), hosts
