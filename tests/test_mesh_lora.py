@@ -82,3 +82,15 @@ def test_what_the_mesh_plan_does_not_take_is_one_line_exit_2(ckpt, capsys, extra
     assert main([*argv, *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1
+
+
+def test_plan_mesh_auto_ranks_lora_layouts_with_adapter_bytes_on_the_data_axes(ckpt, tmp_path):
+    model, _ = ckpt
+    argv = ["--mesh", "auto", "--local", "4", "--model", model, "--lora-rank", "4", "--batch", "4", "--seq", "16"]
+    doc = _plan([*argv, "--microbatches", "2"], tmp_path)
+    spec = get_model(model)
+    t = describe(spec, {"rank": 4, "alpha": 16.0, "dropout": 0.0, "targets": None})
+    assert {e["layout"] for e in doc["meshes"]} >= {"dp=2,pp=2", "dp=2,tp=2", "pp=2,tp=2"}
+    for e in doc["meshes"]:
+        data = [ln["bytes_per_step"] for ln in e["links"] if ln["axis"] == "dp"]
+        assert all(0 < b <= 4 * t.trainable(spec) for b in data), e["layout"]  # adapters, not the base
