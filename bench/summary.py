@@ -76,6 +76,9 @@ ROWS = [
     ("diloco on the capped home sim: >= 3x dp, >= 1.3x the best host alone, <= dp's bytes / 20, plan within 25%",
      bench("diloco", "bench_diloco.py", sim=True), "1.46x / 1.33x alone, 4.08x / 3.90x dp, 63x / 24x fewer bytes"),
     ("diloco --inner-steps 1 = dp; bytes per outer step = plan", test("tests/test_diloco.py"), ""),
+    ("mesh on the fastpair sim: the plan's best mesh >= 1.3x the best exact 1-D strategy (tokens/s), within 25% "
+     "of its plan; the measured top three in the plan's order",
+     bench("mesh-fastpair", "bench_mesh.py", sim=True), ""),
     ("fault matrix: 7 strategies x 5 faults detected within 15 s, right culprit", bench("faults", "bench_faults.py"),
      "35 of 35, detection 0.03-3.1 s"),
     ("damaged checkpoints x 7 strategies: skipped saying why, resumed from the intact one",
