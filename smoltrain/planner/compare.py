@@ -135,7 +135,7 @@ def compare(plan: dict, run: dict, warmup: int | None = None) -> dict:
         "links": rows,
         "bytes_within_2pct": all(r["within_2pct"] for r in rows),
         "step_s": {"predicted": plan["step_s"], "measured": step_m},
-        "comm_s": {"predicted": plan["comm_s_per_step"], "measured": comm_m},
+        "comm_s": {"predicted": planned_comm(plan), "measured": comm_m},
         "tokens_per_s": {"predicted": plan["tokens_per_s"], "measured": tokens_per_s_after_warmup(run, warmup)},
         **per_rank(plan, run, warmup),
         "plan": plan,
@@ -200,7 +200,7 @@ def compare_mesh(req, setting, run: dict, warmup: int | None = None) -> dict:
         "world_size": mesh.world,
         "links": e["links"],
         "step_s": e["step_s"],
-        "comm_s_per_step": sum(v for k, v in e["seconds"].items() if k != "compute"),
+        "seconds": e["seconds"],
         "tokens_per_s": e["tokens_per_s"],
         "ranks": e["ranks"],
     }
@@ -209,6 +209,14 @@ def compare_mesh(req, setting, run: dict, warmup: int | None = None) -> dict:
     out["bytes_exact"] = all(x <= 0.5 for x in off)  # to the byte: counted, not estimated
     out |= {"layout": e["layout"], "mesh": e["mesh"], "order": e["order"], "plan": doc}
     return out
+
+
+def planned_comm(plan: dict) -> float | None:
+    """A step's planned communication: the plan's own figure, or a mesh layout's axes summed
+    (its `seconds` per part, compute aside)."""
+    if "comm_s_per_step" in plan:
+        return plan["comm_s_per_step"]
+    return sum(v for k, v in plan["seconds"].items() if k != "compute")
 
 
 MISS = 0.25  # a per-rank figure further than this from its prediction "missed"
@@ -242,7 +250,7 @@ def per_rank(plan: dict, run: dict, warmup: int | None = None) -> dict:
         if not got:
             continue
         row = {"rank": i, "name": names[i]}
-        comm_p = pr["comm_s"] if pr.get("comm_s") is not None else plan.get("comm_s_per_step")
+        comm_p = pr["comm_s"] if pr.get("comm_s") is not None else planned_comm(plan)
         for what, pred in (("compute_s", pr["compute_s"]), ("comm_s", comm_p)):
             m = statistics.median(g[what] for g in got)
             ratio, verdict = term_verdict(pred, m, plan.get("step_s"))
