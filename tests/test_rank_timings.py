@@ -161,3 +161,21 @@ def test_compare_judges_each_ranks_own_communication(tmp_path):
     assert r0["comm_s"]["verdict"] == "within" and r0["verdict"] == "within" and r1["verdict"] == "outside"
     assert [r["compute_s"]["verdict"] for r in cmp["ranks"]] == ["within", "within"]
     assert cmp["missed"] == ["comm on rank 1 (rank1) x3.00"] == cmp["outside"]
+
+
+def test_a_run_of_a_json_shape_is_compared_with_the_shape_its_report_records(tmp_path):
+    """The report names a JSON shape's model by its stem, which no lookup finds: compare plans
+    the shape the report records (a built-in stays its name, a checkpoint its folder)."""
+    import json
+
+    from smoltrain.models.spec import get_model
+    from smoltrain.planner.compare import run_model
+
+    f = tmp_path / "l2h64.json"
+    shape = {"vocab": 256, "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 4, "ffn": 256, "ctx": 64}
+    f.write_text(json.dumps(shape))
+    spec = get_model(str(f))
+    got = run_model({"model": spec.name, "model_spec": spec.to_dict()})
+    assert got == spec
+    assert run_model({"model": "tiny", "model_spec": get_model("tiny").to_dict()}) == "tiny"
+    assert run_model({"model": "x", "model_spec": {"source": "/m/x", "name": "x"}}) == "/m/x"

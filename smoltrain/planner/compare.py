@@ -38,7 +38,7 @@ def run_request(run: dict) -> dict:
     cfg = run["config"]
     req = {
         "strategy": cfg.get("strategy") or run.get("strategy"),
-        "model": (cfg.get("model_spec") or {}).get("source") or cfg.get("model", "tiny"),  # an HF run: its folder
+        "model": run_model(cfg),
         "world": int(cfg.get("world_size") or run.get("world_size") or 0),
         "dtype": cfg.get("dtype", "fp32"),
         "batch": int(cfg.get("batch", 8)),
@@ -50,6 +50,17 @@ def run_request(run: dict) -> dict:
     if not req["strategy"] or req["world"] < 1:
         raise UsageError("run report lacks config.strategy or world_size")
     return req
+
+
+def run_model(cfg: dict):
+    """The model a run trained: a checkpoint's folder, a built-in name, or (a JSON shape, whose
+    file the report does not name) the shape the report records."""
+    from smoltrain.models.spec import BUILTIN, ModelSpec
+
+    spec, name = cfg.get("model_spec") or {}, cfg.get("model", "tiny")
+    if spec.get("source") or name in BUILTIN or not spec:
+        return spec.get("source") or name
+    return ModelSpec(**{k: v for k, v in spec.items() if k in ModelSpec.__dataclass_fields__})
 
 
 def run_hosts(run: dict) -> list[str]:
