@@ -138,7 +138,8 @@ def axis_traffic(
                 cut = mesh.stage_layers(spec.layers)
                 stage = replace(spec, layers=cut[s])
                 tuned = stage_tuning(tuning, sum(cut[:s]), cut[s], spec.layers) if lora else tuning
-            m = microbatches if axis == "pp" else 1
+            # every microbatch crosses a stage's layers on its own, tp's all-reduces with it
+            m = microbatches if axis == "pp" or mesh.size("pp") > 1 else 1
             out.append((axis, g, traffic(axis, "train", stage, len(g), dtype, b, seq, m, tuning=tuned)))
     if data and mesh.size(data) > 1:
         for g in mesh.groups(data):
