@@ -46,6 +46,7 @@ TIERS = {
         "test_quant.py",
         "test_diloco_plan.py",
         "test_cost_core.py",
+        "test_decode_plan.py",
         "test_plan_builder.py",
         "test_bench_summary.py",
         "test_finetune_data.py",

@@ -431,6 +431,7 @@ def probe(
     from smoltrain import host
 
     threads, device = host.setup(threads, device)
+    from smoltrain.calibration.engine_probe import engine_step_s
     from smoltrain.models import backends
 
     flops = dtype_flops(torch, w, device)
@@ -451,6 +452,7 @@ def probe(
         "mem_bw_bytes_s": mem_bw,
         "decode_bw_bytes_s": decode_bw(torch, mem_bw, host.COPY_BYTES) if device == "cpu" else {},
         "decode_layer_s": decode_overhead(torch, pace) if device == "cpu" else {},
+        "decode_engine_s": engine_step_s(torch, pace) if device == "cpu" else None,
         "usable_memory_bytes": usable_memory(),
         "comm_cpu": comm,
         "train_step": [],

@@ -37,6 +37,7 @@ class HostCompute:
     decode_bw: tuple = ()  # decode products' weight bytes/s: ((dtype, ((rows, bytes/s), ...)), ...)
     decode_step: list = field(default_factory=list)  # timed one-token forwards: [{model, seconds}]
     decode_layer: tuple = ()  # seconds per layer beyond the products: ((dtype, ((rows, s), ...)), ...)
+    decode_engine: float | None = None  # seconds of a rank's decode engine per step (calibration.engine_probe)
 
     def quota(self) -> tuple[float, float] | None:
         """(quota, period) in seconds of a CFS cap whose period was measured, else None."""
@@ -125,6 +126,7 @@ def _host(d: dict, origin: str) -> HostCompute:
             decode_rates(d.get("decode_bw_bytes_s")),
             list(d.get("decode_step") or []),
             decode_rates(d.get("decode_layer_s")),
+            (float(d["decode_engine_s"]) if d.get("decode_engine_s") else None),
         )
     except (KeyError, TypeError, ValueError, AttributeError):
         raise UsageError(f"{origin}: host {d.get('name', '?')!r} lacks flops or mem_bw_bytes_s") from None
@@ -246,6 +248,7 @@ def measured_ranks(ranks: list, figs: list[HostCompute], model: ModelSpec, share
             achieved * rbf * share,
             decode_bw=f.decode_bw,
             decode_layer=f.decode_layer,
+            decode_engine_s=f.decode_engine,
         )
         prof = replace(prof, **prof.decode_scaled(share))
         cc = None

@@ -76,8 +76,9 @@ def decode(rk, w: capacity.RankWork, sh: Shape, rows: int = 1, pad: int = 1) -> 
     that many rows (DeviceProfile.weight_rate: calibrate's timed few-row product, else the
     memory bandwidth) and each sequence's KV cache at the memory bandwidth, or the FLOPs,
     whichever is slower; on measured hosts plus what each layer costs beyond its products
-    (calibrate's timed block at that many rows), else a forward pass's share of the timed
-    fixed cost."""
+    (calibrate's timed block at that many rows) and the rank's engine step (decode_engine_s:
+    header, wire codec, bookkeeping, sampling; once a step whatever its layers), else a
+    forward pass's share of the timed fixed cost."""
     model, a = sh.model, dtype_bytes(sh.dtype)
     n = max(rows, pad)
     rate, source = rk.device.weight_rate(None if sh.quantize else sh.dtype, n)
@@ -89,7 +90,8 @@ def decode(rk, w: capacity.RankWork, sh: Shape, rows: int = 1, pad: int = 1) -> 
     fixed = 0.0
     over = rk.device.layer_overhead(sh.compute_dtype or sh.dtype, n) if rk.measured else None
     if over is not None:  # calibrate's timed inference block, less its products, at this many rows
-        fixed = over * w.layers
+        # and the engine's own step (header, wire codec, bookkeeping, sampling), once per rank
+        fixed = over * w.layers + (rk.device.decode_engine_s or 0.0)
     elif rk.measured and rk.decode_fixed_s is not None:  # calibrate's timed one-token forward
         fixed = rk.decode_fixed_s * capacity.fixed_share(w, model, sh.strategy)
     elif rk.measured:  # an older report: one forward pass, a third of a training pass's operations
