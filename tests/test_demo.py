@@ -85,7 +85,9 @@ def test_demo_quick_writes_every_section(tmp_path):
         timeout=1100,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert "SKIPPED" not in r.stdout and "FAILED" not in r.stdout, r.stdout[-3000:]  # as root nothing is left out
+    # the demo's own verdict (Ansible's "FAILED!" for the refused MTU is the story, not a failure)
+    assert not re.search(r"FAILED: \d+ stage", r.stdout) and "SKIPPED:" not in r.stdout, r.stdout[-3000:]
+    assert re.search(r"─ done ─", r.stdout), r.stdout[-3000:]  # as root nothing is left out
     assert (out / "latest").is_symlink()  # each run its own folder, latest the newest
     out = out / "latest"
     report = (out / "REPORT.md").read_text()

@@ -179,3 +179,22 @@ def test_a_run_of_a_json_shape_is_compared_with_the_shape_its_report_records(tmp
     assert got == spec
     assert run_model({"model": "tiny", "model_spec": get_model("tiny").to_dict()}) == "tiny"
     assert run_model({"model": "x", "model_spec": {"source": "/m/x", "name": "x"}}) == "/m/x"
+
+
+def test_an_amortised_plan_is_compared_with_the_mean_of_its_steps():
+    """diloco's plan charges every step 1/H of the outer all-reduce: the measured side is the
+    mean of the steps (three inner steps at no comm and one outer step), not their median (0)."""
+    from smoltrain.planner.compare import per_rank
+
+    plan = {"inner_steps": 4, "step_s": 1.0, "ranks": [{"name": "a", "compute_s": 0.5, "comm_s": 0.25}]}
+    comm = [0.0, 0.0, 0.0, 1.0] * 2
+    run = {
+        "steps": [
+            {"step": i, "ranks": [{"rank": 0, "compute_s": 0.5, "comm_s": c, "wait_s": 0.0}]}
+            for i, c in enumerate(comm)
+        ]
+    }
+    (row,) = per_rank(plan, run, warmup=0)["ranks"]
+    assert row["comm_s"]["measured"] == 0.25 and row["comm_s"]["verdict"] == "within"
+    (row,) = per_rank({**plan, "inner_steps": 1}, run, warmup=0)["ranks"]
+    assert row["comm_s"]["measured"] == 0.0  # a lockstep plan: the median step

@@ -96,18 +96,29 @@ def after_warmup(steps: list, warmup: int | None = None) -> list:
     return list(steps)[warmup_steps(len(steps), warmup) :]
 
 
-def _median_after_warmup(run: dict, key: str, warmup: int | None = None) -> float | None:
+def amortised(plan: dict) -> bool:
+    """Whether the plan spreads a phase over several steps (diloco's outer step every H): its
+    per-step figures are means, so the measured steps are averaged too (a median of mostly
+    inner steps would read the outer step's communication as nothing)."""
+    return (plan.get("inner_steps") or 1) > 1
+
+
+def typical(vals, mean: bool = False) -> float:
+    return statistics.fmean(vals) if mean else statistics.median(vals)
+
+
+def _median_after_warmup(run: dict, key: str, warmup: int | None = None, mean: bool = False) -> float | None:
     vals = [s.get(key) for s in after_warmup(run.get("steps") or [], warmup)]
     vals = [v for v in vals if isinstance(v, (int, float))]
-    return statistics.median(vals) if vals else None
+    return typical(vals, mean) if vals else None
 
 
-def tokens_per_s_after_warmup(run: dict, warmup: int | None = None) -> float | None:
-    """Tokens per step over the median step after the warm-up, as step_s is compared."""
+def tokens_per_s_after_warmup(run: dict, warmup: int | None = None, mean: bool = False) -> float | None:
+    """Tokens per step over the typical step after the warm-up, as step_s is compared."""
     steps = [s for s in after_warmup(run.get("steps") or [], warmup) if s.get("step_s") and s.get("tokens")]
     if not steps:
         return run.get("tokens_per_s")
-    return statistics.median(s["tokens"] for s in steps) / statistics.median(s["step_s"] for s in steps)
+    return typical([s["tokens"] for s in steps], mean) / typical([s["step_s"] for s in steps], mean)
 
 
 def compare(plan: dict, run: dict, warmup: int | None = None) -> dict:
@@ -133,8 +144,9 @@ def compare(plan: dict, run: dict, warmup: int | None = None) -> dict:
                 "within_2pct": ratio is not None and abs(ratio - 1) <= TOLERANCE,
             }
         )
-    step_m = _median_after_warmup(run, "step_s", warmup)
-    comm_m = _median_after_warmup(run, "comm_s", warmup)
+    mean = amortised(plan)
+    step_m = _median_after_warmup(run, "step_s", warmup, mean)
+    comm_m = _median_after_warmup(run, "comm_s", warmup, mean)
     out = {
         "schema": COMPARE_SCHEMA,
         "strategy": plan["strategy"],
@@ -147,7 +159,7 @@ def compare(plan: dict, run: dict, warmup: int | None = None) -> dict:
         "bytes_within_2pct": all(r["within_2pct"] for r in rows),
         "step_s": {"predicted": plan["step_s"], "measured": step_m},
         "comm_s": {"predicted": planned_comm(plan), "measured": comm_m},
-        "tokens_per_s": {"predicted": plan["tokens_per_s"], "measured": tokens_per_s_after_warmup(run, warmup)},
+        "tokens_per_s": {"predicted": plan["tokens_per_s"], "measured": tokens_per_s_after_warmup(run, warmup, mean)},
         **per_rank(plan, run, warmup),
         "plan": plan,
     }
@@ -263,7 +275,7 @@ def per_rank(plan: dict, run: dict, warmup: int | None = None) -> dict:
         row = {"rank": i, "name": names[i]}
         comm_p = pr["comm_s"] if pr.get("comm_s") is not None else planned_comm(plan)
         for what, pred in (("compute_s", pr["compute_s"]), ("comm_s", comm_p)):
-            m = statistics.median(g[what] for g in got)
+            m = typical([g[what] for g in got], amortised(plan))
             ratio, verdict = term_verdict(pred, m, plan.get("step_s"))
             row[what] = {"predicted": pred, "measured": m, "ratio": ratio, "verdict": verdict}
             if verdict == "outside":
