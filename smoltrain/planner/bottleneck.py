@@ -161,23 +161,31 @@ def _share(seconds: float, s: Parts) -> float | None:
     return seconds / total if total > 0 and total != float("inf") else None
 
 
+def out_of_memory(per_rank: list[dict], with_outer_state: bool) -> Bottleneck | None:
+    """The rank furthest over its memory, as the record (None when every rank fits)."""
+    unfit = [p for p in per_rank if not p["fits"]]
+    if not unfit:
+        return None
+    p = max(unfit, key=lambda p: p["memory"]["total"] / max(1, p["memory_available"]))
+    return Bottleneck(
+        "capacity",
+        "memory",
+        rank=p["rank"],
+        host=p["name"],
+        device=p["device"],
+        needs=p["memory"]["total"],
+        usable=p["memory_available"],
+        with_outer_state=with_outer_state,
+    )
+
+
 def find(s: Parts) -> Bottleneck:
     """The plan's limit, as a record: memory first, then a down link, then communication when it
     takes longer than compute (latency, the busiest link, a star's NIC, an outer step), else the
     slowest rank (or stage)."""
-    unfit = [p for p in s.per_rank if not p["fits"]]
+    unfit = out_of_memory(s.per_rank, s.outer is not None)
     if unfit:
-        p = max(unfit, key=lambda p: p["memory"]["total"] / max(1, p["memory_available"]))
-        return Bottleneck(
-            "capacity",
-            "memory",
-            rank=p["rank"],
-            host=p["name"],
-            device=p["device"],
-            needs=p["memory"]["total"],
-            usable=p["memory_available"],
-            with_outer_state=s.outer is not None,
-        )
+        return unfit
     names, lm, cc, out = s.names, s.lm, s.cc, s.outer
     if s.down:
         a, d = s.down[0]

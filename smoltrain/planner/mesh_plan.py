@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from smoltrain import registry
 from smoltrain.mesh import MODEL_AXES
 from smoltrain.planner import capacity, mesh_render, rank_time, steps, timing
-from smoltrain.planner.bottleneck import Bottleneck
+from smoltrain.planner.bottleneck import Bottleneck, out_of_memory
 from smoltrain.planner.mesh_traffic import held_params
 from smoltrain.planner.placement import counts_from_shares, even_counts
 
@@ -223,19 +223,9 @@ def bottleneck(parts: list[Part], rows, names: list[str], down: list, mesh) -> B
     """The layout's limit as planner.bottleneck's record (mesh_render.words says it): a rank that
     does not fit, a down link (and its axis), else the largest part: the slowest rank's compute
     (with pp, its stage's) or an axis's communication over its limiting link."""
-    unfit = [p for p, _ in rows if not p["fits"]]
+    unfit = out_of_memory([p for p, _ in rows], mesh.size("diloco") > 1)
     if unfit:
-        p = max(unfit, key=lambda p: p["memory"]["total"] / max(1, p["memory_available"]))
-        return Bottleneck(
-            "capacity",
-            "memory",
-            rank=p["rank"],
-            host=p["name"],
-            device=p["device"],
-            needs=p["memory"]["total"],
-            usable=p["memory_available"],
-            with_outer_state=mesh.size("diloco") > 1,
-        )
+        return unfit
     if down:
         (s, d), axis = down[0]
         return Bottleneck("link", "down", src=names[s], dst=names[d], axis=axis)
