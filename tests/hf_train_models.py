@@ -67,3 +67,12 @@ def make(path: str, arch: str, layers: int = 2, tied: bool = False, seed: int = 
     model.save_pretrained(path, safe_serialization=True)
     tok.save(os.path.join(path, "tokenizer.json"))
     return path
+
+
+TEXT = "Hello there, how are you today? I am fine.\nThe quick brown fox jumps over the lazy dog.\n" * 30
+
+
+def llama_and_text(root) -> tuple[str, str]:
+    """A small Llama checkpoint and a text file to train it on, both under `root`."""
+    (root / "text.txt").write_text(TEXT)
+    return make(str(root / "llama"), "llama"), str(root / "text.txt")

@@ -8,18 +8,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from hf_train_models import make
+from hf_train_models import llama_and_text, make
 
 from smoltrain.cli import main
-
-TEXT = "Hello there, how are you today? I am fine.\nThe quick brown fox jumps over the lazy dog.\n" * 30
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ckpt_act")
-    (root / "text.txt").write_text(TEXT)
-    return make(str(root / "llama"), "llama"), str(root / "text.txt")
+    return llama_and_text(tmp_path_factory.mktemp("ckpt_act"))
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "builtin"])
