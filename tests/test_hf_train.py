@@ -14,14 +14,13 @@ import json
 import shutil
 
 import pytest
-from hf_train_models import make
+from hf_train_models import TEXT, make
 from infer_models import reference
 
 from smoltrain.cli import main
 from smoltrain.schema import check_any
 
 ARCHS = ["llama", "qwen2", "qwen3", "gpt2"]
-TEXT = "Hello there, how are you today? I am fine.\nThe quick brown fox jumps over the lazy dog.\n" * 30
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hf_train_models import make
+from hf_train_models import TEXT, make
 
 from smoltrain.cli import main
 from smoltrain.finetune.tuning import describe
@@ -18,7 +18,6 @@ from smoltrain.mesh import parse
 from smoltrain.models.spec import get_model
 from smoltrain.planner.mesh_traffic import adapter_params, axis_traffic, held_params
 
-TEXT = "Hello there, how are you today? I am fine.\nThe quick brown fox jumps over the lazy dog.\n" * 30
 TARGETS = "q_proj,o_proj,gate_proj,down_proj"  # column- and row-cut layers in attention and MLP
 
 

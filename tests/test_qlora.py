@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from hf_train_models import make
+from hf_train_models import TEXT, make
 
 from smoltrain.cli import main
 from smoltrain.finetune import lora
@@ -23,8 +23,6 @@ from smoltrain.models.gpt import loss_sum
 from smoltrain.models.hf import Checkpoint
 from smoltrain.models.qlinear import QuantLinear
 from smoltrain.models.spec import get_model
-
-TEXT = "Hello there, how are you today? I am fine.\nThe quick brown fox jumps over the lazy dog.\n" * 30
 
 
 @pytest.fixture(scope="module")
