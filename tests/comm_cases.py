@@ -218,3 +218,23 @@ def group_mismatch(comm, params) -> dict:
     g = comm.new_group([0, 1])
     (g if comm.rank == 0 else comm).all_reduce(torch.ones(4))
     return {}
+
+
+def idle_wait(comm, params) -> dict:
+    """CPU seconds a rank spends blocked on a late peer, in a receive and in an all-reduce: a
+    capped or busy host that spun while it waited would compute slower the more it syncs."""
+    buf = torch.zeros(1 << 16)
+    out = {}
+    for op in ("recv", "all_reduce"):
+        comm.barrier()
+        if comm.rank == 1:
+            time.sleep(params["late_s"])
+        cpu, wall = time.process_time(), time.monotonic()
+        if op == "all_reduce":
+            comm.all_reduce(buf)
+        elif comm.rank == 0:
+            comm.recv(buf, 1)
+        else:
+            comm.send(buf, 0)
+        out[op] = {"cpu_s": time.process_time() - cpu, "wall_s": time.monotonic() - wall}
+    return out
