@@ -1,9 +1,9 @@
 /* The decode kernels (smoltrain/models/q4_0.c, kernels.c) on their own, no Python: built for
    aarch64 and run under qemu-user (dotprod and plain NEON), and built with AddressSanitizer and
    UBSan on this machine (tests/test_kernels_c.py). Each product against a float64 reference of
-   the same arithmetic, a batched row against the row alone (bit for bit), the row kernels
-   against float64, and the shapes the kernels must refuse. Prints "simd N" and "ok", or the
-   first failure (exit 1). */
+   the same arithmetic, a batched row (and the fp32 product's block of weight rows) against the
+   row alone (bit for bit), the row kernels against float64, and the shapes the kernels must
+   refuse. Prints "simd N" and "ok", or the first failure (exit 1). */
 
 #include <math.h>
 #include <stdint.h>
@@ -115,6 +115,25 @@ static void products(int n, int k, int m) {
     free(x), free(w), free(d), free(y), free(y1), free(qs), free(q8), free(d8), free(xr), free(wq), free(w8);
 }
 
+/* The one-row fp32 product against float64, and each weight row's answer alone equal bit for bit
+   to its answer in the blocks of rows the kernel streams together (any n, any k: remainders of
+   both). */
+static void gemv(int n, int k) {
+    float *x = malloc(sizeof(float) * k), *w = malloc(sizeof(float) * n * k), *y = malloc(sizeof(float) * n), y1;
+    for (int i = 0; i < k; i++) x[i] = rnd();
+    for (int i = 0; i < n * k; i++) w[i] = rnd();
+    check(f32_gemv(x, k, w, n, y, 2) == 0, "f32_gemv rc", 0, 0);
+    for (int j = 0; j < n; j++) {
+        double ref = 0;
+        for (int i = 0; i < k; i++) ref += (double)x[i] * w[j * k + i];
+        check(fabs(ref - y[j]) < 1e-4 * (1 + fabs(ref)), "f32_gemv vs float64", y[j], ref);
+        f32_gemv(x, k, w + (size_t)j * k, 1, &y1, 1);
+        check(memcmp(&y1, y + j, sizeof(float)) == 0, "f32_gemv row alone", y1, y[j]);
+    }
+    check(f32_gemv(x, 0, w, n, y, 1) == -1, "f32_gemv refuses k 0", 0, -1);
+    free(x), free(w), free(y);
+}
+
 static void rows(void) {
     enum { K = 72, H = 6, KV = 2, HD = 8, L = 5, POS = 3 };
     float x[K], w[K], y[K], gu[2 * K], s[K];
@@ -159,6 +178,9 @@ int main(void) {
     printf("simd %d\n", simd());
     products(40, 96, 9);   /* an odd number of groups, 4-row blocks and their remainder */
     products(24, 256, 3);  /* an even number: AVX512's pairs */
+    gemv(7, 83);           /* a block of rows and 3 alone; a tail past the last whole chunk */
+    gemv(9, 200);
+    gemv(3, 8);            /* rows alone only, shorter than one chunk */
     rows();
     if (fails) return 1;
     printf("ok\n");

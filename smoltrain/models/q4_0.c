@@ -391,49 +391,82 @@ int q8_0_mm(const float *x, int m, int k, const int8_t *q, const uint16_t *d, in
     return 0;
 }
 
-/* y [n] = W [n, k] x [k], fp32, one row (decode). */
+/* fp32 weight rows streamed together by the one-row product: one core reads memory only as fast
+   as it keeps misses in flight, and a single row is one sequential stream the hardware prefetcher
+   runs ahead of by a bounded distance. FROWS rows side by side are FROWS streams: 1.17x the
+   stream of one row at a time on the x86 machine of BENCHMARKS.md (docs/machine.md). AVX2 has 16
+   registers, room for two rows' accumulators. */
+#if defined(__AVX512F__) || defined(__ARM_NEON)
+#define FROWS 4
+#elif defined(__AVX2__)
+#define FROWS 2
+#else
+#define FROWS 1
+#endif
+
+/* y[r] = w[r] . x for nr <= FROWS rows of w (row-major, k apart), each row summed in one order
+   whatever rows share its block: per SIMD lane of 4 accumulators over chunks of 4 vectors, the
+   accumulators added pairwise, the tail beyond the last whole chunk in order, after. */
+static inline __attribute__((always_inline)) void gemv_rows(const float *x, int k, const float *w, int nr, float *y) {
+    int i = 0;
+    float sum[FROWS];
+#if defined(__AVX512F__)
+    __m512 a[FROWS][4];
+    for (int r = 0; r < nr; r++)
+        for (int c = 0; c < 4; c++) a[r][c] = _mm512_setzero_ps();
+    for (; i + 64 <= k; i += 64)
+        for (int c = 0; c < 4; c++) {
+            __m512 xv = _mm512_loadu_ps(x + i + 16 * c);
+            for (int r = 0; r < nr; r++)
+                a[r][c] = _mm512_fmadd_ps(_mm512_loadu_ps(w + (size_t)r * k + i + 16 * c), xv, a[r][c]);
+        }
+    for (int r = 0; r < nr; r++)
+        sum[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]), _mm512_add_ps(a[r][2], a[r][3])));
+#elif defined(__AVX2__)
+    __m256 a[FROWS][4];
+    for (int r = 0; r < nr; r++)
+        for (int c = 0; c < 4; c++) a[r][c] = _mm256_setzero_ps();
+    for (; i + 32 <= k; i += 32)
+        for (int c = 0; c < 4; c++) {
+            __m256 xv = _mm256_loadu_ps(x + i + 8 * c);
+            for (int r = 0; r < nr; r++)
+                a[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(w + (size_t)r * k + i + 8 * c), xv, a[r][c]);
+        }
+    for (int r = 0; r < nr; r++)
+        sum[r] = hsum8(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3])));
+#elif defined(__ARM_NEON)
+    float32x4_t a[FROWS][4];
+    for (int r = 0; r < nr; r++)
+        for (int c = 0; c < 4; c++) a[r][c] = vdupq_n_f32(0.f);
+    for (; i + 16 <= k; i += 16)
+        for (int c = 0; c < 4; c++) {
+            float32x4_t xv = vld1q_f32(x + i + 4 * c);
+            for (int r = 0; r < nr; r++) a[r][c] = vfmaq_f32(a[r][c], vld1q_f32(w + (size_t)r * k + i + 4 * c), xv);
+        }
+    for (int r = 0; r < nr; r++) sum[r] = vaddvq_f32(vaddq_f32(vaddq_f32(a[r][0], a[r][1]), vaddq_f32(a[r][2], a[r][3])));
+#else
+    for (int r = 0; r < nr; r++) sum[r] = 0.f;
+#endif
+    for (int r = 0; r < nr; r++) {
+        float tail = 0.f;
+        for (int t = i; t < k; t++) tail += w[(size_t)r * k + t] * x[t];
+        y[r] = sum[r] + tail;
+    }
+}
+
+/* y [n] = W [n, k] x [k], fp32, one row (decode): blocks of FROWS weight rows, the last rows one
+   at a time. */
 int f32_gemv(const float *x, int k, const float *w, int n, float *y, int threads) {
     if (k < 1 || n < 1) return -1;
+    int blocks = (n + FROWS - 1) / FROWS;
     (void)threads;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int j = 0; j < n; j++) {
-        const float *r = w + (size_t)j * k;
-        int i = 0;
-        float tail = 0.f;
-#if defined(__AVX512F__)
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (; i + 64 <= k; i += 64) {
-            for (int c = 0; c < 64; c += 16) /* the lines about to be read: 1.07x here, measured */
-                _mm_prefetch((const char *)(r + i + c), _MM_HINT_T0);
-            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(r + i), _mm512_loadu_ps(x + i), a0);
-            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(r + i + 16), _mm512_loadu_ps(x + i + 16), a1);
-            a2 = _mm512_fmadd_ps(_mm512_loadu_ps(r + i + 32), _mm512_loadu_ps(x + i + 32), a2);
-            a3 = _mm512_fmadd_ps(_mm512_loadu_ps(r + i + 48), _mm512_loadu_ps(x + i + 48), a3);
-        }
-        float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-#elif defined(__AVX2__)
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (; i + 32 <= k; i += 32) {
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(r + i), _mm256_loadu_ps(x + i), a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(r + i + 8), _mm256_loadu_ps(x + i + 8), a1);
-            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(r + i + 16), _mm256_loadu_ps(x + i + 16), a2);
-            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(r + i + 24), _mm256_loadu_ps(x + i + 24), a3);
-        }
-        float sum = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-#elif defined(__ARM_NEON)
-        float32x4_t a0 = vdupq_n_f32(0.f), a1 = a0, a2 = a0, a3 = a0;
-        for (; i + 16 <= k; i += 16) {
-            a0 = vfmaq_f32(a0, vld1q_f32(r + i), vld1q_f32(x + i));
-            a1 = vfmaq_f32(a1, vld1q_f32(r + i + 4), vld1q_f32(x + i + 4));
-            a2 = vfmaq_f32(a2, vld1q_f32(r + i + 8), vld1q_f32(x + i + 8));
-            a3 = vfmaq_f32(a3, vld1q_f32(r + i + 12), vld1q_f32(x + i + 12));
-        }
-        float sum = vaddvq_f32(vaddq_f32(vaddq_f32(a0, a1), vaddq_f32(a2, a3)));
-#else
-        float sum = 0.f;
-#endif
-        for (; i < k; i++) tail += r[i] * x[i];
-        y[j] = sum + tail;
+    for (int b = 0; b < blocks; b++) {
+        int j = b * FROWS;
+        if (n - j >= FROWS)
+            gemv_rows(x, k, w + (size_t)j * k, FROWS, y + j);
+        else
+            for (; j < n; j++) gemv_rows(x, k, w + (size_t)j * k, 1, y + j);
     }
     return 0;
 }
