@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 
 import pytest
 from infer_models import checkpoints
@@ -55,10 +56,14 @@ def test_local_matches_transformers(models, tmp_path, arch):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("strategy,world", [("pp", 2), ("pp", 3), ("tp", 2)])
-def test_split_matches_transformers(models, tmp_path, arch, strategy, world):
+def test_split_matches_transformers(models, tmp_path, arch, strategy, world, monkeypatch):
     path, want = models[arch]
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))  # where the ranks' log folder goes
     doc = generate(tmp_path, path, "--strategy", strategy, "--local", str(world))
     assert doc["output_ids"] == want
+    assert list(tmp.iterdir()) == []  # a clean run leaves no log folder behind
     h, a = 32, 4
     steps = NEW - 1
     assert doc["decode"]["tokens"] == steps

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import shutil
 import socket
 import sys
 import threading
@@ -270,6 +271,7 @@ class Cluster(Runner):
             raise RankDied(self.dead) from None
 
     def close(self) -> None:
+        failed = self.dead  # before the ranks quit (their exit reads as `dead` from here on)
         self.closing = True
         for r, s in list(self.socks.items()):
             try:
@@ -280,3 +282,5 @@ class Cluster(Runner):
         self.group.stop()
         for s in self.socks.values():
             s.close()
+        if not failed and not self.group.dead():  # as `run`: the logs stay only when a rank failed
+            shutil.rmtree(self.log_dir, ignore_errors=True)
