@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import tempfile
 import time
@@ -121,6 +122,7 @@ class Group:
                     out.append(json.load(f))
             else:
                 out.append(None)
+        shutil.rmtree(self.dir, ignore_errors=True)  # read once: nothing left in /tmp
         return out
 
 
