@@ -13,6 +13,7 @@ with a tier (e.g. one sim test in a process file) keeps its own mark.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,19 @@ def pytest_collection_modifyitems(config, items):
         if tier is None:
             raise pytest.UsageError(f"{item.fspath}: not in tests/conftest.py TIERS; add it to one tier")
         item.add_marker(getattr(pytest.mark, tier))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_tmpdir(tmp_path_factory):
+    """Temporary folders of the suite's processes (the logs a failed run keeps on purpose, and
+    the tests fail runs on purpose) go under this session's pytest folder, which pytest prunes,
+    not loose in /tmp."""
+    tmp = tmp_path_factory.mktemp("tmp")
+    patch = pytest.MonkeyPatch()
+    patch.setenv("TMPDIR", str(tmp))  # child processes
+    patch.setattr(tempfile, "tempdir", str(tmp))  # this one
+    yield tmp
+    patch.undo()
 
 
 @pytest.fixture
