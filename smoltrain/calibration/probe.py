@@ -175,7 +175,7 @@ def cpu_pace(window: float = PACE_WINDOW) -> float:
 
 def decode_overhead(torch, pace: float) -> dict:
     """Seconds per layer a decode step of 1, 4 and 8 rows spends beyond its matrix products,
-    per dtype: a real inference block (models.llama) of OVERHEAD_LAYER's shape, each row with
+    per dtype: a real inference block (models.llama.LlamaDecode) of OVERHEAD_LAYER's shape, each row with
     its own KV cache, as `generate` (1 row) and `serve` (batched) run it, less the same
     block's products timed alone. At one thread: these operations gain nothing from more,
     and CPU time counts every thread, a BLAS pool's spinning ones too. CPU seconds, times
@@ -191,24 +191,24 @@ def decode_overhead(torch, pace: float) -> dict:
 
 
 def _overhead(torch, pace: float) -> dict:
+    from smoltrain.models.blocks import LlamaBlock
     from smoltrain.models.hf import HFConfig
-    from smoltrain.models.llama import LlamaBlock
+    from smoltrain.models.llama import LlamaDecode
     from smoltrain.models.stage import Rows
 
     L = OVERHEAD_LAYER
     cfg = HFConfig("llama", 256, L["hidden"], 1, L["heads"], L["kv_heads"], L["head_dim"], L["ffn"], 256, 1e-5)
-    H, q, kv, f = cfg.hidden, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.ffn
-    shapes = {"q": (q, H), "k": (kv, H), "v": (kv, H), "o": (H, q), "gate": (f, H), "up": (f, H), "down": (H, f)}
+    H = cfg.hidden
     out: dict = {}
     for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         try:
             per: dict = {}
             for rows in DECODE_ROWS:
-                w = {f"self_attn.{p}_proj.weight": torch.randn(*shapes[p]) * 0.02 for p in "qkvo"}
-                w.update({f"mlp.{p}_proj.weight": torch.randn(*shapes[p]) * 0.02 for p in ("gate", "up", "down")})
-                w = {k: v.to(dt) for k, v in w.items()}
-                w["input_layernorm.weight"] = w["post_attention_layernorm.weight"] = torch.ones(H, dtype=dt)
-                block = LlamaBlock(cfg, w, cfg.heads, cfg.kv_heads, one_row=rows == 1)
+                layer = LlamaBlock(cfg, cfg.heads, cfg.kv_heads, cfg.ffn).requires_grad_(False)
+                for key, p in layer.named_parameters():
+                    if "norm" not in key:
+                        p.normal_(0, 0.02)
+                block = LlamaDecode(layer.to(dt), one_row=rows == 1)
                 for slot in range(rows):
                     block.open(slot, OVERHEAD_POS + 8, dt)
                 x = torch.randn(rows, 1, H).to(dt)

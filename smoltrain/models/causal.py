@@ -1,47 +1,37 @@
-"""The trainable causal LM: Llama (and SmolLM2, Llama 3.x), Qwen2/2.5, Qwen3, GPT-2, and the built-in GPT.
+"""The causal LM, for training and inference alike: Llama (and SmolLM2, Llama 3.x), Qwen2/2.5,
+Qwen3, GPT-2, and the built-in GPT.
 
-One model for every strategy: `units` = `Embed`, one block per layer, `Head`, so mp/pp take a
-run of units, fsdp each unit's parameters and tp the inside of each block (`Block.tp_slice`;
-the built-in block through strategies.tp). A config picks the block: a Hugging Face
-checkpoint's (models.hf.HFConfig) or the built-in shapes' (`tiny`, `tiny8`, a JSON shape:
-models.gpt.config, arch "gpt": LayerNorm, learned positions, exact GELU, no linear biases,
-its own short parameter names, which its checkpoints and export keep). The arithmetic is the
-inference blocks' (models.llama: RMSNorm, RoPE tables with Llama 3 scaling, grouped-query
-attention), written once more without KV caches or packed weights because training needs
-plain parameters and autograd; both follow transformers number for number, and the tests
-hold both to it.
+One model for every strategy: `units` = `Embed`, one block per layer (models.blocks), `Head`,
+so mp/pp take a run of units, fsdp each unit's parameters and tp the inside of each block
+(`Block.tp_slice`; the built-in block through strategies.tp). A config picks the block: a
+Hugging Face checkpoint's (models.hf.HFConfig) or the built-in shapes' (`tiny`, `tiny8`, a
+JSON shape: models.gpt.config, arch "gpt": LayerNorm, learned positions, exact GELU, no linear
+biases, its own short parameter names, which its checkpoints and export keep).
 
-Sub-module names inside a block are the checkpoint's (`self_attn.q_proj`, `mlp.gate_proj`,
-GPT-2's `attn.c_attn`), so `hf_name` maps every parameter to its checkpoint key: what
-LoRA targets and what export writes.
+`hf_name` maps every parameter to its checkpoint key: what LoRA targets, what export writes,
+and how both `build` (a whole model for training) and `load_block`/`load_ends` (one stage's
+units, one tp rank's windows, for generate and serve: models.stage packs them for decode)
+read a checkpoint. Both follow transformers number for number, and the tests hold them to it.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from smoltrain.models.hf import GELUS, Checkpoint, HFConfig
-from smoltrain.models.llama import apply_rope, rms_norm, rope_table
+from smoltrain.models.blocks import (  # noqa: F401 (re-exported: models.gpt)
+    BLOCKS,
+    MLP,
+    Attention,
+    Block,
+    GPTBlock,
+    RMSNorm,
+    make_block,
+    run_block,
+    tp_share,
+)
+from smoltrain.models.hf import Checkpoint, HFConfig
 from smoltrain.models.spec import ModelSpec
-
-
-def _same(t):
-    return t
-
-
-def run_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`block.body(x)`, under activation checkpointing when `block.checkpoint` is set
-    (--checkpoint-activations): autograd keeps the block's input only and reruns its forward
-    (with the same RNG state) in backward; without grad (eval) it runs plainly."""
-    if block.checkpoint and torch.is_grad_enabled():
-        from torch.utils.checkpoint import checkpoint
-
-        return checkpoint(block.body, x, use_reentrant=False)
-    return block.body(x)
 
 
 class Embed(nn.Module):
@@ -52,267 +42,12 @@ class Embed(nn.Module):
         self.wte = nn.Embedding(spec.vocab, spec.hidden)
         self.wpe = nn.Embedding(spec.ctx, spec.hidden) if spec.learned_pos else None
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions` [rows, T]: where each row's tokens sit (decode continues a sequence); 0..T-1 else."""
         x = self.wte(idx)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+            x = x + self.wpe(torch.arange(idx.shape[1], device=idx.device) if positions is None else positions)
         return x
-
-
-def _carry_adapters(part, whole, cuts: dict) -> None:
-    """LoRA adapters of `whole`'s layers onto the tp slice `part` (finetune.lora.attach_like): a
-    column-parallel layer's B cut by its output rows, a row-parallel layer's A by its input columns;
-    the uncut factor then has a partial-sum gradient, which tp all-reduces (`partial_grads`)."""
-    mods = dict(whole.named_modules())
-    if any(hasattr(m, "lora_A") for m in mods.values()):
-        from smoltrain.finetune.lora import attach_like
-
-        dst = dict(part.named_modules())
-        for name, (rows, cols) in cuts.items():
-            if hasattr(mods[name], "lora_A"):
-                attach_like(dst[name], mods[name], rows=rows, cols=cols)
-                part.partial_grads.append(dst[name].lora_A.weight if cols is None else dst[name].lora_B.weight)
-    frozen = {n for n, p in whole.named_parameters() if not p.requires_grad}  # the base, under LoRA
-    for n, p in part.named_parameters():
-        p.requires_grad_(n not in frozen)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, n: int, eps: float):
-        super().__init__()
-        self.weight, self.eps = nn.Parameter(torch.ones(n)), eps
-
-    def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
-
-
-class Conv1D(nn.Module):
-    """GPT-2's linear layer: weight stored [in, out] as in the checkpoint (and as PEFT expects)."""
-
-    fan_in_fan_out = True  # PEFT's flag for a weight stored [in, out]
-
-    def __init__(self, n_in: int, n_out: int, bias: bool = True):
-        super().__init__()
-        self.in_features, self.out_features, self.nf = n_in, n_out, n_out
-        self.weight = nn.Parameter(torch.zeros(n_in, n_out))
-        self.bias = nn.Parameter(torch.zeros(n_out)) if bias else None
-
-    def forward(self, x):
-        y = x @ self.weight
-        return y if self.bias is None else y + self.bias
-
-
-class LlamaAttention(nn.Module):
-    def __init__(self, cfg: HFConfig, heads: int, kv_heads: int, o_bias: bool):
-        super().__init__()
-        h, hd = cfg.hidden, cfg.head_dim
-        self.cfg, self.heads, self.kv_heads = cfg, heads, kv_heads
-        bias = cfg.bias or cfg.qkv_bias
-        self.q_proj = nn.Linear(h, heads * hd, bias=bias)
-        self.k_proj = nn.Linear(h, kv_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(h, kv_heads * hd, bias=bias)
-        self.o_proj = nn.Linear(heads * hd, h, bias=o_bias)
-        if cfg.qk_norm:
-            self.q_norm, self.k_norm = RMSNorm(hd, cfg.eps), RMSNorm(hd, cfg.eps)
-
-    def forward(self, x):
-        (B, T), hd, cfg = x.shape[:2], self.cfg.head_dim, self.cfg
-        q = self.q_proj(x).view(B, T, self.heads, hd)
-        k = self.k_proj(x).view(B, T, self.kv_heads, hd)
-        v = self.v_proj(x).view(B, T, self.kv_heads, hd)
-        if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        scaling = tuple(cfg.rope_scaling) if cfg.rope_scaling else None
-        cos, sin = rope_table(cfg.rope_theta, hd, T, torch.float32, str(x.device), scaling)
-        cos, sin = cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None]
-        q, k = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2)
-        a = F.scaled_dot_product_attention(
-            q, k, v.transpose(1, 2), is_causal=True, enable_gqa=self.kv_heads != self.heads
-        )
-        return self.o_proj(a.transpose(1, 2).reshape(B, T, self.heads * hd))
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, hidden: int, ffn: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, ffn, bias=False)
-        self.up_proj = nn.Linear(hidden, ffn, bias=False)
-        self.down_proj = nn.Linear(ffn, hidden, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Block(nn.Module):
-    """A pre-norm block: `body` holds its maths; `enter`/`leave` are identities alone and tp's f/g
-    all-reduces when sliced; forward goes through models.gpt.run_block (activation checkpointing)."""
-
-    def __init__(self, cfg: HFConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.enter, self.leave = _same, _same
-        self.checkpoint = False  # activation checkpointing (models.gpt.run_block)
-        self.partial_grads: list[nn.Parameter] = []  # tp: replicated weights whose gradients need a sum
-
-    def forward(self, x):
-        return run_block(self, x)
-
-
-class LlamaBlock(Block):
-    def __init__(self, cfg: HFConfig, heads: int, kv_heads: int, ffn: int, o_bias: bool | None = None):
-        super().__init__(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden, cfg.eps)
-        self.self_attn = LlamaAttention(cfg, heads, kv_heads, cfg.bias if o_bias is None else o_bias)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.eps)
-        self.mlp = LlamaMLP(cfg.hidden, ffn)
-
-    def body(self, x):
-        x = x + self.leave(self.self_attn(self.enter(self.input_layernorm(x))))
-        return x + self.leave(self.mlp(self.enter(self.post_attention_layernorm(x))))
-
-    def tp_slice(self, heads: tuple[int, int], ffn: tuple[int, int], enter, leave, keep_bias: bool) -> LlamaBlock:
-        """This rank's heads [lo, hi) (whole KV groups) and MLP units: q, k, v, gate, up by output
-        rows, o and down by input columns; the o_proj bias only on the rank that keeps it (added once)."""
-        cfg, hd = self.cfg, self.cfg.head_dim
-        g = cfg.heads // cfg.kv_heads
-        qs, ks, fs = slice(heads[0] * hd, heads[1] * hd), slice(heads[0] // g * hd, heads[1] // g * hd), slice(*ffn)
-        part = LlamaBlock(cfg, heads[1] - heads[0], (heads[1] - heads[0]) // g, ffn[1] - ffn[0], cfg.bias and keep_bias)
-        a, b = self.self_attn, part.self_attn
-        rows = {"q_proj": qs, "k_proj": ks, "v_proj": ks}
-        with torch.no_grad():
-            for n, sl in rows.items():
-                getattr(b, n).weight.copy_(getattr(a, n).weight[sl])
-                if getattr(b, n).bias is not None:
-                    getattr(b, n).bias.copy_(getattr(a, n).bias[sl])
-            b.o_proj.weight.copy_(a.o_proj.weight[:, qs])
-            if b.o_proj.bias is not None:
-                b.o_proj.bias.copy_(a.o_proj.bias)
-            if cfg.qk_norm:  # shared by every rank's heads: each rank's gradient is a partial sum
-                b.q_norm.weight.copy_(a.q_norm.weight), b.k_norm.weight.copy_(a.k_norm.weight)
-                part.partial_grads += [b.q_norm.weight, b.k_norm.weight]
-            part.mlp.gate_proj.weight.copy_(self.mlp.gate_proj.weight[fs])
-            part.mlp.up_proj.weight.copy_(self.mlp.up_proj.weight[fs])
-            part.mlp.down_proj.weight.copy_(self.mlp.down_proj.weight[:, fs])
-            part.input_layernorm.weight.copy_(self.input_layernorm.weight)
-            part.post_attention_layernorm.weight.copy_(self.post_attention_layernorm.weight)
-        cuts = {f"self_attn.{n}": (sl, None) for n, sl in rows.items()}
-        cuts.update({"self_attn.o_proj": (None, qs), "mlp.down_proj": (None, fs)})
-        cuts.update({"mlp.gate_proj": (fs, None), "mlp.up_proj": (fs, None)})
-        _carry_adapters(part, self, cuts)
-        part.enter, part.leave, part.checkpoint = enter, leave, self.checkpoint
-        return part
-
-
-class GPT2Attention(nn.Module):
-    def __init__(self, hidden: int, heads: int, head_dim: int, proj_bias: bool):
-        super().__init__()
-        self.heads, self.head_dim = heads, head_dim
-        self.c_attn = Conv1D(hidden, 3 * heads * head_dim)
-        self.c_proj = Conv1D(heads * head_dim, hidden, bias=proj_bias)
-
-    def forward(self, x):
-        (B, T), n, hd = x.shape[:2], self.heads, self.head_dim
-        q, k, v = (t.view(B, T, n, hd).transpose(1, 2) for t in self.c_attn(x).split(n * hd, dim=-1))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(a.transpose(1, 2).reshape(B, T, n * hd))
-
-
-class GPT2MLP(nn.Module):
-    def __init__(self, hidden: int, ffn: int, act: str, proj_bias: bool):
-        super().__init__()
-        self.c_fc, self.c_proj, self.approx = Conv1D(hidden, ffn), Conv1D(ffn, hidden, bias=proj_bias), GELUS[act]
-
-    def forward(self, x):
-        return self.c_proj(F.gelu(self.c_fc(x), approximate=self.approx))
-
-
-class GPT2Block(Block):
-    def __init__(self, cfg: HFConfig, heads: int, ffn: int, proj_bias: bool = True):
-        super().__init__(cfg)
-        self.ln_1 = nn.LayerNorm(cfg.hidden, eps=cfg.eps)
-        self.attn = GPT2Attention(cfg.hidden, heads, cfg.head_dim, proj_bias)
-        self.ln_2 = nn.LayerNorm(cfg.hidden, eps=cfg.eps)
-        self.mlp = GPT2MLP(cfg.hidden, ffn, cfg.act, proj_bias)
-
-    def body(self, x):
-        x = x + self.leave(self.attn(self.enter(self.ln_1(x))))
-        return x + self.leave(self.mlp(self.enter(self.ln_2(x))))
-
-    def tp_slice(self, heads: tuple[int, int], ffn: tuple[int, int], enter, leave, keep_bias: bool) -> GPT2Block:
-        """Megatron's split of GPT-2: c_attn's q, k, v columns of these heads, c_fc's columns, the
-        rows of both c_proj; their biases on the rank that keeps them."""
-        h, hd = self.cfg.hidden, self.cfg.head_dim
-        c = slice(heads[0] * hd, heads[1] * hd)
-        part = GPT2Block(self.cfg, heads[1] - heads[0], ffn[1] - ffn[0], keep_bias)
-        with torch.no_grad():
-            w, b = self.attn.c_attn.weight, self.attn.c_attn.bias
-            part.attn.c_attn.weight.copy_(torch.cat([w[:, o + c.start : o + c.stop] for o in (0, h, 2 * h)], 1))
-            part.attn.c_attn.bias.copy_(torch.cat([b[o + c.start : o + c.stop] for o in (0, h, 2 * h)]))
-            part.attn.c_proj.weight.copy_(self.attn.c_proj.weight[c])
-            part.mlp.c_fc.weight.copy_(self.mlp.c_fc.weight[:, slice(*ffn)])
-            part.mlp.c_fc.bias.copy_(self.mlp.c_fc.bias[slice(*ffn)])
-            part.mlp.c_proj.weight.copy_(self.mlp.c_proj.weight[slice(*ffn)])
-            if keep_bias:
-                part.attn.c_proj.bias.copy_(self.attn.c_proj.bias)
-                part.mlp.c_proj.bias.copy_(self.mlp.c_proj.bias)
-            for n in ("ln_1", "ln_2"):
-                getattr(part, n).load_state_dict(getattr(self, n).state_dict())
-        qkv = torch.cat([torch.arange(o + c.start, o + c.stop) for o in (0, h, 2 * h)])
-        cuts = {"attn.c_attn": (qkv, None), "attn.c_proj": (None, c)}
-        _carry_adapters(part, self, dict(cuts, **{"mlp.c_fc": (slice(*ffn), None), "mlp.c_proj": (None, slice(*ffn))}))
-        part.enter, part.leave, part.checkpoint = enter, leave, self.checkpoint
-        return part
-
-
-class Attention(nn.Module):
-    """The built-in GPT's causal self-attention over `heads` heads (tp builds it with a slice)."""
-
-    def __init__(self, hidden: int, heads: int, head_dim: int):
-        super().__init__()
-        self.heads, self.head_dim = heads, head_dim
-        inner = heads * head_dim
-        self.q = nn.Linear(hidden, inner, bias=False)
-        self.k = nn.Linear(hidden, inner, bias=False)
-        self.v = nn.Linear(hidden, inner, bias=False)
-        self.out = nn.Linear(inner, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.mix(x))
-
-    def mix(self, x: torch.Tensor) -> torch.Tensor:
-        """Everything up to (not including) the output projection."""
-        b, t, _ = x.shape
-        split = lambda y: y.view(b, t, self.heads, self.head_dim).transpose(1, 2)  # noqa: E731
-        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
-        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        return (att @ v).transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, ffn: int):
-        super().__init__()
-        self.fc = nn.Linear(hidden, ffn, bias=False)
-        self.proj = nn.Linear(ffn, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
-
-
-class GPTBlock(Block):
-    """The built-in GPT's block: GPT-2's pre-norm layout without linear biases, exact GELU."""
-
-    def __init__(self, cfg: HFConfig):
-        super().__init__(cfg)
-        self.ln1 = nn.LayerNorm(cfg.hidden, eps=cfg.eps)
-        self.attn = Attention(cfg.hidden, cfg.heads, cfg.head_dim)
-        self.ln2 = nn.LayerNorm(cfg.hidden, eps=cfg.eps)
-        self.mlp = MLP(cfg.hidden, cfg.ffn)
-
-    def body(self, x):
-        x = x + self.leave(self.attn(self.enter(self.ln1(x))))
-        return x + self.leave(self.mlp(self.enter(self.ln2(x))))
 
 
 class Head(nn.Module):
@@ -326,8 +61,12 @@ class Head(nn.Module):
             self.norm = RMSNorm(cfg.hidden, cfg.eps)
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
 
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.ln_f if hasattr(self, "ln_f") else self.norm
+
     def forward(self, x):
-        return self.lm_head(self.ln_f(x) if hasattr(self, "ln_f") else self.norm(x))
+        return self.lm_head(self.final_norm(x))
 
 
 class CausalLM(nn.Module):
@@ -336,12 +75,7 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: HFConfig, spec: ModelSpec):
         super().__init__()
         self.cfg, self.spec = cfg, spec
-        if cfg.family == "gpt2":
-            blocks = [GPT2Block(cfg, cfg.heads, cfg.ffn) for _ in range(cfg.layers)]
-        elif cfg.family == "gpt":
-            blocks = [GPTBlock(cfg) for _ in range(cfg.layers)]
-        else:
-            blocks = [LlamaBlock(cfg, cfg.heads, cfg.kv_heads, cfg.ffn) for _ in range(cfg.layers)]
+        blocks = [make_block(cfg) for _ in range(cfg.layers)]
         self.units = nn.ModuleList([Embed(spec), *blocks, Head(cfg)])
         if cfg.tied:
             self.units[-1].lm_head.weight = self.units[0].wte.weight
@@ -431,3 +165,59 @@ def build(spec: ModelSpec, quantize: str | None = None) -> CausalLM:
     if quantize:
         model.requires_grad_(False)  # frozen until LoRA adds what trains
     return model
+
+
+def _read(ckpt: Checkpoint, key: str, dim: int | None = None, ranges=()) -> torch.Tensor:
+    """Tensor `key`, or only its windows `ranges` along `dim` (models.blocks cuts), joined."""
+    if dim is None:
+        return ckpt.read(key)
+    return torch.cat([ckpt.read(key, r, None) if dim == 0 else ckpt.read(key, None, r) for r in ranges], dim)
+
+
+def _assign(unit: nn.Module, tensors: dict) -> nn.Module:
+    """`unit` (built on the meta device) holding `tensors` themselves, frozen: no copy, no init."""
+    unit.load_state_dict(tensors, assign=True)
+    return unit.requires_grad_(False)
+
+
+def load_block(ckpt: Checkpoint, i: int, rank: int = 0, world: int = 1, dtype=torch.float32, device="cpu") -> Block:
+    """Layer `i` as its training block, holding tp rank `rank` of `world`'s heads and MLP units (every
+    output bias: inference adds it once, after the reduce); each parameter read by its hf_name, only
+    this rank's window of it, at `dtype` on `device`: a stage never holds more than its own share."""
+    cfg = ckpt.config
+    heads, ffn = tp_share(cfg, rank, world)
+    with torch.device("meta"):
+        block = BLOCKS[cfg.family].sized(cfg, heads, ffn, True)
+    cuts = block.cuts(heads, ffn) if world > 1 else {}
+    n = cfg.layers + 2
+    tensors = {
+        name: _read(ckpt, hf_name(cfg, i + 1, name, n), *cuts.get(name, (None, ()))).to(device, dtype)
+        for name, _ in block.named_parameters()
+    }
+    return _assign(block, tensors)
+
+
+def load_ends(ckpt: Checkpoint, first: bool, last: bool, dtype, device="cpu") -> tuple[Embed | None, Head | None]:
+    """The Embed unit (first stage) and the Head unit (last stage), read by hf_name at `dtype`; an
+    untied head stays at the checkpoint's dtype (a stage quantises it from that), a tied one is
+    the embedding table itself."""
+    cfg, n = ckpt.config, ckpt.config.layers + 2
+    table = None
+    if first or (last and cfg.tied):
+        table = ckpt.read(hf_name(cfg, 0, "wte.weight", n)).to(device, dtype)
+    embed = head = None
+    if first:
+        with torch.device("meta"):
+            embed = Embed(cfg.spec())
+        tensors = {"wte.weight": table}
+        if embed.wpe is not None:
+            tensors["wpe.weight"] = ckpt.read(hf_name(cfg, 0, "wpe.weight", n)).to(device, dtype)
+        embed = _assign(embed, tensors)
+    if last:
+        with torch.device("meta"):
+            head = Head(cfg)
+        names = [name for name, _ in head.named_parameters() if name != "lm_head.weight"]
+        tensors = {name: ckpt.read(hf_name(cfg, n - 1, name, n)).to(device, dtype) for name in names}
+        tensors["lm_head.weight"] = table if cfg.tied else ckpt.read("lm_head.weight").to(device)
+        head = _assign(head, tensors)
+    return embed, head

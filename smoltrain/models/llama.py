@@ -1,9 +1,14 @@
-"""A readable Llama block for inference: RMSNorm, RoPE, grouped-query attention, SwiGLU, a KV cache.
+"""The Llama arithmetic (RMSNorm, RoPE with Llama 3 scaling, grouped-query attention) and the
+Llama block's decode view: a KV cache and packed weights, for generate and serve.
 
-Written to match `transformers`' LlamaForCausalLM number for number (fp32 norms,
-rotate-half RoPE), so greedy decoding gives the same tokens. Under tp a block holds
-only its ranks' heads and MLP columns (Megatron): the attention output and the MLP
-output are partial sums, finished by `reduce` (an all-reduce; identity alone).
+The block itself is models.blocks.LlamaBlock, the one the trainer runs (Llama, SmolLM2,
+Qwen2's q/k/v biases, Qwen3's q/k norms); `LlamaDecode` is made from it (as a stage
+loads it, or as training left it): q, k, v packed into one matrix and gate, up into
+another, each optionally quantised (models.quant), the rest its tensors as they are.
+Both match `transformers`' LlamaForCausalLM number for number (fp32 norms, rotate-half
+RoPE), so greedy decoding gives the same tokens. Under tp a block holds only its ranks'
+heads and MLP columns (Megatron): the attention output and the MLP output are partial
+sums, finished by `reduce` (an all-reduce; identity alone).
 
 Batch-1 decode is memory-bound only if little else costs time, so each layer runs few
 operations (each costs microseconds of Python and dispatch whatever its size): q, k, v
@@ -26,7 +31,6 @@ import torch
 import torch.nn.functional as F
 
 from smoltrain.models import native
-from smoltrain.models.hf import HFConfig
 from smoltrain.models.quant import Linear
 
 
@@ -39,15 +43,6 @@ def rms_norm(x, weight, eps: float):
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dt)
-
-
-class RMSNorm(torch.nn.Module):
-    def __init__(self, weight, eps: float):
-        super().__init__()
-        self.weight, self.eps = weight, eps
-
-    def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
 
 
 def inv_freq(theta: float, head_dim: int, scaling: tuple | None = None) -> torch.Tensor:
@@ -120,21 +115,30 @@ def attend_rows(caches: dict, rows, q, k, v, heads: int, kv_heads: int):
     return out
 
 
-class LlamaBlock(torch.nn.Module):
-    def __init__(self, cfg: HFConfig, w: dict, heads: int, kv_heads: int, quantize: str | None = None, one_row=False):
+class LlamaDecode(torch.nn.Module):
+    """The decode view of a models.blocks.LlamaBlock (its tensors at the dtype they hold)."""
+
+    def __init__(self, block, quantize: str | None = None, one_row=False):
+        """`quantize` (int8, q4): the four matrices, quantised as they are packed; `one_row`: held
+        for one row at a time (models.quant.Linear); the block is not needed afterwards."""
         super().__init__()
-        self.cfg, self.heads, self.kv_heads = cfg, heads, kv_heads
-        dt = w["input_layernorm.weight"].dtype
-        self.ln1, self.ln2 = w["input_layernorm.weight"], w["post_attention_layernorm.weight"]
-        qkv = [f"self_attn.{p}_proj" for p in "qkv"]
-        bias = torch.cat([w[n + ".bias"] for n in qkv]) if cfg.bias or cfg.qkv_bias else None
-        self.q_norm, self.k_norm = w.get("self_attn.q_norm.weight"), w.get("self_attn.k_norm.weight")  # qwen3
-        self.qkv = Linear(torch.cat([w.pop(n + ".weight") for n in qkv]), bias, dt, quantize, one_row=one_row)
-        self.o = Linear(w.pop("self_attn.o_proj.weight"), None, dt, quantize, one_row=one_row)
-        self.o_bias = w.get("self_attn.o_proj.bias")  # added once, after the tp reduce
-        gate_up = torch.cat([w.pop("mlp.gate_proj.weight"), w.pop("mlp.up_proj.weight")])
+        a, m, cfg = block.self_attn, block.mlp, block.cfg
+        self.cfg, self.heads, self.kv_heads = cfg, a.heads, a.kv_heads
+
+        def t(x):
+            return None if x is None else x.detach()
+
+        self.ln1, self.ln2 = t(block.input_layernorm.weight), t(block.post_attention_layernorm.weight)
+        dt = self.ln1.dtype
+        qkv = (a.q_proj, a.k_proj, a.v_proj)
+        bias = None if a.q_proj.bias is None else torch.cat([t(p.bias) for p in qkv])
+        self.q_norm, self.k_norm = (t(a.q_norm.weight), t(a.k_norm.weight)) if cfg.qk_norm else (None, None)
+        self.qkv = Linear(torch.cat([t(p.weight) for p in qkv]), bias, dt, quantize, one_row=one_row)
+        self.o = Linear(t(a.o_proj.weight), None, dt, quantize, one_row=one_row)
+        self.o_bias = t(a.o_proj.bias)  # added once, after the tp reduce
+        gate_up = torch.cat([t(m.gate_proj.weight), t(m.up_proj.weight)])
         self.gate_up = Linear(gate_up, None, dt, quantize, one_row=one_row)
-        self.down = Linear(w.pop("mlp.down_proj.weight"), None, dt, quantize, one_row=one_row)
+        self.down = Linear(t(m.down_proj.weight), None, dt, quantize, one_row=one_row)
         self.caches: dict[int, KVCache] = {}  # slot -> its sequence's cache
         self.rope: dict[int, tuple] = {}  # slot -> its sequence's RoPE table
         # `_one_token` (its kernel has no per-head q/k norm: qwen3 takes the torch path)
@@ -200,61 +204,3 @@ class LlamaBlock(torch.nn.Module):
             a = a + self.o_bias
         x = x + a
         return x + reduce(self.down(native.swiglu(self.gate_up(native.rms_norm(x, self.ln2, eps)))))
-
-
-def shard_windows(cfg: HFConfig, rank: int, world: int) -> dict:
-    """Which rows/cols of each layer tensor tp rank `rank` of `world` reads: {suffix: (rows, cols)}."""
-    hd = cfg.head_dim
-    qh, kvh, f = cfg.heads // world, cfg.kv_heads // world, cfg.ffn // world
-    q = (rank * qh * hd, (rank + 1) * qh * hd)
-    kv = (rank * kvh * hd, (rank + 1) * kvh * hd)
-    fr = (rank * f, (rank + 1) * f)
-    out = {
-        "self_attn.q_proj.weight": (q, None),
-        "self_attn.k_proj.weight": (kv, None),
-        "self_attn.v_proj.weight": (kv, None),
-        "self_attn.o_proj.weight": (None, q),
-        "mlp.gate_proj.weight": (fr, None),
-        "mlp.up_proj.weight": (fr, None),
-        "mlp.down_proj.weight": (None, fr),
-        "input_layernorm.weight": (None, None),
-        "post_attention_layernorm.weight": (None, None),
-    }
-    if cfg.bias or cfg.qkv_bias:
-        out.update({"self_attn.q_proj.bias": (q, None), "self_attn.k_proj.bias": (kv, None)})
-        out["self_attn.v_proj.bias"] = (kv, None)
-    if cfg.bias:
-        out["self_attn.o_proj.bias"] = (None, None)
-    if cfg.qk_norm:
-        out.update({"self_attn.q_norm.weight": (None, None), "self_attn.k_norm.weight": (None, None)})
-    return out
-
-
-def load_block(
-    ckpt, i: int, rank: int, world: int, dtype, quantize: str | None = None, device="cpu", one_row=False
-) -> LlamaBlock:
-    """One layer (this tp rank's slice of it), quantised as it is read: only this layer is ever at full width."""
-    cfg = ckpt.config
-    w = {
-        k: ckpt.read(f"model.layers.{i}.{k}", rows, cols).to(device, dtype)
-        for k, (rows, cols) in shard_windows(cfg, rank, world).items()
-    }
-    return LlamaBlock(cfg, w, cfg.heads // world, cfg.kv_heads // world, quantize, one_row)
-
-
-def load_ends(ckpt, first: bool, last: bool, dtype, quantize: str | None = None, device="cpu", one_row=False) -> dict:
-    """Embedding (first stage) and final norm + head (last stage); an untied head is quantised like
-    the layers, a tied one stays the embedding table at `dtype`."""
-    out = {}
-    tied = ckpt.config.tied
-    if first or (last and tied):
-        out["embed"] = ckpt.read("model.embed_tokens.weight").to(device, dtype)
-    if last:
-        out["norm"] = RMSNorm(ckpt.read("model.norm.weight").to(device, dtype), ckpt.config.eps)
-        w = out["embed"] if tied else ckpt.read("lm_head.weight").to(device)
-        out["head"] = Linear(w, None, dtype, None if tied else quantize, pack=not tied, one_row=one_row)
-    return out
-
-
-def embed(ends: dict, ids, positions):
-    return F.embedding(ids, ends["embed"])

@@ -80,7 +80,7 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q int32 [N, K] in 0..15, d fp32 [N, K/32]): Q4_0, as llama.cpp's quantize_row_q4_0 does."""
     n, k = w.shape
-    g = w.float().reshape(n, k // GROUP, GROUP)
+    g = w.float().contiguous().reshape(n, k // GROUP, GROUP)  # a transposed w (GPT-2's) would stay a view
     peak = torch.gather(g, -1, g.abs().argmax(-1, keepdim=True))  # signed value of largest magnitude
     d = peak / -8
     inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
@@ -92,7 +92,7 @@ def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q int8 [N, K] in -127..127, d fp16 [N, K/32]): Q8_0, as llama.cpp's quantize_row_q8_0
     does (q from the fp32 scale, the scale kept at fp16)."""
     n, k = w.shape
-    g = w.float().reshape(n, k // GROUP, GROUP)
+    g = w.float().contiguous().reshape(n, k // GROUP, GROUP)  # a transposed w (GPT-2's) would stay a view
     d = g.abs().amax(-1, keepdim=True) / 127
     q = torch.round(g * torch.where(d > 0, 1 / d, torch.zeros_like(d))).clamp(-127, 127).to(torch.int8)
     return q.reshape(n, k), d.reshape(n, k // GROUP).half()

@@ -1,6 +1,11 @@
 """A stage of a Hugging Face model: layers [first, last), the embedding on the first stage,
 the final norm and LM head on the last; under tp, one rank's slice of every layer.
 
+The units are the trainer's own (models.causal.load_block/load_ends: the same blocks, read
+by the same checkpoint names, only this stage's layers and this rank's windows); each block
+is then packed into its decode view (DECODE: fused and optionally quantised matrices, KV
+caches), one layer at a time, so no more than one layer is ever held at full width.
+
 `Stage.forward` takes token ids (first stage) or the previous stage's hidden state for a
 batch of rows, one sequence each, and returns the hidden state, or each row's last-position
 logits on the last stage. Every sequence has a slot: its own KV cache in each block and
@@ -22,11 +27,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from smoltrain.models import gpt2, llama
+from smoltrain.models import causal, gpt2, llama
 from smoltrain.models.hf import Checkpoint, expected_tensors
+from smoltrain.models.quant import Linear
 from smoltrain.models.split import check_tp
 
-ARCH = {"llama": llama, "gpt2": gpt2}  # by HFConfig.family
+DECODE = {"llama": llama.LlamaDecode, "gpt2": gpt2.GPT2Decode}  # a block's decode view, by HFConfig.family
 TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MIN_ROWS = 4
 
@@ -86,14 +92,16 @@ class Stage(torch.nn.Module):
         ckpt.check(stage_tensors(cfg, first, last, is_first, is_last))
         if tp_world > 1:
             check_tp(cfg, tp_world)
-        mod = ARCH[cfg.family]
-        self.mod = mod
-        one = not batched
+        view, one = DECODE[cfg.family], not batched
         self.blocks = [
-            mod.load_block(ckpt, i, tp_rank, tp_world, self.dtype, quantize, self.device, one)
+            view(causal.load_block(ckpt, i, tp_rank, tp_world, self.dtype, self.device), quantize, one)
             for i in range(first, last)
         ]
-        self.ends = mod.load_ends(ckpt, is_first, is_last, self.dtype, quantize, self.device, one)
+        self.embed, head = causal.load_ends(ckpt, is_first, is_last, self.dtype, self.device)
+        self.norm = self.head = None
+        if head is not None:  # an untied head quantised like the layers; a tied one is the table, unpacked
+            self.norm, w = head.final_norm, head.lm_head.weight.detach()
+            self.head = Linear(w, None, self.dtype, None if cfg.tied else quantize, pack=not cfg.tied, one_row=one)
         self.pos: dict[int, int] = {}  # slot -> positions its sequence has so far
         self.min_rows = MIN_ROWS if batched else 1  # decode batches are padded to this many rows
 
@@ -101,13 +109,10 @@ class Stage(torch.nn.Module):
         """Bytes of weights one decode step reads here: every matmul weight (at its width, scales
         included), norms, and one row of each embedding table."""
         n = sum(b.weight_bytes() for b in self.blocks)
-        for name, t in self.ends.items():
-            if name == "head":
-                n += t.nbytes
-            elif isinstance(t, torch.Tensor):  # embedding tables: one row per token
-                n += t.shape[1] * t.element_size()
-            else:  # the final norm
-                n += sum(p.numel() * p.element_size() for p in vars(t).values() if isinstance(p, torch.Tensor))
+        if self.embed is not None:  # embedding tables: one row per token
+            n += sum(p.shape[1] * p.element_size() for p in self.embed.parameters())
+        if self.head is not None:
+            n += self.head.nbytes + sum(p.numel() * p.element_size() for p in self.norm.parameters())
         return int(n)
 
     def open(self, slot: int, max_len: int) -> None:
@@ -134,11 +139,11 @@ class Stage(torch.nn.Module):
 
         if self.is_first:
             positions = torch.tensor(rows.pos, device=self.device)[:, None] + torch.arange(T, device=self.device)
-            x = self.mod.embed(self.ends, x, positions)
+            x = self.embed(x, positions)
         for b in self.blocks:
             x = b(x, rows, reduce)
         for s in slots:
             self.pos[s] += T
         if self.is_last:
-            return self.ends["head"](self.ends["norm"](x[:, -1:])).view(x.shape[0], -1)[:n].float()
+            return self.head(self.norm(x[:, -1:])).view(x.shape[0], -1)[:n].float()
         return x[:n]
