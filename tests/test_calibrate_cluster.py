@@ -18,9 +18,21 @@ def _local(name: str) -> Host:
 
 
 def test_unreachable_host_is_reported_and_the_rest_measured():
+    """The probe runs for real on a; b, on the same machine, takes a's figures (a second real
+    probe would add ten seconds and check nothing new), so for b the order it is measured in
+    and its machine id are what count."""
+    from smoltrain.calibration.cluster import probe_host
+
     dead = Host(name="gone", address="127.0.0.1", cluster_ip="127.0.0.1", port=1, user="root")
-    seen = []
-    doc = calibrate_hosts([_local("a"), dead, _local("b")], "tiny", 0.05, progress=lambda n, w: seen.append((n, w)))
+    seen, first = [], []
+
+    def probe(h, model, seconds):
+        if not first:
+            first.append(probe_host(h, model, seconds))
+        return {**first[0], "name": h.name}
+
+    hosts = [_local("a"), dead, _local("b")]
+    doc = calibrate_hosts(hosts, "tiny", 0.05, progress=lambda n, w: seen.append((n, w)), probe=probe)
     assert doc["schema"] == COMPUTE_SCHEMA
     a, gone, b = doc["hosts"]
     assert gone["status"] == "failed" and gone["error"] and gone["name"] == "gone"
