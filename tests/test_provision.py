@@ -25,18 +25,13 @@ TARGET_MTU = {"pi5": 1500, "jetson": 1500, "macmini": 9000, "laptop": 1500}
 
 
 def test_lint_production_profile_offline():
-    """ansible-lint (profile production, offline, from .ansible-lint) and yamllint rules pass."""
-    p = subprocess.run(
-        [str(BIN / "ansible-lint"), "--nocolor", "playbooks/"],
-        cwd=REPO,
-        env=ansible_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=300,
-    )
-    assert p.returncode == 0, p.stdout[-6000:]
-    assert "Passed" in p.stdout and "production" in p.stdout, p.stdout[-2000:]
+    """ansible-lint runs with the production profile, offline. Whether the playbooks pass it is
+    `make lint`'s gate (`ansible-lint playbooks/`, which CI runs before the tests; that it is a
+    gate there: test_lint_gates.test_make_lint_runs_every_gate), not run a second time here."""
+    import yaml
+
+    cfg = yaml.safe_load((REPO / ".ansible-lint").read_text())
+    assert cfg["profile"] == "production" and cfg["offline"] is True
 
 
 def test_syntax_check_on_the_example_inventory():
