@@ -59,6 +59,21 @@ def test_fit_recovers_fixed_and_per_token_cost(tmp_path):
     assert fixed == pytest.approx(0.02) and per == pytest.approx(3e-5) and seq == 64
 
 
+def test_another_models_fixed_cost_scales_by_layers_and_its_adamw_update_by_parameters(tmp_path):
+    """Hand-computed: calibrated on tiny (6 layers, 721,344 parameters), planning tiny8 (8, 943,296):
+    of a 20 ms fixed cost, the 5 ms AdamW update grows with the parameters and the rest with the
+    layers (the update scaled by layers read a 135M Llama's step 2x long: bench_finetune_home)."""
+    h = _host("a", 0.02, 3e-5)
+    for s in h["train_step"]:
+        s["optimizer_seconds"] = 0.005
+    f = measured.load_compute(_report(tmp_path, [h]))["a"]
+    tiny, tiny8 = get_model("tiny"), get_model("tiny8")
+    fixed, _, _ = f.fit(tiny8)
+    assert fixed == pytest.approx(0.015 * 8 / 6 + 0.005 * 943_296 / 721_344)
+    assert f.optimizer_s(tiny8) == pytest.approx(0.005 * 943_296 / 721_344)
+    assert (tiny.layers, tiny.params(), tiny8.layers, tiny8.params()) == (6, 721_344, 8, 943_296)
+
+
 def test_measured_plan_charges_each_rank_its_host(tmp_path):
     """dp on 2 hosts, one 3x slower per token: each rank's time is its host's fixed cost plus
     its tokens (batch 8 x 64 / 2) at its per-token cost, by hand."""

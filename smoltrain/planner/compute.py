@@ -48,7 +48,7 @@ class HostCompute:
     def fit(self, model: ModelSpec) -> tuple[float, float, int] | None:
         """(fixed seconds per step, seconds per token, the timed seq) of the model's training step, from the
         two timed batch sizes; another calibrated model's figures scaled by FLOPs and layers
-        when this model was not timed; None without timed steps."""
+        (its AdamW update by parameters) when this model was not timed; None without timed steps."""
         steps = [s for s in self.train_step if s.get("model") == model.name] or list(self.train_step)
         if len(steps) < 2:
             return None
@@ -68,7 +68,9 @@ class HostCompute:
             except Exception:
                 return None
             per *= train_flops_per_token(model, a["seq"]) / train_flops_per_token(cal, a["seq"])
-            fixed *= model.layers / cal.layers
+            # the AdamW update in it grows with the parameters (optimizer_s), the rest with the layers
+            opt = min(fixed, self.optimizer_s(cal))
+            fixed = (fixed - opt) * model.layers / cal.layers + opt * model.params() / cal.params()
         return fixed, per, a["seq"]
 
     def decode_fixed(self, model: ModelSpec) -> float | None:
