@@ -51,8 +51,14 @@ def build(
     init: float = 0.02,
     ctx: int = 2048,
     tokenizer: bool = True,
+    ffn: int | None = None,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    tied: bool = False,
 ) -> str:
-    """The checkpoint folder (built once; reused when its config.json exists)."""
+    """The checkpoint folder (built once; reused when its config.json exists). `ffn`, `heads`,
+    `kv_heads` and `tied` give another family's shape (SmolLM2-135M: 1536, 9, 3, tied); by
+    default MLP 2.75 x hidden, heads of 64, a kv head per 256 of width, an untied head."""
     if os.path.isfile(os.path.join(folder, "config.json")):
         return folder
     import torch
@@ -65,12 +71,12 @@ def build(
     cfg = transformers.LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(hidden * 2.75),
+        intermediate_size=ffn or int(hidden * 2.75),
         num_hidden_layers=layers,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=max(1, hidden // 256),
+        num_attention_heads=heads or hidden // 64,
+        num_key_value_heads=kv_heads or max(1, hidden // 256),
         max_position_embeddings=ctx,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         initializer_range=init,
         bos_token_id=1,
         eos_token_id=2,
