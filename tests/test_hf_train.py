@@ -194,3 +194,31 @@ def test_lora_under_tp_reproduces_local(ckpts, tmp_path):
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["loss"], b["loss"])
     assert one["steps"][-1]["loss"] != one["steps"][0]["loss"], "the adapters must train"
     assert two["lora"]["rank"] == 4 and 0 < two["trainable_params"] < two["model"]["params"] // 5
+
+
+@pytest.mark.parametrize("arch", ARCHS + ["qwen2-tied"])
+def test_a_serving_stage_is_the_training_model(ckpts, arch):
+    """One definition (models.blocks): a stage builds the trainer's blocks by their checkpoint names,
+    a tp rank reads from disk exactly the window tp_slice cuts from the whole block, and the packed
+    decode view gives the training model's logits, on the prefill and on a decode step."""
+    import torch
+
+    from smoltrain.models import causal
+    from smoltrain.models.hf import Checkpoint
+    from smoltrain.models.spec import get_model
+    from smoltrain.models.stage import Stage
+
+    ck, model = Checkpoint(ckpts[arch]), causal.build(get_model(ckpts[arch]))
+    for rank in (0, 1):
+        heads, ffn = causal.tp_share(ck.config, rank, 2)
+        want = dict(model.units[2].tp_slice(heads, ffn, None, None, keep_bias=True).named_parameters())
+        got = dict(causal.load_block(ck, 1, rank, 2).named_parameters())
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    ids = torch.randint(0, ck.config.vocab, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = model(ids)[0, 7:]
+    for batched in (True, False):
+        st = Stage(ck, 0, ck.config.layers, True, True, batched=batched)
+        st.open(0, 16)
+        got = torch.cat([st(ids[:, :8], [0]), st(ids[:, 8:], [0])])
+        assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()

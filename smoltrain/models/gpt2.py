@@ -14,28 +14,31 @@ import torch.nn.functional as F
 
 from smoltrain.models import native
 from smoltrain.models.hf import GELUS
-from smoltrain.models.llama import KVCache, attend_rows
+from smoltrain.models.llama import KVCache, attend_rows, take
 from smoltrain.models.quant import Linear
 
 
 class GPT2Decode(torch.nn.Module):
     """The decode view of a models.blocks.GPT2Block (its tensors at the dtype they hold)."""
 
-    def __init__(self, block, quantize: str | None = None, one_row=False):
+    def __init__(self, block, quantize: str | None = None, one_row=False, release=False):
         """`quantize` (int8, q4): the four matrices, quantised as they are taken; `one_row`: held for
-        one row at a time (models.quant.Linear); the block is not needed afterwards."""
+        one row at a time (models.quant.Linear); `release`: empty `block` as it goes (llama.take)."""
         super().__init__()
         a, m = block.attn, block.mlp
         self.cfg, self.heads = block.cfg, a.heads
-        self.ln_1 = (block.ln_1.weight.detach(), block.ln_1.bias.detach())
-        self.ln_2 = (block.ln_2.weight.detach(), block.ln_2.bias.detach())
+
+        def t(mod, name="weight"):
+            return take(mod, name, release)
+
+        self.ln_1, self.ln_2 = (t(block.ln_1), t(block.ln_1, "bias")), (t(block.ln_2), t(block.ln_2, "bias"))
         dt = self.ln_1[0].dtype
         # Conv1D stores [in, out]; a Linear holds [out, in]. Output biases come after the tp reduce.
-        self.qkv = Linear(a.c_attn.weight.detach().t(), a.c_attn.bias.detach(), dt, quantize, one_row=one_row)
-        self.proj = Linear(a.c_proj.weight.detach().t(), None, dt, quantize, one_row=one_row)
-        self.fc = Linear(m.c_fc.weight.detach().t(), m.c_fc.bias.detach(), dt, quantize, one_row=one_row)
-        self.down = Linear(m.c_proj.weight.detach().t(), None, dt, quantize, one_row=one_row)
-        self.proj_bias, self.down_bias = a.c_proj.bias.detach(), m.c_proj.bias.detach()
+        self.qkv = Linear(t(a.c_attn).t(), t(a.c_attn, "bias"), dt, quantize, one_row=one_row)
+        self.proj = Linear(t(a.c_proj).t(), None, dt, quantize, one_row=one_row)
+        self.fc = Linear(t(m.c_fc).t(), t(m.c_fc, "bias"), dt, quantize, one_row=one_row)
+        self.down = Linear(t(m.c_proj).t(), None, dt, quantize, one_row=one_row)
+        self.proj_bias, self.down_bias = t(a.c_proj, "bias"), t(m.c_proj, "bias")
         self.caches: dict[int, KVCache] = {}  # slot -> its sequence's cache
         self.row_kernels = native.row_path(one_row, dt, self.ln_1[0].device)  # `_one_token`
 

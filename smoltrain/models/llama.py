@@ -115,30 +115,40 @@ def attend_rows(caches: dict, rows, q, k, v, heads: int, kv_heads: int):
     return out
 
 
+def take(module, name: str, release: bool):
+    """`module.name` as a plain tensor (None if absent); `release`: dropped from the module, so a
+    loader's block lets each weight go once it is packed (one layer at full width at a time)."""
+    t = getattr(module, name)
+    if release:
+        setattr(module, name, None)
+    return None if t is None else t.detach()
+
+
 class LlamaDecode(torch.nn.Module):
     """The decode view of a models.blocks.LlamaBlock (its tensors at the dtype they hold)."""
 
-    def __init__(self, block, quantize: str | None = None, one_row=False):
+    def __init__(self, block, quantize: str | None = None, one_row=False, release=False):
         """`quantize` (int8, q4): the four matrices, quantised as they are packed; `one_row`: held
-        for one row at a time (models.quant.Linear); the block is not needed afterwards."""
+        for one row at a time (models.quant.Linear); `release`: empty `block` as it goes (take)."""
         super().__init__()
         a, m, cfg = block.self_attn, block.mlp, block.cfg
         self.cfg, self.heads, self.kv_heads = cfg, a.heads, a.kv_heads
 
-        def t(x):
-            return None if x is None else x.detach()
+        def t(mod, name="weight"):
+            return take(mod, name, release)
 
-        self.ln1, self.ln2 = t(block.input_layernorm.weight), t(block.post_attention_layernorm.weight)
+        self.ln1, self.ln2 = t(block.input_layernorm), t(block.post_attention_layernorm)
         dt = self.ln1.dtype
         qkv = (a.q_proj, a.k_proj, a.v_proj)
-        bias = None if a.q_proj.bias is None else torch.cat([t(p.bias) for p in qkv])
-        self.q_norm, self.k_norm = (t(a.q_norm.weight), t(a.k_norm.weight)) if cfg.qk_norm else (None, None)
-        self.qkv = Linear(torch.cat([t(p.weight) for p in qkv]), bias, dt, quantize, one_row=one_row)
-        self.o = Linear(t(a.o_proj.weight), None, dt, quantize, one_row=one_row)
-        self.o_bias = t(a.o_proj.bias)  # added once, after the tp reduce
-        gate_up = torch.cat([t(m.gate_proj.weight), t(m.up_proj.weight)])
+        bias = None if a.q_proj.bias is None else torch.cat([t(p, "bias") for p in qkv])
+        self.q_norm, self.k_norm = (t(a.q_norm), t(a.k_norm)) if cfg.qk_norm else (None, None)
+        self.qkv = Linear(torch.cat([t(p) for p in qkv]), bias, dt, quantize, one_row=one_row)
+        self.o = Linear(t(a.o_proj), None, dt, quantize, one_row=one_row)
+        self.o_bias = t(a.o_proj, "bias")  # added once, after the tp reduce
+        gate_up = torch.cat([t(m.gate_proj), t(m.up_proj)])
         self.gate_up = Linear(gate_up, None, dt, quantize, one_row=one_row)
-        self.down = Linear(t(m.down_proj.weight), None, dt, quantize, one_row=one_row)
+        del gate_up
+        self.down = Linear(t(m.down_proj), None, dt, quantize, one_row=one_row)
         self.caches: dict[int, KVCache] = {}  # slot -> its sequence's cache
         self.rope: dict[int, tuple] = {}  # slot -> its sequence's RoPE table
         # `_one_token` (its kernel has no per-head q/k norm: qwen3 takes the torch path)

@@ -94,7 +94,7 @@ class Stage(torch.nn.Module):
             check_tp(cfg, tp_world)
         view, one = DECODE[cfg.family], not batched
         self.blocks = [
-            view(causal.load_block(ckpt, i, tp_rank, tp_world, self.dtype, self.device), quantize, one)
+            view(causal.load_block(ckpt, i, tp_rank, tp_world, self.dtype, self.device), quantize, one, release=True)
             for i in range(first, last)
         ]
         self.embed, head = causal.load_ends(ckpt, is_first, is_last, self.dtype, self.device)
