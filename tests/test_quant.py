@@ -50,6 +50,8 @@ def test_kernel_equals_dequantised_reference(kind, native):
     assert got.dtype == torch.float32 and got.shape == (3, 64)
     assert (got - ref).abs().max() < 0.02 * ref.abs().max()
     assert (lin.dequantized() - w).abs().max() < (0.02 if kind == "int8" else 0.2) * w.abs().max()
+    with backends.using("native" if native else "torch"):  # a transposed view (GPT-2's Conv1D weights)
+        assert torch.equal(quant.Linear(w.t().contiguous().t(), None, torch.float32, kind)(x), got)
 
 
 @pytest.mark.parametrize("native", [True, False])
