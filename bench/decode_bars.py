@@ -17,6 +17,8 @@ def verdict(d: dict) -> tuple[bool, str]:
     t, rf = d["tokens_per_s"], d["roofline_tokens_per_s"]
     share = t["fp32"] / rf["fp32"]
     line = f"{d['threads']} thread(s): fp32 {share:.2f} of the bound"
+    if d.get("bound_source"):  # the highest of the bench's bandwidths (bench_decode.BOUNDS)
+        line += f" ({d['bound_source']})"
     if "llama.cpp Q8_0" not in t:
         return False, line + "; llama.cpp left out (not judged)"
     l8, l4 = t["int8"] / t["llama.cpp Q8_0"], t["q4"] / t["llama.cpp Q4_0"]
