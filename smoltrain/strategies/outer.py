@@ -48,16 +48,40 @@ def digest(anchor: torch.Tensor) -> str:
     return hashlib.sha256(memoryview(anchor.cpu().numpy())).hexdigest()[:16]
 
 
-class OuterSteps(Strategy):
+class Anchored:
+    """What both diloco forms keep beside the weights they train (`flat`, one buffer): the
+    shared anchor of the last outer step and the outer Nesterov momentum, checkpointed with them."""
+
+    def keep_anchor(self, params) -> None:
+        self.flat = flat_params(params)
+        self.anchor = self.flat.detach().clone()
+        self.momentum = torch.zeros_like(self.flat)
+
+    def at_anchor(self, fn):
+        """fn() with the shared weights of the last outer step in place of this rank's (held-out loss)."""
+        local = self.flat.clone()
+        self.flat.copy_(self.anchor)
+        try:
+            return fn()
+        finally:
+            self.flat.copy_(local)
+
+    def anchor_tensors(self) -> dict:
+        return {"outer.anchor": self.anchor, "outer.momentum": self.momentum}
+
+    def load_anchor(self, state: dict) -> None:
+        self.anchor.copy_(state["outer.anchor"])
+        self.momentum.copy_(state["outer.momentum"])
+
+
+class OuterSteps(Anchored, Strategy):
     """A mesh's diloco axis around this rank's inner strategy (pp, tp, or pp with tp)."""
 
     def __init__(self, inner: Strategy):
         super().__init__(inner.ctx)
         self.inner, self.H, self.axis = inner, inner.ctx.run.inner_steps, inner.ctx.replica
         self.loss_owner = inner.loss_owner
-        self.flat = flat_params(inner.params)  # what this rank holds, one buffer its optimizer steps in
-        self.anchor = self.flat.detach().clone()  # the group's shared weights of the last outer step
-        self.momentum = torch.zeros_like(self.flat)
+        self.keep_anchor(inner.params)  # what this rank holds, one buffer its optimizer steps in
         self.clock = 0.0  # seconds of inner steps since the last outer step
 
     def train_step(self, step: int) -> float | None:
@@ -87,20 +111,14 @@ class OuterSteps(Strategy):
 
     def eval_loss(self, x, y) -> float | None:
         """The inner strategy's held-out loss with the shared weights of the last outer step."""
-        local = self.flat.clone()
-        self.flat.copy_(self.anchor)
-        try:
-            return self.inner.eval_loss(x, y)
-        finally:
-            self.flat.copy_(local)
+        return self.at_anchor(lambda: self.inner.eval_loss(x, y))
 
     def state_tensors(self) -> dict:
-        return {**self.inner.state_tensors(), "outer.anchor": self.anchor, "outer.momentum": self.momentum}
+        return {**self.inner.state_tensors(), **self.anchor_tensors()}
 
     def load_state_tensors(self, state: dict) -> None:
         self.inner.load_state_tensors(state)
-        self.anchor.copy_(state["outer.anchor"])
-        self.momentum.copy_(state["outer.momentum"])
+        self.load_anchor(state)
 
     def next_step(self, step: int) -> int | None:
         return self.inner.next_step(step)

@@ -21,6 +21,11 @@ step is two rounds on it:
            everyone goes back to sync with what it holds and the step is redone, so no
            rank applies an outer step another rank did not.
 
+Between rounds a member all-reduces over its `Ring`, rebuilt whenever the epoch changes (a
+newcomer then gets the anchor and outer momentum from rank 0 and trains from the next step).
+Under `--placement auto` a member trains floor(n/H) or one more sequences of each inner step,
+n its sequences for the outer step (`slices`).
+
 The wait in the sync round is each rank's wait at the sync (the run report's outer
 steps). Nothing here waits without a deadline, except for the first arrival of a round
 (the members are computing their inner steps).
@@ -35,7 +40,8 @@ import time
 
 from smolnet import wire
 from smolnet.server import AuthListener
-from smoltrain.planner.placement import named_batch_ranges, split_batch
+from smoltrain.comm import CommError, make_comm
+from smoltrain.planner.placement import named_batch_ranges, paced_ranges, split_batch
 from smoltrain.strategies.parameter_server import close_all
 
 HELLO, CHECKIN, ROSTER, VERDICT, STOP = 21, 22, 23, 24, 25
@@ -264,9 +270,84 @@ class Member:
     def commit(self, outer: int, ok: bool) -> bool:
         return bool(self._ask({"outer": outer, "phase": "commit", "ok": ok}, VERDICT, self.timeout)["ok"])
 
+    def outer_step(self, outer: int, tokens: int, seconds: float, attempt, ring: Ring, log, roster=None):
+        """One outer step's rounds: sync, `attempt(roster)` (the all-reduce), commit; redone from
+        sync on a fresh ring until every member's attempt succeeded. Returns (what the attempt
+        returned, seconds waited at the syncs, seconds of the attempt that counted)."""
+        waited = 0.0
+        while True:
+            if roster is None:
+                t = time.perf_counter()
+                roster = self.sync(outer, tokens, seconds)
+                waited += time.perf_counter() - t
+            ok, out, t = True, None, time.perf_counter()
+            try:
+                out = attempt(roster)
+                took = time.perf_counter() - t
+            except CommError as e:
+                log(f"outer step {outer} failed ({e}); regrouping")
+                ok = False
+                ring.close()  # now, so peers still inside the collective fail too instead of waiting
+            if self.commit(outer, ok):
+                return out, waited, took
+            ring.close()  # someone failed: every rank builds a fresh ring and redoes the step
+            roster = None
+
     def admitted(self, timeout: float) -> dict | None:
         """A joiner: the ROSTER of the outer step that admits it, or None when the run ended first."""
         return self._ask(None, ROSTER, timeout)
 
     def close(self) -> None:
         self.sock.close()
+
+
+class Ring:
+    """A member's ring for the roster's current epoch (none while it is alone), rebuilt when the
+    members change, and the payload bytes it sent each peer over every ring so far (the run
+    report's per-link bytes, by name: ranks change with the epoch)."""
+
+    def __init__(self, ctx):
+        self.ctx, self.comm, self.epoch, self.names = ctx, None, 0, list(ctx.run.names)
+        self.sent: dict[str, int] = {}
+
+    def join(self, roster: dict) -> None:
+        if self.comm is not None and roster["epoch"] == self.epoch:
+            return
+        self.close()
+        names, run = roster["names"], self.ctx.run
+        self.names, self.epoch = list(names), roster["epoch"]
+        if len(names) > 1:
+            self.comm = make_comm(
+                run.backend,
+                names.index(self.ctx.name),
+                len(names),
+                run.coord_addr,
+                run.port,
+                self.ctx.secret,
+                timeout=run.timeout,
+                device=self.ctx.device,
+                addrs=roster["addrs"],
+                integrity=run.integrity,
+            )
+
+    def close(self) -> None:
+        if self.comm is not None:
+            for dst, n in self.comm.counter.payload.items():
+                self.sent[self.names[dst]] = self.sent.get(self.names[dst], 0) + n
+            self.comm.close()
+            self.comm = None
+
+    def sent_bytes(self) -> int:
+        return sum(self.sent.values()) + (self.comm.counter.total_payload() if self.comm else 0)
+
+
+def slices(roster: dict, batch: int, name: str) -> tuple[list[tuple[int, int]] | None, int, int]:
+    """This member's (lo, hi) per inner step of the next outer step when paced (else None), and
+    its first step's slice."""
+    lo, hi = roster["ranges"][name]
+    paced = roster.get("paced")
+    if not paced:
+        return None, lo, hi
+    names = roster["names"]
+    plan = paced_ranges(batch, int(paced["steps"]), [int(paced["counts"][n]) for n in names])[names.index(name)]
+    return plan, *plan[0]
