@@ -16,7 +16,8 @@
    - int8: Q8_0 weights (int8 per group of 32, one fp16 scale each) times Q8_0 activations,
      llama.cpp's Q8_0 x Q8_0. fbgemm's dynamic int8 linear rounded a call's activations to 7
      bits with one scale for the whole tensor: 1.7x llama.cpp's logit error (issue 39).
-   - fp32, one row: y = W x with W [n, k] row-major, a dot product per row.
+   - fp32, one row: y = W x with W [n, k] row-major, a dot product per row, several rows
+     streamed side by side (FROWS, below).
 
    Paths: AVX512 (VNNI) where there is one, AVX2, NEON with the dot-product instructions
    (__ARM_FEATURE_DOTPROD: Cortex-A76 and later, Apple silicon), plain NEON, plain C elsewhere
@@ -396,12 +397,14 @@ int q8_0_mm(const float *x, int m, int k, const int8_t *q, const uint16_t *d, in
    runs ahead of by a bounded distance. FROWS rows side by side are FROWS streams: 1.17x the
    stream of one row at a time on the x86 machine of BENCHMARKS.md (docs/machine.md). AVX2 has 16
    registers, room for two rows' accumulators. */
+#ifndef FROWS /* -DFROWS=n for an A/B */
 #if defined(__AVX512F__) || defined(__ARM_NEON)
 #define FROWS 4
 #elif defined(__AVX2__)
 #define FROWS 2
 #else
 #define FROWS 1
+#endif
 #endif
 
 /* y[r] = w[r] . x for nr <= FROWS rows of w (row-major, k apart), each row summed in one order
