@@ -45,7 +45,7 @@ from pathlib import Path
 
 import common
 from common import PY, exit_code, write_result
-from compute_sims import down, up
+from compute_sims import WEIGHT_GROUP, down, up, weigh
 
 BAR = (
     "capped home sim, a 135M Llama, full and LoRA: each run's step time within 25% of its plan, "
@@ -176,6 +176,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8, help="per run (a diloco pick: two outer steps if more)")
     ap.add_argument("--lora-rank", type=int, default=8)
     ap.add_argument("--target-comm", type=float, default=0.25, help="diloco's communication share (plan and run)")
+    ap.add_argument("--weight", type=int, default=0, help="cpu.shares of the bench and its hosts (compute_sims.weigh)")
     a = ap.parse_args()
     if a.steps < 4:
         ap.error("--steps must be 4 or more")
@@ -188,14 +189,22 @@ def main() -> int:
     d = Path(tempfile.mkdtemp(prefix="ftbench-"))
     (d / "text.txt").write_bytes(load_corpus(None, 256 << 10))
     say(f"files in {d}; model {a.model} ({params(a.model) / 1e6:.1f}M)")
+    if a.weight:
+        weigh(a.weight)
     inv = up(d, "home", name=NAME, subnet=SUBNET)
     try:
+        if a.weight:
+            weigh(a.weight, [NAME])
         sh([PY, "-m", "smolnet", "matrix", "-i", inv, "--duration", "2", "--out", d], ok=(0, 4))  # 4: the slow uplink
         say("calibrating")
         sh([PY, "-m", "smoltrain", "calibrate", "-i", inv, "--model", a.model, "--out", d / "compute.json"])
         modes = {m: mode(m, inv, d, a) for m in ("full", "lora")}
     finally:
         down(NAME)
+        if a.weight:
+            from smolnet.sim import cgroup
+
+            cgroup.remove(cgroup.path(WEIGHT_GROUP))  # moves this process back out first
     compute = json.loads((d / "compute.json").read_text())
     caps = {h["name"]: h.get("cpu_limit_cores") for h in compute["hosts"]}
     bars = {f"{m}_{k}": v for m, r in modes.items() for k, v in r["bars"].items()}
@@ -213,7 +222,7 @@ def main() -> int:
         "scenario": "home", "sim": NAME, "subnet": SUBNET, "caps": caps,
         "model": {**SHAPE, "params": params(a.model), "tokenizer_vocab": TOKENIZER_VOCAB},
         "batch": a.batch, "seq": a.seq,
-        "steps": a.steps, "lora_rank": a.lora_rank, "target_comm": a.target_comm, "modes": modes, "bars": bars,
+        "steps": a.steps, "lora_rank": a.lora_rank, "target_comm": a.target_comm, "weight": a.weight, "modes": modes, "bars": bars,
         "load_at_end": load, "bench_s": round(time.time() - t0),
     }  # fmt: skip
     kept = write_result("finetune-home", BAR, met, headline, data)
