@@ -113,6 +113,14 @@ def collectives(comm, params) -> dict:
                 comm.recv(got, r - 1)
                 comm.send(got, (r + 1) % n)
             record("p2p", torch.equal(got, value(0, numel, dt)), numel=numel, es=got.element_size())
+        # send_recv: every rank sends to the next and receives from the one before, all at once
+        # (two ranks: a swap with the one peer, pp's 1f1b); the sizes differ each way
+        for numel in (1001, 300_007):
+            mine, theirs = numel + 37 * r, numel + 37 * ((r - 1) % n)
+            got = torch.empty(theirs, dtype=torch.float32)
+            comm.send_recv(value(50 + r, mine, torch.float32), (r + 1) % n, got, (r - 1) % n)
+            ok = torch.equal(got, value(50 + (r - 1) % n, theirs, torch.float32))
+            record("send_recv", ok, numel=mine, es=4)
     comm.barrier()
     record("barrier", True)
     return {"calls": calls, "bad": bad}

@@ -50,7 +50,7 @@ def expected(call: dict, r: int, n: int) -> dict[str, int]:
         return {nxt: b} if b and (r - call["src"]) % n != n - 1 else {}
     if name == "all_to_all":
         return {str(j): b for j, b in enumerate(call["sizes"]) if j != r and b}
-    if name == "p2p":
+    if name in ("p2p", "send_recv"):
         b = call["numel"] * es
         return {nxt: b} if b else {}
     raise AssertionError(name)

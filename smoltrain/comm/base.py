@@ -64,6 +64,17 @@ class Comm(ABC):
     def recv(self, tensor, src: int) -> None:
         """Receive into `tensor` (its shape and dtype must match what was sent)."""
 
+    def send_recv(self, send, dst: int, recv, src: int) -> None:
+        """Send `send` to dst and receive `recv` from src (pp's 1f1b swap with a neighbour).
+        The transports do both at once, so neither end waits for the other's turn; this
+        default orders the two by rank so that a pair never blocks on two sends."""
+        if self.rank < dst:
+            self.send(send, dst)
+            self.recv(recv, src)
+        else:
+            self.recv(recv, src)
+            self.send(send, dst)
+
     @abstractmethod
     def broadcast(self, tensor, src: int) -> None: ...
 

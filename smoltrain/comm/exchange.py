@@ -90,8 +90,12 @@ class _Exchange:
         hdr,
         timeout,
         sess=None,
+        rseq=None,
+        rextra=None,
     ):
         self.socks, self.op, self.seq, self.extra = socks, op, seq, extra
+        self.rseq = seq if rseq is None else rseq  # what the receives expect (send_recv: their own stream)
+        self.rextra = extra if rextra is None else rextra
         self.sess = sess or {}  # peer -> wire.Session: every frame MACed (none: a bare test link)
         self.ptag = None  # full integrity: the payload just received, awaiting its tag
         self.sends, self.recvs, self.schunks, self.rchunks, self.base = sends, recvs, schunks, rchunks, base
@@ -185,7 +189,7 @@ class _Exchange:
                     if ses is not None:
                         ses.check(bytes(self.hdr) + raw[: self.jlen], raw[self.jlen :])
                     self.meta = wire.parse_meta(raw[: self.jlen])
-                expect = dict(self.extra, o=self.op, q=self.seq, i=self.ri) if self.rk == 0 else None
+                expect = dict(self.rextra, o=self.op, q=self.rseq, i=self.ri) if self.rk == 0 else None
                 _check_frame(self.kind, self.meta, self.plen, b - a, expect, peer)
                 if self.plen:
                     self.phase, self.rgot = 2, 0

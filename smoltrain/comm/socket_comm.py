@@ -204,6 +204,8 @@ class SocketComm(Comm):
         dtype=None,
         seq: int | None = None,
         extra: dict | None = None,
+        recv_seq: int | None = None,
+        recv_extra: dict | None = None,
     ) -> None:
         """Run sends [(peer, view, dep)] and receives [(peer, view, acc)] as one exchange.
 
@@ -211,7 +213,8 @@ class SocketComm(Comm):
         chunk k of this send goes out (same chunking), or None. acc: a tensor to add each
         received chunk into (the view then only gives the size), or None to receive
         straight into the view. The first frame of every message carries {op, seq, index}
-        (+ extra), checked by the receiver, so ranks that disagree fail loudly.
+        (+ extra), checked by the receiver, so ranks that disagree fail loudly; the receives
+        expect recv_seq and recv_extra where given (a send and a receive of different streams).
         """
         if seq is None:
             self._seq += 1
@@ -243,6 +246,8 @@ class SocketComm(Comm):
             self._hdr,
             self.peer_timeout,
             self._sess,
+            recv_seq,
+            recv_extra,
         )
         try:
             ex.run()
@@ -286,6 +291,26 @@ class SocketComm(Comm):
             extra={"dt": str(st.flat.dtype), "n": st.flat.numel()},
         )
         st.finish()
+
+    def send_recv(self, send, dst: int, recv, src: int) -> None:
+        """One exchange: the send and the receive move at once (each in its own p2p stream,
+        so a plain send or recv at the other end matches it)."""
+        self._check_usable()
+        self._check_peer(dst)
+        self._check_peer(src)
+        out, into = _Staged(send, writeback=False), _Staged(recv, writeback=True)
+        self._p2p_out[dst] = self._p2p_out.get(dst, 0) + 1
+        self._p2p_in[src] = self._p2p_in.get(src, 0) + 1
+        self._transfer(
+            "p2p",
+            [(dst, _byte_view(out.flat), None)],
+            [(src, _byte_view(into.flat), None)],
+            seq=self._p2p_out[dst],
+            extra={"dt": str(out.flat.dtype), "n": out.flat.numel()},
+            recv_seq=self._p2p_in[src],
+            recv_extra={"dt": str(into.flat.dtype), "n": into.flat.numel()},
+        )
+        into.finish()
 
     def broadcast(self, tensor, src: int) -> None:
         self._check_usable()

@@ -54,7 +54,7 @@ class SocketGroup(SocketComm):
     def _fail(self, err: CommError, dirty=frozenset()) -> CommError:
         return self._parent._fail(err, dirty)
 
-    def _transfer(self, op, sends, recvs, elem=1, dtype=None, seq=None, extra=None) -> None:
+    def _transfer(self, op, sends, recvs, elem=1, dtype=None, seq=None, extra=None, recv_seq=None, recv_extra=None):
         """The parent's engine, with group-local peers mapped to world ranks and the group named."""
         g = self._ranks
         super()._transfer(
@@ -65,6 +65,8 @@ class SocketGroup(SocketComm):
             dtype,
             seq,
             dict(extra or {}, g=self._tag),
+            recv_seq,
+            None if recv_extra is None else dict(recv_extra, g=self._tag),
         )
 
     def new_group(self, ranks):

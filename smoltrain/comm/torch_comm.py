@@ -122,6 +122,20 @@ class TorchComm(Comm):
             with torch.no_grad():
                 tensor.copy_(t.view_as(tensor))
 
+    def send_recv(self, send, dst: int, recv, src: int) -> None:
+        t, _ = self._dev(send)
+        r, staged = self._dev(recv)
+
+        def both():
+            for req in (dist.isend(t, self._g(dst), group=self._pg), dist.irecv(r, self._g(src), group=self._pg)):
+                req.wait()
+
+        self._run(f"send to rank {dst} and recv from rank {src}", both)
+        if staged:
+            with torch.no_grad():
+                recv.copy_(r.view_as(recv))
+        self.counter.add(self._g(dst), t.numel() * t.element_size())
+
     def broadcast(self, tensor, src: int) -> None:
         if self.world_size == 1 or tensor.numel() == 0:
             return

@@ -10,9 +10,11 @@ one optimizer step, so the result is the same as one big batch.
   1f1b:  stage r runs (S - r - 1) warm-up forwards, then alternates one forward
          and one backward, then drains the remaining backwards: at most S
          microbatches in flight. In the steady state a stage both sends to and
-         receives from the same neighbour; with plain blocking send/recv that
-         could deadlock, so each exchange is ordered by parity: the even stage of
-         the pair sends first, the odd stage receives first.
+         receives from the same neighbour: one Comm.send_recv, both at once. (Ordered
+         by parity, even stage sends first, the later stage of a pair held its
+         gradient until the next activation had come: a second hand-off per
+         microbatch on the critical path, each one a wake-up of both ends, and of a
+         tp group's every rank in a pp x tp mesh.)
 
 What crosses the wire, per step and per boundary: each microbatch's boundary
 activation forward (b_m*T*hidden*4 bytes, r -> r+1) and its gradient backward
@@ -62,12 +64,9 @@ class PipelineParallel(StageStrategy):
         return None if self.first else inp.grad
 
     def _exchange(self, peer: int, send: torch.Tensor, recv_seqs: int) -> torch.Tensor:
-        """Send to and receive from the same neighbour without a send/send deadlock."""
-        if self.ctx.rank % 2 == 0:
-            self.send_to(send, peer)
-            return self.recv_from(peer, recv_seqs)
-        got = self.recv_from(peer, recv_seqs)
-        self.send_to(send, peer)
+        """Send to and receive from the same neighbour at once."""
+        got = torch.empty(self.act_shape(recv_seqs), device=self.ctx.device)
+        self.ctx.comm.send_recv(send.detach().contiguous(), peer, got, peer)
         return got
 
     def _seqs(self, m: int) -> int:
