@@ -124,7 +124,7 @@ class TensorParallel(Strategy):
 def split_block(block, heads, ffn, comm, keep_bias: bool):
     """Rank's tp slice of a block; a Hugging Face block slices itself (models.causal: its biases
     once, where keep_bias). Also pp x tp's stages (a mesh) split their blocks with it."""
-    if not hasattr(block, "tp_slice"):
+    if not hasattr(block, "sized"):  # the built-in GPT's block (models.blocks.Block's tp_slice needs `sized`)
         return ParallelBlock(block, heads, ffn, comm)
     enter, leave = (lambda t: _AllReduceBackward.apply(t, comm)), (lambda t: _AllReduceForward.apply(t, comm))
     return block.tp_slice(heads, ffn, enter, leave, keep_bias=keep_bias)
