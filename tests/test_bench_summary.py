@@ -127,6 +127,9 @@ def test_the_fault_and_decode_bars_count_a_miss_as_one():
         True,
         "1 thread(s): fp32 0.80 of the bound; q4 0.85x llama.cpp Q4_0, int8 0.97x Q8_0; int8 logit error 0.98x Q8_0's",
     )
+    assert decode.verdict(dict(run, bound_source="64 MB copy"))[1].startswith(
+        "1 thread(s): fp32 0.80 of the bound (64 MB copy); "
+    )
     assert not decode.verdict(dict(run, roofline_tokens_per_s={"fp32": 20.0}))[0]  # 0.60 of the bound
     assert not decode.verdict(dict(run, tokens_per_s=dict(t, int8=27.0)))[0]  # 0.90x Q8_0
     assert not decode.verdict(dict(run, tokens_per_s=dict(t, q4=30.0)))[0]  # 0.75x Q4_0
