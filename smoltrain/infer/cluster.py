@@ -38,8 +38,10 @@ class Cluster(Runner):
         log_dir: str,
         bind: str = "127.0.0.1",
         control_addr: str = "127.0.0.1",
+        own_logs: bool = False,
     ):
         self.cfg, self.placements, self.secret, self.log_dir = cfg, placements, secret, log_dir
+        self.own_logs = own_logs  # a folder made for this cluster goes on a clean close; a caller's stays
         super().__init__()
         self.bind, self.control_addr = bind, control_addr
         self.world = cfg.world_size
@@ -282,5 +284,5 @@ class Cluster(Runner):
         self.group.stop()
         for s in self.socks.values():
             s.close()
-        if not failed and not self.group.dead():  # as `run`: the logs stay only when a rank failed
+        if self.own_logs and not failed and not self.group.dead():  # as `run`: kept when a rank failed
             shutil.rmtree(self.log_dir, ignore_errors=True)

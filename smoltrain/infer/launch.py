@@ -199,7 +199,7 @@ def open_model(args, timeout: float = 120.0, seq: int | None = None, group=None,
         bind = control_addr = route_source(hosts[0].cluster_ip)
         secret = ensure_secret(getattr(args, "secret_file", None) or hosts[0].secret_file)
     log_dir = tempfile.mkdtemp(prefix="smoltrain-infer-")
-    cluster = Cluster(cfg, placements, secret, log_dir, bind=bind, control_addr=control_addr)
+    cluster = Cluster(cfg, placements, secret, log_dir, bind=bind, control_addr=control_addr, own_logs=True)
     try:
         cluster.start(timeout)
         cluster.warm_up(ckpt.config.ctx)
