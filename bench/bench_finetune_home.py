@@ -17,7 +17,7 @@ over 3 kv heads, MLP 1536, vocabulary 49152, tied head: 134.5M parameters), rand
 byte-level BPE tokenizer of 8000 tokens trained here (smoltrain.finetune.tinymodel; the model's
 other rows are never drawn, the head still computes all 49152 logits). The data: 256 KB of this
 Python's sources as text. Every host is calibrated on the checkpoint itself (`calibrate --model
-DIR`, about half the bench: the Pi's 0.15 core takes ~30 s a 512-token step). A shallower copy
+DIR`, most of the bench: the Pi's 0.15 core takes ~30 s a 512-token step). A shallower copy
 scaled by the plan was tried first and was off 2x: this model's fixed cost per step is its
 gradients' and AdamW's memory work, which grows with the parameters, not the layers
 (BENCHMARKS.md).
@@ -29,9 +29,10 @@ the step (about 75 steps of 3 s here for the full model's 538 MB): `--target-com
 
 Bars: per mode, every run's measured step time within 25% of its plan, and the pick's measured
 tokens/s >= 1.3x the single host's measured. Keeps bench/results/finetune-home.json; exits 1
-when a bar is missed, 2 on an error. About 12 minutes on a 2-core machine:
+when a bar is missed, 2 on an error. 12-16 minutes on a 2-core machine; `--weight` (cpu.shares,
+compute_sims.weigh) for less noise on a shared one:
 
-    flock /tmp/smol-sim.lock .venv/bin/python bench/bench_finetune_home.py
+    flock /tmp/smol-sim.lock .venv/bin/python bench/bench_finetune_home.py --weight 4096
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ ROWS = [
      bench("bench_finetune", "bench_finetune.py", "--rounds 3 --steps 12 --warmup 2 --lora"), ""),
     ("fine-tuning a 135M Llama on the capped home sim, full and LoRA: each run within 25% of its plan, "
      "the plan's pick >= 1.3x the best single host alone (measured)",
-     bench("finetune-home", "bench_finetune_home.py", sim=True), ""),
+     bench("finetune-home", "bench_finetune_home.py", "--weight 4096", sim=True), ""),
     ("serving: 8 concurrent clients >= 4x one client's tokens/s; replicas vs split within 25% of the serve plan",
      bench("serve", "bench_serve.py", sim=True), "4.37-7.02x; plan 12 of 12 on caps that fit, 0.35-0.43 at load 2"),
     ("concurrent greedy answers equal the same requests served alone", test("tests/test_infer_serve.py"), ""),
