@@ -302,7 +302,9 @@ class Stopwatch:
 class TimedComm:
     """A Comm that also adds up the seconds spent inside its calls (comm_s)."""
 
-    _timed = ("send", "recv", "broadcast", "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "barrier")
+    _timed = (
+        "send", "recv", "send_recv", "broadcast", "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "barrier"
+    )  # fmt: skip
 
     def __init__(self, comm, into: TimedComm | None = None):
         self._comm = comm
