@@ -124,3 +124,25 @@ def test_a_serve_tp_group_is_the_infer_plan_of_that_group():
     int8 = serve.group_step(m, ranks, names, lm, "tp", "fp32", 1, 256, pad=1, placement="auto", wire="int8")
     fp32 = serve.group_step(m, ranks, names, lm, "tp", "fp32", 1, 256, pad=1, placement="auto")
     assert int8["step_s"] != pytest.approx(fp32["step_s"])
+
+
+SIZES = [(2, 1000), (2, (1 << 20) // 4), (2, (1 << 20) // 4 + 1), (3, 999), (4, 1 << 19)]
+
+
+@pytest.mark.parametrize("world,numel", SIZES)
+def test_the_plan_counts_the_transports_all_reduce_rounds_and_bytes(world, numel):
+    """The planner's all-reduce makes the rounds the transport's schedule makes (two ranks and a
+    small buffer swap it whole in one round) and the same bytes per rank."""
+    import torch
+
+    from smoltrain.comm import ring
+    from smoltrain.planner.traffic import all_reduce
+
+    flat = torch.zeros(numel)
+    planned = all_reduce(world, numel * 4, "grads")
+    assert len(planned) == 1
+    for r in range(world):
+        sends, _ = ring.all_reduce_steps(flat, ring._byte_view(flat), r, world)
+        assert planned[0].repeat == len(sends)
+        sent = sum(len(v) for _, v, _ in sends)
+        assert sum(t.nbytes for t in planned[0].transfers if t.src == r) * planned[0].repeat == pytest.approx(sent)

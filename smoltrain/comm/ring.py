@@ -9,14 +9,8 @@ against, `ring_allreduce_bytes`) can be read without the connection and failure 
 from __future__ import annotations
 
 from smoltrain.comm.exchange import _byte_view
+from smoltrain.comm.layout import SMALL_BYTES  # the planner counts the same rounds
 from smoltrain.comm.layout import ring_segments as _segments  # the planner counts the same split
-
-# Two ranks and at most this many bytes: swap whole buffers instead of running the ring. The
-# same bytes each way, one round instead of two (the ring's all-gather waits on its
-# reduce-scatter); the cost is a copy of the buffer, so big ones still take the ring. Raised from
-# 64 KB for tp inside a pp stage (issue 38): its all-reduces of 49-393 KB per microbatch each paid
-# a second round, and on CPU-capped hosts a round costs a wake-up of both ends (ms, not alpha).
-SMALL_BYTES = 1 << 20
 
 
 def ring_allreduce_bytes(numel: int, elem_size: int, world_size: int, rank: int) -> int:
