@@ -72,14 +72,18 @@ HIDDEN_PERIOD_US = 10_000
 
 # The fast-pair cluster, for a mesh's placement (smoltrain.mesh): two hosts on 10 Gbit, whose
 # pair a tp axis should ride, two on 1 GbE, one of them with a 300 Mbit uplink; every host
-# capped alike (0.3 cores), so which pair is fast is the links' doing, not the CPUs'.
+# capped alike (0.3 cores), so which pair is fast is the links' doing, not the CPUs'. Links with a
+# peak rate, as real ones: without it tp's per-layer all-reduces left a link that idled at
+# memory speed (4.7 MB over the 300 Mbit uplink in 100 ms, the wire takes 130), which no link
+# of that rate does, so 1-D tp ran 1.55x its plan (BENCHMARKS.md, "Meshes on the fastpair sim").
 FASTPAIR = (("fast1", 10_000, 10_000), ("fast2", 10_000, 10_000), ("gbe", 1000, 1000), ("slowup", 300, 1000))
 
 
 def _fastpair() -> list[HostSpec]:
     scale = _fit((0.3,) * len(FASTPAIR))
     return [
-        HostSpec(n, "generic", 1500, 1500, up, down, down, cpu_cores=round(0.3 * scale, 3)) for n, up, down in FASTPAIR
+        HostSpec(n, "generic", 1500, 1500, up, down, down, cpu_cores=round(0.3 * scale, 3), link_peak=True)
+        for n, up, down in FASTPAIR
     ]
 
 
