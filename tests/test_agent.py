@@ -215,7 +215,9 @@ def test_probe_towards_silent_port_reports_no_ack(agents):
     assert m["mtu_effective"] is None and "no acknowledgement" in m["error"]
 
 
-def test_iperf3_backend_between_agents(agents):
+@pytest.mark.parametrize("duration", [1, 0.5])
+def test_iperf3_backend_between_agents(agents, duration):
+    """0.5 s: `smolnet matrix --duration` takes it, and iperf3 reads `-t 0.5` as "run forever"."""
     need_tool("iperf3")
     a, b = agents
     srv = control.call(b.bind, b.port, SECRET, "iperf3_server", timeout=15, lifetime=20)
@@ -227,7 +229,7 @@ def test_iperf3_backend_between_agents(agents):
         timeout=30,
         dst=b.bind,
         port=srv["port"],
-        duration=1,
+        duration=duration,
         omit=0.5,
         streams=2,
         backend="iperf3",

@@ -4,12 +4,14 @@ iperf3 serves one test at a time by design, so the receiving agent starts a fres
 `iperf3 -s -1` on a port it picks for every test. Traps handled here: a warning line
 can precede the JSON (parse from the first `{`); the client's `sum_sent` is the
 sender's view, so read `sum_received`; an MTU black hole exits 0 with no error and
-about nothing received.
+about nothing received; `-t` is whole seconds (iperf3 3.12 reads 0.5 as 0, which runs forever),
+so a fractional duration is rounded up.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import select
 import shutil
@@ -128,7 +130,7 @@ def run_client(dst: str, port: int, duration: float, omit: float, streams: int, 
         str(port),
         "-J",
         "-t",
-        f"{duration:g}",
+        str(max(1, math.ceil(duration))),  # iperf3 reads whole seconds: -t 0.5 would be 0, "forever"
         "-O",
         f"{omit:g}",
         "-P",
