@@ -99,9 +99,10 @@ def test_socket_counts_framing_apart(group):
 def test_a_rank_waiting_on_a_late_peer_sleeps(backend):
     """Issue 36 asked whether a waiting rank spends CPU: if it spun, a capped or busy host would
     compute slower the more collectives it runs. Both transports block in the kernel (socket:
-    poll(); torch: gloo), so a 1 s wait costs milliseconds of CPU."""
-    res = run_group("idle_wait", 2, backend, {"late_s": 1.0}, timeout=60)
+    poll(); torch: gloo), so a 1.5 s wait costs milliseconds of CPU. (The wall-time check only
+    makes sure the rank did wait, with half the sleep as margin for a late barrier.)"""
+    res = run_group("idle_wait", 2, backend, {"late_s": 1.5}, timeout=60)
     assert res[0] and res[0]["ok"], res
     for op, got in res[0]["result"].items():
-        assert got["wall_s"] >= 0.9, f"{op} did not wait for the late peer: {got}"
+        assert got["wall_s"] >= 0.75, f"{op} did not wait for the late peer: {got}"
         assert got["cpu_s"] < 0.3, f"{backend} {op} spent {got['cpu_s']:.2f} CPU s waiting {got['wall_s']:.2f} s"
