@@ -27,6 +27,7 @@ TIERS = {
     "unit": [
         "test_errors.py",
         "test_model.py",
+        "test_optim.py",
         "test_plan.py",
         "test_plan_tuning.py",
         "test_report.py",
