@@ -93,6 +93,27 @@ def setup(threads: int | None, device: str | None = "cpu", dtype: str | None = N
     return n, dev
 
 
+def keep_freed_memory() -> bool:
+    """A training process keeps the memory it frees for its next step (True where it could).
+
+    Every step frees and allocates again its gradients and activations (~0.5 GB a step on a
+    135M model). glibc returns blocks over its mmap threshold (32 MB at most: the embedding's
+    gradient, the logits) to the kernel, and trims the heap's top, so the next step faults
+    each page in again, zeroed by the kernel: 70-130 thousand faults and ~0.1-0.3 s a step of
+    a 135M model on one thread (BENCHMARKS.md, fine-tuning). No mmap and no trimming keep
+    them in the heap, as torch's GPU allocators keep theirs. Without glibc's mallopt (macOS,
+    musl): nothing changes. Calibration's timed training step calls it too, so the plan
+    measures what the run does."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, OSError):
+        return False
+    m_trim_threshold, m_mmap_max = -1, -4  # malloc.h
+    return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
+
+
 COPY_BYTES = 64 << 20  # per buffer: beyond the last-level cache of the machines people own
 
 

@@ -254,10 +254,12 @@ def train_seconds(
     """Seconds per real fwd + bwd + AdamW step of the model, as smoltrain run takes them.
     `optimizer` (a list) receives the share of them the AdamW update took: paid once per
     step, not per microbatch, so the plan must not multiply it as it does the passes."""
+    from smoltrain import host
     from smoltrain.models.gpt import build_model
     from smoltrain.models.optim import AdamW
     from smoltrain.models.spec import get_model
 
+    host.keep_freed_memory()  # as a training rank does (run.worker)
     spec = get_model(model_name)
     model = build_model(spec, seed=0).to(device)
     params = list(model.parameters())

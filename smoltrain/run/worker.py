@@ -163,6 +163,7 @@ def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, co
     threads, device = host.setup(
         rank_threads(cfg, rank), cfg.devices[rank] if 0 <= rank < len(cfg.devices) else "cpu", cfg.dtype
     )
+    host.keep_freed_memory()
     backends.select(cfg.kernels)  # a backend this host cannot run: the rank's one-line error
     torch.manual_seed(cfg.seed)
     batches = make_batches(cfg, corpus)  # checks the payload against cfg.data_digest
