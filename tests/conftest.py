@@ -28,6 +28,7 @@ TIERS = {
         "test_errors.py",
         "test_model.py",
         "test_optim.py",
+        "test_lora_fixed_cost.py",
         "test_plan.py",
         "test_plan_tuning.py",
         "test_report.py",

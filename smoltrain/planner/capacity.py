@@ -299,6 +299,19 @@ def memory(w: RankWork, model: ModelSpec, mode: str, dtype: str, seq: int, strat
     )
 
 
+def frozen_grad_bytes(w: RankWork, model: ModelSpec) -> float:
+    """Bytes a whole-model training step moves, whatever its batch, for the gradients of the
+    weights LoRA freezes on this rank (w as tuning.work gives it): each frozen weight's fp32
+    gradient written once by its weight-gradient product, and, where the rank computes the
+    logits, the embedding's dense gradient zero-filled and (tied) summed with the head's: read
+    both, write one. Calibration times a step that trains every weight, so its fixed cost
+    holds these bytes; a LoRA rank does not move them. 0 under full training."""
+    if w.trainable is None:
+        return 0.0
+    emb = model.vocab * model.hidden if w.logits else 0
+    return 4.0 * (max(0.0, w.params_held - w.trainable) + emb * (4 if model.tied_embeddings else 1))
+
+
 def fixed_share(w: RankWork, model: ModelSpec, strategy: str) -> float:
     """Share of a whole-model step's fixed cost (per-operation overhead, optimizer loop) a
     rank pays: a pipeline stage runs its layers' operations only, every other rank all of

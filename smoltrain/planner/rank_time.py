@@ -63,6 +63,8 @@ def seconds(rk, w: capacity.RankWork, sh: Shape) -> RankTime:
         # the timed steps' fixed cost: what every pass pays whatever its size (operator dispatch,
         # Python), for the rank's share of the operations
         passes = (rk.fixed_s - rk.optimizer_s) * capacity.fixed_share(w, model, sh.strategy)
+        # LoRA: the timed steps also wrote the frozen weights' gradients, which this rank does not
+        passes = max(0.0, passes - capacity.frozen_grad_bytes(w, model) / rk.device.mem_bw)
         # timed steps hold the memory traffic already; a pipeline or an accumulating host pays
         # the per-pass fixed cost each time, the AdamW update once, for the parameters it owns
         update = rk.optimizer_s * w.params_owned / model.params()
