@@ -13,17 +13,23 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
+from smolnet import forked
 from smolnet.inventory import Host
 from smolnet.remote import LOG_HOME, RemoteError, connect
 
+LOCAL = (subprocess.Popen, forked.Forked)  # a child on this machine (else (Remote, Proc))
+
 
 class ProcessGroup:
-    def __init__(self, secret: bytes, log_dir: str | None = None):
-        self.secret, self.log_dir = secret, log_dir
+    def __init__(self, secret: bytes, log_dir: str | None = None, preload: list[str] | None = None):
+        """preload: modules a local `python -m` child imports anyway; such children are then
+        forked from a server that imported them once (smolnet.forked), not started afresh."""
+        self.secret, self.log_dir, self.preload = secret, log_dir, preload
         self.procs: dict[str, object] = {}  # name -> Popen (local child) or (Remote, Proc)
         self.logs: dict[str, str] = {}  # name -> log path (on this machine or on the process's host)
         self.stopped: set[str] = set()
@@ -41,18 +47,11 @@ class ProcessGroup:
         if host is None or (host.local and self.log_dir is not None):
             path = os.path.join(self.log_dir, f"{name}.log")
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-            with open(fd, "wb") as out:  # the child keeps its own descriptor
-                proc = subprocess.Popen(
-                    [os.path.expanduser(a) if a.startswith("~/") else a for a in argv],  # as the host's shell would
-                    stdin=subprocess.PIPE,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    env=env,
-                )
-            proc.stdin.write(self.secret + b"\n")
-            proc.stdin.close()
-            handle: object = proc
+            if self.preload and env is None and argv[:2] == [sys.executable, "-m"]:
+                os.close(fd)
+                handle: object = forked.start(argv[2], argv[3:], path, self.secret, self.preload)
+            else:
+                handle = self._popen(argv, fd, env)
         else:
             remote = connect(host)
             try:
@@ -65,6 +64,21 @@ class ProcessGroup:
             self.procs[name] = handle
             self.logs[name] = path
 
+    def _popen(self, argv: list[str], fd: int, env) -> subprocess.Popen:
+        """A fresh local child writing to fd, the secret on its standard input."""
+        with open(fd, "wb") as out:  # the child keeps its own descriptor
+            proc = subprocess.Popen(
+                [os.path.expanduser(a) if a.startswith("~/") else a for a in argv],  # as the host's shell would
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+            )
+        proc.stdin.write(self.secret + b"\n")
+        proc.stdin.close()
+        return proc
+
     def names(self) -> list[str]:
         with self.lock:
             return list(self.procs)
@@ -72,20 +86,20 @@ class ProcessGroup:
     def poll(self, name: str) -> int | None:
         """A local child's exit status, None while it runs (or for a remote process: ask alive())."""
         proc = self.procs.get(name)
-        return proc.poll() if isinstance(proc, subprocess.Popen) else None
+        return proc.poll() if isinstance(proc, LOCAL) else None
 
     def dead(self) -> dict[str, int]:
         """Local children that exited with a non-zero status, in start order: name -> status."""
         out = {}
         for name, proc in list(self.procs.items()):
-            if isinstance(proc, subprocess.Popen) and proc.poll() not in (None, 0):
+            if isinstance(proc, LOCAL) and proc.poll() not in (None, 0):
                 out[name] = proc.returncode
         return out
 
     def alive(self, name: str) -> bool:
         """Whether name still runs (a remote check is one round trip; it may raise RemoteError)."""
         proc = self.procs[name]
-        if isinstance(proc, subprocess.Popen):
+        if isinstance(proc, LOCAL):
             return proc.poll() is None
         remote, rproc = proc
         return remote.alive(rproc)
@@ -121,7 +135,7 @@ class ProcessGroup:
 
     def kill(self, name: str) -> None:
         proc = self.procs.get(name)
-        if isinstance(proc, subprocess.Popen) and proc.poll() is None:
+        if isinstance(proc, LOCAL) and proc.poll() is None:
             proc.kill()
 
     def wait(self, timeout: float) -> list[str]:
@@ -129,7 +143,7 @@ class ProcessGroup:
         deadline = time.monotonic() + timeout
         left = []
         for name, proc in list(self.procs.items()):
-            if isinstance(proc, subprocess.Popen):
+            if isinstance(proc, LOCAL):
                 try:
                     proc.wait(timeout=max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
@@ -148,7 +162,7 @@ class ProcessGroup:
 
         def one(name: str, proc) -> None:
             try:
-                if isinstance(proc, subprocess.Popen):
+                if isinstance(proc, LOCAL):
                     if proc.poll() is None:
                         proc.kill()
                     proc.wait(timeout=10)

@@ -121,3 +121,61 @@ def test_remote_logs_are_named_for_their_run(tmp_path):
     assert remote_log(str(a), "laptop") == "~/.cache/smolcluster/logs/smoltrain-infer-abc-laptop.log"
     assert remote_log(str(a) + "/", "laptop") == remote_log(str(a), "laptop")
     assert remote_log(str(b), "laptop") != remote_log(str(a), "laptop") != remote_log(str(a), "pi5")
+
+
+def test_preloaded_children_are_forked_and_see_what_a_fresh_one_sees(tmp_path, monkeypatch):
+    """ProcessGroup(preload=...) forks `python -m` children from a server (smolnet.forked): each
+    gets the secret on stdin, this process's environment and folder, its own session and log,
+    and its exit status, kill and death are reported as a fresh child's are."""
+    from smolnet.forked import Forked
+
+    g = ProcessGroup(SECRET, str(tmp_path / "logs"), preload=["forkchild"])
+    os.mkdir(g.log_dir)
+    monkeypatch.setenv("SMOL_FORK_TEST", "seen")
+    monkeypatch.chdir(tmp_path)
+    go, never = tmp_path / "go", tmp_path / "never"
+    try:
+        g.start("a", [sys.executable, "-m", "forkchild", str(go)])
+        g.start("bad", [sys.executable, "-m", "forkchild", str(never), "3"])
+        g.start("raises", [sys.executable, "-m", "forkchild", str(never), "raise"])
+        g.start("victim", [sys.executable, "-m", "forkchild", str(never)])
+        g.start("plain", [sys.executable, "-c", WAITER, str(go)])  # not `-m`: started afresh
+        assert all(isinstance(g.procs[n], Forked) for n in ("a", "bad", "raises", "victim"))
+        assert not isinstance(g.procs["plain"], Forked)
+        want = f"got {hashlib.sha256(SECRET).hexdigest()}"
+        wait_for(lambda: g.log_tail("a").startswith("colorsys"), "the forked child started")
+        assert g.log_lines("a", 4)[:3] == [want, f"env seen cwd {tmp_path}", f"own session True argv ['{go}']"]
+        assert SECRET not in Path(f"/proc/{g.procs['a'].pid}/cmdline").read_bytes()
+        wait_for(lambda: {"bad", "raises"} <= set(g.dead()), "the failing children were noticed")
+        assert g.dead() == {"bad": 3, "raises": 1}
+        assert g.log_tail("bad") == "exiting 3"
+        assert g.log_tail("raises") == "RuntimeError: boom: no such model"
+        assert g.alive("a") and g.alive("victim") and g.poll("a") is None
+        g.kill("victim")
+        wait_for(lambda: "victim" in g.dead(), "the killed child was noticed")
+        assert g.dead()["victim"] == -9  # as Popen says it
+        go.touch()
+        assert g.wait(60) == []
+        assert g.poll("a") == 0 and g.log_tail("a") == "last line"
+        pids = [p.pid for p in g.procs.values()]
+    finally:
+        g.stop()
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def test_the_server_imports_the_preload_list_once(tmp_path):
+    """In a fresh interpreter (this one's server may already run, with another list), a forked
+    child finds the preload list already imported."""
+    script = f"""
+import os, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from smolnet.launcher import ProcessGroup
+g = ProcessGroup(b"x", {str(tmp_path)!r}, preload=["colorsys"])
+g.start("c", [sys.executable, "-m", "forkchild", "go", "0"])
+print(g.wait(60), g.poll("c"), g.log_lines("c", 2)[0])
+"""
+    import subprocess
+
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert p.stdout.strip() == "[] 0 colorsys already imported True", p.stdout + p.stderr

@@ -27,6 +27,10 @@ from smoltrain.run.channel import ControlServer, dead_after
 from smoltrain.run.config import RunConfig
 from smoltrain.run.report import step_loss
 
+# what `python -m smoltrain worker` imports (torch with them): local workers fork from one
+# interpreter that imported them once (smolnet.forked), not ~1.5 s of CPU each
+WORKER_IMPORTS = ["smoltrain.cli", "smoltrain.commands.worker", "smoltrain.run.worker"]
+
 
 @dataclass
 class Placement:
@@ -82,7 +86,7 @@ class Controller:
         self.strategy = cfg.strategy
         self.info = registry.get(cfg.strategy)
         self.joined = 0
-        self.group = ProcessGroup(secret, log_dir)  # the workers, started by start_workers
+        self.group = ProcessGroup(secret, log_dir, WORKER_IMPORTS)  # the workers, started by start_workers
         self.connected: dict[str, dict] = {}  # name -> hello
         self.finished: set[str] = set()
         self.closed: set[str] = set()
