@@ -166,3 +166,23 @@ def test_repeats_take_each_figures_median_round_by_round():
     assert a["decode_step"][0]["seconds"] == 0.03
     assert a["repeats"] == 3 and a["fp32_flops_each"] == [1e9, 9e9, 3e9]
     assert b["flops"]["fp32"] == 5e9 and doc["settings"]["repeats"] == 3
+
+
+def test_a_session_probes_every_round_in_one_process_and_names_why_it_ended():
+    """calibration.session: one process answers each round (it starts once), and a process
+    that ends instead of answering is reported with its last line of stderr."""
+    from smolnet.remote import RemoteError
+    from smoltrain.calibration.session import ProbeSession
+
+    echo = (
+        "import json, os, sys\nfor n, _ in enumerate(sys.stdin):\n    print(json.dumps([os.getpid(), n]), flush=True)"
+    )
+    with ProbeSession(_local("a"), [sys.executable, "-c", echo], timeout=30) as s:
+        (pid, first), (again, second) = s.probe(), s.probe()
+    assert pid == again and (first, second) == (0, 1)
+    dies = "import sys; sys.stdin.readline(); print('probe failed: MemoryError: out', file=sys.stderr); sys.exit(1)"
+    with (
+        ProbeSession(_local("a"), [sys.executable, "-c", dies], timeout=30) as s,
+        pytest.raises(RemoteError, match="a: probe failed: MemoryError: out"),
+    ):
+        s.probe()

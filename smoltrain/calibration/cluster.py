@@ -7,14 +7,14 @@ with its reason and the rest are still measured.
 
 With `repeats` > 1 every host is probed that many times and each figure is the median. On a
 shared machine the rounds go host by host (a, b, c, a, b, c, ...), so a slow spell of the
-machine lands on one probe of several hosts rather than on every probe of one host.
+machine lands on one probe of several hosts rather than on every probe of one host. Each host's
+probe process stays open from its first round to its last (session.py): it starts once.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import copy
-import json
 import os
 import socket
 import statistics
@@ -23,6 +23,7 @@ from datetime import datetime, timezone
 
 from smolnet.inventory import Host
 from smolnet.remote import RemoteError, connect
+from smoltrain.calibration.session import ProbeSession
 
 COMPUTE_SCHEMA = "smoltrain.compute/1"
 ID_TIMEOUT = 30.0
@@ -41,8 +42,9 @@ def _machine_id(h: Host) -> str:
 
 
 def probe_argv(h: Host, model: str, seconds: float) -> list[str]:
-    """The probe at the host's smol_threads (else the CPUs it may use, read there) on its smol_device."""
-    argv = [h.python, "-m", "smoltrain.calibration.probe", "--model", model, "--seconds", f"{seconds:g}"]
+    """The probe at the host's smol_threads (else the CPUs it may use, read there) on its smol_device,
+    one probe per line it reads."""
+    argv = [h.python, "-m", "smoltrain.calibration.probe", "--serve", "--model", model, "--seconds", f"{seconds:g}"]
     if h.threads:
         argv += ["--threads", str(h.threads)]
     if os.environ.get("SMOL_KERNELS", "auto") != "auto":  # calibrate --kernels (models.backends)
@@ -51,17 +53,35 @@ def probe_argv(h: Host, model: str, seconds: float) -> list[str]:
 
 
 def probe_host(h: Host, model: str, seconds: float, timeout: float = PROBE_TIMEOUT) -> dict:
-    """Run the probe on `h`; its `hosts` entry, or raise RemoteError with the reason."""
-    with connect(h) as r:
-        res = r.run(probe_argv(h, model, seconds), timeout=timeout)
-    if res.rc != 0:
-        lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
-        raise RemoteError(h.name, lines[-1] if lines else f"probe exited {res.rc}")
-    try:
-        doc = json.loads(res.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        raise RemoteError(h.name, f"probe printed no JSON: {res.stdout.strip()[-120:]!r}") from None
+    """Run the probe on `h` once; its `hosts` entry, or raise RemoteError with the reason."""
+    with ProbeSession(h, probe_argv(h, model, seconds), timeout) as s:
+        return _entry(h, s.probe())
+
+
+def _entry(h: Host, doc: dict) -> dict:
     return {"name": h.name, "status": "ok", "error": None, **doc}
+
+
+class _Sessions:
+    """The default probe of calibrate_hosts: each host's session opened at its first round and
+    kept until close()."""
+
+    def __init__(self):
+        self.open: dict[str, ProbeSession] = {}
+
+    def __call__(self, h: Host, model: str, seconds: float) -> dict:
+        if h.name not in self.open:
+            self.open[h.name] = ProbeSession(h, probe_argv(h, model, seconds), PROBE_TIMEOUT)
+        try:
+            return _entry(h, self.open[h.name].probe())
+        except RemoteError:
+            self.open.pop(h.name).close()
+            raise
+
+    def close(self) -> None:
+        for s in self.open.values():
+            s.close()
+        self.open.clear()
 
 
 def _failed(name: str, err: str, machine_id: str | None = None) -> dict:
@@ -104,10 +124,20 @@ def calibrate_hosts(
     model: str = "tiny",
     seconds: float = 0.5,
     progress: Progress | None = None,
-    probe: Callable = probe_host,
+    probe: Callable | None = None,
     repeats: int = 1,
 ) -> dict:
-    """Measure `hosts`; the compute report (failed hosts carry status `failed` and `error`)."""
+    """Measure `hosts`; the compute report (failed hosts carry status `failed` and `error`).
+    `probe(h, model, seconds)` probes once (default: each host's own session, kept open)."""
+    sessions = _Sessions() if probe is None else None
+    try:
+        return _calibrate(hosts, model, seconds, progress, probe or sessions, repeats)
+    finally:
+        if sessions:
+            sessions.close()
+
+
+def _calibrate(hosts, model, seconds, progress, probe, repeats) -> dict:
     say = progress or (lambda name, what: None)
     results: dict[str, dict] = {}
     ids: dict[str, str] = {}

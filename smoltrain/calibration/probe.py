@@ -482,16 +482,17 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", help="torch device (smol_device: cpu, cuda, mps, auto)")
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--kernels", default=None, help="decode kernels: auto, native, kleidiai, torch (models.backends)")
+    p.add_argument("--serve", action="store_true", help="one probe per line read on stdin, until it ends (session.py)")
     a = p.parse_args(argv)
     try:
         from smoltrain.models import backends
 
         backends.select(a.kernels)
-        doc = probe(a.model, a.seconds, a.threads, a.seq, a.device)
+        for _ in sys.stdin if a.serve else [None]:
+            print(json.dumps(probe(a.model, a.seconds, a.threads, a.seq, a.device)), flush=True)
     except Exception as e:  # one line for the controller, which names the host
         print(f"probe failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    print(json.dumps(doc))
     return 0
 
 
