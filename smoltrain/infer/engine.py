@@ -30,7 +30,10 @@ class Engine:
     def __init__(self, stage: Stage, comm=None, rank: int = 0, world: int = 1, wire: str | None = None):
         from smoltrain.infer.activations import Codec
 
-        self.stage, self.comm, self.rank, self.world = stage, comm, rank, world
+        from smoltrain.infer.commtime import TimedComm
+
+        self.stage, self.rank, self.world = stage, rank, world
+        self.comm = TimedComm(comm) if comm is not None else None
         # what hidden states cross the wire as (--wire-dtype; default: the compute dtype)
         wire = wire or {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[stage.dtype]
         self.codec = Codec(wire, stage.cfg.hidden, stage.dtype, stage.device)
@@ -43,25 +46,47 @@ class Engine:
             "decode_steps": 0,
             "decode_rows": 0,
             "decode_cpu_s": 0.0,
+            # of a decode step: its wall time, and the CPU, wall time and calls of its messages
+            "decode_wall_s": 0.0,
+            "decode_comm_cpu_s": 0.0,
+            "decode_comm_wall_s": 0.0,
+            "decode_comm_calls": 0,
+            "decode_wait_s": 0.0,  # of decode_wall_s: a pp rank's wait for its turn (the step's input)
         }
         self._out: list[int] = []
 
     def sent(self) -> int:
         return self.comm.counter.total_payload() if self.comm is not None else 0
 
-    def counted(self, kind: int, rows: int, fn):
-        """Run fn, charging what it sent (and, for decode, its CPU time) to this kind of step."""
-        b0, c0 = self.sent(), time.process_time()
+    def counted(self, kind: int, rows: int, fn, step: bool = True, wait: bool = False):
+        """Run fn, charging what it sent (and, for decode, its CPU and wall time, and of them
+        its messages') to this kind of step; `step` False: a part of a step counted already
+        (a pp rank's receive before its stage runs)."""
+        b0, c0, w0 = self.sent(), time.process_time(), time.perf_counter()
+        m0 = self.comm.mark() if self.comm is not None else (0.0, 0.0, 0)
         out = fn()
         name = {PREFILL: "prefill", DECODE: "decode"}.get(kind, "idle")
         self.counters[f"{name}_bytes"] += self.sent() - b0
         if kind == DECODE:
-            self.counters["decode_cpu_s"] += time.process_time() - c0
-            self.counters["decode_steps"] += 1
-            self.counters["decode_rows"] += rows
+            self.charge(time.process_time() - c0, time.perf_counter() - w0, m0, wait)
+            self.counters["decode_steps"] += step
+            self.counters["decode_rows"] += rows if step else 0
         elif kind == PREFILL:
-            self.counters["prefill_steps"] += 1
+            self.counters["prefill_steps"] += step
         return out
+
+    def charge(self, cpu: float, wall: float, m0: tuple, wait: bool = False) -> None:
+        """Add a stretch of decode work (its CPU and wall seconds, and the comm's marks at its
+        start) to the decode counters; `wait`: a wait for the step's input."""
+        c = self.counters
+        c["decode_cpu_s"] += cpu
+        c["decode_wall_s"] += wall
+        c["decode_wait_s"] += wall if wait else 0.0
+        if self.comm is not None:
+            cpu1, wall1, n1 = self.comm.mark()
+            c["decode_comm_cpu_s"] += cpu1 - m0[0]
+            c["decode_comm_wall_s"] += wall1 - m0[1]
+            c["decode_comm_calls"] += n1 - m0[2]
 
     def open(self, slot: int, req) -> None:
         self.stage.open(slot, len(req.prompt_ids) + req.max_new_tokens)

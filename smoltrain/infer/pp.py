@@ -13,9 +13,11 @@ A's step, stage 0 runs lane B's, so with requests in several lanes every stage h
 
 from __future__ import annotations
 
+import time
+
 import torch
 
-from smoltrain.infer.batching import IDLE, PREFILL, QUIT, slots_of
+from smoltrain.infer.batching import DECODE, IDLE, PREFILL, QUIT, slots_of
 from smoltrain.infer.engine import Engine
 
 
@@ -37,7 +39,7 @@ class PipelineEngine(Engine):
 
     def collect(self, item) -> list[int]:
         toks = torch.zeros(len(item.slots), dtype=torch.int64)
-        self.comm.recv(toks, self.world - 1)
+        self.counted(item.kind, len(item.slots), lambda: self.comm.recv(toks, self.world - 1), False, True)
         return toks.tolist()
 
     def pass_header(self, h) -> None:
@@ -48,8 +50,11 @@ class PipelineEngine(Engine):
         r, last = self.rank, self.rank == self.world - 1
         while True:
             h = self.empty_header()
-            self.comm.recv(h, r - 1)
+            c0, w0, m0 = time.process_time(), time.perf_counter(), self.comm.mark()
+            self.comm.recv(h, r - 1)  # the wait for the step's header, charged once its kind is known
             kind, mask, T, rid = h.tolist()
+            if kind == DECODE:
+                self.charge(time.process_time() - c0, time.perf_counter() - w0, m0, wait=True)
             slots = slots_of(mask)
             if kind in (IDLE, QUIT):
                 if not last:
@@ -65,9 +70,9 @@ class PipelineEngine(Engine):
                     self.stage.open(slots[0], len(req.prompt_ids) + req.max_new_tokens)
             T = T if kind == PREFILL else 1
             buf = self.codec.buffer(len(slots) * T)
-            self.comm.recv(buf, r - 1)
 
             def run(h=h, buf=buf, slots=slots, T=T):
+                self.comm.recv(buf, r - 1)
                 out = self.stage(self.codec.decode(buf).reshape(len(slots), T, -1), slots)
                 if last:
                     self.comm.send(torch.tensor(self.sample(slots, out), dtype=torch.int64), 0)

@@ -121,6 +121,7 @@ def build(
             # CPU seconds of all ranks together: what the split costs, whatever else loads the machine
             "cpu_s": sum(s.get("decode_cpu_s", 0.0) for s in stats),
             "cpu_s_per_rank": {name: s.get("decode_cpu_s", 0.0) for name, s in zip(cfg.names, stats)},
+            "per_rank": per_rank(cfg.names, stats, steps),
             # weights read per generated token, all ranks, and the memory-bandwidth bound they set
             "weight_bytes_per_token": sum(s.get("weight_bytes_per_token") or 0 for s in stats) or None,
             "roofline_tokens_per_s": roofline(cfg, stats, bandwidth),
@@ -134,6 +135,31 @@ def build(
         "links": links,
         "plan": plan,
     }
+
+
+def per_rank(names: list[str], stats: list[dict], steps: int) -> dict:
+    """Each rank's decode step, per token (ms): its CPU and wall time, and of them its
+    messages' (their CPU, and their wall time, which includes the wait for a peer); the
+    rest is its own work (`work_*`). The terms the plan's decode model adds up; a pp
+    rank's turn in the chain is wall_ms - wait_ms."""
+    out = {}
+    for name, s in zip(names, stats):
+        if not steps or "decode_wall_s" not in s:
+            continue
+        keys = ("cpu_s", "wall_s", "comm_cpu_s", "comm_wall_s", "wait_s")
+        ms = {k: 1e3 * s.get(f"decode_{k}", 0.0) / steps for k in keys}
+        out[name] = {
+            "cpu_ms": ms["cpu_s"],
+            "wall_ms": ms["wall_s"],
+            "comm_cpu_ms": ms["comm_cpu_s"],
+            "comm_wall_ms": ms["comm_wall_s"],
+            "work_cpu_ms": ms["cpu_s"] - ms["comm_cpu_s"],
+            "work_wall_ms": ms["wall_s"] - ms["comm_wall_s"],
+            # pp: the wait for the step's input; the rest of wall_ms is the rank's turn in the chain
+            "wait_ms": ms["wait_s"],
+            "messages": s.get("decode_comm_calls", 0) / steps,
+        }
+    return out
 
 
 def _mesh(text: str | None) -> dict | None:

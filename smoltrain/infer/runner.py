@@ -122,7 +122,7 @@ class Runner:
             sent0 = {int(p): n for p, n in b["links"]}
             links = [(p, n - sent0.get(int(p), 0)) for p, n in st["links"]]
             d = {"rank": r, "links": links, **(st.get("machine") or {})}  # threads, device, weight bytes
-            d.update({k: c[k] - c0[k] for k in ("decode_bytes", "prefill_bytes", "decode_cpu_s")})
+            d.update({k: c.get(k, 0) - c0.get(k, 0) for k in COUNTED})
             if r == 0:
                 d.update(box["stats"])
             out.append(d)
@@ -151,6 +151,18 @@ class Runner:
 
     def health(self) -> None:
         """Raise RankDied (and fail every open request) when the model can no longer serve."""
+
+
+COUNTED = (
+    "decode_bytes",
+    "prefill_bytes",
+    "decode_cpu_s",
+    "decode_wall_s",
+    "decode_comm_cpu_s",
+    "decode_comm_wall_s",
+    "decode_comm_calls",
+    "decode_wait_s",
+)
 
 
 def _warm_request(prompt: int, new: int):
