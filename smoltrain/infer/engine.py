@@ -29,7 +29,6 @@ class Engine:
 
     def __init__(self, stage: Stage, comm=None, rank: int = 0, world: int = 1, wire: str | None = None):
         from smoltrain.infer.activations import Codec
-
         from smoltrain.infer.commtime import TimedComm
 
         self.stage, self.rank, self.world = stage, rank, world
