@@ -12,10 +12,13 @@ as Popen reports it. smolnet names no module here: the caller says what to prelo
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import subprocess
 import sys
+from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
+from multiprocessing.context import set_spawning_popen
 
 _ctx = None
 
@@ -27,14 +30,6 @@ def context(preload: list[str]):
         _ctx = mp.get_context("forkserver")
         _ctx.set_forkserver_preload(list(preload))
     return _ctx
-
-
-def warm(preload: list[str]) -> None:
-    """Start the server now (its imports overlap the caller's own work), if it is not running."""
-    context(preload)
-    from multiprocessing import forkserver
-
-    forkserver.ensure_running()
 
 
 class Forked:
@@ -65,18 +60,42 @@ class Forked:
             os.kill(self.pid, sig)
 
 
+class _Popen(popen_forkserver.Popen):
+    """multiprocessing's forkserver start, less the parent's __main__: multiprocessing re-imports
+    the parent's main script in every child, which would rerun a script without a __main__ guard
+    (or fail on `python - < script`); a child here runs its own module and needs none of it."""
+
+    def _launch(self, process_obj):
+        prep = spawn.get_preparation_data(process_obj._name)
+        prep.pop("init_main_from_path", None)
+        prep.pop("init_main_from_name", None)
+        buf = io.BytesIO()
+        set_spawning_popen(self)
+        try:
+            reduction.dump(prep, buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            set_spawning_popen(None)
+        self.sentinel, w = forkserver.connect_to_new_process(self._fds)
+        _parent_w = os.dup(w)  # the child's sentinel of this process, as multiprocessing keeps it
+        self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = forkserver.read_signed(self.sentinel)
+
+
 def start(module: str, args: list[str], log: str, secret: bytes, preload: list[str]) -> Forked:
     """Run `python -m module *args` as a forked child: stdout and stderr to the (open, truncated)
     file log, secret + newline on its standard input, this process's environment and cwd."""
     args = (module, list(args), log, secret, dict(os.environ))
     proc = context(preload).Process(target=_child, args=args, daemon=True)
+    proc._Popen = _Popen  # an instance attribute: Process.start calls self._Popen(self)
     proc.start()
     return Forked(proc)
 
 
 def _child(module: str, args: list[str], log: str, secret: bytes, env: dict) -> None:
     """In the fork: what a fresh `python -m module` started by Popen would see, then run it."""
-    import io
     import runpy
 
     os.setsid()  # its own session, as start_new_session=True gives (Ctrl-C is the controller's)

@@ -166,7 +166,8 @@ def test_preloaded_children_are_forked_and_see_what_a_fresh_one_sees(tmp_path, m
 
 def test_the_server_imports_the_preload_list_once(tmp_path):
     """In a fresh interpreter (this one's server may already run, with another list), a forked
-    child finds the preload list already imported."""
+    child finds the preload list already imported; and it never re-runs the parent's main
+    script (multiprocessing's habit: here an unguarded `python - < script`)."""
     script = f"""
 import os, sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
@@ -177,5 +178,5 @@ print(g.wait(60), g.poll("c"), g.log_lines("c", 2)[0])
 """
     import subprocess
 
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=120)
     assert p.stdout.strip() == "[] 0 colorsys already imported True", p.stdout + p.stderr
