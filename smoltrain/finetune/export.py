@@ -172,7 +172,7 @@ def export_checkpoint(ckpt_dir: str, found, out_dir: str, merge: bool) -> tuple[
     cfg, n = base.config, spec.layers + 2
     step_dir = Path(ckpt_dir) / f"step-{found.step:06d}"
     if meta["strategy"] == "tp":
-        units = tp_units(step_dir, meta, found.sha256, n)
+        units = tp_units(step_dir, meta, found.sha256, cfg)
     else:
         _, units = gather_units(step_dir, meta, found.sha256, spec)
     trained = {}
@@ -214,52 +214,28 @@ def export_checkpoint(ckpt_dir: str, found, out_dir: str, merge: bool) -> tuple[
     return write_full(out_dir, state, spec.source, note), "the full fine-tuned model"
 
 
-COLUMN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "c_fc", "c_attn"}  # tp cuts their outputs
-ROW = {"o_proj", "down_proj", "c_proj"}  # and these layers' inputs
-
-
-def tp_cut(name: str) -> int | None:
-    """The dimension tp cut this parameter of a block along (models.causal tp_slice), or None where
-    every rank holds it whole (norms, a LoRA run's uncut factor) or rank 0 alone (an output bias)."""
-    parts = name.split(".")
-    if "lora_A" in parts or "lora_B" in parts:
-        i = parts.index("lora_A") if "lora_A" in parts else parts.index("lora_B")
-        layer, factor = parts[i - 1], parts[i]
-        if layer in COLUMN and factor == "lora_B":
-            return 0
-        return 1 if layer in ROW and factor == "lora_A" else None
-    if len(parts) < 2:
-        return None
-    layer, kind, conv1d = parts[-2], parts[-1], parts[-2].startswith("c_")  # GPT-2 stores [in, out]
-    if layer in COLUMN:
-        return (1 if conv1d else 0) if kind == "weight" else 0
-    if layer in ROW and kind == "weight":
-        return 0 if conv1d else 1
-    return None
-
-
-def tp_units(step_dir: Path, meta: dict, sha256: dict, n_units: int) -> dict:
-    """`units.<i>.<name>` of a tp run of a Hugging Face model, its ranks' slices joined in rank order
-    (each rank holds a contiguous range of heads and MLP columns; GPT-2's c_attn a range of each
-    of q, k and v); what every rank holds whole, or rank 0 alone, from rank 0."""
+def tp_units(step_dir: Path, meta: dict, sha256: dict, cfg) -> dict:
+    """`units.<i>.<name>` of a tp run of a Hugging Face model (`cfg`, its HFConfig), its ranks'
+    slices joined in rank order along the dimension tp cut them (models.blocks.tp_windows: each
+    rank holds a contiguous range of heads and MLP units, in each window a parameter is cut into,
+    as GPT-2's c_attn in q, k and v); what every rank holds whole, or rank 0 alone, from rank 0."""
     import torch
 
+    from smoltrain.models.blocks import make_block, tp_windows
     from smoltrain.run.checkpoint import load_part
 
-    world, step = int(meta["world_size"]), int(meta["step"])
+    with torch.device("meta"):
+        windows = tp_windows(make_block(cfg), (0, cfg.heads), (0, cfg.ffn))
+    world, step, n_units = int(meta["world_size"]), int(meta["step"]), cfg.layers + 2
     parts = [load_part(step_dir.parent, step, f"rank{r}", sha256.get(f"rank{r}")) for r in range(world)]
     out = {}
     for key, t in parts[0].items():
         if not key.startswith("param."):
             continue
         i, name = key[len("param.") :].split(".", 1)
-        dim = tp_cut(name) if 0 < int(i) < n_units - 1 else None  # blocks only: the ends are whole
-        if dim is not None:
-            pieces = [p[key] for p in parts]
-            if ".c_attn." in f".{name}":  # q, k and v: each rank's third of each
-                thirds = [x.chunk(3, dim) for x in pieces]
-                t = torch.cat([torch.cat([th[j] for th in thirds], dim) for j in range(3)], dim)
-            else:
-                t = torch.cat(pieces, dim)
+        if 0 < int(i) < n_units - 1 and name in windows:  # blocks only: the ends are whole
+            dim, ranges = windows[name]
+            pieces = [p[key].chunk(len(ranges), dim) for p in parts]  # each rank's share of each window
+            t = torch.cat([torch.cat([x[w] for x in pieces], dim) for w in range(len(ranges))], dim)
         out[f"units.{i}.{name}"] = t
     return out

@@ -10,10 +10,6 @@ import re
 from smolnet.errors import UsageError
 from smoltrain.planner.tuning import QUANTIZED_STRATEGIES, Adapter, Tuning
 
-# tp's Megatron cut (models.causal tp_slice): these layers split their outputs (B cut by rows),
-# the others on a block split their inputs (A cut by columns)
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "c_attn", "c_fc")
-ROW = ("o_proj", "down_proj", "c_proj")
 LAYER = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
 
 
@@ -27,6 +23,7 @@ def describe(spec, lora: dict | None, quantize: str | None = None, checkpoint_ac
     import torch
 
     from smoltrain.finetune.lora import LoraConfig, adapted, apply
+    from smoltrain.models.blocks import tp_windows
     from smoltrain.models.causal import CausalLM
     from smoltrain.models.hf import read_config
 
@@ -34,12 +31,15 @@ def describe(spec, lora: dict | None, quantize: str | None = None, checkpoint_ac
         model = CausalLM(read_config(spec.source), spec)
     cfg = LoraConfig.from_dict(lora)
     apply(model, cfg, spec.arch, 0)
+    hf = model.cfg
+    windows = tp_windows(model.units[1], (0, hf.heads), (0, hf.ffn))  # tp's cut (models.blocks), any block's
     out = []
     for name, m in adapted(model):
         hit = LAYER.search(name)
         unit = int(hit.group(1)) + 1 if hit else (spec.layers + 1 if name.endswith("lm_head") else 0)
-        last = name.rsplit(".", 1)[-1]
-        cut = ("col" if last in COLUMN else "row" if last in ROW else "") if hit else ""
+        inner = name[hit.end() :] if hit else ""  # its name within the block
+        # a column-parallel layer's B is cut by rows, a row-parallel layer's A by columns
+        cut = "col" if f"{inner}.lora_B.weight" in windows else "row" if f"{inner}.lora_A.weight" in windows else ""
         a, b = m.lora_A.weight, m.lora_B.weight
         pos = 2 * (unit - 1) + (".mlp." in name) if hit else 2 * spec.layers if unit else 0
         out.append(Adapter(unit, name, int(a.shape[1]), int(b.shape[0]), cfg.rank, cut, pos))

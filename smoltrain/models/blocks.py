@@ -52,17 +52,31 @@ def cut(t: torch.Tensor, dim: int, ranges: list) -> torch.Tensor:
     return torch.cat([t.narrow(dim, lo, hi - lo) for lo, hi in ranges], dim)
 
 
-def _adapter_cuts(block: nn.Module, cuts: dict) -> dict:
-    """{layer: (rows, cols)} for finetune.lora.attach_like from the weight cuts: a layer cut along its
-    output features (dim 0 of a Linear, 1 of GPT-2's Conv1D) cuts lora_B's rows, else lora_A's columns."""
-    mods, out = dict(block.named_modules()), {}
+def tp_windows(block: nn.Module, heads: tuple[int, int], ffn: tuple[int, int]) -> dict:
+    """`block.cuts(heads, ffn)` and, beside each cut layer's weight, the LoRA factor cut with it:
+    lora_B's rows (dim 0) where the layer is cut along its output features (dim 0 of a Linear, 1
+    of GPT-2's Conv1D), else lora_A's columns (dim 1); the layer's other factor stays whole. The
+    one statement of tp's cut that tp_slice, the planner's adapters (finetune.tuning) and a tp
+    run's export (finetune.export) all read."""
+    cuts, mods = block.cuts(heads, ffn), dict(block.named_modules())
+    out = dict(cuts)
     for name, (dim, ranges) in cuts.items():
         layer = name.removesuffix(".weight")
         if layer == name or layer not in mods:
             continue
-        idx = torch.cat([torch.arange(lo, hi) for lo, hi in ranges])
-        out_dim = 1 if getattr(mods[layer], "fan_in_fan_out", False) else 0
-        out[layer] = (idx, None) if dim == out_dim else (None, idx)
+        by_output = dim == (1 if getattr(mods[layer], "fan_in_fan_out", False) else 0)
+        out[f"{layer}.lora_B.weight" if by_output else f"{layer}.lora_A.weight"] = (0 if by_output else 1, ranges)
+    return out
+
+
+def _adapter_cuts(windows: dict) -> dict:
+    """{layer: (rows, cols)} for finetune.lora.attach_like from tp_windows' LoRA factors."""
+    out = {}
+    for name, (_, ranges) in windows.items():
+        layer, _, factor = name.removesuffix(".weight").rpartition(".")
+        if factor in ("lora_A", "lora_B"):
+            idx = torch.cat([torch.arange(lo, hi) for lo, hi in ranges])
+            out[layer] = (idx, None) if factor == "lora_B" else (None, idx)
     return out
 
 
@@ -133,12 +147,12 @@ class Block(nn.Module):
         """This rank's heads [lo, hi) (whole KV groups) and MLP units, each parameter cut by `cuts`;
         the output projections' biases only on the rank that keeps them (added once)."""
         part = self.sized(self.cfg, heads, ffn, keep_bias)
-        cuts, own = self.cuts(heads, ffn), dict(self.named_parameters())
+        cuts, own = tp_windows(self, heads, ffn), dict(self.named_parameters())
         with torch.no_grad():
             for n, p in part.named_parameters():
                 p.copy_(cut(own[n], *cuts[n]) if n in cuts else own[n])
         part.partial_grads += [p for n, p in part.named_parameters() if n in self.SHARED]
-        _carry_adapters(part, self, _adapter_cuts(self, cuts))
+        _carry_adapters(part, self, _adapter_cuts(cuts))
         part.enter, part.leave, part.checkpoint = enter, leave, self.checkpoint
         return part
 
