@@ -94,6 +94,7 @@ TIERS = {
         "test_faults_loads.py",
         "test_faults_private.py",
         "test_infer.py",
+        "test_wire_probe.py",
         "test_infer_export.py",
         "test_infer_mesh.py",
         "test_finetune_export.py",
@@ -130,12 +131,14 @@ FILE_TIER = {f: tier for tier, files in TIERS.items() for f in files}
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if any(item.get_closest_marker(t) for t in TIER_NAMES):
-            continue
-        tier = FILE_TIER.get(Path(str(item.fspath)).name)
-        if tier is None:
-            raise pytest.UsageError(f"{item.fspath}: not in tests/conftest.py TIERS; add it to one tier")
-        item.add_marker(getattr(pytest.mark, tier))
+        if not any(item.get_closest_marker(t) for t in TIER_NAMES):
+            tier = FILE_TIER.get(Path(str(item.fspath)).name)
+            if tier is None:
+                raise pytest.UsageError(f"{item.fspath}: not in tests/conftest.py TIERS; add it to one tier")
+            item.add_marker(getattr(pytest.mark, tier))
+        if item.get_closest_marker("sim") or item.get_closest_marker("provision"):
+            # fixed network-namespace names: under pytest-xdist (-n 2 --dist loadgroup) one worker runs them all
+            item.add_marker(pytest.mark.xdist_group("sim"))
 
 
 @pytest.fixture(scope="session", autouse=True)

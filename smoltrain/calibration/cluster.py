@@ -131,10 +131,15 @@ def calibrate_hosts(
     `probe(h, model, seconds)` probes once (default: each host's own session, kept open)."""
     sessions = _Sessions() if probe is None else None
     try:
-        return _calibrate(hosts, model, seconds, progress, probe or sessions, repeats)
+        doc = _calibrate(hosts, model, seconds, progress, probe or sessions, repeats)
     finally:
         if sessions:
             sessions.close()
+    if sessions is not None:  # real hosts: what a message costs each over the cluster's own links
+        from smoltrain.calibration.wire_probe import apply
+
+        apply(hosts, doc, progress)
+    return doc
 
 
 def _calibrate(hosts, model, seconds, progress, probe, repeats) -> dict:
