@@ -274,11 +274,11 @@ def test_a_pipeline_hop_from_an_idle_quota_host_pays_its_cpu_as_a_burst():
 def test_a_decode_chain_on_quota_hosts_takes_the_longer_of_its_full_speed_trip_and_the_busiest_pace():
     """pp decode over two hosts, one capped at 0.25 cores: per token the chain's hops carry 2
     messages there (header, hidden states) and 1 back (the token id); each message costs a
-    host half its ring-step `message_s`. At its pace the capped host's work is its 4 ms
-    stage plus 3 messages x 1 ms / 2 = 5.5 ms; the free host's 1 ms + 3 x 0.1 / 2. A token
-    crosses at full speed in 5.5 x 0.25 + 1.15 ms plus the wire (3 latencies and the bytes),
-    under 5.5: the capped host's pace sets the step. The uncapped sum would be 5.5 + 1.15 +
-    wire. A chain without quota hosts keeps the sum (None here)."""
+    host a whole ring-step `message_s` (it wakes a peer that slept). At its pace the capped
+    host's work is its 4 ms stage plus 3 messages x 1 ms = 7 ms; the free host's 1 ms + 3 x
+    0.1. A token crosses at full speed in 7 x 0.25 + 1.3 ms plus the wire (3 latencies and
+    the bytes), under 7: the capped host's pace sets the step. The uncapped sum would be
+    7 + 1.3 + wire. A chain without quota hosts keeps the sum (None here)."""
     from smoltrain.planner.devices import get_device
     from smoltrain.planner.ranks import Rank
     from smoltrain.planner.traffic import traffic
@@ -293,10 +293,10 @@ def test_a_decode_chain_on_quota_hosts_takes_the_longer_of_its_full_speed_trip_a
     moved = sum(nbytes.values())
     ln = lm.get("a", "b")
     wire = 3 * ln.alpha_s + moved / ln.bytes_per_s
-    busiest = 4e-3 + (3 * 1e-3 + moved / 1e12) / 2
+    busiest = 4e-3 + 3 * 1e-3 + moved / 1e12 / 2
     assert cpu_quota.decode_chain([4e-3, 1e-3], [held, free], tr, names, lm) == pytest.approx(busiest)
     fast = Rank("a", gen, 1e9, comm_cpu={"message_s": 1e-3, "bytes_s": 1e12}, cpu_quota=(9e-3, 10e-3))
-    trip = busiest * 0.9 + 1e-3 + (3 * 1e-4 + moved / 1e12) / 2 + wire  # at 0.9 cores the trip is longer
+    trip = busiest * 0.9 + 1e-3 + 3 * 1e-4 + moved / 1e12 / 2 + wire  # at 0.9 cores the trip is longer
     assert cpu_quota.decode_chain([4e-3, 1e-3], [fast, free], tr, names, lm) == pytest.approx(trip)
     assert cpu_quota.decode_chain([4e-3, 1e-3], [free, free], tr, names, lm) is None
     # the infer plan steps so: its parts (stages, hops) in proportion, summing to the chain

@@ -103,8 +103,12 @@ def pipeline_hops(nbytes: float, names: list[str], ranks: list, wire_lm, cpu_lm,
 def decode_chain(stage_s: list, ranks: list, tr, names: list[str], wire) -> float | None:
     """Seconds per token of a batch-1 decode chain (pp) with a quota host among its ranks;
     None when none is held to a quota. Each rank's work per token is its stage plus its
-    messages (comm_cpu: a message's cost is per ring step, one sent and one received, so a
-    message handled is half of it), all at the rank's pace as measured. A token crosses
+    messages, all at the rank's pace as measured. A message handled costs a whole ring
+    step's `message_s` (comm_cpu: one sent and one received), not half: in a chain every
+    message wakes a peer that slept a whole trip, and on the home sim a pp rank spent
+    0.109-0.134 ms CPU a message sent or received where a tp rank of the same run spent
+    0.094-0.127 ms a ring step (generate --json decode.per_rank; issue 36). A byte moved
+    costs each end half a ring step's. A token crosses
     every stage in turn at full speed (a quota host's pace times its cap) plus the wire's
     latency and bytes; over many tokens a quota host does its own work at no more than its
     cap: its pace. The longer of the two."""
@@ -116,7 +120,7 @@ def decode_chain(stage_s: list, ranks: list, tr, names: list[str], wire) -> floa
         cc = rk.comm_cpu
         handled = sum(m for (s, d), m in msgs.items() if i in (s, d))
         moved = sum(b for (s, d), b in nbytes.items() if i in (s, d))
-        work = stage_s[i] + (handled * cc["message_s"] + moved / cc["bytes_s"]) / 2 if cc else stage_s[i]
+        work = stage_s[i] + handled * cc["message_s"] + moved / cc["bytes_s"] / 2 if cc else stage_s[i]
         chain += work * (rk.cpu_quota[0] / rk.cpu_quota[1] if rk.cpu_quota else 1.0)
         busiest = max(busiest, work)
     for (s, d), m in msgs.items():
