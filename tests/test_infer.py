@@ -74,6 +74,14 @@ def test_split_matches_transformers(models, tmp_path, arch, strategy, world, mon
         want_bpt = 2 * 3 * h * a * 2 * (world - 1) / world + 32  # 2 ring all-reduces per layer; the header
     assert doc["decode"]["bytes_per_token"] == want_bpt
     assert doc["plan"]["bytes_per_token"] == pytest.approx(want_bpt, rel=0.02)
+    # each rank's decode terms count its comm calls per token: pp's rank 0 sends the header and
+    # the hidden state and receives the token; a middle stage receives two and sends two; the
+    # last receives two and sends the token. tp: 2 all-reduces a layer, and rank 0's header
+    calls = {name: r["messages"] for name, r in doc["decode"]["per_rank"].items()}
+    if strategy == "pp":
+        assert calls == {f"rank{r}": (3 if r in (0, world - 1) else 4) for r in range(world)}
+    else:
+        assert calls == {f"rank{r}": 2 * 3 + (r == 0) for r in range(world)}
     sent = {(x["src"], x["dst"]): x["bytes"] for x in doc["links"]}
     if strategy == "pp":  # the prompt's hidden states, each decode step, a header each; ids back
         assert sent[("rank0", "rank1")] == (len(PROMPT) + steps) * h * a + (1 + steps) * 32
