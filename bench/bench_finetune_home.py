@@ -22,14 +22,18 @@ scaled by the plan was tried first and was off 2x: this model's fixed cost per s
 gradients' and AdamW's memory work, which grows with the parameters, not the layers
 (BENCHMARKS.md).
 
+A step is 8 sequences of 128 tokens (1024 tokens, short chat turns): at 8 x 32 (256 tokens,
+the first setting) a step was mostly the cost every rank pays whatever its share of the batch
+(AdamW over all 134.5M parameters, the gradients' memory), so no split of the batch could win
+(BENCHMARKS.md, fine-tuning); fine-tuning steps are rarely that small.
+
 diloco, when it is the pick, is measured over whole outer steps (`plan --compare` leaves the
-first out), so its run has two of them. The plan's default H keeps communication at a tenth of
-the step (about 75 steps of 3 s here for the full model's 538 MB): `--target-comm` (default
-0.25, given to plan and run alike) brings an outer step within the bench's budget.
+first out), so its run has two of them, at the plan's default H (communication a tenth of the
+step; `--target-comm`, given to plan and run alike, to change it).
 
 Bars: per mode, every run's measured step time within 25% of its plan, and the pick's measured
 tokens/s >= 1.3x the single host's measured. Keeps bench/results/finetune-home.json; exits 1
-when a bar is missed, 2 on an error. 12-16 minutes on a 2-core machine; `--weight` (cpu.shares,
+when a bar is missed, 2 on an error. About 20 minutes on a 2-core machine; `--weight` (cpu.shares,
 compute_sims.weigh) for less noise on a shared one:
 
     flock /tmp/smol-sim.lock .venv/bin/python bench/bench_finetune_home.py --weight 4096
@@ -173,10 +177,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=os.path.join(tempfile.gettempdir(), "ftbench-smol135"))
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--steps", type=int, default=8, help="per run (a diloco pick: two outer steps if more)")
     ap.add_argument("--lora-rank", type=int, default=8)
-    ap.add_argument("--target-comm", type=float, default=0.25, help="diloco's communication share (plan and run)")
+    ap.add_argument("--target-comm", type=float, default=0.1, help="diloco's communication share (plan and run)")
     ap.add_argument("--weight", type=int, default=0, help="cpu.shares of the bench and its hosts (compute_sims.weigh)")
     a = ap.parse_args()
     if a.steps < 4:
