@@ -28,12 +28,14 @@ the first setting) a step was mostly the cost every rank pays whatever its share
 (BENCHMARKS.md, fine-tuning); fine-tuning steps are rarely that small.
 
 diloco, when it is the pick, is measured over whole outer steps (`plan --compare` leaves the
-first out), so its run has two of them, at the plan's default H (communication a tenth of the
-step; `--target-comm`, given to plan and run alike, to change it).
+first out), so its run has two of them. `--target-comm` (default 0.25, given to plan and run
+alike) keeps H near 12 here: the plan's default (0.1) put H at 34, two outer steps ~9 minutes,
+and a rank 0 behind by 3.5 s a step then reaches a sync over the 120 s other members wait for
+the roster, which drops them (BENCHMARKS.md, run 4).
 
 Bars: per mode, every run's measured step time within 25% of its plan, and the pick's measured
 tokens/s >= 1.3x the single host's measured. Keeps bench/results/finetune-home.json; exits 1
-when a bar is missed, 2 on an error. About 20 minutes on a 2-core machine; `--weight` (cpu.shares,
+when a bar is missed, 2 on an error. About 16 minutes on a 2-core machine; `--weight` (cpu.shares,
 compute_sims.weigh) for less noise on a shared one:
 
     flock /tmp/smol-sim.lock .venv/bin/python bench/bench_finetune_home.py --weight 4096
@@ -180,7 +182,7 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--steps", type=int, default=8, help="per run (a diloco pick: two outer steps if more)")
     ap.add_argument("--lora-rank", type=int, default=8)
-    ap.add_argument("--target-comm", type=float, default=0.1, help="diloco's communication share (plan and run)")
+    ap.add_argument("--target-comm", type=float, default=0.25, help="diloco's communication share (plan and run)")
     ap.add_argument("--weight", type=int, default=0, help="cpu.shares of the bench and its hosts (compute_sims.weigh)")
     a = ap.parse_args()
     if a.steps < 4:
