@@ -280,7 +280,7 @@ class Cluster(Runner):
                 wire.send_frame(s, MSG, {"type": "quit"}, timeout=2.0, session=self.sessions[r])
             except Exception:
                 pass
-        self.group.wait(timeout=10)  # the ranks quit by themselves; stop kills what did not
+        self.group.wait(timeout=30)  # the ranks quit by themselves (slowly on a loaded host); stop kills what did not
         self.group.stop()
         for s in self.socks.values():
             s.close()
