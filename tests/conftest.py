@@ -62,6 +62,7 @@ TIERS = {
         "test_hf_train.py",
         "test_lora_plan_runs.py",
         "test_mesh_lora.py",
+        "test_roster.py",
         "test_qlora.py",
         "test_checkpoint_activations.py",
         "test_backends.py",

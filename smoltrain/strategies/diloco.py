@@ -42,7 +42,7 @@ from smoltrain.models.gpt import loss_sum
 from smoltrain.models.optim import make_optimizer
 from smoltrain.strategies import Context, Strategy, mean_loss, targets, trainable
 from smoltrain.strategies.outer import Anchored, digest, outer_update
-from smoltrain.strategies.roster import Member, Ring, Roster, slices
+from smoltrain.strategies.roster import Member, Ring, Roster, member_timeout, slices
 
 
 class DiLoCo(Anchored, Strategy):
@@ -64,7 +64,7 @@ class DiLoCo(Anchored, Strategy):
         self.ring = Ring(ctx)  # this outer step's all-reduce group, and the bytes sent so far
         self.roster = Roster(ctx, ctx.world, (run.steps - 1) // self.H) if ctx.rank == 0 else None
         order = ctx.rank if ctx.rank >= 0 else 1 << 20
-        self.member = Member(run, ctx.secret, ctx.name, order, timeout=2 * run.barrier_timeout + run.timeout)
+        self.member = Member(run, ctx.secret, ctx.name, order, timeout=member_timeout(run))
 
     # --- the loop ---
     def next_step(self, step: int) -> int | None:

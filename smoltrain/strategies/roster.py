@@ -28,7 +28,13 @@ n its sequences for the outer step (`slices`).
 
 The wait in the sync round is each rank's wait at the sync (the run report's outer
 steps). Nothing here waits without a deadline, except for the first arrival of a round
-(the members are computing their inner steps).
+(the members are computing their inner steps) and rank 0's own check-in. A member that
+checked in hears WAIT every few seconds while the roster still waits for others, so a slow
+rank 0 (a Jetson holding the roster, long outer steps at a large H) keeps its group instead
+of running the members past their timeout; a roster that goes silent still times them out.
+A member is late when it is more than `barrier_timeout` behind the first, or half the
+first's time for the round, whichever is longer: at a large H a fraction of an outer step
+is minutes, and a host 25% off its calibration is not a straggler.
 """
 
 from __future__ import annotations
@@ -44,7 +50,12 @@ from smoltrain.comm import CommError, make_comm
 from smoltrain.planner.placement import named_batch_ranges, paced_ranges, split_batch
 from smoltrain.strategies.parameter_server import close_all
 
-HELLO, CHECKIN, ROSTER, VERDICT, STOP = 21, 22, 23, 24, 25
+HELLO, CHECKIN, ROSTER, VERDICT, STOP, WAIT = 21, 22, 23, 24, 25, 26
+
+
+def member_timeout(run) -> float:
+    """How long a member waits for the roster to answer (or to say WAIT)."""
+    return 2 * run.barrier_timeout + run.timeout
 
 
 def roster_port(run) -> int:
@@ -64,6 +75,8 @@ class Roster:
         run = ctx.run
         self.ctx, self.expected, self.last_outer = ctx, expected, last_outer
         self.barrier_timeout, self.start_timeout = run.barrier_timeout, start_timeout
+        self.keepalive_s = min(5.0, member_timeout(run) / 4)  # WAIT this often to members that are in
+        self.round_start = time.monotonic()  # when the members started toward this round
         self.placement = run.placement or (
             {"order": list(run.names), "shares": list(run.shares)} if run.shares else None
         )
@@ -108,14 +121,24 @@ class Roster:
         """CHECKIN from every member: ({conn: meta}, [(conn, why) of those dropped])."""
         got: dict[_Conn, dict] = {}
         lost: list = []
-        first = None
+        first = allow = None
+        pinged = time.monotonic()
         while len(got) < len(self.members) and not self.stopping:
             waiting = [m for m in self.members if m not in got]
-            left = None if first is None else first + self.barrier_timeout - time.monotonic()
+            if got and time.monotonic() - pinged > self.keepalive_s:
+                pinged = time.monotonic()
+                for m in list(got):
+                    try:
+                        wire.send_frame(m.sock, WAIT, {}, timeout=10.0, session=m.session)
+                    except (OSError, wire.WireError, TimeoutError) as e:
+                        lost.append((m, f"connection lost ({e})"))
+                        self.members.remove(m)
+                        del got[m]
+            left = None if first is None else first + allow - time.monotonic()
             if left is not None and left <= 0 and any(m.order for m in waiting):
                 # late members are dropped; rank 0's own is waited for (without it there is no run)
                 late = [m for m in waiting if m.order]
-                lost += [(m, f"more than {self.barrier_timeout:g}s behind the first at the sync") for m in late]
+                lost += [(m, f"more than {allow:.3g}s behind the first at the sync") for m in late]
                 for m in late:
                     self.members.remove(m)
                 continue
@@ -130,10 +153,13 @@ class Roster:
                     self.members.remove(m)
                     continue
                 got[m] = meta
-                first = first or time.monotonic()
+                if first is None:
+                    first = time.monotonic()
+                    allow = max(self.barrier_timeout, 0.5 * (first - self.round_start))
         for m, _ in lost:
             if m in self.members:
                 self.members.remove(m)
+        self.round_start = time.monotonic()
         return got, lost
 
     def _send(self, m: _Conn, kind: int, meta: dict, outer: int) -> None:
@@ -202,6 +228,7 @@ class Roster:
             with self.lock:
                 self.members = sorted(starters(), key=lambda c: (c.order, c.name))
                 self.pending = [c for c in self.pending if c not in self.members]
+            self.round_start = time.monotonic()
             while not self.stopping:
                 before = len(self.members)
                 got, lost = self._round()
@@ -254,7 +281,9 @@ class Member:
     def _ask(self, meta: dict, want: int, timeout: float | None) -> dict | None:
         if meta is not None:
             wire.send_frame(self.sock, CHECKIN, meta, timeout=10.0, session=self.session)
-        kind, got, _ = wire.recv_frame(self.sock, timeout=timeout, max_payload=0, session=self.session)
+        kind = WAIT
+        while kind == WAIT:  # the roster is still waiting for others: each WAIT restarts the timeout
+            kind, got, _ = wire.recv_frame(self.sock, timeout=timeout, max_payload=0, session=self.session)
         if kind == STOP:
             return None
         if kind != want:
