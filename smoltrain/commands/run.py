@@ -68,7 +68,12 @@ def add_arguments(p) -> None:
     p.add_argument("--out", default="reports", help="folder for the loss-curve PNG (default reports/)")
     p.add_argument("--links", help="links.json for the plan shown before the run")
     p.add_argument("--secret-file", help="cluster secret (default ~/.config/smolcluster/secret, created if missing)")
-    p.add_argument("--barrier-timeout", type=validate.SECONDS, default=30.0, help="syncps/edp: drop a worker this late")
+    p.add_argument(
+        "--barrier-timeout",
+        type=validate.SECONDS,
+        default=30.0,
+        help="syncps/edp/diloco: drop a worker this late (diloco: or half the round, if longer)",
+    )
     p.add_argument(
         "--timeout",
         type=validate.SECONDS,
