@@ -99,7 +99,6 @@ print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_a_training_process_keeps_the_memory_it_frees():
     """host.keep_freed_memory (run.worker, calibration): a step's freed gradients come back
     without the kernel faulting their pages in again (28928 pages of 4 KB for 113 MB)."""
