@@ -311,18 +311,26 @@ BIG_FLOATS = 1 << 19
 COMM_WINDOW = 1.0  # seconds per measurement: ten CFS periods, so a cap shows
 
 
-def _loop(c, t, rank: int, window: float) -> float:
-    """All-reduce `t` until rank 0 has spent `window`; element 0 carries rank 0's "go on".
-    Returns this thread's CPU seconds per all-reduce."""
-    n, t0, c0 = 0, time.perf_counter(), time.thread_time()
+def ring_rounds(c, t, rank: int, window: float, work=None, clock=time.thread_time) -> tuple[float, int]:
+    """(CPU seconds by `clock`, rounds) of `work` (if any) then an all-reduce of `t`, until rank
+    0 has spent `window`; element 0 carries rank 0's "go on"."""
+    n, t0, c0 = 0, time.perf_counter(), clock()
     while True:
+        if work is not None:
+            work()
         t.zero_()
         if rank == 0:
             t[0] = 1.0 if (time.perf_counter() - t0 < window or n < 3) else 0.0
         c.all_reduce(t)
         n += 1
         if t[0] == 0:
-            return (time.thread_time() - c0) / n
+            return clock() - c0, n
+
+
+def _loop(c, t, rank: int, window: float) -> float:
+    """This thread's CPU seconds per all-reduce of `t`, back to back."""
+    cpu, n = ring_rounds(c, t, rank, window)
+    return cpu / n
 
 
 RING = 3  # probe ranks: a ring of three, so each rank has a distinct next and previous peer

@@ -42,21 +42,6 @@ def _layer(torch):
     return layer
 
 
-def _steps(c, t, rank: int, window: float, work) -> tuple[float, int]:
-    """(CPU seconds, rounds) of `work` then an all-reduce of `t`, until rank 0 has spent `window`;
-    element 0 carries rank 0's "go on"."""
-    n, t0, c0 = 0, time.perf_counter(), time.process_time()
-    while True:
-        work()
-        t.zero_()
-        if rank == 0:
-            t[0] = 1.0 if (time.perf_counter() - t0 < window or n < 3) else 0.0
-        c.all_reduce(t)
-        n += 1
-        if t[0] == 0:
-            return time.process_time() - c0, n
-
-
 def rank_main(rank: int, addrs: list[str], port: int, secret: bytes, window: float = WINDOW) -> dict:
     """One rank of the ring: this host's CPU seconds per message (one ring step: one sent, one
     received) as a decode rank spends them, at its pace: each all-reduce follows a layer's
@@ -66,7 +51,7 @@ def rank_main(rank: int, addrs: list[str], port: int, secret: bytes, window: flo
     MTU is wrong (provisioning finds and fixes it) still answers."""
     import torch
 
-    from smoltrain.calibration.probe import cpu_pace
+    from smoltrain.calibration.probe import cpu_pace, ring_rounds
     from smoltrain.comm import make_comm
 
     torch.set_num_threads(1)
@@ -75,8 +60,8 @@ def rank_main(rank: int, addrs: list[str], port: int, secret: bytes, window: flo
     c = make_comm("socket", rank, len(addrs), addrs[0], port, secret, timeout=60.0, addrs=addrs)
     try:
         t = torch.zeros(SMALL)
-        _steps(c, t, rank, window / 4, layer)  # warm-up: first messages, buffers, caches
-        cpu, n = _steps(c, t, rank, window, layer)
+        ring_rounds(c, t, rank, window / 4, layer, time.process_time)  # warm-up: first messages, buffers, caches
+        cpu, n = ring_rounds(c, t, rank, window, layer, time.process_time)
     finally:
         c.close()
     c0 = time.process_time()
