@@ -28,8 +28,8 @@ class Engine:
     lanes = 1  # batches the active requests are dealt into
 
     def __init__(self, stage: Stage, comm=None, rank: int = 0, world: int = 1, wire: str | None = None):
+        from smoltrain.comm.timed import TimedComm
         from smoltrain.infer.activations import Codec
-        from smoltrain.infer.commtime import TimedComm
 
         self.stage, self.rank, self.world = stage, rank, world
         self.comm = TimedComm(comm) if comm is not None else None

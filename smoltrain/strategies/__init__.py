@@ -14,13 +14,13 @@ membership protocol lives in `smoltrain.strategies.parameter_server`.
 from __future__ import annotations
 
 import importlib
-import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from smolnet.errors import UsageError
 from smoltrain import registry
+from smoltrain.comm.timed import TimedComm  # noqa: F401 (run.worker wraps its comm in it)
 
 
 @dataclass
@@ -297,43 +297,3 @@ class Stopwatch:
     def take(self) -> float:
         s, self.seconds = self.seconds, 0.0
         return s
-
-
-class TimedComm:
-    """A Comm that also adds up the seconds spent inside its calls (comm_s)."""
-
-    _timed = (
-        "send", "recv", "send_recv", "broadcast", "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "barrier"
-    )  # fmt: skip
-
-    def __init__(self, comm, into: TimedComm | None = None):
-        self._comm = comm
-        self._into = into or self  # a group's seconds add to its world's
-        self._lock = threading.Lock()
-        self.seconds = 0.0
-        for name in self._timed:
-            setattr(self, name, self._wrap(getattr(comm, name)))
-
-    def new_group(self, ranks):
-        g = self._comm.new_group(ranks)
-        return None if g is None else TimedComm(g, into=self._into)
-
-    def _wrap(self, fn):
-        def call(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                dt = time.perf_counter() - t0
-                with self._into._lock:
-                    self._into.seconds += dt
-
-        return call
-
-    def take_seconds(self) -> float:
-        with self._lock:
-            s, self.seconds = self.seconds, 0.0
-        return s
-
-    def __getattr__(self, name):
-        return getattr(self._comm, name)
