@@ -43,6 +43,7 @@ TIERS = {
         "test_placement_plan.py",
         "test_rank_timings.py",
         "test_calibrate_cluster.py",
+        "test_calibrate_together.py",
         "test_registry.py",
         "test_serve_units.py",
         "test_sim_fastpair.py",

@@ -55,6 +55,9 @@ def test_unreachable_host_is_reported_and_the_rest_measured():
         assert dec["model"] == "tiny" and dec["seconds"] > 0
     check_any({**doc, "hosts": [a, b]})
     assert a["machine_id"] == b["machine_id"]  # one machine: measured one after another
+    # read with the machine id: no cap here, or one both share (a container): not together
+    (m,) = doc["machines"]
+    assert m["hosts"] == ["a", "b"] and m["machine_id"] == a["machine_id"] and not m["together"]
     order = [n for n, w in seen if w == "measuring"]
     assert order == ["a", "b"]
     assert any(n == "gone" and w.startswith("failed") for n, w in seen)

@@ -151,11 +151,18 @@ def own_quota(root: Path = ROOT, proc_cgroup: str = "/proc/self/cgroup") -> tupl
     """(quota, period) in microseconds of the tightest CPU cap on this process's cgroup path,
     or None. The period matters as well as the cap: a host idle for a period starts its next
     burst on a whole quota at full speed."""
+    caps = [qp for _, qp in own_quotas(root, proc_cgroup)]
+    return min(caps, key=lambda qp: qp[0] / qp[1]) if caps else None
+
+
+def own_quotas(root: Path = ROOT, proc_cgroup: str = "/proc/self/cgroup") -> list[tuple[str, tuple[int, int]]]:
+    """(directory, (quota, period)) of every capped cgroup on this process's path, its own
+    first: two processes under one of them share its cap (calibration.together)."""
     try:
         lines = Path(proc_cgroup).read_text().splitlines()
     except OSError:
-        return None
-    best = None
+        return []
+    out = []
     for ln in lines:
         hid, ctrls, rel = (ln.split(":", 2) + ["", ""])[:3]
         if hid == "0" and ctrls == "":
@@ -166,10 +173,11 @@ def own_quota(root: Path = ROOT, proc_cgroup: str = "/proc/self/cgroup") -> tupl
             continue
         parts = [p for p in rel.strip("/").split("/") if p]
         for i in range(len(parts), -1, -1):  # every ancestor may cap too
-            qp = quota(str(base.joinpath(*parts[:i])))
-            if qp is not None and (best is None or qp[0] / qp[1] < best[0] / best[1]):
-                best = qp
-    return best
+            d = str(base.joinpath(*parts[:i]))
+            qp = quota(d)
+            if qp is not None:
+                out.append((d, qp))
+    return out
 
 
 def own_limit(root: Path = ROOT, proc_cgroup: str = "/proc/self/cgroup") -> float | None:

@@ -1,12 +1,14 @@
 """Calibrate every cluster host on the host itself, over SSH, into `smoltrain.compute/1`.
 
-Hosts on different machines are measured at the same time; hosts that share a machine (one
-kernel: the sim, or several ranks on one box) one after another, because each would
-otherwise measure the others' load instead of its own speed. A host that fails is reported
-with its reason and the rest are still measured.
+Hosts on different machines are measured at the same time. Hosts that share a machine (one
+kernel: the sim, or several ranks on one box) are measured at the same time only where their
+readable CPU caps leave the machine room for all of them (together.py); otherwise one after
+another, because each would measure the others' load instead of its own speed. The report's
+`machines` says which were measured together and why. A host that fails is reported with its
+reason and the rest are still measured.
 
-With `repeats` > 1 every host is probed that many times and each figure is the median. On a
-shared machine the rounds go host by host (a, b, c, a, b, c, ...), so a slow spell of the
+With `repeats` > 1 every host is probed that many times and each figure is the median. Hosts
+measured one after another go round by round (a, b, c, a, b, c, ...), so a slow spell of the
 machine lands on one probe of several hosts rather than on every probe of one host. Each host's
 probe process stays open from its first round to its last (session.py): it starts once.
 """
@@ -23,6 +25,7 @@ from datetime import datetime, timezone
 
 from smolnet.inventory import Host
 from smolnet.remote import RemoteError, connect
+from smoltrain.calibration import together
 from smoltrain.calibration.session import ProbeSession
 
 COMPUTE_SCHEMA = "smoltrain.compute/1"
@@ -32,13 +35,14 @@ PROBE_TIMEOUT = 600.0
 Progress = Callable[[str, str], None]  # (host name, what is happening)
 
 
-def _machine_id(h: Host) -> str:
+def _host_facts(h: Host) -> tuple[str, dict]:
+    """(machine id, {cpus, cpu_limit_cores}) in one round trip (together.read_command)."""
     with connect(h) as r:
-        res = r.run("cat /proc/sys/kernel/random/boot_id 2>/dev/null || cat /etc/machine-id", timeout=ID_TIMEOUT)
-    mid = res.stdout.strip()
-    if res.rc != 0 or not mid:
+        res = r.run(together.read_command(h.python), timeout=ID_TIMEOUT)
+    mid, facts = together.parse(res.stdout)
+    if not mid:
         raise RemoteError(h.name, "cannot read a machine id (boot_id or /etc/machine-id)")
-    return mid
+    return mid, facts
 
 
 def probe_argv(h: Host, model: str, seconds: float) -> list[str]:
@@ -126,12 +130,14 @@ def calibrate_hosts(
     progress: Progress | None = None,
     probe: Callable | None = None,
     repeats: int = 1,
+    sequential: bool = False,
 ) -> dict:
     """Measure `hosts`; the compute report (failed hosts carry status `failed` and `error`).
-    `probe(h, model, seconds)` probes once (default: each host's own session, kept open)."""
+    `probe(h, model, seconds)` probes once (default: each host's own session, kept open).
+    `sequential`: hosts that share a machine one after another even where their caps fit."""
     sessions = _Sessions() if probe is None else None
     try:
-        doc = _calibrate(hosts, model, seconds, progress, probe or sessions, repeats)
+        doc = _calibrate(hosts, model, seconds, progress, probe or sessions, repeats, sequential)
     finally:
         if sessions:
             sessions.close()
@@ -142,51 +148,70 @@ def calibrate_hosts(
     return doc
 
 
-def _calibrate(hosts, model, seconds, progress, probe, repeats) -> dict:
+def _machines(hosts: list[Host], facts: dict[str, tuple[str, dict]], sequential: bool) -> list[dict]:
+    """The report's `machines`: each machine id's hosts, in inventory order, whether they are
+    measured together and why."""
+    by_id: dict[str, list[str]] = {}
+    for h in hosts:
+        if h.name in facts:
+            by_id.setdefault(facts[h.name][0], []).append(h.name)
+    out = []
+    for mid, names in by_id.items():
+        cpus = min(int(facts[n][1].get("cpus") or 1) for n in names)
+        ok, why = together.decide({n: facts[n][1] for n in names}, cpus)
+        if ok and sequential:
+            ok, why = False, "one after another: --sequential"
+        out.append({"machine_id": mid, "hosts": names, "together": ok, "why": why})
+    return out
+
+
+def _calibrate(hosts, model, seconds, progress, probe, repeats, sequential=False) -> dict:
     say = progress or (lambda name, what: None)
     results: dict[str, dict] = {}
-    ids: dict[str, str] = {}
+    facts: dict[str, tuple[str, dict]] = {}
     with cf.ThreadPoolExecutor(max(1, len(hosts))) as ex:
-        futs = {ex.submit(_machine_id, h): h for h in hosts}
+        futs = {ex.submit(_host_facts, h): h for h in hosts}
         for f in cf.as_completed(futs):
             h = futs[f]
             try:
-                ids[h.name] = f.result()
+                facts[h.name] = f.result()
                 say(h.name, "waiting for its machine")
             except RemoteError as e:
                 results[h.name] = _failed(h.name, e.cause)
                 say(h.name, f"failed: {e.cause}")
-    groups: dict[str, list[Host]] = {}
-    for h in hosts:
-        if h.name in ids:
-            groups.setdefault(ids[h.name], []).append(h)
+    machines = _machines(hosts, facts, sequential)
+    by_name = {h.name: h for h in hosts}
+    # a lane's hosts are probed one after another, round by round; all lanes at once
+    lanes = [[by_name[n]] for m in machines if m["together"] for n in m["hosts"]]
+    lanes += [[by_name[n] for n in m["hosts"]] for m in machines if not m["together"]]
 
-    def one_machine(group: list[Host]) -> None:
-        probes: dict[str, list[dict]] = {h.name: [] for h in group}
+    def one_lane(lane: list[Host]) -> None:
+        probes: dict[str, list[dict]] = {h.name: [] for h in lane}
         for n in range(repeats):
-            for h in group:
+            for h in lane:
                 if h.name in results:  # failed in an earlier round
                     continue
                 say(h.name, "measuring" + (f" ({n + 1} of {repeats})" if repeats > 1 else ""))
                 try:
                     probes[h.name].append(probe(h, model, seconds))
                 except RemoteError as e:
-                    results[h.name] = _failed(h.name, e.cause, ids[h.name])
+                    results[h.name] = _failed(h.name, e.cause, facts[h.name][0])
                     say(h.name, f"failed: {e.cause}")
                     continue
                 if n == repeats - 1:
                     doc = median_probe(probes[h.name])
-                    doc["machine_id"] = ids[h.name]
+                    doc["machine_id"] = facts[h.name][0]
                     results[h.name] = doc
                     say(h.name, "done: " + summary(doc))
 
-    with cf.ThreadPoolExecutor(max(1, len(groups))) as ex:
-        list(ex.map(one_machine, groups.values()))
+    with cf.ThreadPoolExecutor(max(1, len(lanes))) as ex:
+        list(ex.map(one_lane, lanes))
     return {
         "schema": COMPUTE_SCHEMA,
         "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "controller": socket.gethostname(),
         "settings": {"model": model, "seconds": seconds, "threads": "per host", "repeats": repeats},
+        "machines": machines,
         "hosts": [results[h.name] for h in hosts],
     }
 

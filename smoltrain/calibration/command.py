@@ -71,12 +71,15 @@ def run_compute(args, out: str) -> int:
                 if what.startswith(("done", "failed")):
                     prog.update(tasks[name], completed=100, total=100)
 
-            doc = calibrate_hosts(hosts, model, args.seconds, say, repeats=args.repeat)
+            doc = calibrate_hosts(hosts, model, args.seconds, say, repeats=args.repeat, sequential=args.sequential)
         doc["inventory"] = str(args.inventory)
     write_json_atomic(out, doc)
     if args.json and args.json != out:
         write_json_atomic(args.json, doc)
     con.print(_table(doc))
+    for m in doc.get("machines") or []:
+        if len(m["hosts"]) > 1:  # which hosts of one machine were measured together (together.py)
+            con.print(f"machine {m['machine_id'][:8]}: {', '.join(m['hosts'])} measured {m['why']}")
     bad = [h for h in doc["hosts"] if h["status"] != "ok"]
     for h in bad:
         con.print(f"[red]{h['name']}: {h['error']}[/]")

@@ -40,6 +40,12 @@ def add_arguments(p) -> None:
         metavar="N",
         help="with -i or --local: probe every host N times and keep each figure's median (default 1)",
     )
+    p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="with -i: measure hosts that share a machine one after another even where their CPU caps "
+        "let them be measured together (docs/compute.md)",
+    )
     p.add_argument("--model", default="tiny", help="model whose training step sets the achieved fraction (none: skip)")
     p.add_argument("--batch", type=validate.BATCH, default=8)
     p.add_argument("--seq", type=validate.SEQ, default=64)
