@@ -231,3 +231,53 @@ def test_under_auto_placement_the_shares_follow_the_measured_pace(tmp_path, secr
     assert min(spread[1:]) < spread[0], spread
     assert len({r["digest"] for r in doc["outer_steps"][-1]["ranks"]}) == 1
     assert [s["step"] for s in doc["steps"]] == list(range(24))
+
+
+def test_under_auto_placement_the_first_outer_step_is_paced_by_the_plan(tmp_path, secret_file):
+    """The calibration: rank0 takes 10 ms a sequence, rank1 15 ms. Whole sequences of a batch of
+    3 give rank0 two (20 ms) and rank1 one (15 ms), so rank1 would sit a quarter of every inner
+    step at the sync (bench_finetune_home run 6: the laptop 80 s behind at H=36, dropped as
+    late). Counted over the outer step's 4 batches at the plan's paces (100 and 67 sequences a
+    second), rank0 trains 7 of the 12 sequences and rank1 5, from the first outer step on."""
+    from computetools import write_compute
+
+    compute = write_compute(tmp_path / "compute.json", ["rank0", "rank1"], "rank0", seq=32, slow=0.015)
+    report = tmp_path / "first.json"
+    p = cli(
+        ["run", "--strategy", "diloco", "--local", "2", "--batch", "3", "--seq", "32", "--seed", "3"]
+        + ["--steps", "8", "--inner-steps", "4", "--placement", "auto", "--compute", str(compute)]
+        + ["--secret-file", secret_file, "--json", str(report), "--out", str(tmp_path)]
+    )
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    doc = check_any(json.loads(report.read_text()))
+    first = {r["name"]: r["tokens"] for r in doc["outer_steps"][0]["ranks"]}
+    assert first == {"rank0": 7 * 32, "rank1": 5 * 32}, first  # not the placement's 8 and 4
+    assert doc["placement"]["shares"] == pytest.approx([2 / 3, 1 / 3])  # whole sequences of one batch
+    assert doc["placement"]["compute_s"] == pytest.approx([0.02, 0.015])  # the plan's, at those shares
+    assert [s["step"] for s in doc["steps"]] == list(range(8))
+    assert len({r["digest"] for r in doc["outer_steps"][-1]["ranks"]}) == 1
+
+
+def test_the_wait_at_the_sync_is_a_wait_not_compute_or_communication(tmp_path, secret_file):
+    """--shares 1,1,6: ranks 0 and 1 train one sequence of each batch, rank 2 six, so the first
+    two wait for it at every outer step's sync. Each rank's wait there (outer_steps[].ranks[].wait_s)
+    is in its step's wait_s, neither its compute nor its communication (run/timings.py): run 5 of
+    bench_finetune_home read the Jetson's 15 s wait for its peers as an all-reduce 2x its plan."""
+    report = tmp_path / "waits.json"
+    p = cli(
+        ["run", "--strategy", "diloco", "--local", "3", "--batch", "8", "--seq", "32", "--seed", "3"]
+        + ["--shares", "1,1,6", "--steps", "8", "--inner-steps", "4"]
+        + ["--secret-file", secret_file, "--json", str(report), "--out", str(tmp_path)]
+    )
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    doc = check_any(json.loads(report.read_text()))
+    steps = {s["step"]: s for s in doc["steps"]}
+    assert [o["step"] for o in doc["outer_steps"]] == [3, 7]
+    for o in doc["outer_steps"]:
+        rows = {r["rank"]: r for r in steps[o["step"]]["ranks"]}
+        for r in o["ranks"]:
+            row, waited = rows[r["rank"]], r["wait_s"]
+            assert row.get("own_wait_s", 0.0) == pytest.approx(waited), (row, r)
+            assert row["wait_s"] >= waited - 1e-9, (row, r)
+            assert row["compute_s"] + row["comm_s"] <= row["own_step_s"] - waited + 1e-9, (row, r)
+            assert row["comm_s"] == pytest.approx(row["own_comm_s"]), (row, r)  # the all-reduce, its own

@@ -32,6 +32,20 @@ def test_a_rank_whose_messages_take_longer_gets_its_own_communication_figure():
     assert [r["wait_s"] for r in rows] == pytest.approx([0.10, 0.10, 0.0])
 
 
+def test_a_wait_a_rank_timed_apart_is_neither_its_compute_nor_its_communication():
+    """diloco's outer step: ranks 0 and 2 sat 5 s and 3 s at the roster's sync for rank 1, then
+    all-reduced for 2 s side by side with it; their own compute was 1 s, rank 1's 1.5 s. The
+    waits land in wait_s, and each all-reduce is the rank's own communication."""
+    parts = {0: (8.0, 2.0, 5.0), 1: (3.5, 2.0, 0.001), 2: (6.0, 2.0, 3.0)}
+    rows = rank_timings(parts, 8.0)
+    assert [r["compute_s"] for r in rows] == pytest.approx([1.0, 1.499, 1.0])
+    assert [r["comm_s"] for r in rows] == pytest.approx([2.0, 2.0, 2.0])
+    assert [r["wait_s"] for r in rows] == pytest.approx([5.0, 4.501, 5.0])
+    assert [r["own_wait_s"] for r in rows] == [5.0, 0.001, 3.0]
+    for r in rows:
+        assert r["compute_s"] + r["comm_s"] + r["wait_s"] == pytest.approx(8.0)
+
+
 def test_pipeline_stages_charge_communication_beyond_their_schedule():
     """mp, 3 stages computing 0.1, 0.2 and 0.3 s one after another in a 0.7 s step: 0.1 s is
     communication. Every stage also waited inside its receives (the last one for 0.3 s of

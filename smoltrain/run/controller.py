@@ -154,7 +154,8 @@ class Controller:
             rec = self.steps.setdefault(msg["step"], {"parts": {}, "step_s": 0.0, "comm_s": 0.0})
             rec["step_s"] = max(rec["step_s"], msg["step_s"])
             rec["comm_s"] = max(rec["comm_s"], msg["comm_s"])
-            rec.setdefault("by", {})[who] = (msg["step_s"], msg["comm_s"])  # per-rank timings (run/timings.py)
+            own = (msg["step_s"], msg["comm_s"]) + ((msg["wait_s"],) if msg.get("wait_s") else ())
+            rec.setdefault("by", {})[who] = own  # per-rank timings (run/timings.py)
             if msg.get("loss_tokens") is not None:
                 rec["loss_tokens"] = msg["loss_tokens"]
             if msg.get("loss") is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from smolnet.errors import UsageError
+from smoltrain import registry
 from smoltrain.planner.placement import MODES
 
 KEEP = ("mode", "strategy", "order", "shares", "layers", "heads", "ffn", "excluded", "why")
@@ -86,6 +87,8 @@ def plan_run(args, spec, names: list[str], hosts, console) -> RunPlan:
         return RunPlan(fallback, None, error)
     sec = plan.get("placement")
     placed = {k: sec[k] for k in KEEP if k in sec} if sec and "order" in sec and not args.shares else None
+    if placed is not None and placed.get("mode") == "auto" and registry.get(args.strategy).outer_steps:
+        placed["compute_s"] = list(plan["compute_s_per_rank"])  # diloco paces its first outer step by it
     if placed is not None:
         for line in placed.get("why") or []:
             console.print(f"placement {placed['mode']}: {line}")

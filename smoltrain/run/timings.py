@@ -23,17 +23,28 @@ Telling a slow link's bytes apart from the wait for a peer inside one call needs
 to time them apart, which it does not.
 
     wait_s = step - compute_s - comm_s      (step: the slowest rank's step time)
+
+A rank that knows where it waited outside any call (diloco: at the roster's sync for its late
+peers, `own_wait`) reports that too; it is neither its compute nor its communication:
+
+    compute_s = own step - own communication - own wait
+
+Its communication is then its own time in calls: it timed its wait apart, and its calls
+started with its peers' (after the sync), so none of their time is a wait for a peer's compute.
+The wait lands in wait_s, as a wait inside a call does for the other strategies.
 """
 
 from __future__ import annotations
 
 
-def rank_timings(parts: dict[int, tuple[float, float]], step_s: float, stages_m: int | None = None) -> list[dict]:
-    """parts: rank -> (its step seconds, its seconds in communication). stages_m: the number
-    of microbatches when the ranks are pipeline stages in rank order (1 for mp), else None."""
+def rank_timings(parts: dict[int, tuple], step_s: float, stages_m: int | None = None) -> list[dict]:
+    """parts: rank -> (its step seconds, its seconds in communication[, its seconds waiting
+    outside communication]). stages_m: the number of microbatches when the ranks are pipeline
+    stages in rank order (1 for mp), else None."""
     if not parts:
         return []
-    compute = {r: max(0.0, own - own_comm) for r, (own, own_comm) in parts.items()}
+    parts = {r: (float(v[0]), float(v[1]), float(v[2]) if len(v) > 2 else 0.0) for r, v in parts.items()}
+    compute = {r: max(0.0, own - own_comm - own_wait) for r, (own, own_comm, own_wait) in parts.items()}
     if stages_m and len(parts) > 1:
         from smoltrain.planner.timing import pipeline
 
@@ -43,8 +54,10 @@ def rank_timings(parts: dict[int, tuple[float, float]], step_s: float, stages_m:
         critical = max(compute.values())
     out = []
     for rank in sorted(parts):
-        own, own_comm = parts[rank]
-        c = min(own_comm, max(0.0, own - critical), max(0.0, step_s - compute[rank]))
+        own, own_comm, own_wait = parts[rank]
+        beyond = own_comm if own_wait else max(0.0, own - critical)  # its calls' time not spent waiting
+        c = min(own_comm, beyond, max(0.0, step_s - compute[rank]))
         row = {"rank": rank, "compute_s": compute[rank], "comm_s": c, "wait_s": max(0.0, step_s - compute[rank] - c)}
-        out.append(dict(row, own_step_s=own, own_comm_s=own_comm))  # the rank's raw figures, to re-derive these
+        raw = dict(own_step_s=own, own_comm_s=own_comm) | (dict(own_wait_s=own_wait) if own_wait else {})
+        out.append(row | raw)  # the rank's raw figures, to re-derive these
     return out

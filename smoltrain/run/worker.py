@@ -35,8 +35,10 @@ class Reporter:
         except (OSError, TimeoutError) as e:
             raise ConnectionError(f"lost the controller: {e}") from None
 
-    def step(self, step, loss, step_s, comm_s, sent, weight=None, loss_tokens=None):
+    def step(self, step, loss, step_s, comm_s, sent, weight=None, loss_tokens=None, wait_s=0.0):
         msg = {"type": "step", "step": step, "loss": loss, "step_s": step_s, "comm_s": comm_s, "sent": sent}
+        if wait_s:  # waited for peers outside communication calls (diloco's roster sync): not compute
+            msg["wait_s"] = wait_s
         if loss_tokens is not None:  # targets of the global batch that carry loss (the same on every rank)
             msg["loss_tokens"] = loss_tokens
         if weight is not None:  # the share of the batch this loss stands for (elastic: members change)
@@ -210,6 +212,7 @@ def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, co
         reporter=rep,
         name=name,
         comm_timer=Stopwatch(),
+        wait_timer=Stopwatch(),
         device=device,
         secret=secret,
         server_state=server_state,
@@ -239,7 +242,8 @@ def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, co
             comm_s = (comm.take_seconds() if comm else 0.0) + ctx.comm_timer.take()
             sent = strat.sent_bytes()
             loss_tokens = batches.loss_tokens(step) if strat.loss_owner else None
-            rep.step(step, loss if strat.loss_owner else None, step_s, comm_s, sent, strat.weight, loss_tokens)
+            loss = loss if strat.loss_owner else None
+            rep.step(step, loss, step_s, comm_s, sent, strat.weight, loss_tokens, ctx.wait_timer.take())
             if eval_due(cfg, step):
                 held_out(strat, batches, comm, ctx.comm_timer, rep, step, device)
             if not ps and checkpoint_due(cfg, step + 1):

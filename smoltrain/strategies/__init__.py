@@ -36,6 +36,7 @@ class Context:
     reporter: object = None  # run.worker.Reporter (events, per-step stats)
     name: str = ""  # this rank's host name in the report
     comm_timer: object = None  # Stopwatch for communication a strategy does outside `comm`
+    wait_timer: object = None  # Stopwatch for waiting on peers outside any call (diloco's roster sync)
     secret: bytes = b""  # the parameter-server strategies open their own connections
     server_state: dict | None = None  # parameter server: tensors to resume from
     server_saver: object = None  # parameter server: callback(step, server) that checkpoints
@@ -297,3 +298,7 @@ class Stopwatch:
     def take(self) -> float:
         s, self.seconds = self.seconds, 0.0
         return s
+
+    def add(self, seconds: float) -> None:
+        """Count seconds timed elsewhere (a part of a call the caller measured itself)."""
+        self.seconds += seconds

@@ -26,9 +26,11 @@ Membership and shares are decided at each outer step (strategies.roster, which s
 rank that died is dropped there (`leave`) and the rest rebuild their ring; a newcomer is
 admitted there (`join`) and gets the shared state. Unequal hosts: each rank trains its
 placement's share of every batch, so all end their H inner steps together; under
-`--placement auto` the roster re-balances the shares at every outer step from each rank's
-measured pace (a calibration a few percent off, or a host slowed by other work, would
-otherwise keep the rest waiting every outer step).
+`--placement auto` the shares are counted over the outer step's H batches rather than each
+batch, the first outer step's from the plan's compute (whole sequences per batch can leave a
+host behind by a second a step, minutes at a large H), and the roster re-balances them at every
+outer step from each rank's measured pace (a calibration a few percent off, or a host slowed by
+other work, would otherwise keep the rest waiting every outer step).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from smoltrain.models.gpt import loss_sum
 from smoltrain.models.optim import make_optimizer
 from smoltrain.strategies import Context, Strategy, mean_loss, targets, trainable
 from smoltrain.strategies.outer import Anchored, digest, outer_update
-from smoltrain.strategies.roster import Member, Ring, Roster, member_timeout, slices
+from smoltrain.strategies.roster import Member, Ring, Roster, first_paces, member_timeout, paced_counts, slices
 
 
 class DiLoCo(Anchored, Strategy):
@@ -59,6 +61,8 @@ class DiLoCo(Anchored, Strategy):
         self.share = 0.0 if self.joiner else (self.hi - self.lo) / ctx.batch  # of the batch, from this step on
         self.weight = self.share  # the part of the batch the last reported loss stands for (Reporter.step)
         self.plan: list[tuple[int, int]] | None = None  # (lo, hi) per inner step of this outer step, when paced
+        if not self.joiner:
+            self.pace_first_outer_step(run.start_step)
         self.tokens = 0  # trained on since the last outer step
         self.clock = 0.0  # seconds of inner steps since the last outer step
         self.ring = Ring(ctx)  # this outer step's all-reduce group, and the bytes sent so far
@@ -66,10 +70,20 @@ class DiLoCo(Anchored, Strategy):
         order = ctx.rank if ctx.rank >= 0 else 1 << 20
         self.member = Member(run, ctx.secret, ctx.name, order, timeout=member_timeout(run))
 
+    def pace_first_outer_step(self, start: int) -> None:
+        """Under `--placement auto`, the first outer step laid out by the plan's paces
+        (roster.first_paces), alike on every rank, so all end its H inner steps together."""
+        names, outer = list(self.ctx.run.names), start // self.H
+        got = paced_counts(first_paces(self.ctx.run), names, self.step_of(outer) + 1 - start, self.ctx.batch)
+        if got is not None and start % self.H == 0:
+            self.plan, self.lo, self.hi = slices({"names": names, "paced": got}, self.ctx.batch, self.ctx.name)
+            self.share = (self.hi - self.lo) / self.ctx.batch
+
     # --- the loop ---
     def next_step(self, step: int) -> int | None:
         if self.joiner and self.ring.comm is None:  # wait for the outer step that admits this rank
-            roster = self.member.admitted(timeout=None)
+            with self.ctx.wait_timer:
+                roster = self.member.admitted(timeout=None)
             if roster is None:
                 return None
             self.outer_step(roster["outer"], roster)
@@ -100,11 +114,14 @@ class DiLoCo(Anchored, Strategy):
     # --- one outer step: who is in, the all-reduce, the outer update ---
     def outer_step(self, outer: int, roster: dict | None = None) -> None:
         t_in, sent0 = time.perf_counter(), self.sent_bytes()
-        with self.ctx.comm_timer:
-            log = lambda text: self.ctx.reporter.log(f"{self.ctx.name}: {text}")  # noqa: E731
-            delta, waited, sync_s = self.member.outer_step(
-                outer, self.tokens, self.clock, self.regroup, self.ring, log, roster
-            )
+        log = lambda text: self.ctx.reporter.log(f"{self.ctx.name}: {text}")  # noqa: E731
+        delta, waited, sync_s = self.member.outer_step(
+            outer, self.tokens, self.clock, self.regroup, self.ring, log, roster
+        )
+        # the wait at the sync for late peers is neither compute nor communication (run/timings.py);
+        # the all-reduce, the commit round and any redo are communication
+        self.ctx.wait_timer.add(waited)
+        self.ctx.comm_timer.add(time.perf_counter() - t_in - waited)
         outer_update(self.anchor, self.momentum, self.flat, delta, self.ctx.run.outer_lr, self.ctx.run.outer_momentum)
         seconds = self.clock + time.perf_counter() - t_in  # this rank's inner steps and the sync
         self.ctx.reporter.outer(
