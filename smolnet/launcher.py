@@ -27,8 +27,9 @@ LOCAL = (subprocess.Popen, forked.Forked)  # a child on this machine (else (Remo
 
 class ProcessGroup:
     def __init__(self, secret: bytes, log_dir: str | None = None, preload: list[str] | None = None):
-        """preload: modules a local `python -m` child imports anyway; such children are then
-        forked from a server that imported them once (smolnet.forked), not started afresh."""
+        """preload: modules a `python -m` child imports anyway; such children are then forked
+        from a server that imported them once, not started afresh: smolnet.forked here,
+        smolnet.warm on a remote host (a server per host and user, kept warm between runs)."""
         self.secret, self.log_dir, self.preload = secret, log_dir, preload
         self.procs: dict[str, object] = {}  # name -> Popen (local child) or (Remote, Proc)
         self.logs: dict[str, str] = {}  # name -> log path (on this machine or on the process's host)
@@ -53,6 +54,8 @@ class ProcessGroup:
             else:
                 handle = self._popen(argv, fd, env)
         else:
+            if self.preload and len(argv) > 2 and argv[1] == "-m":  # warm on its host (smolnet.warm)
+                argv = [argv[0], "-m", "smolnet.warm", "--preload", ",".join(self.preload), "--", *argv[2:]]
             remote = connect(host)
             try:
                 started = remote.start(argv, stdin=self.secret + b"\n", log=log, fresh=fresh)

@@ -107,6 +107,7 @@ TIERS = {
         "test_demo_sections.py",
         "test_machine.py",
         "test_diloco.py",
+        "test_warm.py",
     ],
     "sim": [
         "test_demo.py",

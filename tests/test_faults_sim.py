@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +98,38 @@ def test_the_cut_host_is_blamed(three):
     doc = json.loads(out.read_text())
     assert doc["status"] == "failed" and doc["blamed"] == victim["name"], doc.get("error")
     print(f"cut detected after {took:.1f}s")
+
+
+def test_down_leaves_no_warm_server(three):
+    """A rank started warm (smolnet.warm) on a sim host: the host's warm server runs in the
+    host's namespace and `sim down` takes it with everything else that runs there."""
+    from smolnet.inventory import load_inventory
+    from smolnet.launcher import ProcessGroup
+    from smolnet.sim import net
+
+    st, inv, _ = three
+    host = load_inventory(str(inv)).hosts[0]
+    g = ProcessGroup(b"x", preload=["http.server"])
+    g.start("web", [host.python, "-m", "http.server", "0", "--bind", "127.0.0.1"], host=host)
+    ns = next(h["netns"] for h in st["hosts"] if h["name"] == host.name)
+
+    def servers() -> list[int]:
+        out = []
+        for pid in net.netns_pids(ns):
+            try:
+                if b"smolnet.warm_server" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    out.append(pid)
+            except OSError:
+                pass
+        return out
+
+    deadline = time.monotonic() + 60
+    while not servers() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    found = servers()
+    try:
+        assert found and g.alive("web"), "the rank did not start through a warm server"
+    finally:
+        g.stop(spare=["web"])  # left running: `down` must take it, and its server
+    sim.down(name="f1")
+    assert not any(net.pid_alive(p) for p in found)

@@ -1,0 +1,196 @@
+"""smolnet.warm: remote ranks forked from a warm server per host, with a fresh process's semantics.
+
+Real processes on this machine: a `local` host goes through smolnet.remote exactly as an SSH
+host does (setsid sh -c 'exec ARGV >>LOG'), and the client is also run directly where its exit
+status is the point. Each test has its own HOME (the socket folder is ~/.cache/smolcluster/warm),
+so servers are never shared with anything else, and every server left is killed at the end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from smolnet.inventory import Host
+from smolnet.launcher import ProcessGroup
+
+SECRET = b"s3cr3t-" + os.urandom(8).hex().encode()
+TESTS = str(Path(__file__).parent)
+HOST = Host("h", "127.0.0.1", "127.0.0.1", local=True)
+WPKG_MAIN = """import os, sys
+import wpkg
+secret = sys.stdin.readline().strip()
+print("version", wpkg.VERSION, "pid", os.getpid(), "ppid", os.getppid(), "secret", len(secret), flush=True)
+"""
+
+
+def wait_for(pred, what, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.05)
+
+
+def gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def servers(home: Path) -> list[int]:
+    """Warm servers whose socket folder is under home."""
+    out = []
+    for p in Path("/proc").iterdir():
+        try:
+            cmd = (p / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"smolnet.warm_server" in cmd and any(a.startswith(str(home).encode()) for a in cmd):
+            out.append(int(p.name))
+    return out
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory):
+    """A HOME of its own, the tests folder importable, a short idle time; servers killed after."""
+    d = tmp_path_factory.mktemp("warm")
+    (d / "home").mkdir()
+    (d / "logs").mkdir(mode=0o700)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HOME", str(d / "home"))
+        mp.setenv("PYTHONPATH", os.pathsep.join([str(d / "pkgs"), TESTS]))
+        mp.setenv("SMOL_WARM_IDLE", "2")
+        mp.setenv("SMOL_WARM_TEST", "seen")
+        mp.chdir(d)
+        yield d
+    for pid in servers(d):
+        os.kill(pid, signal.SIGKILL)
+
+
+def client(d: Path, log: str, module: str, *args, preload="torch") -> subprocess.Popen:
+    """The client as remote.start runs it: its own session, log on stdout and stderr, secret on stdin."""
+    with open(d / "logs" / log, "wb") as out:
+        p = subprocess.Popen(
+            [sys.executable, "-m", "smolnet.warm", "--preload", preload, "--", module, *args],
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    p.stdin.write(SECRET + b"\n")
+    p.stdin.close()
+    return p
+
+
+def lines(d: Path, log: str) -> list[str]:
+    return (d / "logs" / log).read_text().splitlines()
+
+
+def started(d: Path, log: str) -> dict:
+    """The `warm ... pid ... ppid ...` line of warmchild once it is there."""
+    wait_for(lambda: any(ln.startswith("warm ") for ln in lines(d, log)), f"{log} started")
+    w = next(ln for ln in lines(d, log) if ln.startswith("warm ")).split()
+    return {"warm": w[1] == "True", "pid": int(w[3]), "ppid": int(w[5])}
+
+
+def test_remote_ranks_start_warm_and_see_what_a_fresh_one_sees(warm):
+    """Two ranks through ProcessGroup.start on a host: both forked by one server that had
+    imported torch (the second start imports nothing again), each with the secret, log,
+    environment, folder and session a fresh one gets; the pid reported is the client's, and
+    alive/stop of that pid act on the rank."""
+    g = ProcessGroup(SECRET, preload=["torch"])
+    go, never = warm / "go", warm / "never"
+    try:
+        for name, flag in (("a", go), ("b", never)):
+            log = str(warm / "logs" / f"{name}.log")
+            g.start(name, [sys.executable, "-m", "warmchild", str(flag)], host=HOST, log=log, fresh=True)
+        a, b = started(warm, "a.log"), started(warm, "b.log")
+        want = f"got {hashlib.sha256(SECRET).hexdigest()}"
+        assert lines(warm, "a.log")[:3] == [want, f"env seen cwd {warm}", f"own session True argv ['{go}']"]
+        assert a["warm"] and b["warm"] and a["ppid"] == b["ppid"]  # one server, torch imported once
+        assert b"smolnet.warm_server" in Path(f"/proc/{a['ppid']}/cmdline").read_bytes()
+        ca, cb = g.procs["a"][1].pid, g.procs["b"][1].pid
+        assert {ca, cb}.isdisjoint({a["pid"], b["pid"], a["ppid"]})
+        assert SECRET not in Path(f"/proc/{ca}/cmdline").read_bytes()
+        assert g.alive("a") and g.alive("b")
+        go.touch()
+        wait_for(lambda: not g.alive("a"), "the client exits with its rank")
+        assert g.log_tail("a") == "last line" and gone(a["pid"])
+        g.stop()  # TERM to b's client: forwarded, the rank dies, then the client
+        wait_for(lambda: gone(b["pid"]) and gone(cb), "the stopped rank and its client are gone")
+    finally:
+        g.stop()
+
+
+@pytest.mark.parametrize("how,status", [("exit", 3), ("raise", 1), ("TERM", -15), ("INT", -2), ("KILL", -9)])
+def test_the_client_ends_as_its_rank_does(warm, how, status):
+    """Exit statuses, forwarded signals (the rank dies of it, and so does the client, as a
+    shell would see it) and a killed client (its rank is killed with it)."""
+    log = f"status-{how}.log"
+    arg = {"exit": ["3"], "raise": ["raise"]}.get(how, [])
+    p = client(warm, log, "warmchild", str(warm / "never"), *arg)
+    rank = started(warm, log)
+    assert rank["warm"]
+    if how in ("TERM", "INT", "KILL"):
+        p.send_signal(getattr(signal, f"SIG{how}"))
+    assert p.wait(timeout=60) == status
+    wait_for(lambda: gone(rank["pid"]), "the rank is gone")
+    last = {"exit": "exiting 3", "raise": "RuntimeError: boom: no such model", "INT": "KeyboardInterrupt"}
+    if how in last:
+        assert lines(warm, log)[-1] == last[how]
+
+
+def _wpkg(d: Path, version: int) -> None:
+    pkg = d / "pkgs" / "wpkg"
+    pkg.mkdir(parents=True, exist_ok=True)
+    (pkg / "__init__.py").write_text(f"VERSION = {version}\n")
+    (pkg / "__main__.py").write_text(WPKG_MAIN)
+
+
+def _run_wpkg(d: Path, log: str, preload="wpkg") -> tuple[list[str], int]:
+    p = client(d, log, "wpkg", preload=preload)
+    assert p.wait(timeout=60) == 0, lines(d, log)
+    out = lines(d, log)[-1].split()
+    assert out[0] == "version" and out[-1] == str(len(SECRET)), out
+    return out, p.pid
+
+
+def test_updated_code_gets_a_new_server_and_the_old_one_leaves(warm):
+    """A changed .py file of a stamped package changes the key: the next start is served by a
+    new server that runs the new code; the stale one stops, as an idle one does."""
+    _wpkg(warm, 1)
+    first, pid1 = _run_wpkg(warm, "v1.log")
+    again, _ = _run_wpkg(warm, "v1b.log")
+    assert first[1] == again[1] == "1" and first[5] == again[5]  # the same server twice
+    assert int(first[3]) != pid1  # forked there, not exec'd here
+    old = int(first[5])
+    _wpkg(warm, 22)
+    second, _ = _run_wpkg(warm, "v2.log")
+    assert second[1] == "22" and int(second[5]) != old
+    wait_for(lambda: gone(old), "the stale server left", timeout=30)
+    wait_for(lambda: gone(int(second[5])), "the idle server left", timeout=30)
+
+
+def test_without_a_server_the_plain_start_runs(warm, tmp_path, monkeypatch):
+    """A preload that fails to import, or a socket folder that is not private: the client
+    execs the plain `python -m` (same pid, same output and status), never fails."""
+    _wpkg(warm, 1)
+    out, pid = _run_wpkg(warm, "broken.log", preload="wpkg,no_such_module_36")
+    assert int(out[3]) == pid  # exec'd in place
+    assert list((warm / "home" / ".cache" / "smolcluster" / "warm").glob("*.broken"))
+    out, pid = _run_wpkg(warm, "broken2.log", preload="wpkg,no_such_module_36")
+    assert int(out[3]) == pid
+    home = tmp_path / "linked"
+    (home / ".cache" / "smolcluster").mkdir(parents=True)
+    (home / ".cache" / "smolcluster" / "warm").symlink_to(tmp_path)
+    monkeypatch.setenv("HOME", str(home))
+    out, pid = _run_wpkg(warm, "linked.log")
+    assert int(out[3]) == pid and not list(tmp_path.glob("*.sock"))
