@@ -25,6 +25,10 @@ from smoltrain.infer.config import InferConfig
 from smoltrain.infer.runner import MAX_IDS, RankDied, RequestFailed, Runner, pack_ids, unpack_ids
 
 MSG = 1
+# what `python -m smoltrain.infer.worker` imports (torch with them): ranks on other hosts start
+# from a warm server there that imported them once (smolnet.warm); local ranks stay direct
+# children of this process (serve watches them as its children)
+INFER_IMPORTS = ["smoltrain.infer.batching", "smoltrain.infer.engine", "smoltrain.infer.runner"]
 log = logging.getLogger("smoltrain.infer")
 __all__ = ["Cluster", "RankDied"]
 
@@ -45,7 +49,8 @@ class Cluster(Runner):
         super().__init__()
         self.bind, self.control_addr = bind, control_addr
         self.world = cfg.world_size
-        self.group = ProcessGroup(secret, log_dir)  # the ranks, started by _launch
+        remote = all(p.host is not None and not p.host.local for p in placements)
+        self.group = ProcessGroup(secret, log_dir, INFER_IMPORTS if remote else None)  # started by _launch
         self.socks: dict[int, socket.socket] = {}
         self.sessions: dict[int, wire.Session] = {}  # every control frame MACed, payload too
         self.messages: queue.Queue = queue.Queue()
