@@ -49,6 +49,7 @@ TIERS = {
         "test_sim_fastpair.py",
         "test_quant.py",
         "test_diloco_plan.py",
+        "test_pace_plan.py",
         "test_cost_core.py",
         "test_decode_plan.py",
         "test_plan_builder.py",

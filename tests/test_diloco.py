@@ -258,6 +258,43 @@ def test_under_auto_placement_the_first_outer_step_is_paced_by_the_plan(tmp_path
     assert len({r["digest"] for r in doc["outer_steps"][-1]["ranks"]}) == 1
 
 
+def test_under_auto_placement_the_run_trains_the_split_its_plan_predicts(tmp_path, secret_file):
+    """Three ranks, rank0 10 ms a sequence and the others 15 ms (the compute report). The plan
+    of the run (its report's `plan`) gives each rank the sequences the run then trains in its
+    first outer step (planner.pacing: 7, 5 and 4 of 16, not 2, 1, 1 of every batch), its compute
+    that split at each rank's seconds a sequence, and `plan --compare` judges each rank's compute
+    against that prediction."""
+    from computetools import write_compute
+
+    names = ["rank0", "rank1", "rank2"]
+    compute = write_compute(tmp_path / "compute.json", names, "rank0", seq=32, slow=0.015)
+    report, cmp = tmp_path / "paced3.json", tmp_path / "cmp.json"
+    p = cli(
+        ["run", "--strategy", "diloco", "--local", "3", "--batch", "4", "--seq", "32", "--seed", "3"]
+        + ["--steps", "8", "--inner-steps", "4", "--placement", "auto", "--compute", str(compute)]
+        + ["--secret-file", secret_file, "--json", str(report), "--out", str(tmp_path)]
+    )
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    doc = check_any(json.loads(report.read_text()))
+    plan, order = doc["plan"], doc["placement"]["order"]
+    assert plan["paced"]["placed_sequences"] == [round(s * 4) for s in doc["placement"]["shares"]]
+    assert doc["placement"]["compute_s"] == plan["paced"]["placed_compute_s"]  # the paces the ranks got
+    first = {r["name"]: r["tokens"] // 32 for r in doc["outer_steps"][0]["ranks"]}
+    assert [first[n] for n in order] == plan["paced"]["sequences"], (first, plan["paced"])
+    assert sorted(first.values()) != sorted(4 * round(s * 4) for s in doc["placement"]["shares"])  # not whole
+    rows = {r["name"]: r for r in plan["ranks"]}
+    per_seq = {"rank0": 0.01, "rank1": 0.015, "rank2": 0.015}
+    for n in order:
+        assert rows[n]["sequences_per_step"] == pytest.approx(first[n] / 4)
+        assert rows[n]["compute_s"] == pytest.approx(first[n] / 4 * per_seq[n], rel=1e-6)
+    assert len({r["digest"] for r in doc["outer_steps"][-1]["ranks"]}) == 1
+    argv = ["plan", "--compare", str(report), "--compute", str(compute), "--no-what-if", "--json", str(cmp)]
+    q = cli(argv)
+    assert q.returncode == 0, q.stdout[-2000:] + q.stderr[-2000:]
+    got = {r["name"]: r["compute_s"]["predicted"] for r in json.loads(cmp.read_text())["ranks"]}
+    assert got == pytest.approx({n: rows[n]["compute_s"] for n in order}, rel=1e-9)
+
+
 def test_the_wait_at_the_sync_is_a_wait_not_compute_or_communication(tmp_path, secret_file):
     """--shares 1,1,6: ranks 0 and 1 train one sequence of each batch, rank 2 six, so the first
     two wait for it at every outer step's sync. Each rank's wait there (outer_steps[].ranks[].wait_s)

@@ -278,8 +278,11 @@ def _batch(a: Ask) -> Placement:
             cands.append({"mode": a.mode, "strategy": a.strategy, "order": order, "shares": shares, "idle": idle})
 
     def describe(r, c, i):
-        n = counts_from_shares(a.batch, c["shares"])[i]
-        return f"{r['name']}: {n} of {a.batch} sequences ({human_s(r['compute_s'])} of compute)"
+        n, t = counts_from_shares(a.batch, c["shares"])[i], human_s(r["compute_s"])
+        if "sequences_per_step" in r:  # paced over the outer step (planner.pace_plan): what runs
+            k = r["sequences_per_step"]
+            return f"{r['name']}: {n} of {a.batch} sequences, paced to {k:.2f} a step ({t} of compute)"
+        return f"{r['name']}: {n} of {a.batch} sequences ({t} of compute)"
 
     return a.best(cands, excluded, describe)
 
@@ -411,7 +414,8 @@ def _order_words(order, topology, link_s, nbytes) -> list[str]:
 
 
 # --- the plan's `placement` section ---
-KEEP = ("mode", "strategy", "order", "shares", "layers", "heads", "ffn")
+# compute_s: a paced run's own paces (planner.pacing), so `plan --compare` predicts the split it ran
+KEEP = ("mode", "strategy", "order", "shares", "layers", "heads", "ffn", "compute_s")
 
 
 def lane_round(plan: dict, lanes: int) -> float | None:

@@ -13,6 +13,7 @@ way commands get there.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from smoltrain import registry
 from smoltrain.models.spec import ModelSpec
@@ -78,25 +79,24 @@ def make_plan(
     rows = [rank_time.row(r, rk, w, sh) for r, (w, rk) in enumerate(zip(works, ranks))]
     per_rank = [p for p, _ in rows]
     lm = cpu_links(wire, ranks)  # a busy host's CPU slows its messages (measured compute only)
-    st = steps.of(
-        steps.Setting(
-            tr,
-            info,
-            model,
-            names,
-            ranks,
-            [t.compute_s for _, t in rows],
-            [t.update_s for _, t in rows],
-            lm,
-            wire,
-            batch,
-            seq,
-            microbatches,
-            dtype,
-            train,
-            overlap,
-        )
+    setting = steps.Setting(
+        tr,
+        info,
+        model,
+        names,
+        ranks,
+        [t.compute_s for _, t in rows],
+        [t.update_s for _, t in rows],
+        lm,
+        wire,
+        batch,
+        seq,
+        microbatches,
+        dtype,
+        train,
+        overlap,
     )
+    st = steps.of(setting)
     if st.rank_compute_s is not None:
         for p, t in zip(per_rank, st.rank_compute_s):
             p["compute_s"] = t
@@ -109,8 +109,16 @@ def make_plan(
     outer_ph = None
     if train and info.outer_steps:  # the all-reduce every H steps (planner.diloco)
         from smoltrain.planner import diloco
+        from smoltrain.planner.pace_plan import Paced
 
-        outer_ph = diloco.outer_phase(model, ranks, names[: tr.world], lm, outer, st.compute_s, tuning)
+        # under auto placement the run paces each outer step's sequences (planner.pacing): so does the plan
+        paced = Paced.of(placement, names, ranks, works, sh, [t.compute_s for _, t in rows])
+        pick_s = steps.of(replace(setting, compute_s=paced.tending_s())).compute_s if paced else st.compute_s
+        outer_ph = diloco.outer_phase(model, ranks, names[: tr.world], lm, outer, pick_s, tuning)
+        if paced is not None:
+            rows = paced.rows(outer_ph.every)
+            per_rank = [p for p, _ in rows]
+            st = steps.of(replace(setting, compute_s=[t.compute_s for _, t in rows]))
         keep(per_rank, outer_ph)
     doc = document(tr, info, model, names, ranks, per_rank, st, lm, dtype, batch, seq, microbatches, outer_ph)
     doc.update(
@@ -128,6 +136,8 @@ def make_plan(
         doc["sync_dtype"] = outer_ph.dtype
         doc["target_comm"] = outer_ph.target_comm
         doc["outer"] = outer_section(outer_ph, doc)
+        if paced is not None:
+            doc["paced"] = paced.section(outer_ph.every)
     if single:
         from smoltrain.planner import verdict
 

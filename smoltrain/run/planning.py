@@ -87,8 +87,9 @@ def plan_run(args, spec, names: list[str], hosts, console) -> RunPlan:
         return RunPlan(fallback, None, error)
     sec = plan.get("placement")
     placed = {k: sec[k] for k in KEEP if k in sec} if sec and "order" in sec and not args.shares else None
-    if placed is not None and placed.get("mode") == "auto" and registry.get(args.strategy).outer_steps:
-        placed["compute_s"] = list(plan["compute_s_per_rank"])  # diloco paces its first outer step by it
+    paced = plan.get("paced") if placed is not None and registry.get(args.strategy).outer_steps else None
+    if paced:  # diloco paces its first outer step by it (planner.pacing), as the plan predicts
+        placed["compute_s"] = list(paced["placed_compute_s"])
     if placed is not None:
         for line in placed.get("why") or []:
             console.print(f"placement {placed['mode']}: {line}")

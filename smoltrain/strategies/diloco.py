@@ -42,9 +42,10 @@ import torch
 from smoltrain.comm.quantized import all_reduce_as
 from smoltrain.models.gpt import loss_sum
 from smoltrain.models.optim import make_optimizer
+from smoltrain.planner.pacing import paced_counts, placed_paces
 from smoltrain.strategies import Context, Strategy, mean_loss, targets, trainable
 from smoltrain.strategies.outer import Anchored, digest, outer_update
-from smoltrain.strategies.roster import Member, Ring, Roster, first_paces, member_timeout, paced_counts, slices
+from smoltrain.strategies.roster import Member, Ring, Roster, member_timeout, slices
 
 
 class DiLoCo(Anchored, Strategy):
@@ -72,9 +73,11 @@ class DiLoCo(Anchored, Strategy):
 
     def pace_first_outer_step(self, start: int) -> None:
         """Under `--placement auto`, the first outer step laid out by the plan's paces
-        (roster.first_paces), alike on every rank, so all end its H inner steps together."""
+        (planner.pacing, as the plan predicts it), alike on every rank, so all end its H inner steps together."""
         names, outer = list(self.ctx.run.names), start // self.H
-        got = paced_counts(first_paces(self.ctx.run), names, self.step_of(outer) + 1 - start, self.ctx.batch)
+        got = paced_counts(
+            placed_paces(self.ctx.run.placement, self.ctx.batch), names, self.step_of(outer) + 1 - start, self.ctx.batch
+        )
         if got is not None and start % self.H == 0:
             self.plan, self.lo, self.hi = slices({"names": names, "paced": got}, self.ctx.batch, self.ctx.name)
             self.share = (self.hi - self.lo) / self.ctx.batch

@@ -25,11 +25,11 @@ Between rounds a member all-reduces over its `Ring`, rebuilt whenever the epoch 
 newcomer then gets the anchor and outer momentum from rank 0 and trains from the next step).
 Under `--placement auto` a member trains floor(n/H) or one more sequences of each inner step,
 n its sequences for the outer step (`slices`). The first outer step has no measured pace yet:
-every member lays it out alike from the plan's (`first_paces`: the placement's sequences per
-step over the compute the plan gave each rank for them), since the placement's whole sequences
-per step can leave one host well behind the others (bench_finetune_home run 6: the laptop's 5 of
-8 sequences took 5.9 s, the Jetson's 1 took 4.2 s; at H=36 the laptop came 80 s after the
-first and was dropped as late).
+every member lays it out alike from the plan's (planner.pacing.placed_paces: the placement's
+sequences per step over the compute the plan gave each rank for them; the plan predicts that
+split), since the placement's whole sequences per step can leave one host well behind the
+others (bench_finetune_home run 6: the laptop's 5 of 8 sequences took 5.9 s, the Jetson's 1
+took 4.2 s; at H=36 the laptop came 80 s after the first and was dropped as late).
 
 The wait in the sync round is each rank's wait at the sync (the run report's outer
 steps). Nothing here waits without a deadline, except for the first arrival of a round
@@ -52,7 +52,8 @@ import time
 from smolnet import wire
 from smolnet.server import AuthListener
 from smoltrain.comm import CommError, make_comm
-from smoltrain.planner.placement import counts_from_shares, named_batch_ranges, paced_ranges, split_batch
+from smoltrain.planner.pacing import paced_counts
+from smoltrain.planner.placement import named_batch_ranges, paced_ranges
 from smoltrain.strategies.parameter_server import close_all
 
 HELLO, CHECKIN, ROSTER, VERDICT, STOP, WAIT = 21, 22, 23, 24, 25, 26
@@ -367,30 +368,6 @@ class Ring:
 
     def sent_bytes(self) -> int:
         return sum(self.sent.values()) + (self.comm.counter.total_payload() if self.comm else 0)
-
-
-def first_paces(run) -> dict[str, float]:
-    """Each rank's pace (sequences per second) for the first outer step under `--placement auto`:
-    the placement's sequences per step over the compute seconds the plan gave it for them
-    (placement `compute_s`, per rank); empty without them (a placement from elsewhere)."""
-    p = run.placement or {}
-    order, shares, secs = p.get("order") or [], p.get("shares"), p.get("compute_s")
-    if p.get("mode") != "auto" or not shares or not secs or len(secs) != len(order):
-        return {}
-    counts = counts_from_shares(run.batch, list(shares))
-    return {n: c / s for n, c, s in zip(order, counts, secs) if c > 0 and s > 0}
-
-
-def paced_counts(pace: dict[str, float], names: list[str], steps: int, batch: int) -> dict | None:
-    """The sequences each member trains over the next `steps` batches, in proportion to its pace
-    ({steps, counts}: the roster's `paced`), or None where a member has no pace. A host's fixed
-    cost per step makes its pace grow with its share, so this moves toward equal times in steps
-    rather than at once; equal times are its fixed point."""
-    total = steps * batch
-    if steps < 1 or total < len(names) or any(n not in pace for n in names):
-        return None
-    cuts = split_batch(total, [pace[n] for n in names])  # at least one sequence each: paces stay measured
-    return {"steps": steps, "counts": {n: hi - lo for n, (lo, hi) in zip(names, cuts)}}
 
 
 def slices(roster: dict, batch: int, name: str) -> tuple[list[tuple[int, int]] | None, int, int]:
