@@ -92,6 +92,7 @@ def test_a_runs_own_paces_are_planned_as_it_ran(tmp_path):
     doc = _plan(tmp_path, placement=pl)
     assert doc["paced"]["sequences_per_s"] == pytest.approx([100.0, 100.0, 1 / 0.03])
     assert doc["paced"]["sequences"] == [7, 7, 2]
+    assert doc["paced"]["placed_compute_s"] == pl["compute_s"]  # what a run of this placement is handed
     assert doc["compute_s_per_rank"] == pytest.approx([7 / 4 * 0.01, 7 / 4 * 0.015, 2 / 4 * 0.015], rel=1e-6)
 
 

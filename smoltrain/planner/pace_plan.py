@@ -24,7 +24,7 @@ class Paced:
     ranks: list
     works: list  # capacity.RankWork per rank, at the placement's whole sequences
     sh: rank_time.Shape
-    placed_s: list[float]  # each rank's compute for its placed whole sequences (the plan's)
+    placed_s: list[float]  # the compute for the placed whole sequences the paces are from (run's, else plan's)
     pace: dict[str, float]  # sequences per second (pacing.placed_paces)
 
     @classmethod
@@ -35,10 +35,11 @@ class Paced:
         if p.get("mode") != "auto" or not p.get("shares"):
             return None
         own = p.get("compute_s") if len(p.get("compute_s") or []) == len(names) else None
-        pace = pacing.placed_paces(dict(p, compute_s=own or list(placed_s)), sh.batch)
+        secs = [float(x) for x in own or placed_s]
+        pace = pacing.placed_paces(dict(p, compute_s=secs), sh.batch)
         if set(pace) != set(names):
             return None
-        return cls(list(names), list(ranks), list(works), sh, list(placed_s), pace)
+        return cls(list(names), list(ranks), list(works), sh, secs, pace)
 
     def piece(self, r: int, n: float):
         return replace(self.works[r], tokens=n * self.sh.seq)
