@@ -144,10 +144,22 @@ def key(preload: list[str], module: str) -> tuple[str, str]:
 # --- the client ------------------------------------------------------------------------------
 
 
+def in_folder(path: str, op) -> None:
+    """op(the socket's name) run from the socket's folder: a unix socket's address is at most
+    ~100 bytes, which a long HOME's absolute path would exceed; its name alone never does."""
+    back = os.open(".", os.O_RDONLY)
+    try:
+        os.chdir(os.path.dirname(path))
+        op(os.path.basename(path))
+    finally:
+        os.fchdir(back)
+        os.close(back)
+
+
 def _connect(path: str) -> socket.socket | None:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        s.connect(path)
+        in_folder(path, s.connect)
         return s
     except OSError:
         s.close()
@@ -183,8 +195,8 @@ def server(preload: list[str], module: str) -> socket.socket | None:
     d = folder()
     k, stamp = key(preload, module)
     path = os.path.join(d, f"{k}.sock")
-    if len(path.encode()) > 100 or os.path.exists(os.path.join(d, f"{k}.broken")):
-        return None  # too long for a unix socket; or its preload failed: the plain start, at once
+    if os.path.exists(os.path.join(d, f"{k}.broken")):
+        return None  # its preload failed: the plain start, at once
     deadline, spawned, pause = time.monotonic() + WAIT_S, False, 0.01
     while True:
         s = _connect(path)

@@ -24,7 +24,7 @@ import sys
 import time
 import traceback
 
-from smolnet.warm import code_stamp, stamped_names
+from smolnet.warm import code_stamp, in_folder, stamped_names
 
 STAMP_EVERY_S = 3.0
 
@@ -148,7 +148,7 @@ class Server:
         old = os.umask(0o077)
         try:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.bind(self.path)
+            in_folder(self.path, s.bind)
         finally:
             os.umask(old)
         s.listen(64)
