@@ -111,7 +111,15 @@ def _where() -> dict:
         cpus = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = []
+    try:
+        import resource
+
+        limits = [resource.getrlimit(getattr(resource, r)) for r in ("RLIMIT_NOFILE", "RLIMIT_STACK", "RLIMIT_AS")]
+    except (ImportError, AttributeError, OSError):
+        limits = []
     return {
+        "limits": limits,
+        "nice": os.nice(0),
         "ns": ns,
         "cgroup": _read("/proc/self/cgroup"),
         "boot": _read("/proc/sys/kernel/random/boot_id"),
@@ -220,7 +228,10 @@ def server(preload: list[str], module: str) -> socket.socket | None:
 
 
 def _send_request(s: socket.socket, module: str, args: list[str]) -> None:
-    body = json.dumps({"module": module, "args": args, "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
+    mask = os.umask(0o077)
+    os.umask(mask)
+    req = {"module": module, "args": args, "cwd": os.getcwd(), "env": dict(os.environ), "umask": mask}
+    body = json.dumps(req).encode()
     socket.send_fds(s, [len(body).to_bytes(4, "big")], [0, 1, 2])
     s.sendall(body)
 

@@ -48,6 +48,7 @@ def _child(fds: list[int], req: dict, close: list) -> None:
             if fd > 2:
                 os.close(fd)
         os.chdir(req["cwd"])
+        os.umask(int(req.get("umask", 0o022)))
         os.environ.clear()
         os.environ.update(req["env"])
         sys.path[0] = os.getcwd()  # as `python -m` puts its folder first

@@ -98,7 +98,7 @@ def started(d: Path, log: str) -> dict:
     """The `warm ... pid ... ppid ...` line of warmchild once it is there."""
     wait_for(lambda: any(ln.startswith("warm ") for ln in lines(d, log)), f"{log} started")
     w = next(ln for ln in lines(d, log) if ln.startswith("warm ")).split()
-    return {"warm": w[1] == "True", "pid": int(w[3]), "ppid": int(w[5])}
+    return {"warm": w[1] == "True", "pid": int(w[3]), "ppid": int(w[5]), "umask": w[7]}
 
 
 def test_remote_ranks_start_warm_and_see_what_a_fresh_one_sees(warm):
@@ -116,6 +116,7 @@ def test_remote_ranks_start_warm_and_see_what_a_fresh_one_sees(warm):
         want = f"got {hashlib.sha256(SECRET).hexdigest()}"
         assert lines(warm, "a.log")[:3] == [want, f"env seen cwd {warm}", f"own session True argv ['{go}']"]
         assert a["warm"] and b["warm"] and a["ppid"] == b["ppid"]  # one server, torch imported once
+        assert a["umask"] == "0o77"  # remote.start's
         assert b"smolnet.warm_server" in Path(f"/proc/{a['ppid']}/cmdline").read_bytes()
         ca, cb = g.procs["a"][1].pid, g.procs["b"][1].pid
         assert {ca, cb}.isdisjoint({a["pid"], b["pid"], a["ppid"]})
@@ -138,7 +139,9 @@ def test_the_client_ends_as_its_rank_does(warm, how, status):
     arg = {"exit": ["3"], "raise": ["raise"]}.get(how, [])
     p = client(warm, log, "warmchild", str(warm / "never"), *arg)
     rank = started(warm, log)
-    assert rank["warm"]
+    mask = os.umask(0o027)
+    os.umask(mask)
+    assert rank["warm"] and rank["umask"] == oct(mask)  # the client's, not the server's
     if how in ("TERM", "INT", "KILL"):
         p.send_signal(getattr(signal, f"SIG{how}"))
     assert p.wait(timeout=60) == status
