@@ -41,9 +41,10 @@ def test_calibration_reads_each_capped_hosts_cap(tmp_path):
     assert [slow["cpu_limit_cores"], fast["cpu_limit_cores"]] == pytest.approx([q_slow / p_slow, q_fast / p_fast])
     assert [slow["cpu_period_s"], fast["cpu_period_s"]] == pytest.approx([period_quota(c)[0] / 1e6 for c in (0.3, 0.9)])
     assert slow["machine_id"] == fast["machine_id"]
-    # caps each host reads, 1.2 cores in all: with half a core to spare they are probed together
-    import os
-
+    # caps each host reads, 1.2 cores and a thread each: together on 2 CPUs or more, unless other
+    # work kept the machine busy beyond the headroom just before (calibration.together)
     (m,) = doc["machines"]
-    assert m["hosts"] == ["node1", "node2"] and m["together"] == (os.cpu_count() - 0.5 >= 1.2), m
+    assert m["hosts"] == ["node1", "node2"], m
+    if not m["together"]:  # only the other work read just before may keep them apart
+        assert "caps sum to 1.20 cores, over" in m["why"] and "other work" in m["why"], m
     assert all(h["flops"]["fp32"] > 0 and h["train_step"][-1]["seconds"] > 0 for h in (slow, fast))

@@ -152,13 +152,17 @@ def _machines(hosts: list[Host], facts: dict[str, tuple[str, dict]], sequential:
     """The report's `machines`: each machine id's hosts, in inventory order, whether they are
     measured together and why."""
     by_id: dict[str, list[str]] = {}
+    by_name = {h.name: h for h in hosts}
     for h in hosts:
         if h.name in facts:
             by_id.setdefault(facts[h.name][0], []).append(h.name)
     out = []
     for mid, names in by_id.items():
         cpus = min(int(facts[n][1].get("cpus") or 1) for n in names)
-        ok, why = together.decide({n: facts[n][1] for n in names}, cpus)
+        # each host's reading overlaps the others' own start: the least is nearest other work alone
+        busy = [facts[n][1]["busy_cpus"] for n in names if facts[n][1].get("busy_cpus") is not None]
+        probes = {n: {**facts[n][1], "threads": by_name[n].threads} for n in names}  # smol_threads, if set
+        ok, why = together.decide(probes, cpus, min(busy) if busy else None)
         if ok and sequential:
             ok, why = False, "one after another: --sequential"
         out.append({"machine_id": mid, "hosts": names, "together": ok, "why": why})

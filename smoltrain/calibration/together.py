@@ -2,17 +2,29 @@
 
 Hosts on one kernel (the sim's namespaced hosts, several ranks on one box) share its CPUs, so
 calibrate probed them one after another: each would otherwise measure the others' load
-instead of its own speed. On the home sim that is four hosts' probes end to end, most of the
-demo's calibrate stage. A host whose CPU is capped by a cgroup quota it can read cannot take
-more than its cap, though, and when the caps of all the hosts on a machine sum to no more
-than its CPUs less HEADROOM_CORES none of them can be short of its cap because of the others:
-they are probed together. Anything else (a host without a cap, a cap it cannot read, as in
-the `hidden` scenario, hosts under one capped cgroup, which share its cap, or caps that
-overcommit the machine) keeps them one after another.
+instead of its own speed. A host whose CPU is capped by a cgroup quota it can read cannot take
+more than its cap, and when nothing else can take what each is owed, its figures are its own:
+its probe's threads each have a CPU (the probes' threads are no more than the machine's CPUs)
+and the caps sum to no more than the CPUs less HEADROOM_CORES. Then they are probed together.
+Anything else (a host without a cap, a cap it cannot read, as in the `hidden` scenario, hosts
+under one capped cgroup, which share its cap, more threads than CPUs, caps that overcommit
+the machine) keeps them one after another.
+
+Why the threads, not only the caps: a quota bounds a host's CPU per period, not when it gets
+it. The home sim's four one-thread probes on 2 CPUs (caps 1.5 cores) wait on each other
+within a period, and together the laptop (0.65 cores in 5 ms periods) read its training
+step 1.2-1.4x slower than one after another, the macmini ~1.1x; the laptop ran out its
+quota in 0.39-0.57 of its periods against 0.70-0.76 alone (BENCHMARKS.md, "calibrate: hosts
+of one machine probed together"). And a cap is an upper bound: on a machine other work keeps
+busy a capped host gets min(cap, its fair share), and every host probed at once shrinks the
+others' share (the laptop's matmul read 0.53 of its figure one after another, with other
+jobs running). So the room is the CPUs less HEADROOM_CORES or less what other work kept busy
+just before, whichever is more.
 
 The cap is read, never guessed: the same SSH round trip that reads the boot id runs
 `python -m smoltrain.calibration.together` on the host (no torch: a few tens of ms of CPU),
-which prints the machine's CPUs and the tightest quota on the host's own cgroup path.
+which prints the machine's CPUs, the CPUs the host may use, how many were busy over
+BUSY_WINDOW and the tightest quota on the host's own cgroup path.
 """
 
 from __future__ import annotations
@@ -20,14 +32,16 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 # Half a core kept free of every host's cap: the controller runs its SSH clients on the same
-# machine (in the sim), polling each session and decrypting its lines, and the kernel's work
-# for the hosts' veth links and shaping is charged to no host's cgroup. Half a core is also
-# what the sim's own scenarios leave free on a 2-core machine (their caps sum to 3/4 of the
-# cores), so the home hosts (1.5 cores there) are probed together and nothing that fills the
-# machine is.
+# machine (in the sim), polling each session and decrypting its lines (2.5-2.8 CPU seconds
+# over a whole 85-90 s calibrate of the home sim), and the kernel's work for the hosts' veth
+# links and shaping is charged to no host's cgroup (a host's sshd is: it runs in the host's
+# cgroups). Half a core leaves room beyond both, and is what the sim's own scenarios leave
+# free on a 2-core machine (their caps sum to 3/4 of the cores).
 HEADROOM_CORES = 0.5
+BUSY_WINDOW = 0.5  # seconds of /proc/stat: a few scheduler ticks on every CPU
 _SLACK = 1e-6  # a quota of 2500 us in a 16667 us period is 0.149997 cores, not 0.15
 
 ID_COMMAND = "cat /proc/sys/kernel/random/boot_id 2>/dev/null || cat /etc/machine-id"
@@ -52,9 +66,29 @@ def parse(stdout: str) -> tuple[str, dict]:
     return mid, facts if isinstance(facts, dict) else {}
 
 
+def machine_busy(window: float = BUSY_WINDOW) -> float | None:
+    """CPUs the whole machine kept busy over `window` seconds (/proc/stat counts every process
+    on the kernel, in any namespace or cgroup; time a hypervisor stole counts as busy), or None
+    where there is no /proc/stat."""
+
+    def read() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+        return sum(v), v[3] + v[4]  # all, idle + iowait
+
+    try:
+        t0, i0 = read()
+        time.sleep(window)
+        t1, i1 = read()
+    except (OSError, ValueError):
+        return None
+    return (os.cpu_count() or 1) * (1 - (i1 - i0) / (t1 - t0)) if t1 > t0 else None
+
+
 def host_facts() -> dict:
-    """What the controller needs before probing: the machine's CPUs, this host's cap, and
-    which cgroups impose a cap on it (device:inode, the same for every process under one)."""
+    """What the controller needs before probing: the machine's CPUs and how busy they are,
+    this host's cap, and which cgroups impose a cap on it (device:inode, the same for every
+    process under one)."""
     from smolnet.sim.cgroup import own_quota, own_quotas
 
     cap = own_quota()
@@ -65,14 +99,26 @@ def host_facts() -> dict:
             ids.append(f"{st.st_dev}:{st.st_ino}")
         except OSError:
             ids.append(d)
-    return {"cpus": os.cpu_count() or 1, "cpu_limit_cores": cap[0] / cap[1] if cap else None, "cpu_cgroups": ids}
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return {
+        "cpus": os.cpu_count() or 1,
+        "cores": cores,  # the CPUs it may use: the probe's threads where smol_threads is not set
+        "busy_cpus": machine_busy(),
+        "cpu_limit_cores": cap[0] / cap[1] if cap else None,
+        "cpu_cgroups": ids,
+    }
 
 
-def decide(facts: dict[str, dict], cpus: int, headroom: float = HEADROOM_CORES) -> tuple[bool, str]:
+def decide(facts: dict[str, dict], cpus: int, busy: float | None, headroom: float = HEADROOM_CORES) -> tuple[bool, str]:
     """(probe together, why) for the hosts of one machine, from each one's host_facts() (by
-    host name) and the machine's CPUs. Together only when every host has a cap it can read,
-    no capped cgroup is above two of them (they would share its one cap) and the caps sum to
-    at most `cpus` less `headroom`."""
+    host name, with `threads`: the probe's), the machine's CPUs and how many other work kept
+    busy (None: unknown). Together only when every host has a cap it can read, no capped
+    cgroup is above two of them (they would share its one cap), their probes' threads are no
+    more than the CPUs (each thread a CPU of its own) and the caps sum to at most `cpus` less
+    `headroom` or less `busy`, whichever is more."""
     if len(facts) < 2:
         return False, "alone on its machine"
     caps = {n: f.get("cpu_limit_cores") for n, f in facts.items()}
@@ -85,10 +131,16 @@ def decide(facts: dict[str, dict], cpus: int, headroom: float = HEADROOM_CORES) 
             if g in seen:
                 return False, f"one after another: {seen[g]} and {n} share one CPU cap"
             seen[g] = n
-    total, room = sum(caps.values()), cpus - headroom
-    if total > room + _SLACK:
-        return False, f"one after another: caps sum to {total:.2f} cores, over {cpus} CPUs less {headroom:g}"
-    return True, f"together: caps sum to {total:.2f} cores, within {cpus} CPUs less {headroom:g}"
+    threads = sum(f.get("threads") or f.get("cores") or cpus + 1 for f in facts.values())
+    if threads > cpus:
+        return False, f"one after another: {threads} probe threads, more than {cpus} CPUs"
+    if busy is None:
+        return False, "one after another: how busy the machine is cannot be read"
+    total, kept = sum(caps.values()), max(headroom, busy)
+    room = f"{cpus} CPUs less {kept:.2f} (headroom {headroom:g}, other work {busy:.2f})"
+    if total > cpus - kept + _SLACK:
+        return False, f"one after another: caps sum to {total:.2f} cores, over {room}"
+    return True, f"together: caps sum to {total:.2f} cores, within {room}"
 
 
 if __name__ == "__main__":
