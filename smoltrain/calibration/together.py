@@ -99,13 +99,11 @@ def host_facts() -> dict:
             ids.append(f"{st.st_dev}:{st.st_ino}")
         except OSError:
             ids.append(d)
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
+    from smolnet.cpus import usable_cpus
+
     return {
         "cpus": os.cpu_count() or 1,
-        "cores": cores,  # the CPUs it may use: the probe's threads where smol_threads is not set
+        "cores": usable_cpus(cap),  # the probe's threads where smol_threads is not set
         "busy_cpus": machine_busy(),
         "cpu_limit_cores": cap[0] / cap[1] if cap else None,
         "cpu_cgroups": ids,
