@@ -13,23 +13,21 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
-from smolnet import forked
 from smolnet.inventory import Host
 from smolnet.remote import LOG_HOME, RemoteError, connect
 
-LOCAL = (subprocess.Popen, forked.Forked)  # a child on this machine (else (Remote, Proc))
+LOCAL = subprocess.Popen  # a child on this machine (else (Remote, Proc))
 
 
 class ProcessGroup:
     def __init__(self, secret: bytes, log_dir: str | None = None, preload: list[str] | None = None):
-        """preload: modules a `python -m` child imports anyway; such children are then forked
-        from a server that imported them once, not started afresh: smolnet.forked here,
-        smolnet.warm on a remote host (a server per host and user, kept warm between runs)."""
+        """preload: modules a `python -m` child imports anyway; such children, here or on another
+        host, then start through smolnet.warm: forked from a server per host, user and key that
+        imported them once and stays warm between runs (successive controllers share it)."""
         self.secret, self.log_dir, self.preload = secret, log_dir, preload
         self.procs: dict[str, object] = {}  # name -> Popen (local child) or (Remote, Proc)
         self.logs: dict[str, str] = {}  # name -> log path (on this machine or on the process's host)
@@ -48,17 +46,11 @@ class ProcessGroup:
         if host is None or (host.local and self.log_dir is not None):
             path = os.path.join(self.log_dir, f"{name}.log")
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-            if self.preload and env is None and argv[:2] == [sys.executable, "-m"]:
-                os.close(fd)
-                handle: object = forked.start(argv[2], argv[3:], path, self.secret, self.preload)
-            else:
-                handle = self._popen(argv, fd, env)
+            handle: object = self._popen(self._warm(argv), fd, env)
         else:
-            if self.preload and len(argv) > 2 and argv[1] == "-m":  # warm on its host (smolnet.warm)
-                argv = [argv[0], "-m", "smolnet.warm", "--preload", ",".join(self.preload), "--", *argv[2:]]
             remote = connect(host)
             try:
-                started = remote.start(argv, stdin=self.secret + b"\n", log=log, fresh=fresh)
+                started = remote.start(self._warm(argv), stdin=self.secret + b"\n", log=log, fresh=fresh)
                 handle, path = (remote, started), started.log
             except RemoteError:
                 remote.close()
@@ -66,6 +58,13 @@ class ProcessGroup:
         with self.lock:
             self.procs[name] = handle
             self.logs[name] = path
+
+    def _warm(self, argv: list[str]) -> list[str]:
+        """`python -m MODULE ARGS` as `python -m smolnet.warm --preload LIST -- MODULE ARGS` when the
+        group has a preload list (the client hands its whole environment to the rank); else argv."""
+        if self.preload and len(argv) > 2 and argv[1] == "-m":
+            return [argv[0], "-m", "smolnet.warm", "--preload", ",".join(self.preload), "--", *argv[2:]]
+        return argv
 
     def _popen(self, argv: list[str], fd: int, env) -> subprocess.Popen:
         """A fresh local child writing to fd, the secret on its standard input."""

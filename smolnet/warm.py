@@ -1,9 +1,9 @@
-"""Remote ranks started from a warm server per host, as local ones are forked (smolnet.forked).
+"""Ranks started from a warm server per host, user and key that imported their modules once.
 
 `python -m smolnet.warm --preload A,B -- MODULE ARGS...` behaves as `python -m MODULE ARGS...`
-would, started in its place (ProcessGroup.start runs it on a remote host when the group has a
-preload list): same secret on standard input, same log, environment, folder, exit status and
-signals. Underneath, this thin client (stdlib only: ~20 ms of CPU where `import torch` costs
+would, started in its place (ProcessGroup.start runs it, here or on another host, when the group
+has a preload list): same secret on standard input, same log, environment, folder, exit status
+and signals. Underneath, this thin client (stdlib only: ~20 ms of CPU where `import torch` costs
 ~1.4 s) hands its argv, folder, environment and standard descriptors (SCM_RIGHTS) to a server
 of this user on this host that imported the preload list once (smolnet.warm_server); the server
 forks the rank. The client stays as the rank's pid: it forwards TERM/INT/HUP/QUIT/USR1/USR2,

@@ -21,6 +21,10 @@ import pytest
 # plan and run read reports/compute.json when it exists: a report a demo or a bench left in
 # this checkout must not change what the tests plan (a test that wants one passes --compute)
 os.environ["SMOL_COMPUTE"] = "/nonexistent/smolcluster-tests/compute.json"
+# local training ranks start from a warm server per key (smolnet.warm), and the key holds the
+# folder and environment: tests run from many tmp folders, so each server (~150 MB) leaves after
+# a minute idle rather than ten
+os.environ.setdefault("SMOL_WARM_IDLE", "60")
 
 TIER_NAMES = ("unit", "process", "sim", "provision")
 TIERS = {

@@ -1,14 +1,16 @@
-"""smolnet.warm: remote ranks forked from a warm server per host, with a fresh process's semantics.
+"""smolnet.warm: ranks forked from a warm server per host, with a fresh process's semantics.
 
 Real processes on this machine: a `local` host goes through smolnet.remote exactly as an SSH
-host does (setsid sh -c 'exec ARGV >>LOG'), and the client is also run directly where its exit
-status is the point. Each test has its own HOME (the socket folder is ~/.cache/smolcluster/warm),
+host does (setsid sh -c 'exec ARGV >>LOG'), a group with a log folder starts its local ranks
+as Popen children of the client, and the client is also run directly where its exit status is
+the point. Each test has its own HOME (the socket folder is ~/.cache/smolcluster/warm),
 so servers are never shared with anything else, and every server left is killed at the end.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -197,3 +199,80 @@ def test_without_a_server_the_plain_start_runs(warm, tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(home))
     out, pid = _run_wpkg(warm, "linked.log")
     assert int(out[3]) == pid and not list(tmp_path.glob("*.sock"))
+
+
+def env_hash(env: dict) -> str:
+    return hashlib.sha256(json.dumps(sorted(env.items())).encode()).hexdigest()
+
+
+PLAIN = """import hashlib, json, os
+print("environ", hashlib.sha256(json.dumps(sorted(os.environ.items())).encode()).hexdigest())
+"""
+
+
+def test_local_ranks_start_warm_and_report_as_popen_does(warm):
+    """A group with a log folder and a preload list starts its local `python -m` ranks through
+    the client too (a Popen of it): each rank gets the secret, its log, this process's folder
+    and environment (or exactly the env= given), its own session; poll/dead report the rank's
+    status (a kill of the client: -9, and the rank goes with it); a `-c` child starts afresh."""
+    g = ProcessGroup(SECRET, str(warm / "logs"), preload=["torch"])
+    go, never = warm / "local-go", warm / "never"
+    given = {**os.environ, "SMOL_WARM_TEST": "given", "OTHER_VAR": "x"}
+    try:
+        g.start("la", [sys.executable, "-m", "warmchild", str(go)])
+        g.start("lbad", [sys.executable, "-m", "warmchild", str(never), "3"])
+        g.start("lraises", [sys.executable, "-m", "warmchild", str(never), "raise"])
+        g.start("lvictim", [sys.executable, "-m", "warmchild", str(never)])
+        g.start("lenv", [sys.executable, "-m", "warmchild", str(go)], env=given)
+        g.start("lplain", [sys.executable, "-c", PLAIN])  # not `-m`: started afresh
+        a, victim, env = started(warm, "la.log"), started(warm, "lvictim.log"), started(warm, "lenv.log")
+        want = f"got {hashlib.sha256(SECRET).hexdigest()}"
+        assert lines(warm, "la.log")[:3] == [want, f"env seen cwd {warm}", f"own session True argv ['{go}']"]
+        mask = os.umask(0o077)
+        os.umask(mask)
+        assert a["warm"] and victim["ppid"] == a["ppid"] and a["umask"] == oct(mask)  # this process's
+        assert b"smolnet.warm_server" in Path(f"/proc/{a['ppid']}/cmdline").read_bytes()
+        wait_for(lambda: g.poll("lplain") == 0, "the plain child ran")
+        assert lines(warm, "la.log")[4] == lines(warm, "lplain.log")[-1]  # what a fresh one sees
+        assert lines(warm, "lenv.log")[1] == f"env given cwd {warm}" and env["warm"]
+        assert lines(warm, "lenv.log")[4] == f"environ {env_hash(given)}"  # exactly env=
+        assert env["ppid"] != a["ppid"]  # SMOL_* is read at import: another key, another server
+        assert SECRET not in Path(f"/proc/{g.procs['la'].pid}/cmdline").read_bytes()
+        wait_for(lambda: {"lbad", "lraises"} <= set(g.dead()), "the failing ranks were noticed")
+        assert g.dead() == {"lbad": 3, "lraises": 1}
+        assert g.log_tail("lbad") == "exiting 3" and g.log_tail("lraises") == "RuntimeError: boom: no such model"
+        assert g.alive("la") and g.alive("lvictim") and g.poll("la") is None
+        g.kill("lvictim")
+        wait_for(lambda: "lvictim" in g.dead(), "the killed rank was noticed")
+        assert g.dead()["lvictim"] == -9  # as Popen says it
+        wait_for(lambda: gone(victim["pid"]), "the rank died with its client")
+        go.touch()
+        assert g.wait(60) == []
+        assert g.poll("la") == 0 and g.log_tail("la") == "last line"
+    finally:
+        g.stop()
+
+
+CONTROLLER = """
+import sys
+from smolnet.launcher import ProcessGroup
+g = ProcessGroup(b"x", sys.argv[1], preload=["torch"])
+g.start("rank", [sys.executable, "-m", "warmchild", "-", "0"])
+sys.exit(g.wait(60) or g.poll("rank"))
+"""
+
+
+def test_successive_local_controllers_share_one_server(warm, monkeypatch):
+    """Two controllers in a row on this machine (fresh interpreters, as two `smoltrain run
+    --local` are): the second one's rank is forked by the server the first one started, so it
+    did not import torch again."""
+    monkeypatch.setenv("SMOL_WARM_IDLE", "30")  # its own key: no earlier server, none gone between
+    ranks = []
+    for run in ("one", "two"):
+        logs = warm / f"controller-{run}"
+        logs.mkdir(mode=0o700)
+        subprocess.run([sys.executable, "-c", CONTROLLER, str(logs)], check=True, timeout=120)
+        w = next(ln for ln in (logs / "rank.log").read_text().splitlines() if ln.startswith("warm "))
+        ranks.append(w.split())
+    assert ranks[0][1] == ranks[1][1] == "True" and ranks[0][5] == ranks[1][5]
+    assert b"smolnet.warm_server" in Path(f"/proc/{ranks[1][5]}/cmdline").read_bytes()

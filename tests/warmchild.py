@@ -1,9 +1,10 @@
-"""`python -m warmchild GO [EXIT|raise]` for test_warm: what a remote rank sees of its start
-(the secret's hash, environment, folder, session, argv, whether torch was imported before its
-first line ran, its pid, parent and umask), then it imports torch (a no-op when warm), waits for the
-file GO, exits with status EXIT or raises."""
+"""`python -m warmchild GO [EXIT|raise]` for test_warm: what a rank sees of its start (the
+secret's hash, environment, folder, session, argv, whether torch was imported before its first
+line ran, its pid, parent and umask, its whole environment's hash), then it imports torch (a
+no-op when warm), waits for the file GO, exits with status EXIT or raises."""
 
 import hashlib
+import json
 import os
 import sys
 import time
@@ -15,6 +16,7 @@ print("env", os.environ.get("SMOL_WARM_TEST"), "cwd", os.getcwd(), flush=True)
 print("own session", os.getsid(0) == os.getpid(), "argv", sys.argv[1:], flush=True)
 mask = os.umask(0)
 print("warm", warm, "pid", os.getpid(), "ppid", os.getppid(), "umask", oct(mask), flush=True)
+print("environ", hashlib.sha256(json.dumps(sorted(os.environ.items())).encode()).hexdigest(), flush=True)
 import torch  # noqa: E402,F401 (what a rank imports: free when the server did)
 
 if sys.argv[2:] == ["raise"]:

@@ -27,8 +27,8 @@ from smoltrain.run.channel import ControlServer, dead_after
 from smoltrain.run.config import RunConfig
 from smoltrain.run.report import step_loss
 
-# what `python -m smoltrain worker` imports (torch with them): local workers fork from one
-# interpreter that imported them once (smolnet.forked), not ~1.5 s of CPU each
+# what `python -m smoltrain worker` imports (torch with them): workers fork from a warm server
+# per host that imported them once (smolnet.warm), not ~1.5 s of CPU each
 WORKER_IMPORTS = ["smoltrain.cli", "smoltrain.commands.worker", "smoltrain.run.worker"]
 
 
