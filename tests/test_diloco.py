@@ -37,6 +37,23 @@ def cli(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "smoltrain", *args], capture_output=True, text=True, timeout=timeout)
 
 
+def auto_run(tmp_path, secret_file, world: int, batch: int, steps: int, **compute) -> tuple[dict, object]:
+    """A diloco run at --inner-steps 4 under --placement auto from a compute report of `world`
+    loopback ranks (computetools.write_compute: rank0 the fast one); (its report, the report's path)."""
+    from computetools import write_compute
+
+    names = [f"rank{i}" for i in range(world)]
+    path = write_compute(tmp_path / "compute.json", names, "rank0", seq=32, **compute)
+    report = tmp_path / "auto.json"
+    p = cli(
+        ["run", "--strategy", "diloco", "--local", str(world), "--batch", str(batch), "--seq", "32", "--seed", "3"]
+        + ["--steps", str(steps), "--inner-steps", "4", "--placement", "auto", "--compute", str(path)]
+        + ["--secret-file", secret_file, "--json", str(report), "--out", str(tmp_path)]
+    )
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    return check_any(json.loads(report.read_text())), path
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, secret_file):
     d = tmp_path_factory.mktemp("diloco")
@@ -207,17 +224,7 @@ def test_under_auto_placement_the_shares_follow_the_measured_pace(tmp_path, secr
     each) they run alike. The placement gives rank0 three quarters of the sequences for the
     first outer step; the roster then re-balances from the paces it measured, so the shares
     move toward equal, and every outer step still covers its batches exactly once."""
-    from computetools import write_compute
-
-    compute = write_compute(tmp_path / "compute.json", ["rank0", "rank1"], "rank0", seq=32)
-    report = tmp_path / "paced.json"
-    p = cli(
-        ["run", "--strategy", "diloco", "--local", "2", "--batch", "12", "--seq", "32", "--seed", "3"]
-        + ["--steps", "24", "--inner-steps", "4", "--placement", "auto", "--compute", str(compute)]
-        + ["--secret-file", secret_file, "--json", str(report), "--out", str(tmp_path)]
-    )
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    doc = check_any(json.loads(report.read_text()))
+    doc, _ = auto_run(tmp_path, secret_file, 2, batch=12, steps=24)
     assert doc["placement"]["mode"] == "auto" and "measured pace" in doc["placement"]["sync"]
     spread = []
     for o in doc["outer_steps"]:
@@ -239,17 +246,7 @@ def test_under_auto_placement_the_first_outer_step_is_paced_by_the_plan(tmp_path
     step at the sync (bench_finetune_home run 6: the laptop 80 s behind at H=36, dropped as
     late). Counted over the outer step's 4 batches at the plan's paces (100 and 67 sequences a
     second), rank0 trains 7 of the 12 sequences and rank1 5, from the first outer step on."""
-    from computetools import write_compute
-
-    compute = write_compute(tmp_path / "compute.json", ["rank0", "rank1"], "rank0", seq=32, slow=0.015)
-    report = tmp_path / "first.json"
-    p = cli(
-        ["run", "--strategy", "diloco", "--local", "2", "--batch", "3", "--seq", "32", "--seed", "3"]
-        + ["--steps", "8", "--inner-steps", "4", "--placement", "auto", "--compute", str(compute)]
-        + ["--secret-file", secret_file, "--json", str(report), "--out", str(tmp_path)]
-    )
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    doc = check_any(json.loads(report.read_text()))
+    doc, _ = auto_run(tmp_path, secret_file, 2, batch=3, steps=8, slow=0.015)
     first = {r["name"]: r["tokens"] for r in doc["outer_steps"][0]["ranks"]}
     assert first == {"rank0": 7 * 32, "rank1": 5 * 32}, first  # not the placement's 8 and 4
     assert doc["placement"]["shares"] == pytest.approx([2 / 3, 1 / 3])  # whole sequences of one batch
@@ -264,18 +261,8 @@ def test_under_auto_placement_the_run_trains_the_split_its_plan_predicts(tmp_pat
     first outer step (planner.pacing: 7, 5 and 4 of 16, not 2, 1, 1 of every batch), its compute
     that split at each rank's seconds a sequence, and `plan --compare` judges each rank's compute
     against that prediction."""
-    from computetools import write_compute
-
-    names = ["rank0", "rank1", "rank2"]
-    compute = write_compute(tmp_path / "compute.json", names, "rank0", seq=32, slow=0.015)
-    report, cmp = tmp_path / "paced3.json", tmp_path / "cmp.json"
-    p = cli(
-        ["run", "--strategy", "diloco", "--local", "3", "--batch", "4", "--seq", "32", "--seed", "3"]
-        + ["--steps", "8", "--inner-steps", "4", "--placement", "auto", "--compute", str(compute)]
-        + ["--secret-file", secret_file, "--json", str(report), "--out", str(tmp_path)]
-    )
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    doc = check_any(json.loads(report.read_text()))
+    doc, compute = auto_run(tmp_path, secret_file, 3, batch=4, steps=8, slow=0.015)
+    report, cmp = tmp_path / "auto.json", tmp_path / "cmp.json"
     plan, order = doc["plan"], doc["placement"]["order"]
     assert plan["paced"]["placed_sequences"] == [round(s * 4) for s in doc["placement"]["shares"]]
     assert doc["placement"]["compute_s"] == plan["paced"]["placed_compute_s"]  # the paces the ranks got
