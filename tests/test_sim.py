@@ -194,6 +194,11 @@ def test_root_home_is_per_host(home):
         assert r.run("test -e /root/smol-sim-probe", timeout=15).rc != 0
         # a private ~/.ssh: the sim's authorized key, nothing of the machine's own keys
         assert r.run("ls -A /root/.ssh", timeout=15).stdout.split() == ["authorized_keys"]
+        # its own shell start-up files: every command sshd runs reads ~/.bashrc, and the machine's
+        # is the controller's (pyenv and the like cost the 0.15-core Pi ~0.7 s a command)
+        from smolnet.sim.build import SHELL_RC
+
+        assert r.run("cat /root/.bashrc /root/.profile", timeout=15).stdout == 2 * SHELL_RC
     upper = Path(home["state_dir"]) / "hosts" / "pi5" / "root" / ".ssh"
     assert os.getxattr(upper, "trusted.overlay.opaque") == b"y"  # the machine's ~/.ssh stays hidden
 
