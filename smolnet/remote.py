@@ -98,7 +98,10 @@ class Remote(ABC):
             script, to = "f=/dev/null; ", "/dev/null"
         redirect = ">" if fresh and log else ">>"
         script += f'echo "SMOLPID:$$:$f"; exec {_cmdline(argv)} {redirect}{to} 2>&1'
-        out = self._spawn(["setsid", "sh", "-c", script], stdin or b"", timeout)
+        # -w: setsid forks (sshd's child leads its session) and would exit at once; sshd then
+        # ends the session, and stdin it had not yet written into the pipe was lost (a rank read
+        # an empty secret 1 time in 6 once the host's shell started in ~10 ms). Waiting keeps it.
+        out = self._spawn(["setsid", "-w", "sh", "-c", script], stdin or b"", timeout)
         for line in out.splitlines():
             if line.startswith("SMOLPID:"):
                 _, pid, path = line.split(":", 2)
@@ -210,6 +213,7 @@ class SSHRemote(Remote):
         super().__init__(host)
         import paramiko
 
+        self.started: list = []  # channels of processes started here (_spawn)
         client = paramiko.SSHClient()
         if host.host_key_checking:
             try:
@@ -276,6 +280,7 @@ class SSHRemote(Remote):
         return res
 
     def _spawn(self, argv, stdin: bytes, timeout: float) -> str:
+        """The channel stays open until close() (see start: sshd still delivers our stdin)."""
         chan = self._exec(_cmdline(argv), stdin, timeout)
         buf = bytearray()
         try:
@@ -285,12 +290,14 @@ class SSHRemote(Remote):
                     break
                 buf += data
         except TimeoutError:
-            raise RemoteError(self.host.name, f"timed out starting {_cmdline(argv)[:80]}") from None
-        finally:
             chan.close()
+            raise RemoteError(self.host.name, f"timed out starting {_cmdline(argv)[:80]}") from None
+        self.started.append(chan)
         return buf.decode(errors="replace")
 
     def close(self) -> None:
+        for chan in self.started:
+            chan.close()
         self.client.close()
 
 
