@@ -98,6 +98,10 @@ class AuthListener:
 
     def close(self) -> None:
         self.stopping.set()
+        try:  # shutdown first: a bare close leaves the socket listening while the accept thread polls it
+            self.listener.shutdown(socket.SHUT_RDWR)  # (up to 0.5 s), and a group rebuilt on this port
+        except OSError:  # at once would have its first connections taken and reset here
+            pass
         try:
             self.listener.close()
         except OSError:

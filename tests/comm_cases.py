@@ -246,3 +246,33 @@ def idle_wait(comm, params) -> dict:
             comm.send(buf, 0)
         out[op] = {"cpu_s": time.process_time() - cpu, "wall_s": time.monotonic() - wall}
     return out
+
+
+def successive_groups(comm, params) -> dict:
+    """diloco's ring rebuild: a group of n on a fresh port, the last rank leaves, and the rest
+    build the next group of n-1 on the same port, rank 0 the last to get there (`late_s`)."""
+    from smoltrain.comm import make_comm
+
+    comm.close()
+    rank, n, port = comm.rank, comm.world_size, params["port"]
+    backend = comm.backend
+
+    def build(world: int, name: str):
+        return make_comm(
+            backend, rank, world, "127.0.0.1", port, b"test-secret-0123456789abcdef", timeout=8.0, namespace=name
+        )
+
+    first = build(n, "ring-1-1")
+    t = torch.ones(3)
+    first.all_reduce(t)
+    if rank == n - 1:
+        first.close()
+        return {"left": True}
+    if rank == 0:
+        time.sleep(params["late_s"])
+    first.close()
+    second = build(n - 1, "ring-2-2")
+    u = torch.full((3,), float(rank + 1))
+    second.all_reduce(u)
+    second.close()
+    return {"first": t.tolist(), "second": u.tolist()}

@@ -106,3 +106,20 @@ def test_a_rank_waiting_on_a_late_peer_sleeps(backend):
     for op, got in res[0]["result"].items():
         assert got["wall_s"] >= 0.75, f"{op} did not wait for the late peer: {got}"
         assert got["cpu_s"] < 0.3, f"{backend} {op} spent {got['cpu_s']:.2f} CPU s waiting {got['wall_s']:.2f} s"
+
+
+@pytest.mark.parametrize("backend,late_s", [("socket", 0.0), ("torch", 1.5)])
+def test_a_group_rebuilt_on_its_port_forms_at_once_or_with_rank_0_last(backend, late_s):
+    """diloco rebuilds its ring on one port when a member leaves (each backend at the timing that
+    broke it). torch: a member that got there before rank 0 had torn down the old group met the old
+    group's store and its stale addresses and timed out (CI: test_diloco's newcomer dropped on
+    torch); each build now has its own namespace. socket: rank 0's old rendezvous listener, closed
+    while its accept thread polled it, stayed listening and reset the first connections of a group
+    rebuilt at once; smolnet.server now shuts it down."""
+    from smoltrain.comm.group import free_port_base
+
+    res = run_group("successive_groups", 3, backend, {"port": free_port_base(3), "late_s": late_s}, timeout=60)
+    assert all(r and r["ok"] for r in res), res
+    assert res[2]["result"] == {"left": True}
+    for r in res[:2]:
+        assert r["result"] == {"first": [3.0] * 3, "second": [3.0] * 3}, res

@@ -26,8 +26,11 @@ def make_comm(
     device="cpu",
     addrs: list[str] | None = None,
     integrity: str = "header",
+    namespace: str = "",
 ) -> Comm:
-    """Join the group. socket: authenticated, counts real bytes; torch: gloo/nccl, trusted network."""
+    """Join the group. socket: authenticated, counts real bytes; torch: gloo/nccl, trusted network.
+    `namespace`: one of successive groups on the same port (torch keys its rendezvous by it; the
+    socket backend's rank 0 listens only while a group forms, so it needs none)."""
     if backend == "socket":
         from smoltrain.comm.socket_comm import SocketComm
 
@@ -45,7 +48,17 @@ def make_comm(
     if backend == "torch":
         from smoltrain.comm.torch_comm import TorchComm
 
-        return TorchComm(rank, world_size, coordinator_addr, port, secret, timeout=timeout, device=device, addrs=addrs)
+        return TorchComm(
+            rank,
+            world_size,
+            coordinator_addr,
+            port,
+            secret,
+            timeout=timeout,
+            device=device,
+            addrs=addrs,
+            namespace=namespace,
+        )
     raise CommError(f"unknown comm backend {backend!r} (choose from {', '.join(BACKENDS)})")
 
 

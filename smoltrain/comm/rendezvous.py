@@ -145,8 +145,9 @@ class Inbox:
             raise TimeoutError from None
 
     def close(self) -> None:
-        """Stop accepting; close connections nobody took (the listening socket is the caller's)."""
-        self.server.stopping.set()
+        """Stop accepting (the listening socket shut down at once: a group rebuilt on this port
+        right after would otherwise find it still listening); close connections nobody took."""
+        self.server.close()
         while True:
             try:
                 self.queue.get_nowait()[0].close()

@@ -10,6 +10,12 @@ hand-written transport. Two things it cannot do, and SocketComm does:
   not what gloo actually put on the wire; `counter.framing` stays empty.
 A failed or timed-out peer surfaces as CommError; torch does not say which rank, so
 `peer` is None unless the message lets us tell.
+
+Successive groups on one port (diloco rebuilds its ring whenever members change) each take a
+`namespace`: rank 0 then keeps one TCPStore server for the port for the life of the process and
+each group rendezvouses under its own key prefix in it. Without that a member that rebuilds
+before rank 0 has torn down the previous group reaches the previous group's store (torch's
+tcp:// rendezvous shares a live server per port), reads its stale addresses and times out.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import torch.distributed as dist
 
 from smoltrain.comm.base import ByteCounter, Comm, CommError
 from smoltrain.comm.ring import ring_allreduce_bytes
+
+_MASTERS: dict[int, dist.TCPStore] = {}  # rank 0's store server per port, kept across namespaced groups
 
 # torch 2.13 renamed these (the old names warn); older releases only have the old ones
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -44,6 +52,7 @@ class TorchComm(Comm):
         timeout: float = 30.0,
         device="cpu",
         addrs: list[str] | None = None,
+        namespace: str = "",
     ):
         if not (0 <= rank < world_size):
             raise CommError(f"rank {rank} is outside world size {world_size}")
@@ -58,13 +67,13 @@ class TorchComm(Comm):
         _pin_interface(addrs[rank] if addrs else coordinator_addr, self._nccl)
         if dist.is_initialized():
             raise CommError("torch.distributed is already initialized in this process")
+        wait = datetime.timedelta(seconds=timeout)
         try:
+            where = {"init_method": f"tcp://{coordinator_addr}:{port}"}
+            if namespace:
+                where = {"store": dist.PrefixStore(f"{namespace}/", _store(coordinator_addr, port, rank, wait))}
             dist.init_process_group(
-                "nccl" if self._nccl else "gloo",
-                init_method=f"tcp://{coordinator_addr}:{port}",
-                rank=rank,
-                world_size=world_size,
-                timeout=datetime.timedelta(seconds=timeout),
+                "nccl" if self._nccl else "gloo", rank=rank, world_size=world_size, timeout=wait, **where
             )
         except Exception as e:  # torch raises RuntimeError/DistStoreError/TimeoutError variously
             raise CommError(
@@ -244,6 +253,15 @@ class TorchComm(Comm):
                 dist.destroy_process_group()
             except Exception:  # ok: tearing down after a failed peer must not raise
                 pass
+
+
+def _store(addr: str, port: int, rank: int, wait: datetime.timedelta) -> dist.TCPStore:
+    """Rank 0: the port's one server, made on first use and kept; others: a fresh client."""
+    if rank:
+        return dist.TCPStore(addr, port, is_master=False, timeout=wait)
+    if port not in _MASTERS:
+        _MASTERS[port] = dist.TCPStore(addr, port, is_master=True, wait_for_workers=False, timeout=wait)
+    return _MASTERS[port]
 
 
 def _pin_interface(addr: str, nccl: bool) -> None:

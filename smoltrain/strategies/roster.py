@@ -22,7 +22,9 @@ step is two rounds on it:
            rank applies an outer step another rank did not.
 
 Between rounds a member all-reduces over its `Ring`, rebuilt whenever the epoch changes (a
-newcomer then gets the anchor and outer momentum from rank 0 and trains from the next step).
+newcomer then gets the anchor and outer momentum from rank 0 and trains from the next step)
+or an attempt failed; each build rendezvouses under the sync round's own name, so a member
+that rebuilds before rank 0 cannot meet the previous ring's rendezvous (torch backend).
 Under `--placement auto` a member trains floor(n/H) or one more sequences of each inner step,
 n its sequences for the outer step (`slices`). The first outer step has no measured pace yet:
 every member lays it out alike from the plan's (planner.pacing.placed_paces: the placement's
@@ -93,7 +95,7 @@ class Roster:
         self.members: list[_Conn] = []
         self.pending: list[_Conn] = []
         self.lock = threading.Lock()
-        self.epoch, self.error, self.stopping = 0, None, False
+        self.epoch, self.rounds, self.error, self.stopping = 0, 0, None, False
         self.listener = AuthListener.serve(
             run.coord_addr, roster_port(run), ctx.secret, self._greet, name="roster", with_key=True
         )
@@ -198,6 +200,8 @@ class Roster:
         }
         if paced:
             meta["paced"] = paced
+        self.rounds += 1  # a ring built in this round keys its rendezvous by it (comm.torch_comm)
+        meta["round"] = self.rounds
         for m in list(self.members):
             self._send(m, ROSTER, meta, outer)
 
@@ -357,6 +361,7 @@ class Ring:
                 device=self.ctx.device,
                 addrs=roster["addrs"],
                 integrity=run.integrity,
+                namespace=f"ring-{roster['epoch']}-{roster.get('round', 0)}",
             )
 
     def close(self) -> None:
