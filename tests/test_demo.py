@@ -92,8 +92,7 @@ def test_demo_quick_writes_every_section(tmp_path):
     out = out / "latest"
     report = (out / "REPORT.md").read_text()
     for section in (
-        "## 1. Links as found",
-        "## 1b. Links after provisioning",
+        "## 1. Links",
         "## 2. Plan",
         "## 3. Training runs",
         "## 4. Predicted vs measured",
@@ -106,9 +105,12 @@ def test_demo_quick_writes_every_section(tmp_path):
         assert section in report, section
     assert "`plan --strategy all` names the same best layout with the same figures." in report  # --mesh auto agrees
     assert "--quick: planned only" in report and "--quick: fine-tuning skipped" in report
-    before = report.split("## 1b.")[0]
-    assert "both ends are set to 9000 but the path carries 1500" in before  # the sim's MTU fault
-    for png in ("before/links.png", "links.png", "plan.png", "loss.png", "placement.png"):
+    # --quick measures once: provisioning finds the sim's MTU fault, and the demo provisions again
+    # with the truth (the matrix's own report of the fault: test_matrix_sim)
+    assert "--quick: measured once, after provisioning" in report and not (out / "before").exists()
+    assert "provisioning refused an MTU the wire cannot carry" in r.stdout
+    assert (out / "demo-inventory" / "host_vars" / "laptop.yml").read_text().endswith("mtu: 1500\n")
+    for png in ("links.png", "plan.png", "loss.png", "placement.png"):
         assert f"]({png})" in report and (out / png).stat().st_size > 1000, png
     after = json.loads((out / "links.json").read_text())
     assert not any("mtu-blackhole" in link["warnings"] for link in after["links"])

@@ -44,10 +44,13 @@ def _links_section(folder: Path, prefix: str) -> list[str]:
     return lines
 
 
-def links(out: Path) -> list[str]:
+QUICK_LINKS = "--quick: measured once, after provisioning (the full demo also measures the links as found)."
+
+
+def links(out: Path, quick: bool = False) -> list[str]:
     before = out / "before"
     if not (before / "links.md").exists():
-        return ["## 1. Links", ""] + _links_section(out, "")
+        return ["## 1. Links", ""] + ([QUICK_LINKS, ""] if quick else []) + _links_section(out, "")
     return (
         ["## 1. Links as found", "", "Measured before provisioning: the faults a new cluster really has.", ""]
         + _links_section(before, "before/")
@@ -262,7 +265,7 @@ def write(demo, trained: list[str], placed: list[str]) -> Path:
         "training, the 2-D layouts, and fine-tuning a Hugging Face checkpoint.",
         "",
     ]
-    lines += links(out)
+    lines += links(out, demo.args.quick)
     table, plans = plan_table(out)
     lines += table
     lines += runs(demo, trained, plans)
