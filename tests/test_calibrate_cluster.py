@@ -189,3 +189,18 @@ def test_a_session_probes_every_round_in_one_process_and_names_why_it_ended():
         pytest.raises(RemoteError, match="a: probe failed: MemoryError: out"),
     ):
         s.probe()
+
+
+def test_the_probe_starts_from_the_servers_the_workers_use():
+    """The probe pays torch's import in the host's warm server of training workers, so the runs
+    after a calibrate fork from it instead of importing again: the same preload list, and the
+    same key as `python -m smoltrain worker` started from the same place."""
+    from smolnet import warm
+    from smoltrain.calibration.cluster import probe_argv
+    from smoltrain.run import WORKER_IMPORTS
+
+    argv = probe_argv(_local("a"), "tiny", 0.3)
+    cut = argv.index("--")
+    assert argv[1:cut] == ["-m", "smolnet.warm", "--preload", ",".join(WORKER_IMPORTS)]
+    assert argv[cut + 1 : cut + 3] == ["smoltrain.calibration.probe", "--serve"]
+    assert warm.key(WORKER_IMPORTS, argv[cut + 1]) == warm.key(WORKER_IMPORTS, "smoltrain")

@@ -5,7 +5,9 @@ Why: starting the probe costs a host an SSH session, a Python and torch's import
 four home hosts), and none of it is measured. The process (`python -m
 smoltrain.calibration.probe --serve`) imports once and runs one whole probe for each line
 the controller sends, so the rounds still go host by host (a, b, c, a, b, c) while each
-host pays the start once. An idle session waits on its input and takes no CPU.
+host pays the start once. An idle session waits on its input and takes no CPU. The process
+is forked from the host's warm server of training workers (calibration.cluster.probe_argv), so
+the import it pays is the one the runs after it would pay.
 """
 
 from __future__ import annotations

@@ -22,14 +22,10 @@ from dataclasses import dataclass
 from smolnet.errors import SmolError, UsageError
 from smolnet.launcher import ProcessGroup, remote_log
 from smoltrain import registry
-from smoltrain.run import blame, checkpoint
+from smoltrain.run import WORKER_IMPORTS, blame, checkpoint
 from smoltrain.run.channel import ControlServer, dead_after
 from smoltrain.run.config import RunConfig
 from smoltrain.run.report import step_loss
-
-# what `python -m smoltrain worker` imports (torch with them): workers fork from a warm server
-# per host that imported them once (smolnet.warm), not ~1.5 s of CPU each
-WORKER_IMPORTS = ["smoltrain.cli", "smoltrain.commands.worker", "smoltrain.run.worker"]
 
 
 @dataclass
