@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -19,9 +20,10 @@ from pathlib import Path
 def watch(
     proc: subprocess.Popen, secret_file: str, kill_when, victim: str = "rank2", limit: float = 200
 ) -> tuple[int, str]:
-    """(exit status, output) of the run `proc` (stdout piped, text), with one joiner and one kill.
-    kill_when(line, lines so far) -> bool."""
+    """(exit status, output) of the run `proc` (stdout piped, text), with one joiner and one kill;
+    the joiner's own output, if any, ends the output. kill_when(line, lines so far) -> bool."""
     lines, joiner, killed = [], None, False
+    joined = tempfile.TemporaryFile()  # noqa: SIM115 (closed below): the joiner's own output, for a failure's message
     timer = threading.Timer(limit, proc.kill)
     timer.start()
     try:
@@ -32,8 +34,8 @@ def watch(
                 joiner = subprocess.Popen(
                     [sys.executable, "-m", "smoltrain", "worker", "--control", m.group(1), "--join"],
                     stdin=subprocess.PIPE,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
+                    stdout=joined,
+                    stderr=subprocess.STDOUT,
                 )
                 joiner.stdin.write(Path(secret_file).read_bytes() + b"\n")
                 joiner.stdin.close()
@@ -51,4 +53,7 @@ def watch(
                 joiner.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 joiner.kill()
-    return rc, "".join(lines)
+        joined.seek(0)
+        said = joined.read().decode(errors="replace")[-1500:]
+        joined.close()
+    return rc, "".join(lines) + (f"\n--- the joiner's output ---\n{said}" if said else "")
