@@ -61,7 +61,7 @@ def test_a_result_file_becomes_its_row(tmp_path, monkeypatch):
     "name",
     ["bench_compute", "bench_diloco", "bench_allreduce", "bench_calibrate", "bench_probe", "bench_matrix"]
     + ["bench_plan", "bench_placement", "bench_infer", "bench_decode", "bench_faults", "bench_dtype", "bench_serve"]
-    + ["bench_finetune"],
+    + ["bench_finetune", "bench_demo"],
 )
 def test_benches_that_judge_a_bar_exit_by_it(name):
     text = (BENCH / f"{name}.py").read_text()
@@ -143,3 +143,32 @@ def test_bench_plan_prints_and_compares_through_the_plan_command():
     text = (BENCH / "bench_plan.py").read_text()
     assert not re.search(r"make_plan|share_machine|link_model|Rank\(|smoltrain\.planner", text)
     assert '"smoltrain", "plan", "--strategy"' in text and '"smoltrain", "plan", "--compare"' in text
+
+
+def test_bench_demo_judges_the_time_the_stages_and_decode_against_plan(tmp_path):
+    demo = _load("bench_demo")
+    (tmp_path / "generate").mkdir()
+    stages = "| stage | exit | seconds | ok |\n|---|---|---|---|\n| 5. calibrate: every host | 0 | 150.5 | yes |\n"
+    (tmp_path / "REPORT.md").write_text("# report\n\n## Stages\n\n" + stages)
+    for strat, got in (("pp", 90.0), ("tp", 12.0)):
+        doc = {"decode": {"tokens_per_s": got}, "plan": {"tokens_per_s": 100.0 if strat == "pp" else 10.0}}
+        (tmp_path / "generate" / f"generate-{strat}.json").write_text(json.dumps(doc))
+    rank = {"name": "pi5", "compute_s": {"ratio": 2.14}, "comm_s": {"ratio": 1.0}}
+    compare = {"step_s": {"predicted": 1.0, "measured": 1.1}, "ranks": [rank]}
+    (tmp_path / "compare-fsdp.json").write_text(json.dumps(compare))
+    met, headline, data = demo.judge(tmp_path, 540.0, 90.0)
+    assert met and data["stages"] == [{"stage": "5. calibrate: every host", "exit": "0", "seconds": 150.5, "ok": True}]
+    assert data["decode"]["pp"]["ratio"] == pytest.approx(0.9) and data["rank_terms_outside"] == [
+        "fsdp pi5 compute x2.14"
+    ]
+    assert "make demo 540 s" in headline and "setup 90 s" in headline and "calibrate 150 s" in headline
+    assert not demo.judge(tmp_path, 610.0, 90.0)[0]  # over ten minutes
+    (tmp_path / "generate" / "generate-tp.json").write_text(
+        json.dumps({"decode": {"tokens_per_s": 13.0}, "plan": {"tokens_per_s": 10.0}})
+    )
+    assert not demo.judge(tmp_path, 540.0, 90.0)[0]  # tp decode 1.3x its plan
+    (tmp_path / "REPORT.md").write_text("# report\n\n## Stages\n\n" + stages.replace("| yes |", "| no |"))
+    (tmp_path / "generate" / "generate-tp.json").write_text(
+        json.dumps({"decode": {"tokens_per_s": 11.0}, "plan": {"tokens_per_s": 10.0}})
+    )
+    assert not demo.judge(tmp_path, 540.0, 90.0)[0]  # a stage failed
