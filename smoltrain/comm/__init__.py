@@ -31,34 +31,15 @@ def make_comm(
     """Join the group. socket: authenticated, counts real bytes; torch: gloo/nccl, trusted network.
     `namespace`: one of successive groups on the same port (torch keys its rendezvous by it; the
     socket backend's rank 0 listens only while a group forms, so it needs none)."""
+    common = dict(timeout=timeout, device=device, addrs=addrs)
     if backend == "socket":
         from smoltrain.comm.socket_comm import SocketComm
 
-        return SocketComm(
-            rank,
-            world_size,
-            coordinator_addr,
-            port,
-            secret,
-            timeout=timeout,
-            device=device,
-            addrs=addrs,
-            integrity=integrity,
-        )
+        return SocketComm(rank, world_size, coordinator_addr, port, secret, integrity=integrity, **common)
     if backend == "torch":
         from smoltrain.comm.torch_comm import TorchComm
 
-        return TorchComm(
-            rank,
-            world_size,
-            coordinator_addr,
-            port,
-            secret,
-            timeout=timeout,
-            device=device,
-            addrs=addrs,
-            namespace=namespace,
-        )
+        return TorchComm(rank, world_size, coordinator_addr, port, secret, namespace=namespace, **common)
     raise CommError(f"unknown comm backend {backend!r} (choose from {', '.join(BACKENDS)})")
 
 
