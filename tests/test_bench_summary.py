@@ -153,7 +153,11 @@ def test_bench_demo_judges_the_time_the_stages_and_decode_against_plan(tmp_path)
     for strat, got in (("pp", 90.0), ("tp", 12.0)):
         doc = {"decode": {"tokens_per_s": got}, "plan": {"tokens_per_s": 100.0 if strat == "pp" else 10.0}}
         (tmp_path / "generate" / f"generate-{strat}.json").write_text(json.dumps(doc))
-    rank = {"name": "pi5", "compute_s": {"ratio": 2.14}, "comm_s": {"ratio": 1.0}}
+    rank = {
+        "name": "pi5",
+        "compute_s": {"ratio": 2.14, "verdict": "outside"},
+        "comm_s": {"ratio": 0.5, "verdict": "small"},
+    }
     compare = {"step_s": {"predicted": 1.0, "measured": 1.1}, "ranks": [rank]}
     (tmp_path / "compare-fsdp.json").write_text(json.dumps(compare))
     met, headline, data = demo.judge(tmp_path, 540.0, 90.0)
