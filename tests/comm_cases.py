@@ -251,6 +251,8 @@ def idle_wait(comm, params) -> dict:
 def successive_groups(comm, params) -> dict:
     """diloco's ring rebuild: a group of n on a fresh port, the last rank leaves, and the rest
     build the next group of n-1 on the same port, rank 0 the last to get there (`late_s`)."""
+    from commtools import SECRET
+
     from smoltrain.comm import make_comm
 
     comm.close()
@@ -258,11 +260,9 @@ def successive_groups(comm, params) -> dict:
     backend = comm.backend
 
     def build(world: int, name: str):
-        return make_comm(
-            backend, rank, world, "127.0.0.1", port, b"test-secret-0123456789abcdef", timeout=8.0, namespace=name
-        )
+        return make_comm(backend, rank, world, "127.0.0.1", port, SECRET, timeout=8.0, namespace=name)
 
-    first = build(n, "ring-1-1")
+    first = build(n, "ring-1")
     t = torch.ones(3)
     first.all_reduce(t)
     if rank == n - 1:
@@ -271,7 +271,7 @@ def successive_groups(comm, params) -> dict:
     if rank == 0:
         time.sleep(params["late_s"])
     first.close()
-    second = build(n - 1, "ring-2-2")
+    second = build(n - 1, "ring-2")
     u = torch.full((3,), float(rank + 1))
     second.all_reduce(u)
     second.close()

@@ -361,7 +361,7 @@ class Ring:
                 device=self.ctx.device,
                 addrs=roster["addrs"],
                 integrity=run.integrity,
-                namespace=f"ring-{roster['epoch']}-{roster.get('round', 0)}",
+                namespace=f"ring-{roster['round']}",  # unique per sync round, so per build
             )
 
     def close(self) -> None:
