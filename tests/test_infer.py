@@ -63,7 +63,8 @@ def test_split_matches_transformers(models, tmp_path, arch, strategy, world, mon
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))  # where the ranks' log folder goes
     doc = generate(tmp_path, path, "--strategy", strategy, "--local", str(world))
     assert doc["output_ids"] == want
-    assert list(tmp.iterdir()) == []  # a clean run leaves no log folder behind
+    left = list(tmp.iterdir())  # a clean run leaves no log folder behind; if it does, show why
+    assert left == [], {str(f): f.read_text()[-2000:] for d in left for f in sorted(d.iterdir())}
     h, a = 32, 4
     steps = NEW - 1
     assert doc["decode"]["tokens"] == steps
@@ -86,6 +87,37 @@ def test_split_matches_transformers(models, tmp_path, arch, strategy, world, mon
     if strategy == "pp":  # the prompt's hidden states, each decode step, a header each; ids back
         assert sent[("rank0", "rank1")] == (len(PROMPT) + steps) * h * a + (1 + steps) * 32
         assert sent[(f"rank{world - 1}", "rank0")] == NEW * 8
+
+
+def test_a_rank_that_exits_badly_after_serving_keeps_its_logs_and_says_so(models, tmp_path, caplog):
+    """A rank that answered every request, then exited non-zero on close: the answer stands, the
+    log folder stays and one warning names the rank, its status and the folder (nothing silent)."""
+    import sys
+
+    from smolnet.inventory import Host
+    from smoltrain.infer.batching import Request
+    from smoltrain.infer.cluster import Cluster
+    from smoltrain.infer.config import InferConfig
+    from smoltrain.run.controller import Placement
+
+    path, want = models["llama"]
+    python = tmp_path / "python"  # the worker as usual, then a bad exit status
+    python.write_text(f'#!/bin/sh\n"{sys.executable}" "$@"\nexit 3\n')
+    python.chmod(0o755)
+    host = Host("bad", "127.0.0.1", "127.0.0.1", local=True, python=str(python))
+    cfg = InferConfig("local", "socket", path, None, ("rank0",), ((0, 3),))
+    logs = tmp_path / "logs"
+    logs.mkdir(mode=0o700)
+    c = Cluster(cfg, [Placement("rank0", "127.0.0.1", host)], b"s" * 32, str(logs), own_logs=True)
+    try:
+        c.start(timeout=60.0)
+        got = c.generate(Request(PROMPT, NEW, 0.0, 1.0, 0, []))
+    finally:
+        with caplog.at_level("WARNING", logger="smoltrain.infer"):
+            c.close()
+    assert got[0]["output_ids"] == want
+    assert (logs / "rank0.log").exists()
+    assert f"rank0 status 3); their logs: {logs}" in caplog.text
 
 
 def test_torch_backend_and_sampling(models, tmp_path):

@@ -289,5 +289,11 @@ class Cluster(Runner):
         self.group.stop()
         for s in self.socks.values():
             s.close()
-        if self.own_logs and not failed and not self.group.dead():  # as `run`: kept when a rank failed
+        if not self.own_logs:
+            return
+        quit_badly = self.group.dead()  # ranks that served every request, then exited non-zero
+        if not failed and not quit_badly:  # as `run`: kept when a rank failed
             shutil.rmtree(self.log_dir, ignore_errors=True)
+        elif not failed:
+            said = ", ".join(f"{self.cfg.names[self.group.names().index(n)]} status {s}" for n, s in quit_badly.items())
+            log.warning("inference ranks exited badly on close (%s); their logs: %s", said, self.log_dir)

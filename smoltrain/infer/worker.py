@@ -192,5 +192,17 @@ def main(argv=None) -> int:
         return 1
 
 
+def exit_now(code: int) -> None:
+    """End the process without interpreter teardown: the work is over and reported, and teardown
+    (the control reader blocked in recv as a daemon thread, torch's thread pools) is the one step
+    left that could still turn a finished rank's exit status into a failure."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
