@@ -5,7 +5,8 @@
 - sim: needs the single-machine cluster (root and network namespaces).
 - provision: runs the real playbooks (on the sim or on localhost); the slowest.
 
-`make test` runs them all; `make test-unit` (etc.) one tier (`pytest -m unit`). A test
+`make test` runs them all (two pytest-xdist workers, every sim and provision test on one of
+them, then the `quiet` ones alone); `make test-unit` (etc.) one tier (`pytest -m unit`). A test
 file must be listed in TIERS (tests/test_tiers.py fails otherwise); a test already marked
 with a tier (e.g. one sim test in a process file) keeps its own mark.
 """
@@ -135,6 +136,17 @@ TIERS = {
     ],
 }
 FILE_TIER = {f: tier for tier, files in TIERS.items() for f in files}
+# Tests that hold a measured rate or CPU share to a truth (shaped goodput, a cap read from pace,
+# capped hosts in the order of their caps, placement by measured speed): `make test` runs them
+# alone after the rest, which runs on two pytest-xdist workers and would take their CPU.
+QUIET = {
+    "test_sim.py",
+    "test_matrix_sim.py",
+    "test_sim_cpu.py",
+    "test_sim_hidden.py",
+    "test_calibrate_sim.py",
+    "test_placement_sim.py",
+}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -144,6 +156,8 @@ def pytest_collection_modifyitems(config, items):
             if tier is None:
                 raise pytest.UsageError(f"{item.fspath}: not in tests/conftest.py TIERS; add it to one tier")
             item.add_marker(getattr(pytest.mark, tier))
+        if Path(str(item.fspath)).name in QUIET:
+            item.add_marker(pytest.mark.quiet)
         if item.get_closest_marker("sim") or item.get_closest_marker("provision"):
             # fixed network-namespace names: under pytest-xdist (-n 2 --dist loadgroup) one worker runs them all
             item.add_marker(pytest.mark.xdist_group("sim"))

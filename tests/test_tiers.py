@@ -7,7 +7,7 @@ from pathlib import Path
 
 import need
 import pytest
-from conftest import FILE_TIER, TIER_NAMES, TIERS
+from conftest import FILE_TIER, QUIET, TIER_NAMES, TIERS
 
 HERE = Path(__file__).resolve().parent
 # The only skips allowed outside tests/need.py: a parametrisation that does not apply.
@@ -25,6 +25,7 @@ def test_every_test_file_is_in_exactly_one_tier():
     assert sorted(set(files) - set(FILE_TIER)) == [], "files without a tier"
     assert sorted(set(FILE_TIER) - set(files)) == [], "tiers name files that do not exist"
     assert set(TIERS) == set(TIER_NAMES)
+    assert sorted(QUIET - set(files)) == [], "QUIET names files that do not exist"
 
 
 def test_every_collected_test_has_a_tier(request):
