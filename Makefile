@@ -29,12 +29,12 @@ $(STAMP): pyproject.toml constraints.txt
 system-deps:
 	@bash scripts/system-deps.sh
 
-# Two workers: every sim and provision test on one (fixed namespace names; xdist_group "sim"),
+# Two workers: every sim and provision file on one (fixed namespace names; SIM_FILES in tests/conftest.py),
 # the rest spread over both; then the tests that hold measured rates to a truth, alone (QUIET in
 # tests/conftest.py). Both phases always run; either failing fails the target.
 test: system-deps setup
 	@rc=0; \
-	$(BIN)/pytest -q -ra --durations=20 -n 2 --dist loadgroup -m "not quiet" || rc=$$?; \
+	$(BIN)/pytest -q -ra --durations=20 -n 2 -m "not quiet" || rc=$$?; \
 	$(BIN)/pytest -q -ra --durations=5 -m quiet || rc=$$?; \
 	exit $$rc
 

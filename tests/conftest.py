@@ -5,8 +5,8 @@
 - sim: needs the single-machine cluster (root and network namespaces).
 - provision: runs the real playbooks (on the sim or on localhost); the slowest.
 
-`make test` runs them all (two pytest-xdist workers, every sim and provision test on one of
-them, then the `quiet` ones alone); `make test-unit` (etc.) one tier (`pytest -m unit`). A test
+`make test` runs them all (two pytest-xdist workers, every file in SIM_FILES on one of them,
+then the `quiet` ones alone); `make test-unit` (etc.) one tier (`pytest -m unit`). A test
 file must be listed in TIERS (tests/test_tiers.py fails otherwise); a test already marked
 with a tier (e.g. one sim test in a process file) keeps its own mark.
 """
@@ -149,7 +149,25 @@ QUIET = {
 }
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the xdist_group marks set here
+# Files that build sims or run the playbooks (fixed namespace names and subnets): `make test`'s
+# pytest-xdist workers run them all on one worker, one after another. The sim and provision
+# tiers, and the process files with a test marked sim (test_tiers checks that none is missing).
+SIM_FILES = set(TIERS["sim"]) | set(TIERS["provision"]) | {"test_comm_bench.py", "test_setup.py"}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup's job, keyed by file: pytest-xdist 3.8 groups by rewriting an item's
+    `_nodeid`, which pytest 9 no longer reads (every test then runs wherever), so the scheduler
+    is told the sim files itself: one scope for all of them, one per test for the rest."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SimFilesOnOneWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "sim" if Path(nodeid.split("::", 1)[0]).name in SIM_FILES else nodeid
+
+    return SimFilesOnOneWorker(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if not any(item.get_closest_marker(t) for t in TIER_NAMES):
@@ -159,9 +177,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, tier))
         if Path(str(item.fspath)).name in QUIET:
             item.add_marker(pytest.mark.quiet)
-        if item.get_closest_marker("sim") or item.get_closest_marker("provision"):
-            # fixed network-namespace names: under pytest-xdist (-n 2 --dist loadgroup) one worker runs them all
-            item.add_marker(pytest.mark.xdist_group("sim"))
 
 
 @pytest.fixture(scope="session", autouse=True)
