@@ -46,6 +46,31 @@ def test_a_wait_a_rank_timed_apart_is_neither_its_compute_nor_its_communication(
         assert r["compute_s"] + r["comm_s"] + r["wait_s"] == pytest.approx(8.0)
 
 
+def test_pipeline_stages_update_side_by_side_not_in_series():
+    """mp, 4 stages of 0.02 s compute each, 0.005 s of it the stage's own optimizer update (timed
+    apart). Forward and backward run in series (0.06 s); each stage updates once its own
+    backward is done, while the stages before it still run theirs, so only the first stage's
+    update (0.005 s) follows the chain: 0.065 s of compute critical path, not the 0.08 s of the
+    four computes in series, which left no communication to any rank of a 0.07 s step (the
+    demo's run-mp.json: comm 0.00 on every rank in 15 of 18 steps)."""
+    from smoltrain.planner.timing import pipeline
+
+    assert pipeline([0.02] * 4, [0.0] * 3, [0.0] * 3, 1, True, [0.005] * 4)[0] == pytest.approx(0.065)
+    assert pipeline([0.02] * 4, [0.0] * 3, [0.0] * 3, 1, True)[0] == pytest.approx(0.08)  # no updates apart
+    # a last stage whose update outlasts the backward still to run before it: it ends the step
+    # (0.06 s of work; stage 3's last backward ends 3 x 0.01 s before stage 0's, then 0.05 s of update)
+    assert pipeline([0.02, 0.02, 0.02, 0.065], [0.0] * 3, [0.0] * 3, 1, True, [0.005] * 3 + [0.05])[0] == (
+        pytest.approx(0.06 + 0.05 - 0.03)
+    )
+    parts = {r: (0.07, 0.05, 0.0, 0.005) for r in range(4)}
+    rows = rank_timings(parts, 0.07, stages_m=1)
+    assert [r["compute_s"] for r in rows] == pytest.approx([0.02] * 4)
+    assert [r["comm_s"] for r in rows] == pytest.approx([0.005] * 4)
+    assert [r["own_update_s"] for r in rows] == [0.005] * 4
+    before = rank_timings({r: v[:3] for r, v in parts.items()}, 0.07, stages_m=1)  # updates not apart
+    assert [r["comm_s"] for r in before] == pytest.approx([0.0] * 4)
+
+
 def test_pipeline_stages_charge_communication_beyond_their_schedule():
     """mp, 3 stages computing 0.1, 0.2 and 0.3 s one after another in a 0.7 s step: 0.1 s is
     communication. Every stage also waited inside its receives (the last one for 0.3 s of
@@ -104,7 +129,9 @@ def test_run_records_per_rank_timings_that_add_up(tmp_path, strategy):
         assert max(r["own_comm_s"] for r in s["ranks"]) == pytest.approx(s["comm_s"], rel=1e-6)
         computes = [r["compute_s"] for r in s["ranks"]]
         if strategy == "pp":  # stages: each one's own step beyond their compute on the schedule
-            critical, _ = pipeline(computes, [0.0], [0.0], m, True)
+            updates = [r["own_update_s"] for r in s["ranks"]]  # each stage times its update apart
+            assert all(0 < u < c for u, c in zip(updates, computes)), updates
+            critical, _ = pipeline(computes, [0.0], [0.0], m, True, updates)
         else:  # side by side: beyond the slowest rank's compute
             critical = max(computes)
         for r in s["ranks"]:

@@ -131,7 +131,8 @@ def layers(s: Setting) -> StepTime:
     if burst:
         stage = cpu_quota.quota_stages(stage, s.update_s, hop_f, hop_b, [rk.cpu_quota for rk in s.ranks])
         reshaped = stage
-    compute_s, comm_s = timing.pipeline(stage, hop_f, hop_b, s.microbatches, True)
+    # a quota-held stage's reshaped time already holds its update where the bursts put it
+    compute_s, comm_s = timing.pipeline(stage, hop_f, hop_b, s.microbatches, True, None if burst else s.update_s)
     # the boundary hops are in the schedule; add what else crosses (tied embeddings)
     hops = {i for i, ph in enumerate(s.tr.phases) if not ph.what.startswith("tied")}
     comm_s += timing.comm_cost(s.tr, s.names, s.lm, skip=hops).total_s

@@ -136,12 +136,27 @@ def link_seconds(tr: Traffic, names: list[str], lm: LinkModel) -> dict[tuple[int
     return out
 
 
-def pipeline(stage_s: list[float], hop_f: list[float], hop_b: list[float], m: int, train: bool) -> tuple[float, float]:
+def pipeline(
+    stage_s: list[float],
+    hop_f: list[float],
+    hop_b: list[float],
+    m: int,
+    train: bool,
+    update_s: list[float] | None = None,
+) -> tuple[float, float]:
     """GPipe step: returns (compute seconds on the critical path, communication seconds).
 
     Forward: the first microbatch crosses every stage and hop; the other m-1 follow one slot
     behind, a slot being the slowest stage or hop. Backward likewise with 2/3 of the compute.
+    update_s: of each stage's compute, its optimizer update. A stage updates once its own last
+    backward is done, while the stages before it still run theirs, so the updates are not in
+    series: the step ends when the latest of them does (the first stage's at the least).
+    Without it, each stage's whole compute is laid out as forward and backward.
     """
+    if update_s is not None:
+        work = [max(0.0, s - u) for s, u in zip(stage_s, update_s)]
+        comp, comm = pipeline(work, hop_f, hop_b, m, train)
+        return comp + (update_tail(work, update_s, hop_b, m) if train else 0.0), comm
     if train:
         tf = [s / 3 / m for s in stage_s]
         tb = [2 * s / 3 / m for s in stage_s]
@@ -153,3 +168,14 @@ def pipeline(stage_s: list[float], hop_f: list[float], hop_b: list[float], m: in
         comp += sum(tb) + (m - 1) * max(tb)
         total += sum(tb) + sum(hop_b) + (m - 1) * max(tb + hop_b)
     return comp, total - comp
+
+
+def update_tail(work_s: list[float], update_s: list[float], hop_b: list[float], m: int) -> float:
+    """Seconds the stages' updates add after the first stage's last backward: stage r's last
+    backward ends earlier by the backward of the last microbatch through the stages (and hops)
+    before it, and its update runs from there."""
+    tail, lead = 0.0, 0.0
+    for r, u in enumerate(update_s):
+        tail = max(tail, u - lead)
+        lead += 2 * work_s[r] / 3 / m + (hop_b[r] if r < len(hop_b) else 0.0)
+    return tail

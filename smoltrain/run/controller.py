@@ -150,7 +150,7 @@ class Controller:
             rec = self.steps.setdefault(msg["step"], {"parts": {}, "step_s": 0.0, "comm_s": 0.0})
             rec["step_s"] = max(rec["step_s"], msg["step_s"])
             rec["comm_s"] = max(rec["comm_s"], msg["comm_s"])
-            own = (msg["step_s"], msg["comm_s"]) + ((msg["wait_s"],) if msg.get("wait_s") else ())
+            own = (msg["step_s"], msg["comm_s"], msg.get("wait_s") or 0.0, msg.get("update_s") or 0.0)
             rec.setdefault("by", {})[who] = own  # per-rank timings (run/timings.py)
             if msg.get("loss_tokens") is not None:
                 rec["loss_tokens"] = msg["loss_tokens"]

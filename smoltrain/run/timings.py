@@ -10,8 +10,10 @@ tells the two apart. A rank's compute is what is left of its own step:
 Communication is each rank's own: the time it spent in communication calls less the time
 it waited there for its peers' compute. With R the step's compute critical path (ranks side by
 side: the slowest rank's compute; pipeline stages (mp, pp): their measured compute laid out on
-the schedule with free hops, `planner.timing.pipeline`), a rank whose own step ended at
-`own` moved bytes for what its step holds beyond R:
+the schedule with free hops, each stage's optimizer update (which it times apart) run as soon
+as its own last backward ends, in parallel with the stages before it: `planner.timing.pipeline`,
+the plan's own schedule), a rank whose own step ended at `own` moved bytes for what its step
+holds beyond R:
 
     comm_s = own - R, within 0 .. its own communication time
 
@@ -39,25 +41,28 @@ from __future__ import annotations
 
 def rank_timings(parts: dict[int, tuple], step_s: float, stages_m: int | None = None) -> list[dict]:
     """parts: rank -> (its step seconds, its seconds in communication[, its seconds waiting
-    outside communication]). stages_m: the number of microbatches when the ranks are pipeline
-    stages in rank order (1 for mp), else None."""
+    outside communication[, of its compute, its optimizer update]]). stages_m: the number of
+    microbatches when the ranks are pipeline stages in rank order (1 for mp), else None."""
     if not parts:
         return []
-    parts = {r: (float(v[0]), float(v[1]), float(v[2]) if len(v) > 2 else 0.0) for r, v in parts.items()}
-    compute = {r: max(0.0, own - own_comm - own_wait) for r, (own, own_comm, own_wait) in parts.items()}
+    parts = {r: tuple(float(v[i]) if len(v) > i else 0.0 for i in range(4)) for r, v in parts.items()}
+    compute = {r: max(0.0, own - own_comm - own_wait) for r, (own, own_comm, own_wait, _) in parts.items()}
     if stages_m and len(parts) > 1:
         from smoltrain.planner.timing import pipeline
 
-        stages = [compute[r] for r in sorted(compute)]
-        critical, _ = pipeline(stages, [0.0] * (len(stages) - 1), [0.0] * (len(stages) - 1), stages_m, True)
+        order = sorted(compute)
+        stages, updates = [compute[r] for r in order], [min(parts[r][3], compute[r]) for r in order]
+        free = [0.0] * (len(stages) - 1)
+        critical, _ = pipeline(stages, free, free, stages_m, True, updates)
     else:
         critical = max(compute.values())
     out = []
     for rank in sorted(parts):
-        own, own_comm, own_wait = parts[rank]
+        own, own_comm, own_wait, own_update = parts[rank]
         beyond = own_comm if own_wait else max(0.0, own - critical)  # its calls' time not spent waiting
         c = min(own_comm, beyond, max(0.0, step_s - compute[rank]))
         row = {"rank": rank, "compute_s": compute[rank], "comm_s": c, "wait_s": max(0.0, step_s - compute[rank] - c)}
         raw = dict(own_step_s=own, own_comm_s=own_comm) | (dict(own_wait_s=own_wait) if own_wait else {})
+        raw |= dict(own_update_s=own_update) if own_update else {}
         out.append(row | raw)  # the rank's raw figures, to re-derive these
     return out

@@ -35,10 +35,12 @@ class Reporter:
         except (OSError, TimeoutError) as e:
             raise ConnectionError(f"lost the controller: {e}") from None
 
-    def step(self, step, loss, step_s, comm_s, sent, weight=None, loss_tokens=None, wait_s=0.0):
+    def step(self, step, loss, step_s, comm_s, sent, weight=None, loss_tokens=None, wait_s=0.0, update_s=0.0):
         msg = {"type": "step", "step": step, "loss": loss, "step_s": step_s, "comm_s": comm_s, "sent": sent}
         if wait_s:  # waited for peers outside communication calls (diloco's roster sync): not compute
             msg["wait_s"] = wait_s
+        if update_s:  # a pipeline stage's optimizer update, part of its compute (run/timings.py)
+            msg["update_s"] = update_s
         if loss_tokens is not None:  # targets of the global batch that carry loss (the same on every rank)
             msg["loss_tokens"] = loss_tokens
         if weight is not None:  # the share of the batch this loss stands for (elastic: members change)
@@ -213,6 +215,7 @@ def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, co
         name=name,
         comm_timer=Stopwatch(),
         wait_timer=Stopwatch(),
+        update_timer=Stopwatch(),
         device=device,
         secret=secret,
         server_state=server_state,
@@ -243,7 +246,8 @@ def train(cfg: RunConfig, rank: int, name: str, secret: bytes, rep: Reporter, co
             sent = strat.sent_bytes()
             loss_tokens = batches.loss_tokens(step) if strat.loss_owner else None
             loss = loss if strat.loss_owner else None
-            rep.step(step, loss, step_s, comm_s, sent, strat.weight, loss_tokens, ctx.wait_timer.take())
+            waited, updated = ctx.wait_timer.take(), ctx.update_timer.take()
+            rep.step(step, loss, step_s, comm_s, sent, strat.weight, loss_tokens, waited, updated)
             if eval_due(cfg, step):
                 held_out(strat, batches, comm, ctx.comm_timer, rep, step, device)
             if not ps and checkpoint_due(cfg, step + 1):

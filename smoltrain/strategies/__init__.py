@@ -37,6 +37,7 @@ class Context:
     name: str = ""  # this rank's host name in the report
     comm_timer: object = None  # Stopwatch for communication a strategy does outside `comm`
     wait_timer: object = None  # Stopwatch for waiting on peers outside any call (diloco's roster sync)
+    update_timer: object = None  # Stopwatch for a pipeline stage's own optimizer update (run/timings.py)
     secret: bytes = b""  # the parameter-server strategies open their own connections
     server_state: dict | None = None  # parameter server: tensors to resume from
     server_saver: object = None  # parameter server: callback(step, server) that checkpoints

@@ -19,6 +19,8 @@ strategy transfer, so not counted).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 
@@ -62,9 +64,10 @@ class StageStrategy(Strategy):
 
             sum_partial_grads(self.stage, self.ctx.tp.comm)
         self.ctx.sync_replicas(self.params)  # a mesh's dp axis: sum over the replicas
-        self.opt.step([p.grad for p in self.params])
-        for p in self.params:
-            p.grad = None
+        with self.ctx.update_timer or contextlib.nullcontext():  # stages update in parallel: timed apart
+            self.opt.step([p.grad for p in self.params])
+            for p in self.params:
+                p.grad = None
 
     def eval_loss(self, x, y) -> float | None:
         """The held-out batch down the chain of stages, forward only; the last stage answers
