@@ -61,6 +61,7 @@ class Agent:
         self.sinks = throughput.SinkRegistry()
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.stopping = threading.Event()
+        self.life = threading.RLock()  # serve_forever's setup and stop() one at a time
         self.listener: AuthListener | None = None
         self.started = time.time()
         self.ops: dict[str, int] = {}
@@ -77,22 +78,26 @@ class Agent:
             raise
         self.port = self.tcp.getsockname()[1]
         self.tcp.listen(128)
+        self.udp.settimeout(0.5)  # the UDP loop polls `stopping`
 
     # -- lifecycle ---------------------------------------------------------------------
     def serve_forever(self) -> None:
         """Handshakes run concurrently in AuthListener (strangers capped and evicted); at most
         MAX_CONNECTIONS authenticated requests at once, the rest are told the agent is busy."""
-        threading.Thread(target=self._udp_loop, name="udp", daemon=True).start()
-        self.listener = AuthListener(
-            self.tcp,
-            self.secret,
-            self._authenticated,
-            name="agent",
-            preauth_timeout=min(self.handshake_timeout, PREAUTH_TIMEOUT),
-            stats=self.stats,
-            with_key=True,
-        )
-        self.listener.start()
+        with self.life:  # a stop() that came first leaves nothing to serve (its sockets are closed)
+            if self.stopping.is_set():
+                return
+            threading.Thread(target=self._udp_loop, name="udp", daemon=True).start()
+            self.listener = AuthListener(
+                self.tcp,
+                self.secret,
+                self._authenticated,
+                name="agent",
+                preauth_timeout=min(self.handshake_timeout, PREAUTH_TIMEOUT),
+                stats=self.stats,
+                with_key=True,
+            )
+            self.listener.start()
         while not self.stopping.wait(0.2 if self.lease else None):
             if self.lease and time.monotonic() - self.renewed > self.lease:
                 log.warning("lease of %gs lapsed without word from a controller: stopping", self.lease)
@@ -114,20 +119,20 @@ class Agent:
         return t
 
     def stop(self) -> None:
-        self.stopping.set()
-        if self.listener is not None:
-            self.listener.close()
-        for s in (self.tcp, self.udp):
-            try:
-                s.close()
-            except OSError:
-                pass
+        with self.life:
+            self.stopping.set()
+            if self.listener is not None:
+                self.listener.close()
+            for s in (self.tcp, self.udp):
+                try:
+                    s.close()
+                except OSError:
+                    pass
 
     # -- UDP: MTU probe acks -----------------------------------------------------------
     def _udp_loop(self) -> None:
         buf = bytearray(65536)
         view = memoryview(buf)
-        self.udp.settimeout(0.5)
         while not self.stopping.is_set():
             try:
                 n, peer = self.udp.recvfrom_into(view)

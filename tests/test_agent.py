@@ -295,3 +295,20 @@ def test_agent_command_refuses_short_secret_on_stdin():
         timeout=30,
     )
     assert p.returncode == 2 and b"shorter than" in p.stderr
+
+
+def test_an_agent_stopped_as_it_starts_stops_cleanly(monkeypatch):
+    """stop() right after start_background(): the serving thread must find the agent stopped,
+    not its sockets closed under it (CI saw `Bad file descriptor` raised in the agent's threads)."""
+    import threading
+
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(f"{args.thread.name}: {args.exc_value!r}"))
+    for _ in range(40):
+        a = Agent("127.0.0.21", 0, SECRET, handshake_timeout=1.0, request_timeout=1.0)
+        t = a.start_background()
+        a.stop()
+        t.join(5)
+        assert not t.is_alive()
+    time.sleep(0.6)  # the UDP thread's poll: 0.5 s
+    assert raised == []
