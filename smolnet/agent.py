@@ -124,6 +124,10 @@ class Agent:
             if self.listener is not None:
                 self.listener.close()
             for s in (self.tcp, self.udp):
+                try:  # wakes the UDP loop out of recvfrom: a bare close keeps the port bound until
+                    s.shutdown(socket.SHUT_RDWR)  # its poll ends, and an agent started at once on it fails
+                except OSError:  # (unconnected UDP says ENOTCONN, and wakes its reader all the same)
+                    pass
                 try:
                     s.close()
                 except OSError:

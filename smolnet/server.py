@@ -82,6 +82,7 @@ class AuthListener:
         for k in ("accepted", "authenticated", "rejected", "timed_out", "evicted", "busy"):
             self.stats.setdefault(k, 0)
         self.port = listener.getsockname()[1]
+        listener.settimeout(0.5)  # here, not in the thread: a close() right after start() must not race it
         self.thread = threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True)
 
     @classmethod
@@ -153,7 +154,6 @@ class AuthListener:
             return False  # evicted meanwhile
 
     def _accept_loop(self) -> None:
-        self.listener.settimeout(0.5)
         while not self.stopping.is_set():
             try:
                 sock, peer = self.listener.accept()
