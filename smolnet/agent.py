@@ -24,7 +24,7 @@ import time
 from smolnet import agent_client as control
 from smolnet import facts, wire
 from smolnet.probes import iperf, pmtu, rtt, throughput
-from smolnet.server import PREAUTH_TIMEOUT, AuthListener
+from smolnet.server import PREAUTH_TIMEOUT, AuthListener, shut
 
 log = logging.getLogger("smolnet.agent")
 
@@ -123,15 +123,8 @@ class Agent:
             self.stopping.set()
             if self.listener is not None:
                 self.listener.close()
-            for s in (self.tcp, self.udp):
-                try:  # wakes the UDP loop out of recvfrom: a bare close keeps the port bound until
-                    s.shutdown(socket.SHUT_RDWR)  # its poll ends, and an agent started at once on it fails
-                except OSError:  # (unconnected UDP says ENOTCONN, and wakes its reader all the same)
-                    pass
-                try:
-                    s.close()
-                except OSError:
-                    pass
+            for s in (self.tcp, self.udp):  # the UDP loop woken: an agent started at once finds the port free
+                shut(s, close=True)
 
     # -- UDP: MTU probe acks -----------------------------------------------------------
     def _udp_loop(self) -> None:

@@ -99,17 +99,12 @@ class AuthListener:
 
     def close(self) -> None:
         self.stopping.set()
-        try:  # shutdown first: a bare close leaves the socket listening while the accept thread polls it
-            self.listener.shutdown(socket.SHUT_RDWR)  # (up to 0.5 s), and a group rebuilt on this port
-        except OSError:  # at once would have its first connections taken and reset here
-            pass
-        try:
-            self.listener.close()
-        except OSError:
-            pass
+        # a bare close leaves the socket listening while the accept thread polls it (up to 0.5 s), and
+        # a group rebuilt on this port at once would have its first connections taken and reset here
+        shut(self.listener, close=True)
         with self.lock:
             for p in self.pending:
-                _shut(p.sock)
+                shut(p.sock)
 
     # -- admission ---------------------------------------------------------------------
     def _admit(self, sock: socket.socket, source: str) -> _Pending | None:
@@ -233,14 +228,22 @@ def _evict(sock: socket.socket) -> None:
         sock.send(wire.BUSY_PROOF, socket.MSG_DONTWAIT)
     except OSError:
         pass
-    _shut(sock)
+    shut(sock)
 
 
-def _shut(sock: socket.socket) -> None:
+def shut(sock: socket.socket, close: bool = False) -> None:
+    """Shut a socket down, then close it if asked; errors mean it is gone already. The shutdown
+    wakes a thread blocked on it (recv, recvfrom, accept): a bare close leaves that thread blocked
+    and the port bound, or a listener accepting, until its call returns."""
     try:
         sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
+    except OSError:  # unconnected UDP says ENOTCONN, and wakes its reader all the same
         pass
+    if close:
+        try:
+            sock.close()
+        except OSError:
+            pass
 
 
 def _say_busy(sock: socket.socket) -> None:

@@ -40,6 +40,7 @@ import socket
 import torch
 
 from smolnet import wire
+from smolnet.server import shut
 from smoltrain.comm import rendezvous as rdv
 from smoltrain.comm import ring
 from smoltrain.comm.base import ByteCounter, Comm, CommError
@@ -181,11 +182,7 @@ class SocketComm(Comm):
 
     def _drop_links(self) -> None:
         for s in self._socks.values():
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
+            shut(s, close=True)
 
     # -------------------------------------------------------------- the engine
     def _chunks(self, n: int, elem: int) -> list[tuple[int, int]]:

@@ -26,6 +26,8 @@ import threading
 import time
 from http.server import ThreadingHTTPServer
 
+from smolnet.server import shut
+
 BACKLOG = 1024
 _BODY = b'{"error": {"message": "too many connections; retry later", "type": "server_error", "code": 503}}'
 SHED = (
@@ -124,9 +126,4 @@ def _refuse(sock: socket.socket, close: bool = True) -> None:
         sock.send(SHED)
     except OSError:
         pass
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    if close:
-        sock.close()
+    shut(sock, close)

@@ -20,7 +20,7 @@ import threading
 import time
 
 from smolnet import wire
-from smolnet.server import AuthListener
+from smolnet.server import AuthListener, shut
 from smoltrain.run.config import ConfigError, RunConfig
 
 MSG = 1  # every control frame: a JSON header; only the config frame has a payload (the corpus)
@@ -141,10 +141,7 @@ class ControlServer:
         self.closing = True
         self.listener.close()
         for p in list(self.peers.values()):
-            try:
-                p.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            shut(p.sock)
 
 
 class ControlClient:
