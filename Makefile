@@ -30,7 +30,7 @@ system-deps:
 	@bash scripts/system-deps.sh
 
 # Two workers: every sim and provision file on one (fixed namespace names; SIM_FILES in tests/conftest.py),
-# the rest spread over both; then the tests that hold measured rates to a truth, alone (QUIET in
+# the other files spread over both, each on one worker; then the tests that hold measured rates to a truth, alone (QUIET in
 # tests/conftest.py). Both phases always run; either failing fails the target.
 test: system-deps setup
 	@rc=0; \

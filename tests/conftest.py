@@ -156,14 +156,16 @@ SIM_FILES = set(TIERS["sim"]) | set(TIERS["provision"]) | {"test_comm_bench.py",
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """--dist loadgroup's job, keyed by file: pytest-xdist 3.8 groups by rewriting an item's
-    `_nodeid`, which pytest 9 no longer reads (every test then runs wherever), so the scheduler
-    is told the sim files itself: one scope for all of them, one per test for the rest."""
+    """A file's tests run on one worker, in order (module fixtures are built once, and a test may
+    read what the ones before it left, e.g. test_infer_serve's metrics), and the sim files all on
+    the same worker: one scope for all of them, one per file for the rest. (pytest-xdist 3.8's
+    `--dist loadgroup` groups by rewriting an item's `_nodeid`, which pytest 9 no longer reads.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     class SimFilesOnOneWorker(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "sim" if Path(nodeid.split("::", 1)[0]).name in SIM_FILES else nodeid
+            path = nodeid.split("::", 1)[0]
+            return "sim" if Path(path).name in SIM_FILES else path
 
     return SimFilesOnOneWorker(config, log)
 

@@ -12,6 +12,7 @@ can say what a decode step costs per token.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -37,6 +38,9 @@ class Engine:
         wire = wire or {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[stage.dtype]
         self.codec = Codec(wire, stage.cfg.hidden, stage.dtype, stage.device)
         self.samplers: dict[int, Sampler] = {}
+        # held while a step runs and its counters change: a `stats` request (another thread) waits
+        # for it, so a rank whose last step of a request is still counting is not read half-way
+        self.stepping = threading.RLock()
         self.counters = {
             "prefill_bytes": 0,
             "decode_bytes": 0,
@@ -61,18 +65,24 @@ class Engine:
         """Run fn, charging what it sent (and, for decode, its CPU and wall time, and of them
         its messages') to this kind of step; `step` False: a part of a step counted already
         (a pp rank's receive before its stage runs)."""
-        b0, c0, w0 = self.sent(), time.process_time(), time.perf_counter()
-        m0 = self.comm.mark() if self.comm is not None else (0.0, 0.0, 0)
-        out = fn()
-        name = {PREFILL: "prefill", DECODE: "decode"}.get(kind, "idle")
-        self.counters[f"{name}_bytes"] += self.sent() - b0
-        if kind == DECODE:
-            self.charge(time.process_time() - c0, time.perf_counter() - w0, m0, wait)
-            self.counters["decode_steps"] += step
-            self.counters["decode_rows"] += rows if step else 0
-        elif kind == PREFILL:
-            self.counters["prefill_steps"] += step
-        return out
+        with self.stepping:
+            b0, c0, w0 = self.sent(), time.process_time(), time.perf_counter()
+            m0 = self.comm.mark() if self.comm is not None else (0.0, 0.0, 0)
+            out = fn()
+            name = {PREFILL: "prefill", DECODE: "decode"}.get(kind, "idle")
+            self.counters[f"{name}_bytes"] += self.sent() - b0
+            if kind == DECODE:
+                self.charge(time.process_time() - c0, time.perf_counter() - w0, m0, wait)
+                self.counters["decode_steps"] += step
+                self.counters["decode_rows"] += rows if step else 0
+            elif kind == PREFILL:
+                self.counters["prefill_steps"] += step
+            return out
+
+    def snapshot(self) -> tuple[dict, dict]:
+        """(counters, bytes sent per peer) between steps: what `stats` reports."""
+        with self.stepping:
+            return dict(self.counters), (self.comm.bytes_sent() if self.comm is not None else {})
 
     def charge(self, cpu: float, wall: float, m0: tuple, wait: bool = False) -> None:
         """Add a stretch of decode work (its CPU and wall seconds, and the comm's marks at its

@@ -77,18 +77,19 @@ class MeshEngine(Engine):
             if door:
                 self.pp.recv(h, s - 1)
             self.tp.broadcast(h, 0)
-            kind, mask, T, rid = h.tolist()
-            self.slots = slots = slots_of(mask)
-            if kind in (IDLE, QUIT):
-                if door and not self.last:
-                    self.pp.send(h, s + 1)
-                self.counters["idle_bytes"] += self.sent() - b0
-                if kind == QUIT:
-                    return
-                continue
-            self.counters["decode_bytes" if kind == DECODE else "prefill_bytes"] += self.sent() - b0
-            req = admissions.take(rid) if kind == PREFILL else None
-            self.counted(kind, len(slots), lambda h=h, k=kind, T=T, r=req: self._step(h, k, T, r))
+            with self.stepping:  # the step's counters whole before a stats request reads them
+                kind, mask, T, rid = h.tolist()
+                self.slots = slots = slots_of(mask)
+                if kind in (IDLE, QUIT):
+                    if door and not self.last:
+                        self.pp.send(h, s + 1)
+                    self.counters["idle_bytes"] += self.sent() - b0
+                    if kind == QUIT:
+                        return
+                    continue
+                self.counters["decode_bytes" if kind == DECODE else "prefill_bytes"] += self.sent() - b0
+                req = admissions.take(rid) if kind == PREFILL else None
+                self.counted(kind, len(slots), lambda h=h, k=kind, T=T, r=req: self._step(h, k, T, r))
 
     def _step(self, h, kind: int, T: int, req) -> None:
         slots = self.slots

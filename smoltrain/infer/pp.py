@@ -52,32 +52,33 @@ class PipelineEngine(Engine):
             h = self.empty_header()
             c0, w0, m0 = time.process_time(), time.perf_counter(), self.comm.mark()
             self.comm.recv(h, r - 1)  # the wait for the step's header, charged once its kind is known
-            kind, mask, T, rid = h.tolist()
-            if kind == DECODE:
-                self.charge(time.process_time() - c0, time.perf_counter() - w0, m0, wait=True)
-            slots = slots_of(mask)
-            if kind in (IDLE, QUIT):
-                if not last:
-                    self.counted(kind, 0, lambda h=h: self.comm.send(h, r + 1))
-                if kind == QUIT:
-                    return
-                continue
-            if kind == PREFILL:
-                req = admissions.take(rid)
-                if last:
-                    self.open(slots[0], req)
-                else:
-                    self.stage.open(slots[0], len(req.prompt_ids) + req.max_new_tokens)
-            T = T if kind == PREFILL else 1
-            buf = self.codec.buffer(len(slots) * T)
+            with self.stepping:  # the step's counters whole before a stats request reads them
+                kind, mask, T, rid = h.tolist()
+                if kind == DECODE:
+                    self.charge(time.process_time() - c0, time.perf_counter() - w0, m0, wait=True)
+                slots = slots_of(mask)
+                if kind in (IDLE, QUIT):
+                    if not last:
+                        self.counted(kind, 0, lambda h=h: self.comm.send(h, r + 1))
+                    if kind == QUIT:
+                        return
+                    continue
+                if kind == PREFILL:
+                    req = admissions.take(rid)
+                    if last:
+                        self.open(slots[0], req)
+                    else:
+                        self.stage.open(slots[0], len(req.prompt_ids) + req.max_new_tokens)
+                T = T if kind == PREFILL else 1
+                buf = self.codec.buffer(len(slots) * T)
 
-            def run(h=h, buf=buf, slots=slots, T=T):
-                self.comm.recv(buf, r - 1)
-                out = self.stage(self.codec.decode(buf).reshape(len(slots), T, -1), slots)
-                if last:
-                    self.comm.send(torch.tensor(self.sample(slots, out), dtype=torch.int64), 0)
-                else:
-                    self.comm.send(h, r + 1)
-                    self.comm.send(self.codec.encode(out), r + 1)
+                def run(h=h, buf=buf, slots=slots, T=T):
+                    self.comm.recv(buf, r - 1)
+                    out = self.stage(self.codec.decode(buf).reshape(len(slots), T, -1), slots)
+                    if last:
+                        self.comm.send(torch.tensor(self.sample(slots, out), dtype=torch.int64), 0)
+                    else:
+                        self.comm.send(h, r + 1)
+                        self.comm.send(self.codec.encode(out), r + 1)
 
-            self.counted(kind, len(slots), run)
+                self.counted(kind, len(slots), run)

@@ -48,17 +48,18 @@ class TensorParallelEngine(Engine):
             h = self.empty_header()
             b0 = self.sent()
             self.comm.broadcast(h, 0)
-            kind, mask, _, rid = h.tolist()
-            slots = slots_of(mask)
-            if kind in (IDLE, QUIT):
-                self.counters["idle_bytes"] += self.sent() - b0
-                if kind == QUIT:
-                    return
-                continue
-            self.counters["decode_bytes" if kind == DECODE else "prefill_bytes"] += self.sent() - b0
-            if kind == PREFILL:
-                req = admissions.take(rid)
-                self.counted(kind, 1, lambda s=slots, r=req: self._step(PREFILL, s, [r.prompt_ids], r))
-            else:
-                ids = [[self.last[s]] for s in slots]
-                self.counted(kind, len(slots), lambda s=slots, i=ids: self._step(DECODE, s, i))
+            with self.stepping:  # the step's counters whole before a stats request reads them
+                kind, mask, _, rid = h.tolist()
+                slots = slots_of(mask)
+                if kind in (IDLE, QUIT):
+                    self.counters["idle_bytes"] += self.sent() - b0
+                    if kind == QUIT:
+                        return
+                    continue
+                self.counters["decode_bytes" if kind == DECODE else "prefill_bytes"] += self.sent() - b0
+                if kind == PREFILL:
+                    req = admissions.take(rid)
+                    self.counted(kind, 1, lambda s=slots, r=req: self._step(PREFILL, s, [r.prompt_ids], r))
+                else:
+                    ids = [[self.last[s]] for s in slots]
+                    self.counted(kind, len(slots), lambda s=slots, i=ids: self._step(DECODE, s, i))

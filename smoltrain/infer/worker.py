@@ -141,8 +141,8 @@ def serve(ctl: Control, rank: int, secret: bytes) -> None:
             elif kind == "cancel" and batcher:
                 batcher.cancel(int(msg["rid"]))
             elif kind == "stats":
-                links = sorted((comm.bytes_sent() if comm else {}).items())
-                ctl.send({"type": "stats", "stats": dict(engine.counters), "links": links, "machine": machine})
+                counters, sent = engine.snapshot()  # between steps: a step still counting is waited for
+                ctl.send({"type": "stats", "stats": counters, "links": sorted(sent.items()), "machine": machine})
             elif kind == "quit":
                 if batcher:
                     batcher.stop()
