@@ -221,54 +221,28 @@ def test_the_optimizer_is_paid_once_per_step_not_per_microbatch(tmp_path):
     assert dp1["compute_s_per_rank"] == pytest.approx(dp0["compute_s_per_rank"])  # one pass, owns it all
 
 
-def test_a_quota_host_runs_a_burst_after_idling_on_its_saved_quota():
-    """Hand-computed: a 2.5 ms / 10 ms cap runs 8 ms of paced work in 2 ms (one quota at
-    full speed) and 30 ms in 22.5 (a quota, then the pace)."""
-    q = (2.5e-3, 10e-3)
-    assert cpu_quota.quota_seconds(8e-3, q) == pytest.approx(2e-3)
-    assert cpu_quota.quota_seconds(30e-3, q) == pytest.approx(22.5e-3)
-    assert cpu_quota.quota_seconds(30e-3, None) == 30e-3
-    # three stages, 1 ms hops: the first and last stages work one stretch per step, the middle two
-    ms = 1e-3
-    got = cpu_quota.quota_stages([30 * ms, 40 * ms, 50 * ms], [0, 3 * ms, 0], [ms, ms], [ms, ms], [q, q, None])
-    fwd1 = (40 - 3) / 3 * ms
-    assert got == pytest.approx([22.5 * ms, (fwd1 - 7.5 * ms) + (40 * ms - fwd1 - 7.5 * ms), 50 * ms])
-    # stages that never idle a whole period keep the cap's pace
-    assert cpu_quota.quota_stages([5 * ms, 5 * ms], [0, 0], [0], [0], [(2.5e-3, 50e-3)] * 2) == [5 * ms, 5 * ms]
-
-
-def test_a_one_microbatch_pipeline_on_quota_hosts_is_planned_in_bursts(tmp_path):
-    """mp on two hosts capped at 0.25 cores in 10 ms periods: each stage is one stretch per
-    step, a period's quota faster than its pace; dp (busy all step) and pp with 4
-    microbatches keep the pace, as does a report without the period."""
+def test_a_chain_on_quota_hosts_is_planned_on_their_periods(tmp_path):
+    """mp on two hosts capped at half a core. A stage's compute at the cap's pace is twice its
+    CPU at full speed; with 100 ms periods the stages' CPU per period stays under the 50 ms
+    quota, so they run at full speed (half the pace's figure; cfs.py); with 0.2 ms periods
+    every burst outlasts its quota and the pace holds. dp (lockstep) keeps the pace either
+    way, and a report without the period plans mp as before (stages at the pace, in series)."""
     model = get_model("tiny")
 
     def plans(period):
-        hosts = [dict(_host(n, 0.02, 1e-4, machine=n, cap=0.25), cpu_period_s=period) for n in ("a", "b")]
+        hosts = [dict(_host(n, 0.01, 1e-5, machine=n, cap=0.5), cpu_period_s=period) for n in ("a", "b")]
         ranks, _ = measured.apply(resolve_ranks(2, [H("a"), H("b")]), [H("a"), H("b")], _report(tmp_path, hosts), model)
         kw = dict(ranks=ranks, lm=from_class("1gbe"), single=False)
-        return [make_plan(s, model, 2, microbatches=m, **kw) for s, m in (("mp", 1), ("dp", 1), ("pp", 4))]
+        return [make_plan(s, model, 2, **kw) for s in ("mp", "dp")]
 
-    (mp0, dp0, pp0), (mp1, dp1, pp1) = plans(None), plans(10e-3)
-    assert mp1["compute_s_per_rank"] == pytest.approx([t - 7.5e-3 for t in mp0["compute_s_per_rank"]])
-    assert mp1["step_s"] == pytest.approx(mp0["step_s"] - 15e-3)  # no comm CPU measured: the same hops
-    assert dp1["step_s"] == pytest.approx(dp0["step_s"]) and pp1["step_s"] == pytest.approx(pp0["step_s"])
-
-
-def test_a_pipeline_hop_from_an_idle_quota_host_pays_its_cpu_as_a_burst():
-    """0.2 MB from a 0.25-core host (1 ms per message, 100 MB/s of CPU at its pace): the
-    wire's time plus (1 + 2) ms x 2.5/10, not the pace's 3 ms on top."""
-    from smoltrain.planner.devices import get_device
-    from smoltrain.planner.ranks import Rank
-
-    wire = from_class("1gbe").get("a", "b")
-    held = Rank(
-        "a", get_device("generic"), 1e9, comm_cpu={"message_s": 1e-3, "bytes_s": 100e6}, cpu_quota=(2.5e-3, 10e-3)
-    )
-    free = Rank("b", get_device("generic"), 1e9, comm_cpu={"message_s": 1e-4, "bytes_s": 900e6})
-    got = cpu_quota.quota_hop_seconds(200e3, wire, [held, free])
-    assert got == pytest.approx(wire.alpha_s + 200e3 / wire.bytes_per_s + 3e-3 * 0.25)
-    assert cpu_quota.quota_hop_seconds(200e3, wire, [free, free]) is None
+    (mp0, dp0), (mp_long, dp_long), (mp_short, _) = plans(None), plans(100e-3), plans(0.2e-3)
+    paced = mp0["compute_s_per_rank"]
+    per_period = 100e-3 / (mp0["step_s"] - sum(paced) / 2)  # steps a period at full speed
+    assert per_period * max(paced) / 2 < 50e-3  # so each stage's CPU a period fits its quota
+    assert mp_long["compute_s_per_rank"] == pytest.approx([t / 2 for t in paced], rel=1e-6)
+    assert mp_short["compute_s_per_rank"] == pytest.approx(paced, rel=0.03)
+    assert mp_long["step_s"] < mp_short["step_s"] == pytest.approx(mp0["step_s"], rel=0.05)
+    assert dp_long["step_s"] == pytest.approx(dp0["step_s"])
 
 
 def test_a_decode_chain_on_quota_hosts_takes_the_longer_of_its_full_speed_trip_and_the_busiest_pace():

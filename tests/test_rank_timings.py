@@ -75,18 +75,21 @@ def test_pipeline_stages_charge_communication_beyond_their_schedule():
     """mp, 3 stages computing 0.1, 0.2 and 0.3 s one after another in a 0.7 s step: 0.1 s is
     communication. Every stage also waited inside its receives (the last one for 0.3 s of
     its predecessors' forward), so the least communication time of any rank, the rule for
-    side-by-side ranks, would call 0.3 s communication."""
+    side-by-side ranks, would call 0.3 s communication. The stages' own steps (0.62-0.70 s)
+    start and end at their own places in the cycle: the step's 0.1 s beyond the 0.6 s schedule
+    is every stage's, where their own steps would give 0.1, 0.02 and 0.05."""
     parts = {0: (0.70, 0.60), 1: (0.62, 0.42), 2: (0.65, 0.35)}
     rows = rank_timings(parts, 0.70, stages_m=1)
     assert [r["compute_s"] for r in rows] == pytest.approx([0.1, 0.2, 0.3])
-    # each stage's own step beyond the 0.6 s schedule: 0.1, 0.02, 0.05
-    assert [r["comm_s"] for r in rows] == pytest.approx([0.1, 0.02, 0.05])
-    assert [r["wait_s"] for r in rows] == pytest.approx([0.5, 0.48, 0.35])
+    assert [r["comm_s"] for r in rows] == pytest.approx([0.1, 0.1, 0.1])
+    assert [r["wait_s"] for r in rows] == pytest.approx([0.5, 0.4, 0.3])
+    short = rank_timings({0: (0.70, 0.60), 1: (0.27, 0.07), 2: (0.65, 0.35)}, 0.70, stages_m=1)
+    assert short[1]["comm_s"] == pytest.approx(0.07)  # never more than the stage's own time in calls
     assert rank_timings(parts, 0.70)[0]["comm_s"] == pytest.approx(0.4)  # side by side: beyond the 0.3 s slowest
     # pp, 4 microbatches: the critical path is each stage's first slot plus 3 slots of the slowest
     pp = rank_timings(parts, 0.70, stages_m=4)
     critical = (0.1 + 0.2 + 0.3) / 4 + 3 * 0.3 / 4
-    assert [r["comm_s"] for r in pp] == pytest.approx([min(c, own - critical) for own, c in parts.values()])
+    assert [r["comm_s"] for r in pp] == pytest.approx([min(c, 0.70 - critical) for _, c in parts.values()])
     for r in rows + pp:
         assert r["compute_s"] + r["comm_s"] + r["wait_s"] == pytest.approx(0.70)
 
@@ -128,7 +131,7 @@ def test_run_records_per_rank_timings_that_add_up(tmp_path, strategy):
         assert max(r["own_step_s"] for r in s["ranks"]) == pytest.approx(s["step_s"], rel=1e-6)
         assert max(r["own_comm_s"] for r in s["ranks"]) == pytest.approx(s["comm_s"], rel=1e-6)
         computes = [r["compute_s"] for r in s["ranks"]]
-        if strategy == "pp":  # stages: each one's own step beyond their compute on the schedule
+        if strategy == "pp":  # stages: the step beyond their compute on the schedule
             updates = [r["own_update_s"] for r in s["ranks"]]  # each stage times its update apart
             assert all(0 < u < c for u, c in zip(updates, computes)), updates
             critical, _ = pipeline(computes, [0.0], [0.0], m, True, updates)
@@ -136,7 +139,8 @@ def test_run_records_per_rank_timings_that_add_up(tmp_path, strategy):
             critical = max(computes)
         for r in s["ranks"]:
             assert r["compute_s"] == pytest.approx(r["own_step_s"] - r["own_comm_s"], rel=1e-6, abs=1e-9)
-            want = min(r["own_comm_s"], max(0.0, r["own_step_s"] - critical))
+            own = s["step_s"] if strategy == "pp" else r["own_step_s"]  # a stage: the step's
+            want = min(r["own_comm_s"], max(0.0, own - critical), s["step_s"] - r["compute_s"])
             assert r["comm_s"] == pytest.approx(want, rel=1e-6, abs=1e-9) and r["comm_s"] <= s["comm_s"] + 1e-9
 
 

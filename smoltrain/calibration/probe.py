@@ -6,7 +6,9 @@ quota a short operation runs at full speed until the quota is spent and then wai
 fastest sample measures the uncapped machine, while work over a window sees the cap,
 as a training rank does. Kernels are timed as the median of three windows after a warm-up
 one: on a VM, a capped sim host's first matmul window after the communication test ran at
-0.8 of the windows after it, and one slow window must not decide the figure.
+0.8 of the windows after it, and one slow window must not decide the figure. A training
+step is the median of several, in CPU seconds times the host's pace where the host is held
+back (train_seconds): its steps are too long for a window to hold many periods.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import time
 from pathlib import Path
 
 from smolnet.facts import machine_id
+from smoltrain.calibration.pace import HELD_BACK, PACE_WINDOW
+from smoltrain.calibration.pace import measure as measure_pace
 
 WINDOW_MIN = 0.25  # seconds; >= 2.5 CFS periods of 100 ms
 TRAIN_BATCHES = (2, 8)
@@ -160,19 +164,6 @@ OVERHEAD_LAYERS = 5  # layers per timed call: the rest is some hundred microseco
 OVERHEAD_CALLS = 5  # calls timed, the median kept
 
 
-PACE_WINDOW = 0.5  # seconds: thirty CFS periods of the sim's slowest host
-
-
-def cpu_pace(window: float = PACE_WINDOW) -> float:
-    """Wall seconds a CPU second of one busy thread takes here: 1/cap on a capped host, more
-    where other programs take turns on its CPU, at least 1. A spin timed both ways over
-    `window`: no host can read a hidden cap, but every host runs at it."""
-    t0, c0 = time.perf_counter(), time.thread_time()
-    while time.perf_counter() - t0 < window:
-        sum(range(1000))
-    return max(1.0, (time.perf_counter() - t0) / max(1e-9, time.thread_time() - c0))
-
-
 def decode_overhead(torch, pace: float) -> dict:
     """Seconds per layer a decode step of 1, 4 and 8 rows spends beyond its matrix products,
     per dtype: a real inference block (models.llama.LlamaDecode) of OVERHEAD_LAYER's shape, each row with
@@ -248,12 +239,30 @@ def _products(layers: list, x):
     return lambda: [lin(x) for lin in layers]
 
 
+TRAIN_STEPS_MIN = 3  # timed steps, at least: their median is the figure
+
+
 def train_seconds(
-    torch, model_name: str, batch: int, seq: int, window: float, optimizer: list | None = None, device: str = "cpu"
+    torch,
+    model_name: str,
+    batch: int,
+    seq: int,
+    window: float,
+    optimizer: list | None = None,
+    device: str = "cpu",
+    paced: bool = False,
 ) -> float:
-    """Seconds per real fwd + bwd + AdamW step of the model, as smoltrain run takes them.
-    `optimizer` (a list) receives the share of them the AdamW update took: paid once per
-    step, not per microbatch, so the plan must not multiply it as it does the passes."""
+    """Seconds per real fwd + bwd + AdamW step of the model, as smoltrain run takes them: the
+    median step after a warm-up one. `optimizer` (a list) receives the share of them the
+    AdamW update took: paid once per step, not per microbatch, so the plan must not multiply
+    it as it does the passes. `paced` (a host held back, one thread): CPU seconds, which the
+    probe turns into wall seconds at the host's pace (at_pace). A few steps' wall time there
+    turns on where the CFS periods fall and on one-off stalls: a warm-forked probe's first
+    full garbage collection took 137 ms of CPU in one step, five times the others, and at a
+    0.27-core pace made the window's mean 2.5x the steps'; the plan charged every capped rank
+    of the drawn clusters that."""
+    import statistics
+
     from smoltrain import host
     from smoltrain.models.gpt import build_model
     from smoltrain.models.optim import AdamW
@@ -265,24 +274,32 @@ def train_seconds(
     params = list(model.parameters())
     opt = AdamW(params, lr=1e-3)
     x = torch.randint(0, spec.vocab, (batch, seq), device=device)
-
-    spent = [0.0, 0]
+    clock = time.process_time if paced else time.perf_counter
+    steps: list[float] = []
+    updates: list[float] = []
 
     def step():
+        c0 = clock()
         loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, spec.vocab), x.reshape(-1))
         loss.backward()
-        t0 = time.perf_counter()
+        c1 = clock()
         opt.step([p.grad for p in params])
         for p in params:
             p.grad = None
         if device != "cpu":
             loss.item()  # wait for the device's queue
-        spent[0] += time.perf_counter() - t0
-        spent[1] += 1
+        c2 = clock()
+        steps.append(c2 - c0)
+        updates.append(c2 - c1)
 
-    sec = 1.0 / rate(step, window)
+    step()  # warm-up
+    steps.clear(), updates.clear()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < window or len(steps) < TRAIN_STEPS_MIN:
+        step()
+    sec = statistics.median(steps)
     if optimizer is not None:
-        optimizer.append(min(sec, spent[0] / spent[1]))
+        optimizer.append(min(sec, statistics.median(updates)))
     return sec
 
 
@@ -444,10 +461,28 @@ def probe(
     from smoltrain.calibration.engine_probe import engine_step_s
     from smoltrain.models import backends
 
+    pw = max(PACE_WINDOW, w)
+    paces = [measure_pace(pw)]  # three windows, at the start, the middle and the end: their median
     flops = dtype_flops(torch, w, device)
     mem_bw = copy_bw(torch, host.COPY_BYTES, w)
-    pace = cpu_pace(max(PACE_WINDOW, w))
-    comm = comm_cpu(torch, pace=pace) if hasattr(os, "fork") else None
+    paces.append(measure_pace(pw))
+    # CPU seconds now, times the pace once it is known (at_pace)
+    comm = comm_cpu(torch, pace=1.0) if hasattr(os, "fork") else None
+    layer = decode_overhead(torch, 1.0) if device == "cpu" else {}
+    engine = engine_step_s(torch, 1.0) if device == "cpu" else None
+    paced = max(p.pace for p in paces) > HELD_BACK and torch.get_num_threads() == 1 and device == "cpu"
+    steps = []
+    if model and model != "none":
+        from smoltrain.models.spec import get_model
+
+        s = seq or min(64, get_model(model).ctx)
+        for b in TRAIN_BATCHES:
+            opt: list = []
+            sec = train_seconds(torch, model, b, s, 2 * w, opt, device, paced)
+            steps.append({"model": model, "batch": b, "seq": s, "seconds": sec, "optimizer_seconds": opt[0]})
+    paces.append(measure_pace(pw))
+    held = sorted(paces, key=lambda p: p.pace)[1]
+    pace = held.pace
     cap = own_quota()
     doc = {
         "machine_id": machine_id(),
@@ -461,25 +496,30 @@ def probe(
         "flops": flops,
         "mem_bw_bytes_s": mem_bw,
         "decode_bw_bytes_s": decode_bw(torch, mem_bw, host.COPY_BYTES) if device == "cpu" else {},
-        "decode_layer_s": decode_overhead(torch, pace) if device == "cpu" else {},
-        "decode_engine_s": engine_step_s(torch, pace) if device == "cpu" else None,
         "usable_memory_bytes": usable_memory(),
-        "comm_cpu": comm,
-        "train_step": [],
+        "cpu_pace": pace,
+        "cpu_cycle": held.cycle(),
         "decode_step": [],
     }
+    doc.update(at_pace(pace, comm, layer, engine, steps if paced else []))
+    doc["train_step"] = steps
     if model and model != "none":
-        from smoltrain.models.spec import get_model
-
-        s = seq or min(64, get_model(model).ctx)
-        for b in TRAIN_BATCHES:
-            opt: list = []
-            sec = train_seconds(torch, model, b, s, 2 * w, opt, device)
-            doc["train_step"].append(
-                {"model": model, "batch": b, "seq": s, "seconds": sec, "optimizer_seconds": opt[0]}
-            )
         doc["decode_step"].append({"model": model, "seconds": decode_seconds(torch, model, w, device)})
     return doc
+
+
+def at_pace(pace: float, comm: dict | None, layer: dict, engine: float | None, cpu_steps: list) -> dict:
+    """The figures measured in CPU seconds, in wall seconds at the host's pace: a message's and a
+    byte's CPU (comm_cpu), each layer's cost beyond its products, the decode engine's step, and
+    the training steps timed in CPU seconds (scaled in place)."""
+    for st in cpu_steps:
+        st["seconds"] *= pace
+        st["optimizer_seconds"] *= pace
+    return {
+        "comm_cpu": {"message_s": comm["message_s"] * pace, "bytes_s": comm["bytes_s"] / pace} if comm else comm,
+        "decode_layer_s": {dt: {r: v * pace for r, v in rows.items()} for dt, rows in layer.items()},
+        "decode_engine_s": engine * pace if engine is not None else None,
+    }
 
 
 def main(argv=None) -> int:

@@ -51,7 +51,8 @@ def rank_main(rank: int, addrs: list[str], port: int, secret: bytes, window: flo
     MTU is wrong (provisioning finds and fixes it) still answers."""
     import torch
 
-    from smoltrain.calibration.probe import cpu_pace, ring_rounds
+    from smoltrain.calibration.pace import cpu_pace
+    from smoltrain.calibration.probe import ring_rounds
     from smoltrain.comm import make_comm
 
     torch.set_num_threads(1)

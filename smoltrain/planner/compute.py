@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from smolnet.errors import UsageError
+from smoltrain.calibration.pace import HELD_BACK
 from smoltrain.models.spec import ModelSpec, get_model
 
 COMPUTE_SCHEMA = "smoltrain.compute/1"
@@ -38,12 +39,29 @@ class HostCompute:
     decode_step: list = field(default_factory=list)  # timed one-token forwards: [{model, seconds}]
     decode_layer: tuple = ()  # seconds per layer beyond the products: ((dtype, ((rows, s), ...)), ...)
     decode_engine: float | None = None  # seconds of a rank's decode engine per step (calibration.engine_probe)
+    cpu_pace: float | None = None  # wall seconds per CPU second of one busy thread (calibration.pace)
+    cpu_cycle: tuple | None = None  # (quota, period) seconds of the throttle a busy thread showed
 
     def quota(self) -> tuple[float, float] | None:
-        """(quota, period) in seconds of a CFS cap whose period was measured, else None."""
+        """(quota, period) in seconds of a CFS cap: the one the host reads where its period was
+        read too, else the cycle a busy thread showed (a hidden cap), else None."""
         if self.cpu_limit_cores and self.cpu_period_s:
             return self.cpu_limit_cores * self.cpu_period_s, self.cpu_period_s
-        return None
+        return self.cpu_cycle
+
+    def cap_cores(self) -> float | None:
+        """The cores a CFS cap leaves this host: the one it reads, else 1/pace where a busy
+        thread ran held back (a hidden cap, or other work taking turns), else None."""
+        if self.cpu_limit_cores:
+            return self.cpu_limit_cores
+        return 1 / self.cpu_pace if self.cpu_pace and self.cpu_pace > HELD_BACK else None
+
+    def pace(self) -> float:
+        """Wall seconds a CPU second takes here (the figures are at it): measured, else the
+        cap's 1/cores below a core, else 1."""
+        if self.cpu_pace:
+            return max(1.0, self.cpu_pace)
+        return 1 / self.cpu_limit_cores if self.cpu_limit_cores and self.cpu_limit_cores < 1 else 1.0
 
     def fit(self, model: ModelSpec) -> tuple[float, float, int] | None:
         """(fixed seconds per step, seconds per token, the timed seq) of the model's training step, from the
@@ -129,9 +147,17 @@ def _host(d: dict, origin: str) -> HostCompute:
             list(d.get("decode_step") or []),
             decode_rates(d.get("decode_layer_s")),
             (float(d["decode_engine_s"]) if d.get("decode_engine_s") else None),
+            (float(d["cpu_pace"]) if d.get("cpu_pace") else None),
+            _cycle(d.get("cpu_cycle")),
         )
     except (KeyError, TypeError, ValueError, AttributeError):
         raise UsageError(f"{origin}: host {d.get('name', '?')!r} lacks flops or mem_bw_bytes_s") from None
+
+
+def _cycle(doc) -> tuple[float, float] | None:
+    if isinstance(doc, dict) and doc.get("quota_s") and doc.get("period_s"):
+        return float(doc["quota_s"]), float(doc["period_s"])
+    return None
 
 
 def decode_rates(doc: dict | None) -> tuple:
@@ -226,7 +252,7 @@ def measured_ranks(ranks: list, figs: list[HostCompute], model: ModelSpec, share
         on_machine[f.machine_id] = on_machine.get(f.machine_id, 0) + 1
     for rk, f, share in zip(ranks, figs, shared_factors(figs)):
         # cores this rank can use: its cap, and its part of a machine it shares with other ranks
-        usable = min(f.cpu_limit_cores or f.cores, f.cores / on_machine[f.machine_id])
+        usable = min(f.cap_cores() or f.cores, f.cores / on_machine[f.machine_id])
         fit = f.fit(model)
         f32 = f.flops.get("fp32", 0.0)
         if fit is not None:
@@ -259,7 +285,7 @@ def measured_ranks(ranks: list, figs: list[HostCompute], model: ModelSpec, share
                 "message_s": float(f.comm_cpu["message_s"]) / share,
                 "bytes_s": float(f.comm_cpu["bytes_s"]) * share,
                 # held to a quota it can run out of: less than a core for compute and one for sends
-                "quota": bool(f.cpu_limit_cores and f.cpu_limit_cores < min(2, f.cores)),
+                "quota": bool(f.cap_cores() and f.cap_cores() < min(2, f.cores)),
             }
         out.append(
             replace(
@@ -275,6 +301,7 @@ def measured_ranks(ranks: list, figs: list[HostCompute], model: ModelSpec, share
                 # overlapping sends need a core the rank's torch threads leave free
                 comm_core=usable - min(f.threads, usable) >= 1,
                 cpu_quota=f.quota() if share >= 1 else None,  # a shared machine has no quota to save
+                pace=f.pace() if share >= 1 else 1.0,
             )
         )
     return out

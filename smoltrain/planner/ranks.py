@@ -27,6 +27,7 @@ class Rank:
     comm_core: bool = True  # a core is left for communication while the rank computes
     optimizer_s: float = 0.0  # of fixed_s: the whole model's AdamW update, once per step
     cpu_quota: tuple[float, float] | None = None  # (quota, period) seconds of a measured CFS cap
+    pace: float = 1.0  # wall seconds per CPU second of one busy thread there (its figures are at it)
     decode_fixed_s: float | None = None  # measured per-token cost of a whole-model decode step beyond its reads
 
 

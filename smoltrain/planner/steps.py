@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from smoltrain.models.spec import ModelSpec
-from smoltrain.planner import capacity, cpu_quota, timing
+from smoltrain.planner import capacity, cfs, cpu_quota, timing
 from smoltrain.planner.links import LinkModel
 from smoltrain.planner.traffic import Traffic, dtype_bytes
 
@@ -50,7 +50,7 @@ class StepTime:
     comm_s: float
     cc: timing.CommCost
     bubble: float = 0.0
-    rank_compute_s: list[float] | None = None  # per-rank compute when the kind reshapes it (quota stages)
+    rank_compute_s: list[float] | None = None  # per-rank compute when the kind reshapes it (a chain on quota hosts)
 
 
 STEP_TIME: dict[str, Callable[[Setting], StepTime]] = {}
@@ -111,9 +111,9 @@ def server(s: Setting) -> StepTime:
 @step_time("layers")
 def layers(s: Setting) -> StepTime:
     """A chain of stages. Training: the GPipe schedule over the boundary hops (timing.pipeline),
-    plus whatever else crosses (tied embeddings); a one-microbatch pipeline on CPU-quota hosts
-    runs in bursts (cpu_quota.py). Decode: the stages one after another (on quota hosts,
-    cpu_quota.decode_chain)."""
+    plus whatever else crosses (tied embeddings); on CPU-quota hosts the schedule is laid out on
+    each host's periods (cfs.py), which gives each stage's compute as it runs in bursts. Decode:
+    the stages one after another (on quota hosts, cpu_quota.decode_chain)."""
     cc = timing.comm_cost(s.tr, s.names, s.lm)
     if s.world == 1:
         return StepTime(max(s.compute_s), cc.total_s, cc)
@@ -125,16 +125,35 @@ def layers(s: Setting) -> StepTime:
         f = t / (sum(stage) + cc.total_s)  # the same parts, run in bursts: each in proportion
         return StepTime(sum(stage) * f, cc.total_s * f, cc)
     mb = s.batch * s.seq * s.model.hidden * dtype_bytes(s.dtype) / s.microbatches
-    burst = cpu_quota.idles(s.ranks, s.microbatches)
-    hop_f, hop_b = cpu_quota.pipeline_hops(mb, s.names, s.ranks, s.wire, s.lm, burst)
-    reshaped = None
-    if burst:
-        stage = cpu_quota.quota_stages(stage, s.update_s, hop_f, hop_b, [rk.cpu_quota for rk in s.ranks])
-        reshaped = stage
-    # a quota-held stage's reshaped time already holds its update where the bursts put it
-    compute_s, comm_s = timing.pipeline(stage, hop_f, hop_b, s.microbatches, True, None if burst else s.update_s)
     # the boundary hops are in the schedule; add what else crosses (tied embeddings)
     hops = {i for i, ph in enumerate(s.tr.phases) if not ph.what.startswith("tied")}
-    comm_s += timing.comm_cost(s.tr, s.names, s.lm, skip=hops).total_s
+    rest = timing.comm_cost(s.tr, s.names, s.lm, skip=hops).total_s
     bubble = (s.world - 1) / (s.microbatches + s.world - 1)
-    return StepTime(compute_s, comm_s, cc, bubble, reshaped)
+    if any(rk.cpu_quota for rk in s.ranks) and math.isfinite(cc.total_s):
+        ct = cfs.chain(*on_periods(s, mb), s.microbatches)
+        critical, _ = timing.pipeline(
+            ct.compute_s, [0.0] * (s.world - 1), [0.0] * (s.world - 1), s.microbatches, True, ct.update_s
+        )
+        return StepTime(critical, max(0.0, ct.step_s - critical) + rest, cc, bubble, ct.compute_s)
+    n = s.world
+    hop_f = [s.lm.get(s.names[r], s.names[r + 1]).seconds(mb) for r in range(n - 1)]
+    hop_b = [s.lm.get(s.names[r + 1], s.names[r]).seconds(mb) for r in range(n - 1)]
+    compute_s, comm_s = timing.pipeline(stage, hop_f, hop_b, s.microbatches, True, s.update_s)
+    return StepTime(compute_s, comm_s + rest, cc, bubble)
+
+
+def on_periods(s: Setting, mb: float) -> tuple[list, list, list, list]:
+    """The chain as cfs.chain takes it: each stage's work and message CPU at full speed (its
+    measured figures are at its pace), each host's quota, and the wire's time per hop."""
+    stages, cpus = [], []
+    for st, up, rk in zip(s.compute_s, s.update_s, s.ranks):
+        full = 1 / rk.pace
+        cc = rk.comm_cpu
+        msg = (cc["message_s"] + mb / cc["bytes_s"] / 2) * full if cc else 0.0
+        stages.append(cfs.Stage(max(0.0, st - up) * full, up * full, [msg, msg], [msg, msg]))
+        q = rk.cpu_quota
+        cpus.append(cfs.Cpu(rk.pace, q[0] if q else None, q[1] if q else None))
+    n = s.world
+    wire_f = [s.wire.get(s.names[r], s.names[r + 1]).seconds(mb) for r in range(n - 1)]
+    wire_b = [s.wire.get(s.names[r + 1], s.names[r]).seconds(mb) for r in range(n - 1)]
+    return stages, cpus, wire_f, wire_b

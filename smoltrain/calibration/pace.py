@@ -1,0 +1,78 @@
+"""How fast one busy thread runs here, and the CFS period that holds it back.
+
+Why: a capped host's figures are CPU seconds times its pace (wall seconds a CPU second of one
+busy thread takes), and the plan's burst model (planner/cpu_quota.py) needs the period and the
+quota, which a hidden cap does not show. A thread spun in short slices sees the throttle as
+gaps in wall time, one a cycle: their spacing is the period, and the pace over the window
+says how much of each period the thread ran (quota = period / pace). An uncapped host shows
+no regular gaps. The cycle measured is the one the host lives by, which need not be the one
+configured: a 2.67 ms quota every 10 ms (cgroup v1, 5 ms bandwidth slices) ran 5.4 ms every
+20 ms or 1.4-3.4 ms every 10 ms here, one run to the next; the mean over a window is steady.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+PACE_WINDOW = 0.5  # seconds: five periods of the longest CFS period the sim draws (100 ms)
+GAP_S = 0.0008  # wall seconds without progress that count as the thread held back (a slice spins ~2 us)
+REGULAR = 0.2  # a gap's spacing this close to the median counts as on the cycle
+HELD_BACK = 1.05  # a pace above this: the host runs held back (a cap, read or hidden, or other work)
+ON_CYCLE = 0.75  # of the spacings on it: a CFS cycle, not other work taking turns
+
+
+@dataclass(frozen=True)
+class Pace:
+    pace: float  # wall seconds per CPU second of one busy thread, >= 1
+    quota_s: float | None = None  # CPU seconds a period allows, where a regular cycle showed
+    period_s: float | None = None
+
+    def cycle(self) -> dict | None:
+        """The report's `cpu_cycle` entry, or None where no regular throttle showed."""
+        if self.quota_s is None or self.period_s is None:
+            return None
+        return {"quota_s": self.quota_s, "period_s": self.period_s}
+
+
+def spin(window: float, clock=time.perf_counter, cpu=time.thread_time) -> tuple[tuple, tuple, list]:
+    """Spin for `window` wall seconds: ((wall, cpu) at the start, at the end, and at the end of
+    every gap longer than GAP_S)."""
+    t0 = last = clock()
+    start = (t0, cpu())
+    marks = []
+    while True:
+        sum(range(64))
+        now = clock()
+        if now - last > GAP_S:
+            marks.append((now, cpu()))
+        last = now
+        if now - t0 >= window:
+            return start, (now, cpu()), marks
+
+
+def measure(window: float = PACE_WINDOW) -> Pace:
+    """This thread's pace, and the CFS cycle behind it where one shows (see the module's why)."""
+    return from_marks(*spin(window))
+
+
+def from_marks(start: tuple, end: tuple, marks: list) -> Pace:
+    """Pace over the whole window, and the period where the gaps keep one spacing: the
+    median, with most spacings near it (other work taking turns leaves irregular gaps)."""
+    pace = max(1.0, (end[0] - start[0]) / max(1e-9, end[1] - start[1]))
+    if len(marks) < 3 or pace <= 1.0:
+        return Pace(pace)
+    spacing = [y[0] - x[0] for x, y in zip(marks, marks[1:])]
+    period = statistics.median(spacing)
+    on = sum(1 for s in spacing if abs(s - period) <= REGULAR * period)
+    if period <= 0 or on < ON_CYCLE * len(spacing):
+        return Pace(pace)
+    return Pace(pace, period / pace, period)
+
+
+def cpu_pace(window: float = PACE_WINDOW) -> float:
+    """Wall seconds a CPU second of one busy thread takes here: 1/cap on a capped host, more
+    where other programs take turns on its CPU, at least 1 (no host can read a hidden cap,
+    but every host runs at it)."""
+    return measure(window).pace
