@@ -200,6 +200,32 @@ def test_hosts_that_share_this_machine_unseen_are_given_their_part_of_its_cpus(m
     assert not any("smol_threads" in v for v in got.values())
 
 
+def capped_and_free(script: str, name: str, cores: float, period_us: int | None = None) -> dict:
+    """The JSON line `script` prints, run in a fresh cgroup capped at `cores` and uncapped."""
+    import json
+    import subprocess
+    import sys
+
+    from need import need_cgroup
+
+    need_cgroup()
+    g = cgroup.create(name, cores, period_us=period_us)
+    try:
+        runs = {}
+        for key, pre in (("capped", f"echo $$ > {g}/cgroup.procs && "), ("free", "")):
+            r = subprocess.run(
+                ["sh", "-c", pre + 'exec "$@"', "sh", sys.executable, "-c", script],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert r.returncode == 0, r.stderr[-500:]
+            runs[key] = json.loads(r.stdout.strip().splitlines()[-1])
+    finally:
+        assert cgroup.remove(g)
+    return runs
+
+
 PACED = r"""
 import json, sys
 import torch
@@ -215,27 +241,7 @@ def test_a_capped_host_measures_its_pace_and_its_messages_at_it():
     cgroup file), and the probe's per-message cost is CPU seconds at that pace: the same
     probe under a 0.25-core cap and uncapped differ by the pace, not by the periods the
     quota chops a window into."""
-    import json
-    import subprocess
-    import sys
-
-    from need import need_cgroup
-
-    need_cgroup()
-    g = cgroup.create("smol-test-pace", 0.25)
-    try:
-        runs = {}
-        for name, pre in (("capped", f"echo $$ > {g}/cgroup.procs && "), ("free", "")):
-            r = subprocess.run(
-                ["sh", "-c", pre + 'exec "$@"', "sh", sys.executable, "-c", PACED],
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-            assert r.returncode == 0, r.stderr[-500:]
-            runs[name] = json.loads(r.stdout.strip().splitlines()[-1])
-    finally:
-        assert cgroup.remove(g)
+    runs = capped_and_free(PACED, "smol-test-pace", 0.25)
     # a 0.25-core cap: 4 wall seconds per CPU second, whatever else the machine runs (it only
     # adds); uncapped, this 2-vCPU machine's tests leave a thread most of a CPU
     assert 3.6 < runs["capped"]["pace"] < 6.0, runs
@@ -259,27 +265,7 @@ def test_a_hidden_cap_shows_its_period_to_a_busy_thread():
     """A 0.2-core cap over 100 ms periods, read from no cgroup file: the spin sees one gap a
     period, so calibration reports the period and the quota a period (period / pace), which
     the plan's chain model lays bursts on (planner/cfs.py); uncapped, no cycle."""
-    import json
-    import subprocess
-    import sys
-
-    from need import need_cgroup
-
-    need_cgroup()
-    g = cgroup.create("smol-test-cycle", 0.2, period_us=100_000)
-    try:
-        runs = {}
-        for name, pre in (("capped", f"echo $$ > {g}/cgroup.procs && "), ("free", "")):
-            r = subprocess.run(
-                ["sh", "-c", pre + 'exec "$@"', "sh", sys.executable, "-c", CYCLE],
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-            assert r.returncode == 0, r.stderr[-500:]
-            runs[name] = json.loads(r.stdout.strip().splitlines()[-1])
-    finally:
-        assert cgroup.remove(g)
+    runs = capped_and_free(CYCLE, "smol-test-cycle", 0.2, period_us=100_000)
     capped = runs["capped"]
     assert 4.0 < capped["pace"] < 7.0, runs
     assert capped["cycle"] is not None and capped["cycle"]["period_s"] == pytest.approx(0.1, rel=0.1), runs
