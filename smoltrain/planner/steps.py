@@ -131,14 +131,9 @@ def layers(s: Setting) -> StepTime:
     bubble = (s.world - 1) / (s.microbatches + s.world - 1)
     if any(rk.cpu_quota for rk in s.ranks) and math.isfinite(cc.total_s):
         ct = cfs.chain(*on_periods(s, mb), s.microbatches)
-        critical, _ = timing.pipeline(
-            ct.compute_s, [0.0] * (s.world - 1), [0.0] * (s.world - 1), s.microbatches, True, ct.update_s
-        )
+        critical = timing.critical_path(ct.compute_s, ct.update_s, s.microbatches)
         return StepTime(critical, max(0.0, ct.step_s - critical) + rest, cc, bubble, ct.compute_s)
-    n = s.world
-    hop_f = [s.lm.get(s.names[r], s.names[r + 1]).seconds(mb) for r in range(n - 1)]
-    hop_b = [s.lm.get(s.names[r + 1], s.names[r]).seconds(mb) for r in range(n - 1)]
-    compute_s, comm_s = timing.pipeline(stage, hop_f, hop_b, s.microbatches, True, s.update_s)
+    compute_s, comm_s = timing.pipeline(stage, *hops_of(s.lm, s.names, mb), s.microbatches, True, s.update_s)
     return StepTime(compute_s, comm_s + rest, cc, bubble)
 
 
@@ -153,7 +148,10 @@ def on_periods(s: Setting, mb: float) -> tuple[list, list, list, list]:
         stages.append(cfs.Stage(max(0.0, st - up) * full, up * full, [msg, msg], [msg, msg]))
         q = rk.cpu_quota
         cpus.append(cfs.Cpu(rk.pace, q[0] if q else None, q[1] if q else None))
-    n = s.world
-    wire_f = [s.wire.get(s.names[r], s.names[r + 1]).seconds(mb) for r in range(n - 1)]
-    wire_b = [s.wire.get(s.names[r + 1], s.names[r]).seconds(mb) for r in range(n - 1)]
-    return stages, cpus, wire_f, wire_b
+    return (stages, cpus, *hops_of(s.wire, s.names, mb))
+
+
+def hops_of(lm: LinkModel, names: list[str], nbytes: float) -> tuple[list[float], list[float]]:
+    """(forward, backward) seconds of each hop of a chain carrying `nbytes` on `lm`."""
+    ends = list(zip(names, names[1:]))
+    return [lm.get(a, b).seconds(nbytes) for a, b in ends], [lm.get(b, a).seconds(nbytes) for a, b in ends]

@@ -170,6 +170,14 @@ def pipeline(
     return comp, total - comp
 
 
+def critical_path(stage_s: list[float], update_s: list[float], m: int) -> float:
+    """A training chain's compute critical path: its stages' compute on the GPipe schedule with
+    free hops, each stage's update after its own last backward. The run reads a stage's
+    communication as the step beyond it (run/timings.py), and the plan predicts it so (steps.py)."""
+    free = [0.0] * (len(stage_s) - 1)
+    return pipeline(stage_s, free, free, m, True, update_s)[0]
+
+
 def update_tail(work_s: list[float], update_s: list[float], hop_b: list[float], m: int) -> float:
     """Seconds the stages' updates add after the first stage's last backward: stage r's last
     backward ends earlier by the backward of the last microbatch through the stages (and hops)

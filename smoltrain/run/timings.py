@@ -49,12 +49,11 @@ def rank_timings(parts: dict[int, tuple], step_s: float, stages_m: int | None = 
     parts = {r: tuple(float(v[i]) if len(v) > i else 0.0 for i in range(4)) for r, v in parts.items()}
     compute = {r: max(0.0, own - own_comm - own_wait) for r, (own, own_comm, own_wait, _) in parts.items()}
     if stages_m and len(parts) > 1:
-        from smoltrain.planner.timing import pipeline
+        from smoltrain.planner.timing import critical_path
 
         order = sorted(compute)
         stages, updates = [compute[r] for r in order], [min(parts[r][3], compute[r]) for r in order]
-        free = [0.0] * (len(stages) - 1)
-        critical, _ = pipeline(stages, free, free, stages_m, True, updates)
+        critical = critical_path(stages, updates, stages_m)
     else:
         critical = max(compute.values())
     out = []
