@@ -260,7 +260,9 @@ def successive_groups(comm, params) -> dict:
     backend = comm.backend
 
     def build(world: int, name: str):
-        return make_comm(backend, rank, world, "127.0.0.1", port, SECRET, timeout=8.0, namespace=name)
+        # 20 s: a group that met stale addresses never forms, however long it waits; under two
+        # test workers and a demo, gloo's full mesh of a good group once took over 8 s (CI)
+        return make_comm(backend, rank, world, "127.0.0.1", port, SECRET, timeout=20.0, namespace=name)
 
     first = build(n, "ring-1")
     t = torch.ones(3)
