@@ -21,6 +21,8 @@ from smoltrain.infer.batching import DECODE, HEADER_FIELDS, IDLE, PREFILL, QUIT,
 from smoltrain.infer.sampling import Sampler
 from smoltrain.models.stage import Stage
 
+SNAPSHOT_WAIT_S = 2.0  # seconds `stats` waits for a step still counting (Engine.snapshot)
+
 
 class Engine:
     """`local`: one process holds every layer; no network. The reference the others must equal."""
@@ -79,10 +81,17 @@ class Engine:
                 self.counters["prefill_steps"] += step
             return out
 
-    def snapshot(self) -> tuple[dict, dict]:
-        """(counters, bytes sent per peer) between steps: what `stats` reports."""
-        with self.stepping:
+    def snapshot(self, wait_s: float = SNAPSHOT_WAIT_S) -> tuple[dict, dict]:
+        """(counters, bytes sent per peer) between steps: what `stats` reports. A step still
+        counting is waited for, up to `wait_s`: a long prompt's prefill holds the step for
+        longer, and a health check that waited it out would call the model down (CI: a long
+        prompt's replica read "no stats from the ranks within 10s"); then the figures so far."""
+        held = self.stepping.acquire(timeout=wait_s)
+        try:
             return dict(self.counters), (self.comm.bytes_sent() if self.comm is not None else {})
+        finally:
+            if held:
+                self.stepping.release()
 
     def charge(self, cpu: float, wall: float, m0: tuple, wait: bool = False) -> None:
         """Add a stretch of decode work (its CPU and wall seconds, and the comm's marks at its
