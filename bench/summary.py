@@ -53,7 +53,7 @@ ROWS = [
     ("predicted step time within 25% on shaped sim links, bytes within 2% (measured compute, every strategy)",
      bench("plan", "bench_plan.py", sim=True), "12 of 12 runs, 0.82-1.13 (nominal compute, hand-built ranks)"),
     ("step time and every rank's compute and comm within 25% of the plan from measured compute, every scenario "
-     "(home, cores, hidden, 6 drawn clusters)",
+     "(home, cores, hidden, 6 drawn clusters); pp and tp decode tokens/s within 25% on the same clusters",
      bench("compute", "bench_compute.py", sim=True),
      "home and cores 28 of 28 (2026-12-05); hidden 4 of 7 (2026-12-04); an outside 4-host cluster 0 and 2 of 5"),
     ("calibrated share of a core within 15% of each host's cap; capped hosts rank in the order of their caps",
