@@ -42,6 +42,8 @@ from pathlib import Path
 
 from common import PY, ROOT, exit_code, write_result
 from compute_bars import BAR, CAL_BAR, calibration_verdict, verdict
+from compute_decode import DECODE, checkpoint, run_decode
+from compute_decode import lines as decode_lines
 from compute_sims import BUILT_IN, WEIGHT_GROUP, describe, down, keys, sh, sim_of, up, weigh
 
 from smoltrain.demo.report import nominal_step as _nominal_step
@@ -208,6 +210,7 @@ def bench_scenario(scn: str, d: Path, a) -> dict:
         sh([PY, "-m", "smolnet", "matrix", "-i", inv, "--duration", "2", "--out", d])
         calibrate(inv, CALIBRATE_MODEL, a.repeat, d / "compute.json")
         sets = {k: run_set(inv, d, k, SETS[k], a.steps, a.strategies.split(",")) for k in a.sets.split(",")}
+        decode = run_decode(inv, d, a.model_dir, [x for x in a.decode.split(",") if x]) if a.decode else []
         truth = None if scn == "home" else truth_check(inv, d / "compute.json", statistics.median(steady))
     finally:
         down(name)
@@ -222,6 +225,7 @@ def bench_scenario(scn: str, d: Path, a) -> dict:
         "steady_before": steady,
         "steady_after": steadiness(),
         "sets": sets,
+        "decode": decode,
         "calibration": truth,
         "load": os.getloadavg(),
     }
@@ -297,6 +301,7 @@ def report(results: list[dict], a) -> str:
                     f"{'yes' if 0.75 <= q <= 1.25 else 'no'} | {_ms(r['comm'][0])}/{_ms(r['comm'][1])} | {slow} | "
                     f"{_ms(r['nominal'])} | {'yes' if r['bytes_ok'] else 'no'} | {'; '.join(r.get('outside') or []) or '-'} |"
                 )
+        lines += decode_lines(res.get("decode") or [])
         cal = res.get("calibration") or []
         ref = "the same host uncapped" if res["scenario"] == "home" else "one uncapped thread just before"
         lines += [
@@ -325,6 +330,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=None, help="the draws' seed (default: a fresh one, printed)")
     ap.add_argument("--sets", default=",".join(SETS), help="main (tiny8, batch 8, seed 0), heldout (tiny, 12, 7)")
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
+    ap.add_argument("--decode", default=",".join(DECODE), help="decode runs per scenario: pp, tp (none: '')")
     ap.add_argument("--repeat", type=int, default=3, help="probes per host in each calibration (median)")
     ap.add_argument(
         "--weight",
@@ -336,6 +342,7 @@ def main() -> int:
     a = ap.parse_args()
     named = [x for x in a.scenarios.split(",") if x]
     bad = [x for x in named if x not in BUILT_IN] + [x for x in a.sets.split(",") if x not in SETS]
+    bad += [x for x in a.decode.split(",") if x and x not in DECODE]
     if bad:
         ap.error(f"unknown scenario or set: {', '.join(bad)}")
     if a.draws < 0 or (a.seed is not None and not 0 <= a.seed < 2**32):
@@ -347,6 +354,7 @@ def main() -> int:
     todo = keys(named, a.seed, a.draws)
     print(f"bench_compute --seed {a.seed}: {', '.join(todo)}", flush=True)
     d = Path(tempfile.mkdtemp(prefix="cbench-"))
+    a.model_dir = checkpoint(d) if a.decode else None
     if a.weight:
         weigh(a.weight)
     try:

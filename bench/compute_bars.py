@@ -5,7 +5,7 @@ from __future__ import annotations
 
 BAR = (
     "step time, and every rank's compute and communication, within 25% of the plan from measured compute and links, "
-    "bytes within 2%, every run of every scenario"
+    "bytes within 2%, every run of every scenario; pp and tp decode tokens/s within 25% of the plan on the same clusters"
 )
 
 
@@ -28,8 +28,13 @@ def verdict(results: list[dict]) -> tuple[bool, str]:
         met = met and ok == len(rows)
         span = f" ({min(q):.2f}-{max(q):.2f})" if q else ""
         terms = sum(len(r.get("outside") or []) for r in rows)
+        decode = [r for r in res.get("decode") or [] if "skipped" not in r]
+        met = met and all(map(within, decode))
+        said = tally([res])
         parts.append(
-            f"{res['scenario']} {ok} of {len(rows)}{span}" + (f", {terms} rank terms outside 25%" if terms else "")
+            f"{res['scenario']} {ok} of {len(rows)}{span}"
+            + (f", {terms} rank terms outside 25%" if terms else "")
+            + (f", {said}" if said else "")
         )
     return met, "; ".join(parts)
 
@@ -45,8 +50,23 @@ def calibration_verdict(results: list[dict]) -> tuple[bool, str]:
         cal = res.get("calibration") or []
         if not cal:
             continue
-        within = sum(1 for c in cal if abs(c["ratio"] - 1) <= 0.15)
+        near = sum(1 for c in cal if abs(c["ratio"] - 1) <= 0.15)
         ranked = all(a["cap"] * a["ratio"] < b["cap"] * b["ratio"] for a in cal for b in cal if a["cap"] < b["cap"])
-        met = met and within == len(cal) and ranked
-        parts.append(f"{res['scenario']} {within} of {len(cal)} within 15%, {'ranked' if ranked else 'NOT ranked'}")
+        met = met and near == len(cal) and ranked
+        parts.append(f"{res['scenario']} {near} of {len(cal)} within 15%, {'ranked' if ranked else 'NOT ranked'}")
     return met and bool(parts), "; ".join(parts) or "no calibration check ran"
+
+
+def within(row: dict) -> bool:
+    """A decode row ran and its tokens/s landed within 25% of the plan."""
+    return "pred" in row and 0.75 <= row["meas"] / row["pred"] <= 1.25
+
+
+def tally(results: list[dict]) -> str:
+    """The headline's decode part (bench/compute_decode.py's rows): runs within 25% of all that ran, and their range."""
+    rows = [r for res in results for r in res.get("decode") or [] if "skipped" not in r]
+    if not rows:
+        return ""
+    q = [r["meas"] / r["pred"] for r in rows if "pred" in r]
+    span = f" ({min(q):.2f}-{max(q):.2f})" if q else ""
+    return f"decode {sum(map(within, rows))} of {len(rows)} within 25%{span}"

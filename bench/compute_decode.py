@@ -1,0 +1,86 @@
+"""Decode on bench_compute's sims: pp and tp generate across each cluster's hosts and the
+tokens/s they reach is held against the plan `generate` prints from the same links and
+compute reports (issue 36: decode within 25% for pp and tp on the same clusters).
+
+The model is tiny8, the one calibration times (its decode engine cost and messages are what
+the plan's decode model adds up), exported once per bench as a Hugging Face folder on this
+machine's file system, which the sim's hosts share. tp needs the rank count to divide tiny8's
+4 heads; on 3, 5 or 6 hosts it is reported as not run, with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from common import PY
+from compute_bars import within
+from compute_sims import sh
+
+DECODE = ("pp", "tp")
+MODEL = "tiny8"
+HEADS = 4
+PROMPT_IDS = "1,2,3,4,5,6,7,8"
+NEW_TOKENS = 48  # enough steps that the first token's warm-up is a small share of the rate
+
+
+def checkpoint(d: Path) -> Path:
+    """tiny8 after one training step from its seed, exported as a Hugging Face folder: the
+    decode cost does not depend on what the weights learned."""
+    ck, model = d / "decode-ck", d / f"{MODEL}-hf"
+    sh(
+        [PY, "-m", "smoltrain", "run", "--strategy", "dp", "--local", "1", "--model", MODEL, "--steps", "1"]
+        + ["--batch", "8", "--checkpoint-dir", ck, "--json", d / "decode-ck.json", "--out", d]
+    )
+    sh([PY, "-m", "smoltrain", "export", "--checkpoint-dir", ck, "--out", model])
+    return model
+
+
+def run_decode(inv: Path, d: Path, model: Path, strategies=DECODE) -> list[dict]:
+    """Generate with each strategy across the cluster (placement auto) and compare tokens/s
+    with its plan; one row per strategy: `pred` and `meas` in tokens/s, or `error`/`skipped`."""
+    world = len(json.loads((d / "links.json").read_text()).get("hosts", []))
+    rows = []
+    for s in strategies:
+        if s == "tp" and HEADS % max(world, 1):
+            rows.append({"strategy": s, "skipped": f"{MODEL}'s {HEADS} heads do not split over {world} ranks"})
+            continue
+        out = d / f"generate-{s}.json"
+        r = sh(
+            [PY, "-m", "smoltrain", "generate", "--strategy", s, "-i", inv, "--model", model]
+            + ["--links", d / "links.json", "--compute", d / "compute.json", "--prompt-ids", PROMPT_IDS]
+            + ["--max-new-tokens", NEW_TOKENS, "--ignore-eos", "--json", out],
+            ok=(0, 1, 2, 4),
+        )
+        g = json.loads(out.read_text()) if out.exists() and r.returncode == 0 else None
+        pred = ((g or {}).get("plan") or {}).get("tokens_per_s")
+        meas = ((g or {}).get("decode") or {}).get("tokens_per_s")
+        if not (pred and meas):
+            why = ((r.stdout + r.stderr).strip().splitlines() or ["no report"])[-1]
+            rows.append({"strategy": s, "error": (why if g is None else "no plan or no decode rate")[:120]})
+            continue
+        rows.append({"strategy": s, "pred": pred, "meas": meas, "order": g["placement"]["order"]})
+    return rows
+
+
+def lines(rows: list[dict]) -> list[str]:
+    """The report's decode table for one scenario."""
+    if not rows:
+        return []
+    out = [
+        "",
+        f"### decode: {MODEL}, {NEW_TOKENS} new tokens, placement auto",
+        "",
+        "| strategy | plan tok/s | measured tok/s | measured/plan | within 25% | rank order |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "pred" not in r:
+            out.append(f"| {r['strategy']} | - | - | - | - | {r.get('skipped') or r.get('error')} |")
+            continue
+        q = r["meas"] / r["pred"]
+        out.append(
+            f"| {r['strategy']} | {r['pred']:.1f} | {r['meas']:.1f} | {q:.2f} | {'yes' if within(r) else 'no'} | "
+            f"{' > '.join(r['order'])} |"
+        )
+    return out
