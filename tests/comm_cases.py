@@ -7,6 +7,7 @@ the reduction order, and every rank can compute the reference result by itself.
 from __future__ import annotations
 
 import os
+import socket
 import time
 
 import torch
@@ -245,6 +246,8 @@ def idle_wait(comm, params) -> dict:
         else:
             comm.send(buf, 0)
         out[op] = {"cpu_s": time.process_time() - cpu, "wall_s": time.monotonic() - wall}
+    if comm.backend == "socket":  # the waits raised each socket's low-water mark; none may keep it
+        out["rcvlowat"] = [s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) for s in comm._socks.values()]
     return out
 
 
