@@ -25,6 +25,24 @@ def test_a_regular_throttle_gives_the_period_and_the_quota_a_period():
     assert got.cycle() == {"quota_s": pytest.approx(0.02), "period_s": pytest.approx(0.1)}
 
 
+def test_a_long_period_shows_through_short_stalls_between_its_throttles():
+    """A 100 ms period at 0.2 cores: a 70-80 ms throttle a period, with 1-9 ms stalls between
+    (as spun under such a cgroup here); the long gaps alone keep the period."""
+    marks, cpu = [], 0.0
+    for k in range(5):
+        t = 0.1 * (k + 1)
+        for dt, gap in ((0.012 + 0.003 * k, 0.002 + 0.0015 * k), (0.021, 0.004)):
+            cpu += 0.004
+            marks.append((t - 0.1 + dt, cpu, gap))
+        cpu += 0.012
+        marks.append((t, cpu, 0.072 + 0.002 * k))
+    got = pace.from_marks((0.0, 0.0), (0.5, 0.1), marks)
+    assert got.pace == pytest.approx(5.0)
+    assert got.period_s == pytest.approx(0.1) and got.quota_s == pytest.approx(0.02)
+    bare = pace.from_marks((0.0, 0.0), (0.5, 0.1), [m[:2] for m in marks])  # every gap alike
+    assert bare.cycle() is None
+
+
 def test_irregular_gaps_or_none_give_a_pace_and_no_cycle():
     """Other work taking turns leaves gaps at no one spacing; an uncapped thread, none."""
     uneven = [(0.01, 0.005), (0.05, 0.03), (0.06, 0.035), (0.2, 0.1), (0.23, 0.11)]
