@@ -208,3 +208,31 @@ def test_a_core_is_spare_for_sends_only_beside_fewer_threads_than_cpus():
     assert r.returncode == 0, r.stderr[-500:]
     want = [False, True, False] if len(os.sched_getaffinity(0)) >= 2 else [False, False, False]
     assert json.loads(r.stdout) == want
+
+
+def test_a_host_paced_below_half_a_core_by_a_cap_it_cannot_read_runs_one_thread(tmp_path):
+    """A hidden 0.24-core cap ran two threads on two visible CPUs and decoded at 0.31 of plan:
+    the launcher gives a host one thread where calibration measured its busy thread at half a
+    core or less without a cap it reads; a readable cap, a host slowed a little by other work
+    and an inventory without a report of these hosts keep what they had."""
+    from computetools import compute_doc
+
+    from smolnet.inventory import Host
+    from smoltrain.run.threads import cap_threads, inventory_threads
+
+    doc = compute_doc(["hidden", "read", "busy", "free"], "free")
+    paces = {"hidden": 4.5, "read": 6.7, "busy": 1.3, "free": None}
+    for h in doc["hosts"]:
+        h["cpu_limit_cores"] = 0.15 if h["name"] == "read" else None
+        h["cpu_pace"] = paces[h["name"]]
+    report = tmp_path / "compute.json"
+    report.write_text(json.dumps(doc))
+    hosts = [
+        Host(name=n, address=f"10.0.0.{i}", cluster_ip=f"10.0.0.{i}", threads=t)
+        for i, (n, t) in enumerate((("hidden", 2), ("read", None), ("busy", 4), ("free", None)), start=1)
+    ]
+    caps = cap_threads(hosts, str(report))
+    assert caps == {"hidden": 1}
+    assert inventory_threads(hosts, caps) == [1, 0, 4, 0]
+    assert inventory_threads(hosts) == [2, 0, 4, 0]
+    assert cap_threads(hosts + [Host(name="other", address="10.0.0.9", cluster_ip="10.0.0.9")], str(report)) == {}

@@ -20,6 +20,7 @@ PACE_WINDOW = 0.5  # seconds: five periods of the longest CFS period the sim dra
 GAP_S = 0.0008  # wall seconds without progress that count as the thread held back (a slice spins ~2 us)
 REGULAR = 0.2  # a gap's spacing this close to the median counts as on the cycle
 HELD_BACK = 1.05  # a pace above this: the host runs held back (a cap, read or hidden, or other work)
+HIDDEN_PACE = 2.0  # one busy thread at half a core or less: a cap (the host's ranks run one thread)
 ON_CYCLE = 0.75  # of the spacings on it: a CFS cycle, not other work taking turns
 LONG, LONG_RANK = 0.5, 0.8  # a long gap: at least half the gap at the 80th percentile of lengths
 
@@ -83,6 +84,15 @@ def _regular(ends: list[float]) -> float | None:
     period = statistics.median(spacing)
     on = sum(1 for s in spacing if abs(s - period) <= REGULAR * period)
     return period if period > 0 and on >= ON_CYCLE * len(spacing) else None
+
+
+def one_thread(pace: float | None, cap_read: bool) -> bool:
+    """Whether a host runs one torch thread whatever CPUs it sees: its busy thread ran at half
+    a core or less (HIDDEN_PACE) under a cap it cannot read. Calibration's probe and the
+    launchers (run/threads.py) both ask, so a rank runs at the threads its figures were
+    measured at. One thread's pace says nothing of how many cores a host has where it is
+    slowed a little by other work; a cap it reads, it counts itself."""
+    return not cap_read and (pace or 0.0) >= HIDDEN_PACE
 
 
 def cpu_pace(window: float = PACE_WINDOW) -> float:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from smolnet.facts import machine_id
-from smoltrain.calibration.pace import HELD_BACK, PACE_WINDOW
+from smoltrain.calibration.pace import HELD_BACK, PACE_WINDOW, one_thread
 from smoltrain.calibration.pace import measure as measure_pace
 
 WINDOW_MIN = 0.25  # seconds; >= 2.5 CFS periods of 100 ms
@@ -463,6 +463,8 @@ def probe(
 
     pw = max(PACE_WINDOW, w)
     paces = [measure_pace(pw)]  # three windows, at the start, the middle and the end: their median
+    if device == "cpu" and torch.get_num_threads() > 1 and one_thread(paces[0].pace, own_quota() is not None):
+        host.set_threads(1)  # a cap it cannot read holds it to half a core: its ranks run one (run/threads)
     flops = dtype_flops(torch, w, device)
     mem_bw = copy_bw(torch, host.COPY_BYTES, w)
     paces.append(measure_pace(pw))

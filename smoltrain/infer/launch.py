@@ -237,7 +237,9 @@ def machine_settings(args, hosts, world: int, share: int | None = None) -> tuple
         if args.dtype:
             host.check_dtype(args.dtype, dev)
         return threads, devices
-    threads = inventory_threads(hosts[:world])
+    from smoltrain.run.threads import cap_threads
+
+    threads = inventory_threads(hosts[:world], cap_threads(hosts[:world], getattr(args, "compute", None)))
     devices = [h.torch_device for h in hosts[:world]]
     for h, d in zip(hosts[:world], devices):
         if h.local and d != "auto":  # a host on this machine: check here what its rank would refuse

@@ -43,7 +43,9 @@ def machine_settings(args, hosts, world: int) -> dict[str, int]:
     for h in hosts:
         if h.local and h.torch_device != "auto":
             host.check_dtype(args.dtype, host.resolve_device(h.torch_device))
-    return {h.name: n for h, n in zip(hosts, inventory_threads(hosts))}
+    from smoltrain.run.threads import cap_threads
+
+    return {h.name: n for h, n in zip(hosts, inventory_threads(hosts, cap_threads(hosts, args.compute)))}
 
 
 def check_outer(args, outer: bool) -> None:
