@@ -67,16 +67,37 @@ def test_layer_overhead_never_falls_with_more_rows(monkeypatch):
     """A layer's cost beyond its products is the block's time less its products' time, per
     layer, at the host's pace; a noisy pair that would make more rows cost less keeps the
     fewer rows' figure. The timer is scripted (the real one runs in the test above): 1 row
-    takes 3 s whole and 1 s of products, 4 rows (noisy) 2 and 1, 8 rows 9 and 1."""
+    takes 2 s more whole than its products alone, 4 rows (noisy) 1, 8 rows 8."""
     import torch
 
     from smoltrain.calibration import probe
 
-    timed = iter([3.0, 1.0, 2.0, 1.0, 9.0, 1.0] * 2)  # fp32, then bf16
-    monkeypatch.setattr(probe, "cpu_seconds", lambda fn, calls=None: next(timed))
+    timed = iter([2.0, 1.0, 8.0] * 2)  # fp32, then bf16
+    monkeypatch.setattr(probe, "cpu_seconds_more", lambda fn, than, calls=None: next(timed))
     got = probe._overhead(torch, pace=2.0)
     per = probe.OVERHEAD_LAYERS
     assert got["fp32"] == pytest.approx({"1": 2 / per * 2, "4": 2 / per * 2, "8": 8 / per * 2})
+
+
+def test_what_a_call_costs_beyond_another_is_the_median_of_back_to_back_pairs(monkeypatch):
+    """A scripted CPU clock: the block costs 3 s and its products 1, and one of the seven
+    pairs has its block hit by 50 s of something else (a throttle's cold slices, a busy
+    neighbour): the figure is still 2, where the difference of two medians taken apart
+    would move with whichever call the outlier lands in."""
+    from smoltrain.calibration import probe
+
+    clock = {"t": 0.0, "calls": 0}
+
+    def block():
+        clock["calls"] += 1
+        clock["t"] += 3.0 + (50.0 if clock["calls"] == 4 else 0.0)
+
+    def products():
+        clock["t"] += 1.0
+
+    monkeypatch.setattr(probe.time, "process_time", lambda: clock["t"])
+    assert probe.cpu_seconds_more(block, products, 7) == pytest.approx(2.0)
+    assert clock["calls"] == 8  # one warm-up call, then seven timed
 
 
 def test_cli_writes_the_report_and_exits_4_when_a_host_failed(tmp_path, capsys):

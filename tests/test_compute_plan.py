@@ -273,6 +273,9 @@ def test_a_decode_chain_on_quota_hosts_takes_the_longer_of_its_full_speed_trip_a
     trip = busiest * 0.9 + 1e-3 + 3 * 1e-4 + moved / 1e12 / 2 + wire  # at 0.9 cores the trip is longer
     assert cpu_quota.decode_chain([4e-3, 1e-3], [fast, free], tr, names, lm) == pytest.approx(trip)
     assert cpu_quota.decode_chain([4e-3, 1e-3], [free, free], tr, names, lm) is None
+    # a cap the host cannot read, and no cycle seen: held back at pace 4, it bursts all the same
+    hidden = Rank("a", gen, 1e9, comm_cpu={"message_s": 1e-3, "bytes_s": 1e12}, pace=4.0)
+    assert cpu_quota.decode_chain([4e-3, 1e-3], [hidden, free], tr, names, lm) == pytest.approx(busiest)
     # the infer plan steps so: its parts (stages, hops) in proportion, summing to the chain
     p = make_plan("pp", get_model("tiny"), 2, mode="infer", batch=1, seq=64, ranks=[held, free], lm=lm, single=False)
     chain = cpu_quota.decode_chain(p["compute_s_per_rank"], [held, free], tr, names, lm)

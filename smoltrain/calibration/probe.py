@@ -117,6 +117,23 @@ def cpu_seconds(fn, calls: int = DECODE_CALLS, warm: bool = True) -> float:
     return sorted(spent)[len(spent) // 2]
 
 
+def cpu_seconds_more(fn, than, calls: int | None = None) -> float:
+    """CPU seconds one call of `fn` takes beyond one of `than`: the median over `calls` pairs,
+    each timed back to back. The layer overhead is a tenth of its block's time: two medians
+    taken apart left it at 0.03-0.94 ms a layer on one drawn cluster's hosts (one CPU, every
+    host the same; a run's stages cost 0.17 ms a layer, issue 36), as a throttle or a busy
+    neighbour moved one median and not the other; a pair sees the same host."""
+    fn(), than()
+    diffs = []
+    for _ in range(calls or OVERHEAD_CALLS):
+        t0 = time.process_time()
+        fn()
+        t1 = time.process_time()
+        than()
+        diffs.append((t1 - t0) - (time.process_time() - t1))
+    return sorted(diffs)[len(diffs) // 2]
+
+
 def decode_layers(torch, dtype: str, one_row: bool) -> list:
     """DECODE_BYTES of weights as the layers' own kernel holds them, each layer its own memory
     (a kernel that keeps the tensor it is given would otherwise read one tile from cache)."""
@@ -161,7 +178,7 @@ def decode_bw(torch, mem_bw: float, copy_bytes: int) -> dict:
 OVERHEAD_LAYER = dict(hidden=576, heads=9, kv_heads=3, head_dim=64, ffn=1536)
 OVERHEAD_POS = 48  # positions already in each row's KV cache
 OVERHEAD_LAYERS = 5  # layers per timed call: the rest is some hundred microseconds a layer
-OVERHEAD_CALLS = 5  # calls timed, the median kept
+OVERHEAD_CALLS = 7  # pairs timed, the median difference kept
 
 
 def decode_overhead(torch, pace: float) -> dict:
@@ -215,10 +232,10 @@ def _overhead(torch, pace: float) -> dict:
                         for lin, a in zip(lins, ins):
                             lin(a)
 
-                whole, alone = (cpu_seconds(_repeat(fn, OVERHEAD_LAYERS), OVERHEAD_CALLS) for fn in (layer, products))
+                extra = cpu_seconds_more(_repeat(layer, OVERHEAD_LAYERS), _repeat(products, OVERHEAD_LAYERS))
                 # more rows never cost a layer less: a noisy pair (a capped host's cold slices)
                 # keeps the fewer rows' figure
-                per[str(rows)] = max([max(0.0, whole - alone) / OVERHEAD_LAYERS * pace] + list(per.values()))
+                per[str(rows)] = max([max(0.0, extra) / OVERHEAD_LAYERS * pace] + list(per.values()))
             out[name] = per
         except (RuntimeError, TypeError):  # this torch cannot run the block in that dtype here
             continue

@@ -20,6 +20,8 @@ Behaviours of CFS, measured on the sim and standard Linux semantics:
 
 from __future__ import annotations
 
+from smoltrain.calibration.pace import HELD_BACK
+
 
 def in_turn_mbit(rate_mbit: float, wire_mbit: float, capped_cpu_mbit: list[float]) -> float:
     """A link's rate when an end is held to a quota: its CPU time per byte and the wire's
@@ -30,9 +32,21 @@ def in_turn_mbit(rate_mbit: float, wire_mbit: float, capped_cpu_mbit: list[float
     return min(rate_mbit, 1 / (1 / wire_mbit + 1 / min(capped_cpu_mbit)))
 
 
+def _burst_share(rk) -> float | None:
+    """A CPU second's wall time at full speed, over its time at the rank's pace: the quota's
+    share of its period where one was read or seen, else 1/pace where the host ran held back
+    without showing its period (a hidden cap; a long period shows no cycle within the probe's
+    windows). None: the rank is not held back. A draw's hidden 0.08-core hosts (pace 12.9 and
+    6.7, no cycle read; random:774035478, issue 36) ran a pp decode stage's 0.5-0.8 ms of CPU in
+    0.7-2.3 ms of wall time, not at their pace: charged at it, the plan was 1.85x too slow."""
+    if rk.cpu_quota:
+        return rk.cpu_quota[0] / rk.cpu_quota[1]
+    return 1 / rk.pace if rk.pace > HELD_BACK else None
+
+
 def decode_chain(stage_s: list, ranks: list, tr, names: list[str], wire) -> float | None:
-    """Seconds per token of a batch-1 decode chain (pp) with a quota host among its ranks;
-    None when none is held to a quota. Each rank's work per token is its stage plus its
+    """Seconds per token of a batch-1 decode chain (pp) with a host held back among its ranks
+    (a quota, read or hidden); None when none is. Each rank's work per token is its stage plus its
     messages, all at the rank's pace as measured. A message handled costs a whole ring
     step's `message_s` (comm_cpu: one sent and one received), not half: in a chain every
     message wakes a peer that slept a whole trip, and on the home sim a pp rank spent
@@ -42,7 +56,8 @@ def decode_chain(stage_s: list, ranks: list, tr, names: list[str], wire) -> floa
     every stage in turn at full speed (a quota host's pace times its cap) plus the wire's
     latency and bytes; over many tokens a quota host does its own work at no more than its
     cap: its pace. The longer of the two."""
-    if not any(rk.cpu_quota for rk in ranks):
+    full = [_burst_share(rk) for rk in ranks]
+    if all(f is None for f in full):
         return None
     msgs, nbytes = tr.link_msgs(), tr.link_bytes()
     chain, busiest = 0.0, 0.0
@@ -51,7 +66,7 @@ def decode_chain(stage_s: list, ranks: list, tr, names: list[str], wire) -> floa
         handled = sum(m for (s, d), m in msgs.items() if i in (s, d))
         moved = sum(b for (s, d), b in nbytes.items() if i in (s, d))
         work = stage_s[i] + handled * cc["message_s"] + moved / cc["bytes_s"] / 2 if cc else stage_s[i]
-        chain += work * (rk.cpu_quota[0] / rk.cpu_quota[1] if rk.cpu_quota else 1.0)
+        chain += work * (full[i] or 1.0)
         busiest = max(busiest, work)
     for (s, d), m in msgs.items():
         chain += wire.get(names[s], names[d]).seconds(nbytes[(s, d)], m)
