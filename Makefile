@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml constraints.txt
 system-deps:
 	@bash scripts/system-deps.sh
 
-# Two workers: every sim and provision file on one (fixed namespace names; SIM_FILES in tests/conftest.py),
+# Two workers: every sim file and playbook on the sim on one (fixed namespace names; SIM_FILES in tests/conftest.py),
 # the other files spread over both, each on one worker; then the tests that hold measured rates to a truth, alone (QUIET in
 # tests/conftest.py). Both phases always run; either failing fails the target.
 test: system-deps setup

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import need
 import pytest
-from conftest import FILE_TIER, QUIET, SIM_FILES, TIER_NAMES, TIERS
+from conftest import FILE_TIER, LOCAL_PLAYBOOKS, QUIET, SIM_FILES, TIER_NAMES, TIERS
 
 HERE = Path(__file__).resolve().parent
 # The only skips allowed outside tests/need.py: a parametrisation that does not apply.
@@ -34,9 +34,11 @@ def test_every_collected_test_has_a_tier(request):
     items = request.session.items
     assert request.node in items
     assert [i.nodeid for i in items if not any(i.get_closest_marker(t) for t in TIER_NAMES)] == []
-    # a sim or provision test runs on the pytest-xdist worker that runs every sim (conftest.SIM_FILES)
+    # a sim or provision test runs on the pytest-xdist worker that runs every sim (conftest.SIM_FILES),
+    # unless its playbooks run only against this machine (conftest.LOCAL_PLAYBOOKS)
     sims = {i.path.name for i in items if i.get_closest_marker("sim") or i.get_closest_marker("provision")}
-    assert sorted(sims - SIM_FILES) == [], "sim tests outside conftest.SIM_FILES"
+    assert sorted(sims - SIM_FILES - LOCAL_PLAYBOOKS) == [], "sim tests outside conftest.SIM_FILES"
+    assert LOCAL_PLAYBOOKS <= set(TIERS["provision"]) and not LOCAL_PLAYBOOKS & SIM_FILES
 
 
 def test_no_skip_can_hide_a_regression():
