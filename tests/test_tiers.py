@@ -38,7 +38,7 @@ def test_every_collected_test_has_a_tier(request):
     # unless its playbooks run only against this machine (conftest.LOCAL_PLAYBOOKS)
     sims = {i.path.name for i in items if i.get_closest_marker("sim") or i.get_closest_marker("provision")}
     assert sorted(sims - SIM_FILES - LOCAL_PLAYBOOKS) == [], "sim tests outside conftest.SIM_FILES"
-    assert LOCAL_PLAYBOOKS <= set(TIERS["provision"]) and not LOCAL_PLAYBOOKS & SIM_FILES
+    assert LOCAL_PLAYBOOKS.issubset(TIERS["provision"]) and not LOCAL_PLAYBOOKS & SIM_FILES
 
 
 def test_no_skip_can_hide_a_regression():
