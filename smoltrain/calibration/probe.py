@@ -117,7 +117,7 @@ def cpu_seconds(fn, calls: int = DECODE_CALLS, warm: bool = True) -> float:
     return sorted(spent)[len(spent) // 2]
 
 
-def cpu_seconds_more(fn, than, calls: int | None = None) -> float:
+def cpu_seconds_more(fn, than, calls: int) -> float:
     """CPU seconds one call of `fn` takes beyond one of `than`: the median over `calls` pairs,
     each timed back to back. The layer overhead is a tenth of its block's time: two medians
     taken apart left it at 0.03-0.94 ms a layer on one drawn cluster's hosts (one CPU, every
@@ -125,7 +125,7 @@ def cpu_seconds_more(fn, than, calls: int | None = None) -> float:
     neighbour moved one median and not the other; a pair sees the same host."""
     fn(), than()
     diffs = []
-    for _ in range(calls or OVERHEAD_CALLS):
+    for _ in range(calls):
         t0 = time.process_time()
         fn()
         t1 = time.process_time()
@@ -232,7 +232,9 @@ def _overhead(torch, pace: float) -> dict:
                         for lin, a in zip(lins, ins):
                             lin(a)
 
-                extra = cpu_seconds_more(_repeat(layer, OVERHEAD_LAYERS), _repeat(products, OVERHEAD_LAYERS))
+                extra = cpu_seconds_more(
+                    _repeat(layer, OVERHEAD_LAYERS), _repeat(products, OVERHEAD_LAYERS), OVERHEAD_CALLS
+                )
                 # more rows never cost a layer less: a noisy pair (a capped host's cold slices)
                 # keeps the fewer rows' figure
                 per[str(rows)] = max([max(0.0, extra) / OVERHEAD_LAYERS * pace] + list(per.values()))
