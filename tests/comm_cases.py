@@ -263,9 +263,10 @@ def successive_groups(comm, params) -> dict:
     backend = comm.backend
 
     def build(world: int, name: str):
-        # 20 s: a group that met stale addresses never forms, however long it waits; under two
-        # test workers and a demo, gloo's full mesh of a good group once took over 8 s (CI)
-        return make_comm(backend, rank, world, "127.0.0.1", port, SECRET, timeout=20.0, namespace=name)
+        # a group that met stale addresses never forms, however long it waits; a good one forms
+        # late on a saturated 2-core machine (gloo's full mesh once took over 8 s in CI, and a
+        # suite at 98% CPU once left rank 0 waiting out 20 s for the others' keys): 45 s
+        return make_comm(backend, rank, world, "127.0.0.1", port, SECRET, timeout=45.0, namespace=name)
 
     first = build(n, "ring-1")
     t = torch.ones(3)

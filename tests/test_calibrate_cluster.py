@@ -192,6 +192,48 @@ def test_repeats_take_each_figures_median_round_by_round():
     assert b["flops"]["fp32"] == 5e9 and doc["settings"]["repeats"] == 3
 
 
+def _figures(name: str, x: float, overhead: float = 1e-4) -> dict:
+    return {
+        "name": name,
+        "status": "ok",
+        "error": None,
+        "flops": {"fp32": x * 1e9},
+        "mem_bw_bytes_s": 1e10,
+        "usable_memory_bytes": 100,
+        "decode_layer_s": {"fp32": {"1": overhead}},
+        "train_step": [{"model": "tiny", "batch": 2, "seq": 64, "seconds": 1 / x, "optimizer_seconds": 0.1 / x}],
+        "decode_step": [{"model": "tiny", "seconds": 0.01}],
+    }
+
+
+def test_a_host_whose_first_two_probes_agree_stops_at_two():
+    """--repeat 3: the third probe outvotes a stray one, so a host whose two agree within 10%
+    on the figures steps are timed by is settled at two (their median), while a host with a
+    stray probe is probed a third time; the layer overhead, noisy by a factor of ten on
+    capped hosts, does not ask for one."""
+    from smoltrain.calibration.cluster import agreed
+
+    rounds = {"a": iter([10.0, 10.5, 99.0]), "b": iter([10.0, 14.0, 11.0])}
+    overheads = {"a": iter([1e-5, 4e-4]), "b": iter([1e-4] * 3)}
+    calls = []
+
+    def fake_probe(h, model, seconds):
+        calls.append(h.name)
+        return _figures(h.name, next(rounds[h.name]), next(overheads[h.name]))
+
+    doc = calibrate_hosts([_local("a"), _local("b")], "tiny", 0.05, probe=fake_probe, repeats=3)
+    assert calls == ["a", "b", "a", "b", "b"]
+    a, b = doc["hosts"]
+    assert a["repeats"] == 2 and a["flops"]["fp32"] == pytest.approx(10.25e9)
+    assert b["repeats"] == 3 and b["flops"]["fp32"] == 11e9 and doc["settings"]["repeats"] == 3
+    # each figure the plan times a step by counts: a training step 12% apart is a disagreement
+    one = _figures("a", 10.0)
+    slow_step = _figures("a", 10.0)
+    slow_step["train_step"][0]["seconds"] *= 1.12
+    assert agreed(one, _figures("a", 10.0)) and not agreed(one, slow_step)
+    assert not agreed(one, {**one, "decode_engine_s": 1e-3})  # a figure one probe lacks
+
+
 def test_a_session_probes_every_round_in_one_process_and_names_why_it_ended():
     """calibration.session: one process answers each round (it starts once), and a process
     that ends instead of answering is reported with its last line of stderr."""

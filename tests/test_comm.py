@@ -121,7 +121,7 @@ def test_a_group_rebuilt_on_its_port_forms_at_once_or_with_rank_0_last(backend, 
     rebuilt at once; smolnet.server now shuts it down."""
     from smoltrain.comm.group import free_port_base
 
-    res = run_group("successive_groups", 3, backend, {"port": free_port_base(3), "late_s": late_s}, timeout=60)
+    res = run_group("successive_groups", 3, backend, {"port": free_port_base(3), "late_s": late_s}, timeout=150)
     assert all(r and r["ok"] for r in res), res
     assert res[2]["result"] == {"left": True}
     for r in res[:2]:

@@ -211,12 +211,15 @@ def _overhead(torch, pace: float) -> dict:
     for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         try:
             per: dict = {}
+            # one block per dtype, viewed per row count: building and initialising one for each
+            # row count was a quarter of this probe's CPU (profiled; wall time at a host's pace)
+            base = LlamaBlock(cfg, cfg.heads, cfg.kv_heads, cfg.ffn).requires_grad_(False)
+            for key, p in base.named_parameters():
+                if "norm" not in key:
+                    p.normal_(0, 0.02)
+            base = base.to(dt)
             for rows in DECODE_ROWS:
-                layer = LlamaBlock(cfg, cfg.heads, cfg.kv_heads, cfg.ffn).requires_grad_(False)
-                for key, p in layer.named_parameters():
-                    if "norm" not in key:
-                        p.normal_(0, 0.02)
-                block = LlamaDecode(layer.to(dt), one_row=rows == 1)
+                block = LlamaDecode(base, one_row=rows == 1)
                 for slot in range(rows):
                     block.open(slot, OVERHEAD_POS + 8, dt)
                 x = torch.randn(rows, 1, H).to(dt)
