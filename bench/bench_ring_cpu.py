@@ -5,7 +5,7 @@ World ranks of smoltrain's SocketComm are forked on loopback; each all-reduces a
 tensor `--n` times after a warm-up and reports its CPU time (getrusage) and wall time per
 ring step (2(N-1) steps per all-reduce). A pair trades on one socket; in a ring of three or
 more each rank sends to one peer and waits on another, which is why `calibrate`'s probe
-(smoltrain/calibration/probe.py) runs a ring of three. Results: BENCHMARKS.md, "tp decode
+(smoltrain/calibration/comm_probe.py) runs a ring of three. Results: BENCHMARKS.md, "tp decode
 and the comm probe's ring of three".
 
     .venv/bin/python bench/bench_ring_cpu.py [--worlds 2,3,4] [--floats 24] [--n 400]

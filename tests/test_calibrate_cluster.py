@@ -70,12 +70,12 @@ def test_layer_overhead_never_falls_with_more_rows(monkeypatch):
     takes 2 s more whole than its products alone, 4 rows (noisy) 1, 8 rows 8."""
     import torch
 
-    from smoltrain.calibration import probe
+    from smoltrain.calibration import decode_probe
 
     timed = iter([2.0, 1.0, 8.0] * 2)  # fp32, then bf16
-    monkeypatch.setattr(probe, "cpu_seconds_more", lambda fn, than, calls=None: next(timed))
-    got = probe._overhead(torch, pace=2.0)
-    per = probe.OVERHEAD_LAYERS
+    monkeypatch.setattr(decode_probe, "cpu_seconds_more", lambda fn, than, calls=None: next(timed))
+    got = decode_probe._overhead(torch, pace=2.0)
+    per = decode_probe.OVERHEAD_LAYERS
     assert got["fp32"] == pytest.approx({"1": 2 / per * 2, "4": 2 / per * 2, "8": 8 / per * 2})
 
 
@@ -84,7 +84,7 @@ def test_what_a_call_costs_beyond_another_is_the_median_of_back_to_back_pairs(mo
     pairs has its block hit by 50 s of something else (a throttle's cold slices, a busy
     neighbour): the figure is still 2, where the difference of two medians taken apart
     would move with whichever call the outlier lands in."""
-    from smoltrain.calibration import probe
+    from smoltrain.calibration import decode_probe
 
     clock = {"t": 0.0, "calls": 0}
 
@@ -95,8 +95,8 @@ def test_what_a_call_costs_beyond_another_is_the_median_of_back_to_back_pairs(mo
     def products():
         clock["t"] += 1.0
 
-    monkeypatch.setattr(probe.time, "process_time", lambda: clock["t"])
-    assert probe.cpu_seconds_more(block, products, 7) == pytest.approx(2.0)
+    monkeypatch.setattr(decode_probe.time, "process_time", lambda: clock["t"])
+    assert decode_probe.cpu_seconds_more(block, products, 7) == pytest.approx(2.0)
     assert clock["calls"] == 8  # one warm-up call, then seven timed
 
 
@@ -190,48 +190,6 @@ def test_repeats_take_each_figures_median_round_by_round():
     assert a["decode_step"][0]["seconds"] == 0.03
     assert a["repeats"] == 3 and a["fp32_flops_each"] == [1e9, 9e9, 3e9]
     assert b["flops"]["fp32"] == 5e9 and doc["settings"]["repeats"] == 3
-
-
-def _figures(name: str, x: float, overhead: float = 1e-4) -> dict:
-    return {
-        "name": name,
-        "status": "ok",
-        "error": None,
-        "flops": {"fp32": x * 1e9},
-        "mem_bw_bytes_s": 1e10,
-        "usable_memory_bytes": 100,
-        "decode_layer_s": {"fp32": {"1": overhead}},
-        "train_step": [{"model": "tiny", "batch": 2, "seq": 64, "seconds": 1 / x, "optimizer_seconds": 0.1 / x}],
-        "decode_step": [{"model": "tiny", "seconds": 0.01}],
-    }
-
-
-def test_a_host_whose_first_two_probes_agree_stops_at_two():
-    """--repeat 3: the third probe outvotes a stray one, so a host whose two agree within 10%
-    on the figures steps are timed by is settled at two (their median), while a host with a
-    stray probe is probed a third time; the layer overhead, noisy by a factor of ten on
-    capped hosts, does not ask for one."""
-    from smoltrain.calibration.cluster import agreed
-
-    rounds = {"a": iter([10.0, 10.5, 99.0]), "b": iter([10.0, 14.0, 11.0])}
-    overheads = {"a": iter([1e-5, 4e-4]), "b": iter([1e-4] * 3)}
-    calls = []
-
-    def fake_probe(h, model, seconds):
-        calls.append(h.name)
-        return _figures(h.name, next(rounds[h.name]), next(overheads[h.name]))
-
-    doc = calibrate_hosts([_local("a"), _local("b")], "tiny", 0.05, probe=fake_probe, repeats=3)
-    assert calls == ["a", "b", "a", "b", "b"]
-    a, b = doc["hosts"]
-    assert a["repeats"] == 2 and a["flops"]["fp32"] == pytest.approx(10.25e9)
-    assert b["repeats"] == 3 and b["flops"]["fp32"] == 11e9 and doc["settings"]["repeats"] == 3
-    # each figure the plan times a step by counts: a training step 12% apart is a disagreement
-    one = _figures("a", 10.0)
-    slow_step = _figures("a", 10.0)
-    slow_step["train_step"][0]["seconds"] *= 1.12
-    assert agreed(one, _figures("a", 10.0)) and not agreed(one, slow_step)
-    assert not agreed(one, {**one, "decode_engine_s": 1e-3})  # a figure one probe lacks
 
 
 def test_a_session_probes_every_round_in_one_process_and_names_why_it_ended():

@@ -159,7 +159,7 @@ def test_run_refuses_bad_threads_and_dtype(capsys, tmp_path):
 PORT_CLASH = """
 import json, random, socket, sys
 import torch
-from smoltrain.calibration import probe
+from smoltrain.calibration import comm_probe
 from smoltrain.comm import group
 
 held = socket.socket()
@@ -171,7 +171,7 @@ real = random.Random.randrange
 random.Random.randrange = lambda self, *a: next(first, None) or real(self, *a)
 random.randrange = lambda *a: random.Random.randrange(random._inst, *a)  # the module's function too
 group._ephemeral_low = lambda default=32768: 65535
-print(json.dumps(probe.comm_cpu(torch, window=0.05)))
+print(json.dumps(comm_probe.comm_cpu(torch, window=0.05)))
 """
 
 

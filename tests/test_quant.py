@@ -143,7 +143,7 @@ def test_16bit_wire_keeps_nan(wire):
 
 
 def test_comm_probe_counts_a_ranks_own_cpu_at_the_hosts_pace():
-    from smoltrain.calibration.probe import per_message
+    from smoltrain.calibration.comm_probe import per_message
 
     # two ranks: one all-reduce is 2 ring steps. Rank 0 spent 4 ms of CPU on a small one:
     # 2 ms a message; on a host whose CPU second takes 3 wall seconds (a 1/3-core cap), 6 ms
@@ -249,10 +249,10 @@ def test_q4_0_kernel_answers_a_row_alike_alone_or_batched():
 
 
 def test_calibrates_decode_product_reads_its_bytes_from_memory():
-    """calibrate's decode product (probe.decode_bw) streams DECODE_BYTES of weights, each layer
-    its own: a one-row layer that keeps the tensor it is given must not be handed one tile
+    """calibrate's decode product (decode_probe.decode_bw) streams DECODE_BYTES of weights, each
+    layer its own: a one-row layer that keeps the tensor it is given must not be handed one tile
     over and over (it then read from cache, and planned fp32 decode 2x too fast)."""
-    from smoltrain.calibration import probe
+    from smoltrain.calibration import decode_probe as probe
 
     layers = probe.decode_layers(torch, "fp32", True)
     assert layers[0].kernel in ("gemv", "blas")

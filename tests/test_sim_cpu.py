@@ -229,10 +229,10 @@ def capped_and_free(script: str, name: str, cores: float, period_us: int | None 
 PACED = r"""
 import json, sys
 import torch
-from smoltrain.calibration import probe
+from smoltrain.calibration import comm_probe
 from smoltrain.calibration.pace import cpu_pace
 pace = cpu_pace()
-print(json.dumps({"pace": pace, "comm": probe.comm_cpu(torch, window=0.5, pace=pace)}))
+print(json.dumps({"pace": pace, "comm": comm_probe.comm_cpu(torch, window=0.5, pace=pace)}))
 """
 
 

@@ -7,12 +7,10 @@ another, because each would measure the others' load instead of its own speed. T
 `machines` says which were measured together and why. A host that fails is reported with its
 reason and the rest are still measured.
 
-With `repeats` > 1 every host is probed up to that many times and each figure is the median.
-A third probe is there to outvote a stray one: a host whose first two agree (`agree`) stops at
-two. Hosts measured one after another go round by round (a, b, c, a, b, c, ...), so a slow
-spell of the machine lands on one probe of several hosts rather than on every probe of one
-host. Each host's probe process stays open from its first round to its last (session.py): it
-starts once.
+With `repeats` > 1 every host is probed that many times and each figure is the median. Hosts
+measured one after another go round by round (a, b, c, a, b, c, ...), so a slow spell of the
+machine lands on one probe of several hosts rather than on every probe of one host. Each host's
+probe process stays open from its first round to its last (session.py): it starts once.
 """
 
 from __future__ import annotations
@@ -129,36 +127,6 @@ def median_probe(docs: list[dict]) -> dict:
     return out
 
 
-AGREE = 0.10  # two probes within this of each other on every figure in `agreed` settle a host
-
-
-def agreed(a: dict, b: dict, within: float = AGREE) -> bool:
-    """Whether two probes of one host agree on the figures a step and a token are timed by
-    (fp32 FLOP/s, memory bandwidth, every training step, the decode step and engine, a
-    message's CPU). The layer overhead beyond its products is left out: it is a tenth of its
-    block and reads 0.00-0.46 ms a layer on the sim's capped hosts, so it would ask every host
-    for a third probe that a median of three does not steady either (docs/compute.md)."""
-
-    def pairs():
-        yield (a.get("flops") or {}).get("fp32"), (b.get("flops") or {}).get("fp32")
-        yield a.get("mem_bw_bytes_s"), b.get("mem_bw_bytes_s")
-        yield a.get("decode_engine_s"), b.get("decode_engine_s")
-        yield (a.get("comm_cpu") or {}).get("message_s"), (b.get("comm_cpu") or {}).get("message_s")
-        for key in ("train_step", "decode_step"):
-            sa, sb = a.get(key) or [], b.get(key) or []
-            if len(sa) != len(sb):
-                yield 1.0, None
-            for x, y in zip(sa, sb):
-                yield x.get("seconds"), y.get("seconds")
-
-    for x, y in pairs():
-        if (x is None) != (y is None):
-            return False
-        if x is not None and abs(x - y) > within * max(abs(x), abs(y)):
-            return False
-    return True
-
-
 def calibrate_hosts(
     hosts: list[Host],
     model: str = "tiny",
@@ -229,7 +197,7 @@ def _calibrate(hosts, model, seconds, progress, probe, repeats, sequential=False
         probes: dict[str, list[dict]] = {h.name: [] for h in lane}
         for n in range(repeats):
             for h in lane:
-                if h.name in results:  # failed in an earlier round, or settled by two that agree
+                if h.name in results:  # failed in an earlier round
                     continue
                 say(h.name, "measuring" + (f" ({n + 1} of {repeats})" if repeats > 1 else ""))
                 try:
@@ -238,9 +206,8 @@ def _calibrate(hosts, model, seconds, progress, probe, repeats, sequential=False
                     results[h.name] = _failed(h.name, e.cause, facts[h.name][0])
                     say(h.name, f"failed: {e.cause}")
                     continue
-                got = probes[h.name]
-                if n == repeats - 1 or (n == 1 and repeats > 2 and agreed(got[0], got[1])):
-                    doc = median_probe(got)
+                if n == repeats - 1:
+                    doc = median_probe(probes[h.name])
                     doc["machine_id"] = facts[h.name][0]
                     results[h.name] = doc
                     say(h.name, "done: " + summary(doc))
@@ -288,10 +255,7 @@ def local_report(
     """This machine alone (`calibrate --local`), probed in-process at `threads` (default: its CPUs)."""
     from smoltrain.calibration.probe import probe as run_probe
 
-    docs = [run_probe(model, seconds, threads, None, device) for _ in range(min(repeats, 2))]
-    if repeats > 2 and not agreed(docs[0], docs[1]):
-        docs += [run_probe(model, seconds, threads, None, device) for _ in range(repeats - 2)]
-    doc = median_probe(docs)
+    doc = median_probe([run_probe(model, seconds, threads, None, device) for _ in range(repeats)])
     return {
         "schema": COMPUTE_SCHEMA,
         "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),

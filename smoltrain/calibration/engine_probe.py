@@ -43,7 +43,7 @@ class _Weights:
 def engine_step_s(torch, pace: float) -> float:
     """Seconds per decode step of the engine's own work on one rank (one row, greedy), at one thread."""
     from smoltrain import host
-    from smoltrain.calibration.probe import cpu_seconds
+    from smoltrain.calibration.decode_probe import cpu_seconds
     from smoltrain.infer.activations import Codec
     from smoltrain.infer.batching import DECODE, Item, Request, slots_of
     from smoltrain.infer.engine import Engine

@@ -1,6 +1,6 @@
 """What a message costs each host's CPU on the interface the ranks really use.
 
-probe.comm_cpu times a ring of three ranks on one host's loopback. On the sim's home hosts
+comm_probe.comm_cpu times a ring of three ranks on one host's loopback. On the sim's home hosts
 a decode rank spends 1.6-2x that CPU per ring step (tp, 96 a token) and about 4x per pp
 hop (issue 36: `generate --json` decode.per_rank): a message to another host also crosses
 a veth, the bridge and the shapers, the peer's wake-up is a real one, and a capped host
@@ -51,8 +51,8 @@ def rank_main(rank: int, addrs: list[str], port: int, secret: bytes, window: flo
     MTU is wrong (provisioning finds and fixes it) still answers."""
     import torch
 
+    from smoltrain.calibration.comm_probe import ring_rounds
     from smoltrain.calibration.pace import cpu_pace
-    from smoltrain.calibration.probe import ring_rounds
     from smoltrain.comm import make_comm
 
     torch.set_num_threads(1)

@@ -38,8 +38,7 @@ def add_arguments(p) -> None:
         type=validate.count(20),
         default=1,
         metavar="N",
-        help="with -i or --local: probe every host up to N times and keep each figure's median; from 3, a host "
-        "whose first two probes agree within 10%% stops at two (default 1)",
+        help="with -i or --local: probe every host N times and keep each figure's median (default 1)",
     )
     p.add_argument(
         "--sequential",
