@@ -206,8 +206,6 @@ def search(a: Ask) -> Placement:
     return SEARCH[a.info.splits](a)
 
 
-
-
 def _order_words(order, topology, link_s, nbytes) -> list[str]:
     e = slowest_edge(order, topology, link_s, nbytes)
     if e is None or len(order) < 2:
