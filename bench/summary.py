@@ -80,6 +80,8 @@ ROWS = [
     ("mesh on the fastpair sim: the plan's best mesh >= 1.3x the best exact 1-D strategy (tokens/s), within 25% "
      "of its plan; the measured top three in the plan's order",
      bench("mesh-fastpair", "bench_mesh.py", sim=True), ""),
+    ("a rank at one thread waiting on a peer spends under 2% of the wait on CPU (socket and gloo)",
+     bench("wait-cpu", "bench_wait_cpu.py"), ""),
     ("fault matrix: 7 strategies x 5 faults detected within 15 s, right culprit", bench("faults", "bench_faults.py"),
      "35 of 35, detection 0.03-3.1 s"),
     ("damaged checkpoints x 7 strategies: skipped saying why, resumed from the intact one",
