@@ -155,6 +155,31 @@ def test_kernel_rate_drops_the_warm_up_and_takes_the_median_window(monkeypatch):
     assert abs(rate - 500) < 30, rate  # the median window (2 ms a call), not 1 ms or 10 ms
 
 
+def test_a_bursts_wake_is_the_median_of_cold_and_warm_pairs(monkeypatch):
+    """decode_probe.burst_wake: a burst after a sleep against the same burst at once, paired;
+    a scripted CPU clock where the cold burst costs 3 s and the warm 1, and one pair's cold
+    burst 50 s more (a neighbour's spell): the figure is 2, and each pair slept first."""
+    import torch
+
+    from smoltrain.calibration import decode_probe
+
+    clock = {"t": 0.0, "reads": 0}
+    costs = iter([c for k in range(decode_probe.WAKE_CALLS) for c in ((53.0 if k == 3 else 3.0), 1.0, 0.0)])
+
+    def read():
+        clock["reads"] += 1
+        t = clock["t"]
+        clock["t"] += next(costs)
+        return t
+
+    slept = []
+    monkeypatch.setattr(decode_probe.time, "process_time", read)
+    monkeypatch.setattr(decode_probe.time, "sleep", slept.append)
+    assert decode_probe.burst_wake(torch) == pytest.approx(2.0)
+    assert slept == [decode_probe.WAKE_IDLE_S] * decode_probe.WAKE_CALLS
+    assert clock["reads"] == 3 * decode_probe.WAKE_CALLS
+
+
 def test_repeats_take_each_figures_median_round_by_round():
     """A fake probe whose figures differ per round (the real probe runs in the tests above):
     each figure is the median of its rounds, and a shared machine's hosts alternate."""

@@ -64,3 +64,26 @@ def test_a_paced_host_without_a_cycle_runs_at_its_pace_and_the_schedule_is_gpipe
         assert got.compute_s == pytest.approx(walls) and got.update_s == pytest.approx(updates)
         critical, comm = pipeline(walls, hops, hops, m, True, updates)
         assert got.step_s == pytest.approx(critical + comm) if m == 1 else got.step_s <= critical + comm
+
+
+def test_a_burst_after_the_host_sat_idle_pays_its_wake_and_one_right_after_does_not():
+    """calibrate's burst_wake_s (at full speed): charged on the work that follows a wait of
+    WAKE_IDLE_S or more since the host's last burst ended, never on work begun at once, so a
+    stage waiting on its neighbours pays it once a wait, in its compute."""
+    c = cfs.Cpu(wake_s=0.5 * MS)
+    assert not c.idle(0.0)  # the first burst: nothing before it
+    assert c.run(0.0, 1 * MS, c.idle(0.0)) == pytest.approx((0.0, 1 * MS))
+    assert not c.idle(1 * MS) and not c.idle(1 * MS + cfs.WAKE_IDLE_S * 0.9)
+    assert c.idle(10 * MS)
+    assert c.run(10 * MS, 1 * MS, c.idle(10 * MS)) == pytest.approx((10 * MS, 11.5 * MS))  # after a wait: 1.5 ms
+    # in a two-stage chain the second stage sleeps while the first works: each of its forward
+    # and backward bursts starts after a wait, so its compute grows by its wakes
+    base = _two(cfs.Cpu(), 1 * MS, 1 * MS, wire=5 * MS).compute_s[1]
+    woken = cfs.chain(
+        [cfs.Stage(1 * MS, 0.0, [0.0, 0.0], [0.0, 0.0]), cfs.Stage(1 * MS, 0.0, [0.0, 0.0], [0.0, 0.0])],
+        [cfs.Cpu(), cfs.Cpu(wake_s=0.5 * MS)],
+        [5 * MS],
+        [5 * MS],
+        1,
+    ).compute_s[1]
+    assert woken > base

@@ -282,6 +282,38 @@ def test_a_decode_chain_on_quota_hosts_takes_the_longer_of_its_full_speed_trip_a
     assert p["step_s"] == pytest.approx(chain) and p["compute_s_per_step"] < sum(p["compute_s_per_rank"])
 
 
+def test_every_stage_of_a_decode_chain_pays_its_wake_once_a_token(tmp_path):
+    """calibrate's burst_wake_s reaches the rank (a share of a machine pays it over its share,
+    as the engine step), and a pp decode token wakes each stage from a sleep of a whole trip: the
+    step grows by both stages' wakes, on uncapped hosts (the plain chain) and on quota ones
+    (decode_chain: here the full-speed trip is the longer, so the capped host's wake counts at
+    full speed, a quarter of its 1 ms at pace 4, and the free host's whole)."""
+    from dataclasses import replace
+
+    from smoltrain.planner.devices import get_device
+    from smoltrain.planner.ranks import Rank
+    from smoltrain.schema import check_any
+
+    tiny = get_model("tiny")
+    woke = [dict(_host(n, 0.02, 1e-9), burst_wake_s=w) for n, w in (("a", 4e-4), ("b", 6e-4))]
+    check_any({"schema": "smoltrain.compute/1", "created": "x", "hosts": woke})
+    ranks, _ = measured.apply(resolve_ranks(2, [H("a"), H("b")]), [H("a"), H("b")], _report(tmp_path, woke), tiny)
+    assert [rk.device.burst_wake_s for rk in ranks] == pytest.approx([4e-4, 6e-4])
+    lm = from_class("1gbe")
+
+    def step(rks):
+        return make_plan("pp", tiny, 2, mode="infer", batch=1, seq=64, ranks=rks, lm=lm, single=False)["step_s"]
+
+    asleep = [replace(rk, device=replace(rk.device, burst_wake_s=None)) for rk in ranks]
+    assert step(ranks) - step(asleep) == pytest.approx(4e-4 + 6e-4)
+    gen = get_device("generic")
+    cc = {"message_s": 1e-4, "bytes_s": 1e12}
+    held = Rank("a", replace(gen, burst_wake_s=1e-3), 1e9, comm_cpu=cc, cpu_quota=(2.5e-3, 10e-3), pace=4.0)
+    free = Rank("b", replace(gen, burst_wake_s=1e-3), 1e9, comm_cpu=cc)
+    plain = [replace(rk, device=gen) for rk in (held, free)]
+    assert step([held, free]) - step(plain) == pytest.approx(1e-3 / 4 + 1e-3, rel=1e-6)
+
+
 def test_measured_decode_rate_times_the_weight_reads(tmp_path):
     """A host whose few-row products read weights at 2 GB/s (1 row), 1 (4 rows) and 0.5 (8
     rows) while a copy moves 5: decode time is the weights at that rate plus the KV cache at

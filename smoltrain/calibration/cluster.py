@@ -111,8 +111,9 @@ def median_probe(docs: list[dict]) -> dict:
             for rows in by_rows:
                 each = [(d.get(key) or {}).get(dt, {}).get(rows) for d in docs]
                 by_rows[rows] = med([x for x in each if x is not None])
-    if all(d.get("decode_engine_s") is not None for d in docs):
-        out["decode_engine_s"] = med([d["decode_engine_s"] for d in docs])
+    for key in ("decode_engine_s", "burst_wake_s"):
+        if all(d.get(key) is not None for d in docs):
+            out[key] = med([d[key] for d in docs])
     if all(d.get("comm_cpu") for d in docs):
         for k in out["comm_cpu"]:
             out["comm_cpu"][k] = med([d["comm_cpu"][k] for d in docs])

@@ -47,6 +47,47 @@ def cpu_seconds_more(fn, than, calls: int) -> float:
     return sorted(diffs)[len(diffs) // 2]
 
 
+WAKE_IDLE_S = 0.02  # asleep this long before the timed burst: past the ~8-20 ms where the cost levels off
+WAKE_CALLS = 9  # bursts timed after a sleep, each beside one right after it; the median difference kept
+WAKE_LAYERS = 6  # small layers of tiny8's width per burst: about a decode stage's or a microbatch's work
+
+
+def burst_wake(torch) -> float:
+    """CPU seconds a burst costs when it starts after the host slept, beyond the same burst
+    run right after another: the median over WAKE_CALLS pairs (cpu_seconds_more's pairing), at
+    one thread. On the 2-vCPU VM of issue 36, six such layers took 0.29-0.71 ms warm and
+    1.0-1.27 ms after 20 ms or more asleep, on every sim host, capped or not (a few ms asleep:
+    part of it); a chain's stages sleep between their bursts, so every burst pays it."""
+    from smoltrain import host
+
+    threads = torch.get_num_threads()
+    host.set_threads(1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        w = [torch.randn(96, 384, generator=g) * 0.05, torch.randn(384, 96, generator=g) * 0.05]
+        x = torch.randn(1, 96, generator=g)
+
+        def burst():
+            h = x
+            with torch.no_grad():
+                for _ in range(WAKE_LAYERS):
+                    h = torch.nn.functional.layer_norm(h + torch.nn.functional.gelu(h @ w[0]) @ w[1], (96,))
+
+        for _ in range(20):
+            burst()
+        diffs = []
+        for _ in range(WAKE_CALLS):
+            time.sleep(WAKE_IDLE_S)
+            t0 = time.process_time()
+            burst()
+            t1 = time.process_time()
+            burst()
+            diffs.append((t1 - t0) - (time.process_time() - t1))
+        return max(0.0, sorted(diffs)[len(diffs) // 2])
+    finally:
+        host.set_threads(threads)
+
+
 def decode_layers(torch, dtype: str, one_row: bool) -> list:
     """DECODE_BYTES of weights as the layers' own kernel holds them, each layer its own memory
     (a kernel that keeps the tensor it is given would otherwise read one tile from cache)."""

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from smolnet.facts import machine_id
 from smoltrain.calibration.comm_probe import comm_cpu
-from smoltrain.calibration.decode_probe import decode_bw, decode_overhead
+from smoltrain.calibration.decode_probe import burst_wake, decode_bw, decode_overhead
 from smoltrain.calibration.pace import HELD_BACK, PACE_WINDOW, one_thread
 from smoltrain.calibration.pace import measure as measure_pace
 
@@ -227,6 +227,7 @@ def probe(
     comm = comm_cpu(torch, pace=1.0) if hasattr(os, "fork") else None
     layer = decode_overhead(torch, 1.0) if device == "cpu" else {}
     engine = engine_step_s(torch, 1.0) if device == "cpu" else None
+    wake = burst_wake(torch) if device == "cpu" else None
     paced = max(p.pace for p in paces) > HELD_BACK and torch.get_num_threads() == 1 and device == "cpu"
     steps = []
     if model and model != "none":
@@ -258,17 +259,19 @@ def probe(
         "cpu_cycle": held.cycle(),
         "decode_step": [],
     }
-    doc.update(at_pace(pace, comm, layer, engine, steps if paced else []))
+    doc.update(at_pace(pace, comm, layer, engine, steps if paced else [], wake))
     doc["train_step"] = steps
     if model and model != "none":
         doc["decode_step"].append({"model": model, "seconds": decode_seconds(torch, model, w, device)})
     return doc
 
 
-def at_pace(pace: float, comm: dict | None, layer: dict, engine: float | None, cpu_steps: list) -> dict:
+def at_pace(
+    pace: float, comm: dict | None, layer: dict, engine: float | None, cpu_steps: list, wake: float | None = None
+) -> dict:
     """The figures measured in CPU seconds, in wall seconds at the host's pace: a message's and a
-    byte's CPU (comm_cpu), each layer's cost beyond its products, the decode engine's step, and
-    the training steps timed in CPU seconds (scaled in place)."""
+    byte's CPU (comm_cpu), each layer's cost beyond its products, the decode engine's step, a
+    burst's cost after a sleep, and the training steps timed in CPU seconds (scaled in place)."""
     for st in cpu_steps:
         st["seconds"] *= pace
         st["optimizer_seconds"] *= pace
@@ -276,6 +279,7 @@ def at_pace(pace: float, comm: dict | None, layer: dict, engine: float | None, c
         "comm_cpu": {"message_s": comm["message_s"] * pace, "bytes_s": comm["bytes_s"] / pace} if comm else comm,
         "decode_layer_s": {dt: {r: v * pace for r, v in rows.items()} for dt, rows in layer.items()},
         "decode_engine_s": engine * pace if engine is not None else None,
+        "burst_wake_s": wake * pace if wake is not None else None,
     }
 
 

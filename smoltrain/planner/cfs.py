@@ -33,11 +33,16 @@ PERIODS = 4  # the steps that end in the second half of that are the steady stat
 MAX_STEPS = 400
 PHASES = 8  # phase offsets averaged over
 SPREAD = (0.85, 1.0, 1.15)  # scales of every stage's work averaged over: the calibration's spread
+WAKE_IDLE_S = 0.002  # a burst begun after the host sat idle this long pays its wake (Cpu.wake_s)
 
 
 @dataclass
 class Cpu:
-    """One host's CPU: full speed within its quota per period, else `pace` wall seconds a CPU second."""
+    """One host's CPU: full speed within its quota per period, else `pace` wall seconds a CPU second.
+    A burst of work that follows a wait of WAKE_IDLE_S or more costs `wake_s` more CPU (at full
+    speed; calibrate's burst_wake_s): a stage waiting on its neighbours between microbatches pays
+    it once a wait, in its work (cold caches slow the work, not the message's receipt), which is
+    where a run's per-rank timings count it too."""
 
     pace: float = 1.0
     quota_s: float | None = None
@@ -46,9 +51,16 @@ class Cpu:
     free_at: float = 0.0
     _period: int = -1
     _used: float = 0.0
+    wake_s: float = 0.0
 
-    def run(self, ready: float, work: float) -> tuple[float, float]:
-        """(start, end) of `work` CPU seconds at full speed begun once both it is ready and the host is free."""
+    def idle(self, ready: float) -> bool:
+        """Whether something ready at `ready` finds the host asleep long enough to pay its wake."""
+        return ready - self.free_at >= WAKE_IDLE_S
+
+    def run(self, ready: float, work: float, woken: bool = False) -> tuple[float, float]:
+        """(start, end) of `work` CPU seconds at full speed begun once both it is ready and the host
+        is free; `woken`: the work follows a wait (idle), so it costs its wake more."""
+        work += self.wake_s if woken else 0.0
         t = start = max(ready, self.free_at)
         if not self.quota_s or not self.period_s or self.quota_s >= self.period_s:
             t += work * (self.pace if self.quota_s is None else 1.0)
@@ -115,10 +127,11 @@ def _steps(stages, cpus, wire_f, wire_b, m) -> tuple[float, list[float], list[fl
         fwd = [[0.0] * m for _ in range(n)]  # when stage i's forward of microbatch j reaches i + 1
         for j in range(m):
             for i in range(n):
-                ready = 0.0
+                ready, woken = 0.0, False
                 if i > 0:
+                    woken = cpus[i].idle(fwd[i - 1][j])
                     _, ready = cpus[i].run(fwd[i - 1][j], stages[i].recv_s[0])
-                s, e = cpus[i].run(ready, stages[i].work_s / 3 / m)
+                s, e = cpus[i].run(ready, stages[i].work_s / 3 / m, woken)
                 work[i] += e - s
                 if i < n - 1:
                     _, sent = cpus[i].run(e, stages[i].send_s[0])
@@ -126,10 +139,11 @@ def _steps(stages, cpus, wire_f, wire_b, m) -> tuple[float, list[float], list[fl
         bwd = [[0.0] * m for _ in range(n)]  # when stage i's backward of microbatch j reaches i - 1
         for j in range(m):
             for i in reversed(range(n)):
-                ready = 0.0
+                ready, woken = 0.0, False
                 if i < n - 1:
+                    woken = cpus[i].idle(bwd[i + 1][j])
                     _, ready = cpus[i].run(bwd[i + 1][j], stages[i].recv_s[1])
-                s, e = cpus[i].run(ready, 2 * stages[i].work_s / 3 / m)
+                s, e = cpus[i].run(ready, 2 * stages[i].work_s / 3 / m, woken)
                 work[i] += e - s
                 if i > 0:
                     _, sent = cpus[i].run(e, stages[i].send_s[1])

@@ -41,6 +41,7 @@ class HostCompute:
     decode_engine: float | None = None  # seconds of a rank's decode engine per step (calibration.engine_probe)
     cpu_pace: float | None = None  # wall seconds per CPU second of one busy thread (calibration.pace)
     cpu_cycle: tuple | None = None  # (quota, period) seconds of the throttle a busy thread showed
+    burst_wake: float | None = None  # seconds a burst costs more after the host slept (decode_probe.burst_wake)
 
     def quota(self) -> tuple[float, float] | None:
         """(quota, period) in seconds of a CFS cap: the one the host reads where its period was
@@ -149,6 +150,7 @@ def _host(d: dict, origin: str) -> HostCompute:
             (float(d["decode_engine_s"]) if d.get("decode_engine_s") else None),
             (float(d["cpu_pace"]) if d.get("cpu_pace") else None),
             _cycle(d.get("cpu_cycle")),
+            (float(d["burst_wake_s"]) if d.get("burst_wake_s") is not None else None),
         )
     except (KeyError, TypeError, ValueError, AttributeError):
         raise UsageError(f"{origin}: host {d.get('name', '?')!r} lacks flops or mem_bw_bytes_s") from None
@@ -277,6 +279,7 @@ def measured_ranks(ranks: list, figs: list[HostCompute], model: ModelSpec, share
             decode_bw=f.decode_bw,
             decode_layer=f.decode_layer,
             decode_engine_s=f.decode_engine,
+            burst_wake_s=f.burst_wake,
         )
         prof = replace(prof, **prof.decode_scaled(share))
         cc = None

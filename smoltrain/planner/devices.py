@@ -39,6 +39,8 @@ class DeviceProfile:
     decode_layer: tuple = ()
     # seconds a rank's decode engine spends per step beyond layers and messages, where calibrated
     decode_engine_s: float | None = None
+    # seconds a burst of work costs more when it starts after the rank slept, where calibrated
+    burst_wake_s: float | None = None
 
     def flops(self, dtype: str) -> float:
         if dtype == "bf16" and self.flops_bf16:
@@ -65,12 +67,13 @@ class DeviceProfile:
         return by_rows(pts, rows) if pts else None
 
     def decode_scaled(self, f: float) -> dict:
-        """decode_bw, decode_layer and decode_engine_s for a rank with a share f of a machine (rates times f,
-        seconds over f), as `replace` arguments."""
+        """decode_bw, decode_layer, decode_engine_s and burst_wake_s for a rank with a share f of a
+        machine (rates times f, seconds over f), as `replace` arguments."""
         return {
             "decode_bw": tuple((dt, tuple((r, b * f) for r, b in pts)) for dt, pts in self.decode_bw),
             "decode_layer": tuple((dt, tuple((r, t / f) for r, t in pts)) for dt, pts in self.decode_layer),
             "decode_engine_s": None if self.decode_engine_s is None else self.decode_engine_s / f,
+            "burst_wake_s": None if self.burst_wake_s is None else self.burst_wake_s / f,
         }
 
     def to_dict(self) -> dict:

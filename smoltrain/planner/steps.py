@@ -119,6 +119,8 @@ def layers(s: Setting) -> StepTime:
         return StepTime(max(s.compute_s), cc.total_s, cc)
     stage = list(s.compute_s)
     if not s.train:
+        # a token wakes every stage in turn from a sleep of a whole trip: each pays its wake
+        stage = [c + (rk.device.burst_wake_s or 0.0) for c, rk in zip(stage, s.ranks)]
         t = cpu_quota.decode_chain(stage, s.ranks, s.tr, s.names, s.wire)
         if t is None or not math.isfinite(cc.total_s):
             return StepTime(sum(stage), cc.total_s, cc)
@@ -147,7 +149,8 @@ def on_periods(s: Setting, mb: float) -> tuple[list, list, list, list]:
         msg = (cc["message_s"] + mb / cc["bytes_s"] / 2) * full if cc else 0.0
         stages.append(cfs.Stage(max(0.0, st - up) * full, up * full, [msg, msg], [msg, msg]))
         q = rk.cpu_quota
-        cpus.append(cfs.Cpu(rk.pace, q[0] if q else None, q[1] if q else None))
+        wake = (rk.device.burst_wake_s or 0.0) * full
+        cpus.append(cfs.Cpu(rk.pace, q[0] if q else None, q[1] if q else None, wake_s=wake))
     return (stages, cpus, *hops_of(s.wire, s.names, mb))
 
 
