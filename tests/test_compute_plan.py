@@ -282,12 +282,12 @@ def test_a_decode_chain_on_quota_hosts_takes_the_longer_of_its_full_speed_trip_a
     assert p["step_s"] == pytest.approx(chain) and p["compute_s_per_step"] < sum(p["compute_s_per_rank"])
 
 
-def test_every_stage_of_a_decode_chain_pays_its_wake_once_a_token(tmp_path):
-    """calibrate's burst_wake_s reaches the rank (a share of a machine pays it over its share,
-    as the engine step), and a pp decode token wakes each stage from a sleep of a whole trip: the
-    step grows by both stages' wakes, on uncapped hosts (the plain chain) and on quota ones
-    (decode_chain: here the full-speed trip is the longer, so the capped host's wake counts at
-    full speed, a quarter of its 1 ms at pace 4, and the free host's whole)."""
+def test_a_training_chain_on_quota_hosts_pays_each_stages_wake_and_a_decode_chain_does_not(tmp_path):
+    """calibrate's burst_wake_s reaches the rank (over its share of a machine, as the engine
+    step); on quota hosts a pp training step lays each stage's bursts on its periods (cfs) and a
+    burst that follows a wait pays the wake, so the step is longer with it. A decode chain is
+    planned without it: charged once a token a stage, it took pp decode within 25% on 5 of 9 fresh
+    drawn clusters where without it 8 of 9 (seed 1365777908, BENCHMARKS.md)."""
     from dataclasses import replace
 
     from smoltrain.planner.devices import get_device
@@ -299,19 +299,17 @@ def test_every_stage_of_a_decode_chain_pays_its_wake_once_a_token(tmp_path):
     check_any({"schema": "smoltrain.compute/1", "created": "x", "hosts": woke})
     ranks, _ = measured.apply(resolve_ranks(2, [H("a"), H("b")]), [H("a"), H("b")], _report(tmp_path, woke), tiny)
     assert [rk.device.burst_wake_s for rk in ranks] == pytest.approx([4e-4, 6e-4])
-    lm = from_class("1gbe")
-
-    def step(rks):
-        return make_plan("pp", tiny, 2, mode="infer", batch=1, seq=64, ranks=rks, lm=lm, single=False)["step_s"]
-
-    asleep = [replace(rk, device=replace(rk.device, burst_wake_s=None)) for rk in ranks]
-    assert step(ranks) - step(asleep) == pytest.approx(4e-4 + 6e-4)
-    gen = get_device("generic")
+    lm, gen = from_class("1gbe"), get_device("generic")
     cc = {"message_s": 1e-4, "bytes_s": 1e12}
-    held = Rank("a", replace(gen, burst_wake_s=1e-3), 1e9, comm_cpu=cc, cpu_quota=(2.5e-3, 10e-3), pace=4.0)
-    free = Rank("b", replace(gen, burst_wake_s=1e-3), 1e9, comm_cpu=cc)
-    plain = [replace(rk, device=gen) for rk in (held, free)]
-    assert step([held, free]) - step(plain) == pytest.approx(1e-3 / 4 + 1e-3, rel=1e-6)
+
+    def step(wake, mode):
+        dev = replace(gen, burst_wake_s=wake)
+        rks = [Rank(n, dev, 1e9, comm_cpu=cc, cpu_quota=(2.5e-3, 10e-3), pace=4.0) for n in ("a", "b")]
+        kw = dict(batch=8, seq=64, microbatches=4) if mode == "train" else dict(batch=1, seq=64)
+        return make_plan("pp", tiny, 2, mode=mode, ranks=rks, lm=lm, single=False, **kw)["step_s"]
+
+    assert step(2e-3, "train") > step(None, "train")
+    assert step(2e-3, "infer") == pytest.approx(step(None, "infer"))
 
 
 def test_measured_decode_rate_times_the_weight_reads(tmp_path):

@@ -57,7 +57,8 @@ def burst_wake(torch) -> float:
     run right after another: the median over WAKE_CALLS pairs (cpu_seconds_more's pairing), at
     one thread. On the 2-vCPU VM of issue 36, six such layers took 0.29-0.71 ms warm and
     1.0-1.27 ms after 20 ms or more asleep, on every sim host, capped or not (a few ms asleep:
-    part of it); a chain's stages sleep between their bursts, so every burst pays it."""
+    part of it); a chain's stages sleep between their bursts, so a burst after a wait pays it
+    (the plan charges it to training chains on quota hosts: planner/cfs.Cpu)."""
     from smoltrain import host
 
     threads = torch.get_num_threads()

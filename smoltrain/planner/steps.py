@@ -119,8 +119,6 @@ def layers(s: Setting) -> StepTime:
         return StepTime(max(s.compute_s), cc.total_s, cc)
     stage = list(s.compute_s)
     if not s.train:
-        # a token wakes every stage in turn from a sleep of a whole trip: each pays its wake
-        stage = [c + (rk.device.burst_wake_s or 0.0) for c, rk in zip(stage, s.ranks)]
         t = cpu_quota.decode_chain(stage, s.ranks, s.tr, s.names, s.wire)
         if t is None or not math.isfinite(cc.total_s):
             return StepTime(sum(stage), cc.total_s, cc)
