@@ -30,15 +30,19 @@ def cpu_seconds(fn, calls: int = DECODE_CALLS, warm: bool = True) -> float:
     return sorted(spent)[len(spent) // 2]
 
 
-def cpu_seconds_more(fn, than, calls: int) -> float:
+def cpu_seconds_more(fn, than, calls: int, warm: bool = True, pause: float = 0.0) -> float:
     """CPU seconds one call of `fn` takes beyond one of `than`: the median over `calls` pairs,
-    each timed back to back. The layer overhead is a tenth of its block's time: two medians
-    taken apart left it at 0.03-0.94 ms a layer on one drawn cluster's hosts (one CPU, every
-    host the same; a run's stages cost 0.17 ms a layer, issue 36), as a throttle or a busy
-    neighbour moved one median and not the other; a pair sees the same host."""
-    fn(), than()
+    each timed back to back (after `pause` seconds asleep, when given; after one untimed pair,
+    when `warm`). The layer overhead is a tenth of its block's time: two medians taken apart
+    left it at 0.03-0.94 ms a layer on one drawn cluster's hosts (one CPU, every host the same;
+    a run's stages cost 0.17 ms a layer, issue 36), as a throttle or a busy neighbour moved one
+    median and not the other; a pair sees the same host."""
+    if warm:
+        fn(), than()
     diffs = []
     for _ in range(calls):
+        if pause:
+            time.sleep(pause)
         t0 = time.process_time()
         fn()
         t1 = time.process_time()
@@ -76,15 +80,7 @@ def burst_wake(torch) -> float:
 
         for _ in range(20):
             burst()
-        diffs = []
-        for _ in range(WAKE_CALLS):
-            time.sleep(WAKE_IDLE_S)
-            t0 = time.process_time()
-            burst()
-            t1 = time.process_time()
-            burst()
-            diffs.append((t1 - t0) - (time.process_time() - t1))
-        return max(0.0, sorted(diffs)[len(diffs) // 2])
+        return max(0.0, cpu_seconds_more(burst, burst, WAKE_CALLS, warm=False, pause=WAKE_IDLE_S))
     finally:
         host.set_threads(threads)
 
