@@ -115,3 +115,38 @@ def test_second_render_in_check_mode_changes_nothing(rendered):
     r = recap(again.stdout).get("localhost")
     assert r and r["failed"] == 0, again.stdout[-4000:]
     assert r["changed"] == 0, changed_tasks(again.stdout)
+
+
+def test_ganesha_start_takes_a_ganesha_already_running_as_done(tmp_path):
+    """The role's own start command, against the real start-stop-daemon: after a restart in the
+    same run ganesha writes its pidfile a moment after the status check read none (CI saw the
+    start then fail with "already running"). The start is skipped after a restart, and where it
+    still meets a running one it exits 0 and reports no change."""
+    import subprocess
+
+    import jinja2
+    import yaml
+
+    tasks = yaml.safe_load(Path("playbooks/roles/nfs_server/tasks/ganesha.yml").read_text())
+    start = next(t for t in tasks if t["name"] == "Start ganesha")
+    env = jinja2.Environment()
+    facts = {
+        "nfs_server_ganesha_state_dir": str(tmp_path),
+        "nfs_server_ganesha_bin": "/usr/bin/sleep",  # stands in for ganesha.nfsd: a real process
+        "nfs_server_ganesha_conf": str(tmp_path / "smolcluster.conf"),
+    }
+    argv = [env.from_string(a).render(**facts) for a in start["ansible.builtin.command"]["argv"]]
+    when = env.compile_expression(start["when"])
+    assert when(**facts, nfs_server_ganesha_running=False) is True
+    assert when(**facts, nfs_server_ganesha_running=False, nfs_server_ganesha_restarted=True) is False
+    running = subprocess.Popen(["/usr/bin/sleep", "600"])
+    try:
+        (tmp_path / "ganesha.pid").write_text(f"{running.pid}\n")
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stdout + done.stderr
+        changed = env.compile_expression(start["changed_when"])
+        assert changed(nfs_server_ganesha_start={"stdout": done.stdout}) is False
+        assert running.poll() is None  # the one ganesha, untouched
+    finally:
+        running.kill()
+        running.wait()
