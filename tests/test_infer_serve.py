@@ -364,7 +364,9 @@ def test_serve_command_with_replicas(tmp_path):
             t.start()
         for t in ts:
             t.join(120)
-        assert [doc["choices"][0]["token_ids"] for _, doc in got] == [want] * 4
+        # a rare early end (2 and 1 of 4 tokens, once in CI under load) left no trace: say which end and the log
+        ends = [(st, doc["choices"][0]["finish_reason"] if st == 200 else doc) for st, doc in got]
+        assert [doc["choices"][0]["token_ids"] for _, doc in got] == [want] * 4, (ends, lines[-20:])
         m = metrics(port)
         assert m[("smol_replica_requests_total", (("replica", "0"),))] > 0
         assert m[("smol_replica_requests_total", (("replica", "1"),))] > 0
