@@ -39,6 +39,8 @@ def test(path: str) -> dict:
 ROWS = [
     ("calibrate on one host: optimizer < its training step, decode step < a training step",
      bench("calibrate", "bench_calibrate.py", "--rounds 2"), ""),
+    ("calibrate the home sim's hosts two at a time: wall <= 0.75 of one after another, steps and fp32 within 25%",
+     bench("calibrate-lanes", "bench_calibrate_lanes.py", "--pairs 2", sim=True), ""),
     ("socket all-reduce busbw >= 1.0x gloo from 1 MB, 4 KB latency <= gloo's (2 ranks, loopback)",
      bench("allreduce-loopback", "bench_allreduce.py", "--worlds 2 --sizes 4K,1M,4M,16M --rounds 3"),
      "1.16-4.58 busbw, 4 KB 2.2-5.2x faster (quiet machine)"),

@@ -1,15 +1,16 @@
 """Calibrate every cluster host on the host itself, over SSH, into `smoltrain.compute/1`.
 
 Hosts on different machines are measured at the same time. Hosts that share a machine (one
-kernel: the sim, or several ranks on one box) are measured at the same time only where their
-readable CPU caps leave the machine room for all of them (together.py); otherwise one after
+kernel: the sim, or several ranks on one box) are measured as many at a time as their readable
+CPU caps leave the machine room for (together.py: all, some or one); beyond that one after
 another, because each would measure the others' load instead of its own speed. The report's
-`machines` says which were measured together and why. A host that fails is reported with its
+`machines` says how many were measured at once and why. A host that fails is reported with its
 reason and the rest are still measured.
 
 With `repeats` > 1 every host is probed that many times and each figure is the median. Hosts
 measured one after another go round by round (a, b, c, a, b, c, ...), so a slow spell of the
-machine lands on one probe of several hosts rather than on every probe of one host. Each host's
+machine lands on one probe of several hosts rather than on every probe of one host; where two
+or more run at once, each takes the next host of the round that is free (_Queue). Each host's
 probe process stays open from its first round to its last (session.py): it starts once.
 """
 
@@ -20,6 +21,7 @@ import copy
 import os
 import socket
 import statistics
+import threading
 from collections.abc import Callable
 from datetime import datetime, timezone
 
@@ -167,11 +169,41 @@ def _machines(hosts: list[Host], facts: dict[str, tuple[str, dict]], sequential:
         # each host's reading overlaps the others' own start: the least is nearest other work alone
         busy = [facts[n][1]["busy_cpus"] for n in names if facts[n][1].get("busy_cpus") is not None]
         probes = {n: {**facts[n][1], "threads": by_name[n].threads} for n in names}  # smol_threads, if set
-        ok, why = together.decide(probes, cpus, min(busy) if busy else None)
-        if ok and sequential:
-            ok, why = False, "one after another: --sequential"
-        out.append({"machine_id": mid, "hosts": names, "together": ok, "why": why})
+        k, why = together.lanes(probes, cpus, min(busy) if busy else None)
+        if k > 1 and sequential:
+            k, why = 1, "one after another: --sequential"
+        out.append({"machine_id": mid, "hosts": names, "together": 1 < k == len(names), "lanes": k, "why": why})
     return out
+
+
+class _Queue:
+    """One machine's probes, round by round (a, b, c, a, b, c, ...), for `lanes` threads at once:
+    each takes the first probe whose host is not being probed, so a host's rounds stay in order
+    and no host is probed twice at once. Within a round the tightest caps go first: their probes
+    take longest, and the others fill the other lanes meanwhile."""
+
+    def __init__(self, hosts: list[Host], caps: dict[str, float | None], repeats: int):
+        order = sorted(hosts, key=lambda h: caps.get(h.name) or float("inf"))
+        self.todo = [(n, h) for n in range(repeats) for h in order]
+        self.busy: set[str] = set()
+        self.cv = threading.Condition()
+
+    def take(self, skip: Callable[[str], bool]) -> tuple[int, Host] | None:
+        with self.cv:
+            while True:
+                self.todo = [(n, h) for n, h in self.todo if not skip(h.name)]
+                if not self.todo:
+                    return None
+                for i, (_, h) in enumerate(self.todo):
+                    if h.name not in self.busy:
+                        self.busy.add(h.name)
+                        return self.todo.pop(i)
+                self.cv.wait()
+
+    def done(self, h: Host) -> None:
+        with self.cv:
+            self.busy.discard(h.name)
+            self.cv.notify_all()
 
 
 def _calibrate(hosts, model, seconds, progress, probe, repeats, sequential=False) -> dict:
@@ -190,29 +222,29 @@ def _calibrate(hosts, model, seconds, progress, probe, repeats, sequential=False
                 say(h.name, f"failed: {e.cause}")
     machines = _machines(hosts, facts, sequential)
     by_name = {h.name: h for h in hosts}
-    # a lane's hosts are probed one after another, round by round; all lanes at once
-    lanes = [[by_name[n]] for m in machines if m["together"] for n in m["hosts"]]
-    lanes += [[by_name[n] for n in m["hosts"]] for m in machines if not m["together"]]
+    probes: dict[str, list[dict]] = {h.name: [] for h in hosts}
+    caps = {n: f.get("cpu_limit_cores") for n, (_, f) in facts.items()}
+    queues = [(_Queue([by_name[n] for n in m["hosts"]], caps, repeats), m) for m in machines]
 
-    def one_lane(lane: list[Host]) -> None:
-        probes: dict[str, list[dict]] = {h.name: [] for h in lane}
-        for n in range(repeats):
-            for h in lane:
-                if h.name in results:  # failed in an earlier round
-                    continue
-                say(h.name, "measuring" + (f" ({n + 1} of {repeats})" if repeats > 1 else ""))
-                try:
-                    probes[h.name].append(probe(h, model, seconds))
-                except RemoteError as e:
-                    results[h.name] = _failed(h.name, e.cause, facts[h.name][0])
-                    say(h.name, f"failed: {e.cause}")
-                    continue
-                if n == repeats - 1:
-                    doc = median_probe(probes[h.name])
-                    doc["machine_id"] = facts[h.name][0]
-                    results[h.name] = doc
-                    say(h.name, "done: " + summary(doc))
+    def one_lane(q: _Queue) -> None:
+        while (got := q.take(lambda name: name in results)) is not None:  # failed in an earlier round
+            n, h = got
+            say(h.name, "measuring" + (f" ({n + 1} of {repeats})" if repeats > 1 else ""))
+            try:
+                probes[h.name].append(probe(h, model, seconds))
+            except RemoteError as e:
+                results[h.name] = _failed(h.name, e.cause, facts[h.name][0])
+                say(h.name, f"failed: {e.cause}")
+                continue
+            finally:
+                q.done(h)
+            if n == repeats - 1:
+                doc = median_probe(probes[h.name])
+                doc["machine_id"] = facts[h.name][0]
+                results[h.name] = doc
+                say(h.name, "done: " + summary(doc))
 
+    lanes = [q for q, m in queues for _ in range(m["lanes"])]
     with cf.ThreadPoolExecutor(max(1, len(lanes))) as ex:
         list(ex.map(one_lane, lanes))
     return {

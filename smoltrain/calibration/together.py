@@ -4,11 +4,12 @@ Hosts on one kernel (the sim's namespaced hosts, several ranks on one box) share
 calibrate probed them one after another: each would otherwise measure the others' load
 instead of its own speed. A host whose CPU is capped by a cgroup quota it can read cannot take
 more than its cap, and when nothing else can take what each is owed, its figures are its own:
-its probe's threads each have a CPU (the probes' threads are no more than the machine's CPUs)
-and the caps sum to no more than the CPUs less HEADROOM_CORES. Then they are probed together.
-Anything else (a host without a cap, a cap it cannot read, as in the `hidden` scenario, hosts
-under one capped cgroup, which share its cap, more threads than CPUs, caps that overcommit
-the machine) keeps them one after another.
+the probes running at once have a CPU for each of their threads and their caps sum to no more
+than the CPUs less HEADROOM_CORES. `lanes` says how many of a machine's hosts may be probed at
+once on those terms (the busiest caps and the most threads counted): all of them (together),
+some (the home sim on 2 CPUs: two one-thread probes, 1.1 cores at most), or one. Anything
+else (a host without a cap, a cap it cannot read, as in the `hidden` scenario, hosts under
+one capped cgroup, which share its cap) keeps them one after another.
 
 Why the threads, not only the caps: a quota bounds a host's CPU per period, not when it gets
 it. The home sim's four one-thread probes on 2 CPUs (caps 1.5 cores) wait on each other
@@ -110,35 +111,46 @@ def host_facts() -> dict:
     }
 
 
-def decide(facts: dict[str, dict], cpus: int, busy: float | None, headroom: float = HEADROOM_CORES) -> tuple[bool, str]:
-    """(probe together, why) for the hosts of one machine, from each one's host_facts() (by
-    host name, with `threads`: the probe's), the machine's CPUs and how many other work kept
-    busy (None: unknown). Together only when every host has a cap it can read, no capped
-    cgroup is above two of them (they would share its one cap), their probes' threads are no
-    more than the CPUs (each thread a CPU of its own) and the caps sum to at most `cpus` less
-    `headroom` or less `busy`, whichever is more."""
+def lanes(facts: dict[str, dict], cpus: int, busy: float | None, headroom: float = HEADROOM_CORES) -> tuple[int, str]:
+    """(how many probes run at once, why) for the hosts of one machine, from each one's
+    host_facts() (by host name, with `threads`: the probe's), the machine's CPUs and how many
+    other work kept busy (None: unknown). More than one only when every host has a cap it can
+    read and no capped cgroup is above two of them (they would share its one cap); then as many
+    as the busiest of them fit at once: their probes' threads no more than the CPUs (each thread
+    a CPU of its own) and their caps at most `cpus` less `headroom` or less `busy`, whichever is
+    more. As many as there are hosts: all together."""
     if len(facts) < 2:
-        return False, "alone on its machine"
+        return 1, "alone on its machine"
     caps = {n: f.get("cpu_limit_cores") for n, f in facts.items()}
     blind = [n for n, c in caps.items() if not c]
     if blind:
-        return False, f"one after another: no CPU cap {', '.join(blind)} can read"
+        return 1, f"one after another: no CPU cap {', '.join(blind)} can read"
     seen: dict[str, str] = {}
     for n, f in facts.items():
         for g in f.get("cpu_cgroups") or []:
             if g in seen:
-                return False, f"one after another: {seen[g]} and {n} share one CPU cap"
+                return 1, f"one after another: {seen[g]} and {n} share one CPU cap"
             seen[g] = n
-    threads = sum(f.get("threads") or f.get("cores") or cpus + 1 for f in facts.values())
-    if threads > cpus:
-        return False, f"one after another: {threads} probe threads, more than {cpus} CPUs"
     if busy is None:
-        return False, "one after another: how busy the machine is cannot be read"
-    total, kept = sum(caps.values()), max(headroom, busy)
+        return 1, "one after another: how busy the machine is cannot be read"
+    threads = sorted((f.get("threads") or f.get("cores") or cpus + 1 for f in facts.values()), reverse=True)
+    most = sorted(caps.values(), reverse=True)
+    kept = max(headroom, busy)
     room = f"{cpus} CPUs less {kept:.2f} (headroom {headroom:g}, other work {busy:.2f})"
-    if total > cpus - kept + _SLACK:
-        return False, f"one after another: caps sum to {total:.2f} cores, over {room}"
-    return True, f"together: caps sum to {total:.2f} cores, within {room}"
+    k, why = 1, ""
+    for n in range(2, len(facts) + 1):
+        if sum(threads[:n]) > cpus:
+            why = f"{sum(threads[:n])} probe threads, more than {cpus} CPUs"
+            break
+        if sum(most[:n]) > cpus - kept + _SLACK:
+            why = f"caps sum to {sum(most[:n]):.2f} cores, over {room}"
+            break
+        k = n
+    if k == len(facts):
+        return k, f"together: caps sum to {sum(most):.2f} cores, within {room}"
+    if k == 1:
+        return 1, f"one after another: {why}"
+    return k, f"{k} at a time: {k + 1} would be {why}"
 
 
 if __name__ == "__main__":

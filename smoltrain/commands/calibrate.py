@@ -44,7 +44,7 @@ def add_arguments(p) -> None:
         "--sequential",
         action="store_true",
         help="with -i: measure hosts that share a machine one after another even where their CPU caps "
-        "let them be measured together (docs/compute.md)",
+        "let two or more be measured at once (docs/compute.md)",
     )
     p.add_argument("--model", default="tiny", help="model whose training step sets the achieved fraction (none: skip)")
     p.add_argument("--batch", type=validate.BATCH, default=8)
