@@ -100,11 +100,11 @@ def need_native() -> None:
     """The native decode kernels (smoltrain/models/q4_0.c, kernels.c): skip with the reason on a
     host that cannot have them (no AVX2 or NEON, a compiler-less Mac), fail where they should
     be there (native_expected) with what went wrong."""
-    from smoltrain.models import native
+    from smoltrain.models import native_build
 
-    if native.library() is not None:
+    if native_build.library() is not None:
         return
-    why = native.status()[1]
+    why = native_build.status()[1]
     if native_expected():
         pytest.fail(f"the native decode kernels are not available here ({why}); {FIX}", pytrace=False)
     pytest.skip(f"no native decode kernels on this host: {why}")

@@ -16,7 +16,7 @@ import torch
 from need import native_expected, need_native, need_tool
 
 from smolnet.errors import UsageError
-from smoltrain.models import backends, native, quant
+from smoltrain.models import backends, native, native_build, quant
 
 F32 = torch.float32
 
@@ -86,7 +86,7 @@ def test_row_wrappers_refuse_bad_heads_and_shapes():
     with pytest.raises(ValueError, match="gu: 81 values"):
         native.swiglu(torch.randn(1, 1, 81))
     # the C kernel refuses the same heads itself: a second guard, not the first
-    so = native.library()
+    so = native_build.library()
     out = torch.empty(6 * hd)
     qkv = torch.randn((6 + 8) * hd)
     rc = so.attend_row(qkv.data_ptr(), 6, 4, hd, None, None, k.data_ptr(), v.data_ptr(), max_len, 0, out.data_ptr(), 1)
@@ -97,14 +97,14 @@ def test_row_wrappers_refuse_bad_heads_and_shapes():
 def cache(tmp_path, monkeypatch):
     """An empty kernel cache of this test's own (XDG_CACHE_HOME), status() recomputed. The
     process's own status() is settled first, so need_native() does not build into it."""
-    native.status()
+    native_build.status()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.delenv("SMOL_NATIVE", raising=False)
     yield tmp_path / "xdg" / "smolcluster"
 
 
 def _status():
-    return native.status.__wrapped__()
+    return native_build.status.__wrapped__()
 
 
 def test_cache_is_private_and_a_planted_library_is_not_loaded(cache, tmp_path):
@@ -113,20 +113,20 @@ def test_cache_is_private_and_a_planted_library_is_not_loaded(cache, tmp_path):
     assert so is not None and why is None
     assert stat.S_IMODE(os.stat(cache).st_mode) == 0o700 and os.stat(cache).st_uid == os.getuid()
     (lib,) = cache.glob("kernels-*.so")
-    assert native.trusted(lib) is None
+    assert native_build.trusted(lib) is None
     # a library planted in its place (here: one that would answer simd() == 99) is never loaded
     planted = tmp_path / "evil.c"
     planted.write_text("int simd(void) { return 99; }\n")
     subprocess.run(["gcc", "-shared", "-fPIC", str(planted), "-o", str(lib)], check=True)
-    assert "does not hash to what its build wrote" in native.trusted(lib)
+    assert "does not hash to what its build wrote" in native_build.trusted(lib)
     with pytest.raises(OSError, match="does not hash"):
-        native.load(lib)
+        native_build.load(lib)
     so, why = _status()  # rebuilt over it
-    assert why is None and so.simd() in (1, 2, 3, 4) and native.trusted(lib) is None
+    assert why is None and so.simd() in (1, 2, 3, 4) and native_build.trusted(lib) is None
     os.chmod(lib, 0o777)  # writable by others: refused even with the right hash
-    assert "only this user may write" in native.trusted(lib)
+    assert "only this user may write" in native_build.trusted(lib)
     os.chmod(cache, 0o777)  # an open cache directory is narrowed back to its owner
-    native.private(cache)
+    native_build.private(cache)
     assert stat.S_IMODE(os.stat(cache).st_mode) == 0o700
     if os.getuid() == 0:  # another user's directory is refused, not used
         os.chown(cache, 12345, 12345)
@@ -173,7 +173,7 @@ def test_clang_builds_the_kernels(cache, monkeypatch):
     need_tool("clang")  # scripts/system-deps.sh installs it
     monkeypatch.setenv("CC", "clang")
     so, why = _status()
-    assert why is None and so.simd() == native.library().simd()
+    assert why is None and so.simd() == native_build.library().simd()
     qs, d = _q4()
     x = torch.randn(3, 64)
     assert torch.allclose(native.q4_mm(x, qs, d, so), native.q4_mm(x, qs, d), atol=1e-5)
@@ -183,7 +183,7 @@ def test_backend_choice_and_refusals(monkeypatch):
     b, passed = backends.choose("auto")
     if native_expected():
         assert b.name == "native" and passed == {}
-    if not native.arm():
+    if not native_build.arm():
         with pytest.raises(UsageError, match="--kernels kleidiai: this host cannot run it .not an Arm host"):
             backends.choose("kleidiai")
     with pytest.raises(UsageError, match="choose from auto, native, kleidiai, torch"):
@@ -192,7 +192,7 @@ def test_backend_choice_and_refusals(monkeypatch):
     with backends.using("torch"):
         assert backends.current().name == "torch" and os.environ["SMOL_KERNELS"] == "torch"
         assert backends.report()["backend"] == "torch"
-    monkeypatch.setattr(native, "status", lambda: (None, "no C compiler (CC='/nope' not found)"))
+    monkeypatch.setattr(native_build, "status", lambda: (None, "no C compiler (CC='/nope' not found)"))
     b, passed = backends.choose("auto")
     assert b.name == "torch" and "no C compiler" in passed["native"]
     with pytest.raises(UsageError, match="--kernels native: this host cannot run it .no C compiler"):
@@ -282,7 +282,7 @@ def test_one_openmp_runtime_in_the_process():
     first, so the loader hands ours torch's: one OpenMP runtime, one thread pool, not two
     contending for the same cores (issue 39). /proc/self/maps names every library mapped."""
     need_native()  # torch is imported above: loaded before ours, as in every rank
-    assert native.library().openmp() == 1
+    assert native_build.library().openmp() == 1
     native.q4_mm(torch.randn(1, 64), *_q4())  # the pool has started
     maps = Path("/proc/self/maps").read_text().splitlines()
     paths = {line.split()[-1] for line in maps if "libgomp" in line or "libomp" in line}

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from need import need_tool
 
-from smoltrain.models import native
+from smoltrain.models import native_build
 
 DRIVER = Path(__file__).with_name("kernels_check.c")
 CROSS = ("aarch64-linux-gnu-gcc", "qemu-aarch64")
@@ -21,7 +21,7 @@ CROSS = ("aarch64-linux-gnu-gcc", "qemu-aarch64")
 
 def _build_and_run(cc: str, flags: list[str], out: Path, runner: list[str] = (), env=None) -> str:
     exe = out / "check"
-    cmd = [cc, *flags, str(DRIVER), *map(str, native.SOURCES), "-o", str(exe), "-lm"]
+    cmd = [cc, *flags, str(DRIVER), *map(str, native_build.SOURCES), "-o", str(exe), "-lm"]
     build = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert build.returncode == 0, f"{' '.join(cmd)}\n{build.stderr}"
     run = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=120, env=env)
@@ -53,7 +53,7 @@ def test_aarch64_kernels_under_qemu(tmp_path, march, simd):
 
 @pytest.mark.parametrize("march", ["native", "x86-64-v3"])
 def test_kernels_are_clean_under_address_and_undefined_sanitizers(tmp_path, march):
-    if native.arm():
+    if native_build.arm():
         march = "native"
     need_tool("gcc")
     flags = ["-O1", "-g", f"-march={march}", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"]

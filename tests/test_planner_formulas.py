@@ -14,7 +14,7 @@ from smoltrain.models.spec import get_model
 from smoltrain.planner.links import from_class
 from smoltrain.planner.plan import make_plan
 from smoltrain.planner.ranks import resolve_ranks
-from smoltrain.planner.traffic import padded
+from smoltrain.planner.split import padded
 
 
 def _plan(strategy, model, world, **kw):

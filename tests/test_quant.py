@@ -8,7 +8,7 @@ import torch
 from need import need_native
 
 from smoltrain.infer.activations import Codec
-from smoltrain.models import backends, quant
+from smoltrain.models import backends, native_build, quant
 
 
 def test_q4_layout_is_llama_cpp_q4_0():
@@ -265,8 +265,8 @@ def test_each_instruction_path_is_the_same_product(tmp_path, march, path):
     """kernels.c built for AVX2 alone (x86-64-v3: the maddubs dot, 256-bit sums) and for this
     machine: Q4_0 x Q8_0 and the one-row fp32 product against their references."""
     need_native()
-    quant.native.build(tmp_path / "k.so", march)
-    so = quant.native.load(tmp_path / "k.so")
+    native_build.build(tmp_path / "k.so", march)
+    so = native_build.load(tmp_path / "k.so")
     if path is not None:
         assert so.simd() == path
     g = torch.Generator().manual_seed(5)

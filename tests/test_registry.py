@@ -15,6 +15,7 @@ from smoltrain.models.spec import get_model
 from smoltrain.planner import traffic as traffic_mod
 from smoltrain.planner.plan import make_plan
 from smoltrain.planner.ranks import busy_ranks
+from smoltrain.planner.split import MODES
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = get_model("tiny")
@@ -32,7 +33,7 @@ def _model_for(info):
 def test_every_strategy_names_a_traffic_model_the_planner_finds(name):
     info = registry.get(name)
     assert info.traffic in traffic_mod.MODELS, f"{name}: traffic model {info.traffic!r} is not in MODELS"
-    for mode in traffic_mod.MODES:
+    for mode in MODES:
         assert callable(traffic_mod.model_for(info, mode))
         doc = make_plan(name, _model_for(info), 2, mode=mode)
         assert doc["strategy"] == name and doc["step_s"] > 0

@@ -25,7 +25,7 @@ import os
 import torch
 
 from smolnet.errors import UsageError
-from smoltrain.models import native
+from smoltrain.models import native_build
 
 CHOICES = ("auto", "native", "kleidiai", "torch")
 
@@ -57,13 +57,13 @@ class Native(Backend):
     arm = False
 
     def unavailable(self) -> str | None:
-        if native.arm() != self.arm:
+        if native_build.arm() != self.arm:
             return "not an Arm host" if self.arm else "not an x86 host"
-        return native.status()[1]
+        return native_build.status()[1]
 
     def describe(self) -> dict:
-        so = native.library()
-        return {**super().describe(), "isa": native.isa(so), "openmp": bool(so.openmp())}
+        so = native_build.library()
+        return {**super().describe(), "isa": native_build.isa(so), "openmp": bool(so.openmp())}
 
 
 class NativeX86(Native):
@@ -82,7 +82,7 @@ class KleidiAI(Torch):
     name, q4 = "kleidiai", "kleidiai"
 
     def unavailable(self) -> str | None:
-        if not native.arm():
+        if not native_build.arm():
             return "not an Arm host"
         kai = getattr(torch.backends, "kleidiai", None)
         if kai is None or not kai.is_available():
@@ -92,7 +92,7 @@ class KleidiAI(Torch):
 
 def candidates() -> list[Backend]:
     """This host's backends, fastest first."""
-    return [NativeArm() if native.arm() else NativeX86(), KleidiAI(), Torch()]
+    return [NativeArm() if native_build.arm() else NativeX86(), KleidiAI(), Torch()]
 
 
 def choose(want: str = "auto") -> tuple[Backend, dict]:

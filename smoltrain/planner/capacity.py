@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, replace
 
 from smoltrain import registry
 from smoltrain.models.spec import ModelSpec
-from smoltrain.planner.traffic import dtype_bytes, expert_params, split_layers
+from smoltrain.planner.split import dtype_bytes, expert_params, split_layers
 
 ADAM_BYTES = 8  # two fp32 moments per owned parameter
 MASTER_BYTES = 4  # fp32 master weights when training in bf16/fp16
@@ -208,7 +208,7 @@ def _head_fractions(placement: dict | None, model: ModelSpec, world: int) -> lis
 
 
 def _largest_unit(model: ModelSpec) -> float:
-    from smoltrain.planner.traffic import fsdp_units
+    from smoltrain.planner.split import fsdp_units
 
     return max(fsdp_units(model))
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 
 from smolnet.errors import UsageError
 from smoltrain.planner.placement import counts_from_shares, even_counts
-from smoltrain.planner.traffic import Traffic, all_reduce, dtype_bytes, traffic
+from smoltrain.planner.split import dtype_bytes
+from smoltrain.planner.traffic import Traffic, all_reduce, traffic
 from smoltrain.planner.tuning import Tuning
 
 

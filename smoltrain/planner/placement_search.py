@@ -19,7 +19,7 @@ from smoltrain.planner.placement import (
     greedy_counts,
     ranges,
 )
-from smoltrain.planner.traffic import dtype_bytes
+from smoltrain.planner.split import dtype_bytes
 
 if TYPE_CHECKING:
     from smoltrain.planner.placement_plan import Ask

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from smoltrain.models.spec import ModelSpec
 from smoltrain.planner import capacity
-from smoltrain.planner.traffic import dtype_bytes
+from smoltrain.planner.split import dtype_bytes
 
 DECODE_PASS = 1 / 3  # a forward pass's share of a training pass's fixed cost (backward runs twice its work)
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from smoltrain.models.spec import ModelSpec
 from smoltrain.planner import capacity, cfs, cpu_quota, timing
 from smoltrain.planner.links import LinkModel
-from smoltrain.planner.traffic import Traffic, dtype_bytes
+from smoltrain.planner.split import dtype_bytes
+from smoltrain.planner.traffic import Traffic
 
 
 @dataclass
