@@ -64,6 +64,9 @@ def runs(tmp_path_factory, secret_file):
         p = cli(
             ["run", "--strategy", strategy, "--local", str(world), "--steps", str(steps), *SMALL, *extra]
             + ["--secret-file", secret_file, "--out", str(d), "--json", str(out)]
+            # every member at every sync: a loaded CI machine once had dl2's rank 1 more than the
+            # default 30 s behind at the first sync, dropped (the roster's own tests cover dropping)
+            + (["--barrier-timeout", "180"] if strategy == "diloco" else [])
         )
         if p.returncode != 0:
             return RuntimeError(f"{name}: exit {p.returncode}: {p.stdout[-800:]} {p.stderr[-800:]}")
