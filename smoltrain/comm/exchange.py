@@ -15,6 +15,7 @@ import torch
 
 from smolnet import wire
 from smolnet.errors import SmolError
+from smoltrain.comm.base import CommError
 
 K_DATA = 10
 K_ABORT = 11
@@ -61,6 +62,29 @@ class _RemoteAbort(SmolError):
     def __init__(self, message: str, peer: int | None):
         super().__init__(message)
         self.peer = peer
+
+
+def as_comm_error(exc: BaseException, peer: int | None, where: str, op: str, rank: int, timeout: float) -> CommError:
+    """One line naming the peer and what it did: what a rank that saw a link fail raises."""
+    if isinstance(exc, CommError):
+        return exc
+    if isinstance(exc, _RemoteAbort):
+        err = CommError(f"{exc} (reported by {where})" if peer is not None else str(exc), exc.peer)
+        err.root = str(exc)  # forwarded as is, so the story does not grow at every hop
+        return err
+    if isinstance(exc, (socket.timeout, TimeoutError)):
+        what = f"did not respond within {timeout:g}s"
+    elif isinstance(exc, wire.PeerClosed):
+        what = str(exc)
+    elif isinstance(exc, wire.WireError):
+        what = f"sent a bad frame: {exc}"
+    elif isinstance(exc, (ConnectionResetError, BrokenPipeError)):
+        what = "closed the connection (reset)"
+    elif isinstance(exc, OSError):
+        what = f"link failed: {exc.strerror or exc}"
+    else:
+        what = f"failed: {exc!r}"
+    return CommError(f"{where} {what} during {op} (seen by rank {rank})", peer)
 
 
 class _Sent:

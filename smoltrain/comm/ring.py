@@ -4,6 +4,19 @@ Each `*_steps` function returns (sends, recvs) for `_Exchange`: sends are (peer,
 index of the receive it forwards or None), recvs are (peer, bytes, tensor to add into or
 None). Kept apart from SocketComm so the schedules (and the byte counts the tests check
 against, `ring_allreduce_bytes`) can be read without the connection and failure handling.
+
+The payload each rank sends (S = buffer bytes, N = world size):
+- all_reduce: ring reduce-scatter then ring all-gather over N segments. Segment i has
+  numel//N elements plus one for i < numel % N. Rank r sends every segment but
+  (r+1)%N during reduce-scatter and every segment but (r+2)%N during all-gather:
+  2*S - seg[(r+1)%N] - seg[(r+2)%N] bytes, all to rank (r+1)%N. That is exactly
+  2(N-1)/N*S when numel divides by N, and the ranks together always send 2(N-1)*S.
+- reduce_scatter / all_gather: ring, (N-1)/N of the full buffer per rank.
+- broadcast: pipelined chain src -> src+1 -> ...; every rank but the last sends S.
+- all_to_all: rank r sends inps[j] to j (j != r).
+- two ranks and at most ring.SMALL_BYTES: one swap of the whole buffer (the same S bytes as
+  the ring, one round trip instead of two).
+- send/recv: the tensor; barrier: an empty frame to every peer (framing only).
 """
 
 from __future__ import annotations

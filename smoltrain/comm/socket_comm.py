@@ -12,18 +12,7 @@ of the receive it forwards has landed (and been reduced), so sending, receiving 
 reducing overlap, and the thread sleeps in poll() only when nothing can move. One
 thread means no hand-offs between threads, which matters most on small, busy CPUs.
 
-Algorithms (their schedules are in ring.py) and the payload each rank sends (S = buffer bytes, N = world size):
-- all_reduce: ring reduce-scatter then ring all-gather over N segments. Segment i has
-  numel//N elements plus one for i < numel % N. Rank r sends every segment but
-  (r+1)%N during reduce-scatter and every segment but (r+2)%N during all-gather:
-  2*S - seg[(r+1)%N] - seg[(r+2)%N] bytes, all to rank (r+1)%N. That is exactly
-  2(N-1)/N*S when numel divides by N, and the ranks together always send 2(N-1)*S.
-- reduce_scatter / all_gather: ring, (N-1)/N of the full buffer per rank.
-- broadcast: pipelined chain src -> src+1 -> ...; every rank but the last sends S.
-- all_to_all: rank r sends inps[j] to j (j != r).
-- two ranks and at most ring.SMALL_BYTES: one swap of the whole buffer (the same S bytes as
-  the ring, one round trip instead of two).
-- send/recv: the tensor; barrier: an empty frame to every peer (framing only).
+The algorithms, and the payload bytes each rank sends in each, are in ring.py.
 Framing (header bytes) is counted apart from payload in `counter.framing`.
 
 Failure: any error on a link becomes a CommError naming the peer rank and its address.
@@ -50,8 +39,8 @@ from smoltrain.comm.exchange import (
     _byte_view,
     _consume,
     _Exchange,
-    _RemoteAbort,
     _Staged,
+    as_comm_error,
 )
 
 log = logging.getLogger("smoltrain.comm")
@@ -140,26 +129,8 @@ class SocketComm(Comm):
             _consume(bufs, sock.sendmsg(bufs))
 
     def _error(self, peer: int | None, exc: BaseException, op: str) -> CommError:
-        if isinstance(exc, CommError):
-            return exc
-        if isinstance(exc, _RemoteAbort):
-            err = CommError(f"{exc} (reported by {self._who(peer)})" if peer is not None else str(exc), exc.peer)
-            err.root = str(exc)  # forwarded as is, so the story does not grow at every hop
-            return err
-        if isinstance(exc, (socket.timeout, TimeoutError)):
-            what = f"did not respond within {self.peer_timeout:g}s"
-        elif isinstance(exc, wire.PeerClosed):
-            what = str(exc)
-        elif isinstance(exc, wire.WireError):
-            what = f"sent a bad frame: {exc}"
-        elif isinstance(exc, (ConnectionResetError, BrokenPipeError)):
-            what = "closed the connection (reset)"
-        elif isinstance(exc, OSError):
-            what = f"link failed: {exc.strerror or exc}"
-        else:
-            what = f"failed: {exc!r}"
         where = self._who(peer) if peer is not None else "a peer"
-        return CommError(f"{where} {what} during {op} (seen by rank {self.rank})", peer)
+        return as_comm_error(exc, peer, where, op, self.rank, self.peer_timeout)
 
     def _fail(self, err: CommError, dirty: set[int] = frozenset()) -> CommError:
         """Tell every reachable peer why we stop, then drop all links; returns err to raise."""
@@ -263,51 +234,38 @@ class SocketComm(Comm):
 
     # ------------------------------------------------------------ collectives
     def send(self, tensor, dst: int) -> None:
-        self._check_usable()
-        self._check_peer(dst)
-        st = _Staged(tensor, writeback=False)
-        self._p2p_out[dst] = self._p2p_out.get(dst, 0) + 1
-        self._transfer(
-            "p2p",
-            [(dst, _byte_view(st.flat), None)],
-            [],
-            seq=self._p2p_out[dst],
-            extra={"dt": str(st.flat.dtype), "n": st.flat.numel()},
-        )
+        self._p2p(tensor, dst, None, None)
 
     def recv(self, tensor, src: int) -> None:
-        self._check_usable()
-        self._check_peer(src)
-        st = _Staged(tensor, writeback=True)
-        self._p2p_in[src] = self._p2p_in.get(src, 0) + 1
-        self._transfer(
-            "p2p",
-            [],
-            [(src, _byte_view(st.flat), None)],
-            seq=self._p2p_in[src],
-            extra={"dt": str(st.flat.dtype), "n": st.flat.numel()},
-        )
-        st.finish()
+        self._p2p(None, None, tensor, src)
 
     def send_recv(self, send, dst: int, recv, src: int) -> None:
         """One exchange: the send and the receive move at once (each in its own p2p stream,
         so a plain send or recv at the other end matches it)."""
+        self._p2p(send, dst, recv, src)
+
+    def _p2p(self, send, dst, recv, src) -> None:
+        """Point to point: every (peer, direction) pair numbers its own messages, and the first
+        frame names dtype and length, so a mismatched pair fails loudly."""
         self._check_usable()
-        self._check_peer(dst)
-        self._check_peer(src)
-        out, into = _Staged(send, writeback=False), _Staged(recv, writeback=True)
-        self._p2p_out[dst] = self._p2p_out.get(dst, 0) + 1
-        self._p2p_in[src] = self._p2p_in.get(src, 0) + 1
-        self._transfer(
-            "p2p",
-            [(dst, _byte_view(out.flat), None)],
-            [(src, _byte_view(into.flat), None)],
-            seq=self._p2p_out[dst],
-            extra={"dt": str(out.flat.dtype), "n": out.flat.numel()},
-            recv_seq=self._p2p_in[src],
-            recv_extra={"dt": str(into.flat.dtype), "n": into.flat.numel()},
-        )
-        into.finish()
+        sends, recvs, kw = [], [], {}
+        into = None
+        if send is not None:
+            self._check_peer(dst)
+            out = _Staged(send, writeback=False)
+            self._p2p_out[dst] = self._p2p_out.get(dst, 0) + 1
+            sends = [(dst, _byte_view(out.flat), None)]
+            kw.update(seq=self._p2p_out[dst], extra={"dt": str(out.flat.dtype), "n": out.flat.numel()})
+        if recv is not None:
+            self._check_peer(src)
+            into = _Staged(recv, writeback=True)
+            self._p2p_in[src] = self._p2p_in.get(src, 0) + 1
+            recvs = [(src, _byte_view(into.flat), None)]
+            kw.update(recv_seq=self._p2p_in[src], recv_extra={"dt": str(into.flat.dtype), "n": into.flat.numel()})
+            kw.setdefault("seq", kw["recv_seq"])  # a receive alone must not move the collectives' count
+        self._transfer("p2p", sends, recvs, **kw)
+        if into is not None:
+            into.finish()
 
     def broadcast(self, tensor, src: int) -> None:
         self._check_usable()
