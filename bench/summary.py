@@ -73,6 +73,8 @@ ROWS = [
     ("pp and tp 2: the tokens of --local 1, decode bytes per token within 2% of the plan; decode tokens/s within "
      "25% of the plan on shaped sim links (pp 2 vs --local 1 reported)",
      bench("infer", "bench_infer.py", "--rounds 3 --sim", sim=True), "0.90x; pp 2 1.04, tp 2 0.87"),
+    ("generate --rounds 5 on the home sim: every run's pp and tp decode tokens/s within 25% of the plan",
+     bench("decode-rounds", "bench_decode_rounds.py", "--runs 5 --rounds 5", sim=True), ""),
     ("`make demo` on a fresh clone under 10 minutes, setup included; decode tokens/s within 25% of the plan in it "
      "(pp and tp, 4 capped home hosts)",
      bench("demo", "bench_demo.py", sim=True), "the demo alone 533 s (2026-12-06, venv made); pp 0.85, tp 1.17"),

@@ -117,6 +117,7 @@ BATCH = count(1 << 16)  # sequences
 SEQ = count(1 << 20)  # tokens; the model's context is checked where the model is known
 TOKENS = count(1 << 20)
 MICROBATCHES = count(4096)
+ROUNDS = count(1000)
 RANKS = count(256)  # --local N, --world: a home cluster, not a datacenter
 THREADS = count(1024)
 SEED = integer(0, 2**32 - 1)

@@ -131,6 +131,33 @@ def test_torch_backend_and_sampling(models, tmp_path):
     assert generate(tmp_path, path, "--strategy", "pp", "--local", "2", *sampled)["output_ids"] == local
 
 
+def test_rounds_decode_the_same_request_again_and_count_every_round(models, tmp_path, capsys):
+    """--rounds N: the same tokens each round (the text is the first's), decode tokens, seconds
+    and the links' bytes over all N, each round's rate kept; prefill stays one round's."""
+    path, want = models["gpt2"]
+    one = generate(tmp_path, path, "--strategy", "pp", "--local", "2")
+    three = generate(tmp_path, path, "--strategy", "pp", "--local", "2", "--rounds", "3")
+    err = capsys.readouterr().err
+    assert three["output_ids"] == want == one["output_ids"]
+    d1, d3 = one["decode"], three["decode"]
+    assert d1["rounds"] == 1 and d1["tokens_per_s_rounds"] == [pytest.approx(d1["tokens_per_s"])]
+    assert d3["rounds"] == 3 and d3["tokens"] == 3 * d1["tokens"] == 3 * (NEW - 1)
+    assert len(d3["tokens_per_s_rounds"]) == 3 and all(r > 0 for r in d3["tokens_per_s_rounds"])
+    assert d3["tokens_per_s"] == pytest.approx(d3["tokens"] / d3["seconds"])
+    # the whole rate lies within the rounds' (a mean of rates weighted by their time)
+    assert min(d3["tokens_per_s_rounds"]) <= d3["tokens_per_s"] * (1 + 1e-9)
+    assert d3["tokens_per_s"] <= max(d3["tokens_per_s_rounds"]) * (1 + 1e-9)
+    assert d3["bytes_per_token"] == d1["bytes_per_token"]  # per token, the same split
+    assert three["prefill"]["bytes"] == one["prefill"]["bytes"] and three["prefill"]["tokens"] == len(PROMPT)
+    b1 = {(x["src"], x["dst"]): x["bytes"] for x in one["links"]}
+    b3 = {(x["src"], x["dst"]): x["bytes"] for x in three["links"]}
+    assert b1.keys() == b3.keys() and all(b3[k] == 3 * b1[k] for k in b1)
+    assert "over 3 rounds" in err
+    from smoltrain.schema import check_any
+
+    check_any(three)
+
+
 def test_text_prompt_with_tokenizer(models, tmp_path, capsys):
     from tokenizers import Tokenizer, pre_tokenizers
     from tokenizers import models as tm

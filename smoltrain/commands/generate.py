@@ -20,6 +20,13 @@ def add_arguments(p) -> None:
     p.add_argument("--top-p", type=validate.PROBABILITY, default=1.0)
     p.add_argument("--seed", type=validate.SEED, default=0)
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    p.add_argument(
+        "--rounds",
+        type=validate.ROUNDS,
+        default=1,
+        help="generate the same request this many times and report decode over all of them (a short "
+        "decode on a CPU-capped host swings with where its throttles fall; the text is the first round's)",
+    )
     p.add_argument("--json", help="write the report (smoltrain.generate/1) here")
 
 
@@ -103,12 +110,14 @@ def run(args) -> int:
         )
         pr = Printer(setup.tokenizer)
         try:
-            stats = setup.runner.generate(req, on_token=pr)
+            rounds = [setup.runner.generate(req, on_token=pr)]
+            print()
+            rounds += [setup.runner.generate(req) for _ in range(args.rounds - 1)]
         except RankDied as e:
             raise SmolError(f"generation failed: {e}") from None
-        print()
     finally:
         setup.runner.close()
+    stats = report.merge_rounds(rounds)
     text = setup.tokenizer.decode(stats[0]["output_ids"]) if setup.tokenizer else None
     plan = setup.plan
     if plan is None:  # one process: the pp plan of one stage, for the record
@@ -122,6 +131,9 @@ def run(args) -> int:
         f"prefill {p['tokens_per_s'] or 0:,.0f} tok/s, decode {d['tokens_per_s'] or 0:,.1f} tok/s, "
         f"{d['bytes_per_token'] or 0:,.0f} B/token"
     )
+    each = d["tokens_per_s_rounds"]
+    if d["rounds"] > 1 and all(each):
+        line += f" over {d['rounds']} rounds ({min(each):,.1f}-{max(each):,.1f} each)"
     if d["roofline_tokens_per_s"] and d["tokens_per_s"]:
         line += f", {d['tokens_per_s'] / d['roofline_tokens_per_s']:.0%} of the memory-bandwidth bound"
     if plan and plan.get("tokens_per_s") is None and "bytes_per_token" in plan:  # a mesh: bytes only

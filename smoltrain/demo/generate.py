@@ -29,12 +29,13 @@ BATCH, SEQ, LR = 32, 32, "1e-3"
 CORPUS = Path(__file__).with_name("corpus.txt")
 PROMPT = "The cluster "
 NEW_TOKENS = 32
+ROUNDS = 5  # one 32-token decode on the capped sim lasts a few of the Pi's CFS periods; its rate swings (merge_rounds)
 
 
 def describe(quick: bool = False) -> str:
     return (
         f"{MODEL} trained {QUICK_STEPS if quick else STEPS} steps of batch {BATCH} x {SEQ} on a paragraph of prose; "
-        f"greedy from {PROMPT.strip()!r}, {NEW_TOKENS} tokens"
+        f"greedy from {PROMPT.strip()!r}, {NEW_TOKENS} tokens" + ("" if quick else f", decode over {ROUNDS} rounds")
     )
 
 
@@ -86,6 +87,8 @@ def stages(demo) -> None:
                 PROMPT,
                 "--max-new-tokens",
                 NEW_TOKENS,
+                "--rounds",
+                1 if demo.args.quick else ROUNDS,  # the quick demo checks the flow, not the rate
                 "--ignore-eos",
             ]
             + ["--json", gen / f"generate-{strat}.json"],

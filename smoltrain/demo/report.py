@@ -229,6 +229,12 @@ def placement(out: Path, strategies: list[str]) -> list[str]:
     return lines + [""]
 
 
+def _spread(decode: dict) -> str:
+    """A run over several rounds: the slowest and fastest round's rate beside the whole's."""
+    each = [r for r in decode.get("tokens_per_s_rounds") or [] if r]
+    return f" ({min(each):,.1f}-{max(each):,.1f} over {len(each)} rounds)" if len(each) > 1 else ""
+
+
 def generation(demo) -> list[str]:
     from smoltrain.demo import generate
 
@@ -247,7 +253,7 @@ def generation(demo) -> list[str]:
         text = (d.get("text") or "").replace("|", " ").replace("\n", " ")[:60]
         lines.append(
             f"| {d['strategy']} | {d['world_size']} | {d['placement'].get('mode')} {d['placement']['layers']} | "
-            f"{d['decode']['tokens_per_s'] or 0:,.1f} | {p.get('tokens_per_s') or 0:,.1f} | "
+            f"{d['decode']['tokens_per_s'] or 0:,.1f}{_spread(d['decode'])} | {p.get('tokens_per_s') or 0:,.1f} | "
             f"{_ratio(d['decode']['tokens_per_s'], p.get('tokens_per_s'))} | "
             f"{d['decode']['bytes_per_token'] or 0:,.0f} ({p.get('bytes_per_token') or 0:,.0f}) | "
             f"{_ms(d['ttft_s'])} | `{text}` |"
