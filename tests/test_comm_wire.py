@@ -240,3 +240,32 @@ def test_rendezvous_gives_up_naming_the_missing_rank():
         make_comm("socket", 0, 3, "127.0.0.1", port, SECRET, timeout=1.0)
     assert time.monotonic() - t < 5
     assert e.value.peer == 1 and "1, 2" in str(e.value)
+
+
+def test_a_bad_peer_in_send_recv_moves_no_stream():
+    """send_recv names a peer that does not exist: one clear CommError before anything moves, and
+    the ranks' point-to-point streams stay numbered alike (the next exchange still matches)."""
+    port, out = free_port_base(2), {}
+    ts = [_rank_in_thread(r, 2, port, SECRET, out) for r in (0, 1)]
+    for t in ts:
+        t.join(20)
+    assert not any(isinstance(c, Exception) for c in out.values()), out
+    got = {}
+    try:
+        with pytest.raises(CommError, match="bad peer rank 7"):
+            out[0].send_recv(torch.ones(3), 1, torch.empty(3), 7)
+
+        def swap(r):
+            mine = torch.full((5,), float(r + 1))
+            got[r] = torch.empty(5)
+            out[r].send_recv(mine, 1 - r, got[r], 1 - r)
+
+        ts = [threading.Thread(target=swap, args=(r,)) for r in (0, 1)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(20)
+        assert torch.equal(got[0], torch.full((5,), 2.0)) and torch.equal(got[1], torch.full((5,), 1.0)), got
+    finally:
+        for c in out.values():
+            c.close()

@@ -248,24 +248,28 @@ class SocketComm(Comm):
         """Point to point: every (peer, direction) pair numbers its own messages, and the first
         frame names dtype and length, so a mismatched pair fails loudly."""
         self._check_usable()
-        sends, recvs, kw = [], [], {}
-        into = None
-        if send is not None:
-            self._check_peer(dst)
-            out = _Staged(send, writeback=False)
-            self._p2p_out[dst] = self._p2p_out.get(dst, 0) + 1
-            sends = [(dst, _byte_view(out.flat), None)]
-            kw.update(seq=self._p2p_out[dst], extra={"dt": str(out.flat.dtype), "n": out.flat.numel()})
-        if recv is not None:
-            self._check_peer(src)
-            into = _Staged(recv, writeback=True)
-            self._p2p_in[src] = self._p2p_in.get(src, 0) + 1
-            recvs = [(src, _byte_view(into.flat), None)]
-            kw.update(recv_seq=self._p2p_in[src], recv_extra={"dt": str(into.flat.dtype), "n": into.flat.numel()})
-            kw.setdefault("seq", kw["recv_seq"])  # a receive alone must not move the collectives' count
-        self._transfer("p2p", sends, recvs, **kw)
-        if into is not None:
-            into.finish()
+        for t, peer in ((send, dst), (recv, src)):
+            if t is not None:
+                self._check_peer(peer)  # both before either stream's count moves
+        out = self._p2p_side(send, dst, self._p2p_out, writeback=False)
+        into = self._p2p_side(recv, src, self._p2p_in, writeback=True)
+        kw = dict(seq=out[2], extra=out[3]) if out else {}
+        if into:
+            kw.update(recv_seq=into[2], recv_extra=into[3])
+            kw.setdefault("seq", into[2])  # a receive alone must not move the collectives' count
+        self._transfer("p2p", [out[1]] if out else [], [into[1]] if into else [], **kw)
+        if into:
+            into[0].finish()
+
+    @staticmethod
+    def _p2p_side(tensor, peer, counts: dict, writeback: bool):
+        """(staged tensor, its transfer entry, its stream's message number, dtype and length), or None."""
+        if tensor is None:
+            return None
+        st = _Staged(tensor, writeback=writeback)
+        counts[peer] = counts.get(peer, 0) + 1
+        meta = {"dt": str(st.flat.dtype), "n": st.flat.numel()}
+        return st, (peer, _byte_view(st.flat), None), counts[peer], meta
 
     def broadcast(self, tensor, src: int) -> None:
         self._check_usable()
