@@ -14,13 +14,12 @@ own spread is recorded beside it. Keeps bench/results/decode-rounds.json; exits 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 from pathlib import Path
 
 from common import PY, exit_code, sh, write_result
-from compute_decode import NEW_TOKENS, PROMPT_IDS, checkpoint
+from compute_decode import checkpoint, run_decode, spread
 from compute_sims import down, up
 
 BAR = "generate --rounds 5 on the home sim: every run's decode tokens/s within 25% of its plan, pp and tp"
@@ -44,21 +43,14 @@ def main() -> int:
            + ["--out", d / "compute.json"], ok=(0, 4), timeout=1800)  # fmt: skip
         model = checkpoint(d)
         for i in range(a.runs):
-            for s in ("pp", "tp"):
-                out = d / f"generate-{s}-{i}.json"
-                sh(
-                    [PY, "-m", "smoltrain", "generate", "--strategy", s, "-i", inv, "--model", model]
-                    + ["--links", d / "links.json", "--compute", d / "compute.json", "--prompt-ids", PROMPT_IDS]
-                    + ["--max-new-tokens", NEW_TOKENS, "--ignore-eos", "--rounds", a.rounds, "--json", out]
-                )
-                g = json.loads(out.read_text())
-                plan, dec = g["plan"]["tokens_per_s"], g["decode"]
+            for row in run_decode(inv, d, model, rounds=a.rounds):
+                if "pred" not in row:
+                    raise SystemExit(f"{row['strategy']} run {i}: {row.get('error') or row.get('skipped')}")
                 runs.append(
-                    {"strategy": s, "plan_tokens_per_s": plan, "tokens_per_s": dec["tokens_per_s"]}
-                    | {"rounds_tokens_per_s": dec["tokens_per_s_rounds"], "order": g["placement"]["order"]}
+                    {"strategy": row["strategy"], "plan_tokens_per_s": row["pred"], "tokens_per_s": row["meas"]}
+                    | {"rounds_tokens_per_s": row["rounds"], "order": row["order"]}
                 )
-                each = [r / plan for r in dec["tokens_per_s_rounds"]]
-                print(f"{s} run {i}: {dec['tokens_per_s'] / plan:.2f} of plan; rounds {min(each):.2f}-{max(each):.2f}")
+                print(f"{row['strategy']} run {i}: {row['meas'] / row['pred']:.2f} of plan; rounds {spread(row)}")
     finally:
         down(SIM)
     met, headline, data = judge(runs, a.rounds)

@@ -37,9 +37,10 @@ def checkpoint(d: Path) -> Path:
     return model
 
 
-def run_decode(inv: Path, d: Path, model: Path, strategies=DECODE) -> list[dict]:
+def run_decode(inv: Path, d: Path, model: Path, strategies=DECODE, rounds: int = ROUNDS) -> list[dict]:
     """Generate with each strategy across the cluster (placement auto) and compare tokens/s
-    with its plan; one row per strategy: `pred` and `meas` in tokens/s, or `error`/`skipped`."""
+    with its plan; one row per strategy: `pred` and `meas` in tokens/s (and each round's), or
+    `error`/`skipped`."""
     world = len(json.loads((d / "links.json").read_text()).get("hosts", []))
     rows = []
     for s in strategies:
@@ -50,7 +51,7 @@ def run_decode(inv: Path, d: Path, model: Path, strategies=DECODE) -> list[dict]
         r = sh(
             [PY, "-m", "smoltrain", "generate", "--strategy", s, "-i", inv, "--model", model]
             + ["--links", d / "links.json", "--compute", d / "compute.json", "--prompt-ids", PROMPT_IDS]
-            + ["--max-new-tokens", NEW_TOKENS, "--rounds", ROUNDS, "--ignore-eos", "--json", out],
+            + ["--max-new-tokens", NEW_TOKENS, "--rounds", rounds, "--ignore-eos", "--json", out],
             ok=(0, 1, 2, 4),
         )
         g = json.loads(out.read_text()) if out.exists() and r.returncode == 0 else None
@@ -65,7 +66,8 @@ def run_decode(inv: Path, d: Path, model: Path, strategies=DECODE) -> list[dict]
     return rows
 
 
-def _spread(r: dict) -> str:
+def spread(r: dict) -> str:
+    """A row's slowest and fastest round, each over the plan."""
     each = [x / r["pred"] for x in r.get("rounds") or [] if x]
     return f"{min(each):.2f}-{max(each):.2f}" if each else "-"
 
@@ -87,7 +89,7 @@ def lines(rows: list[dict]) -> list[str]:
             continue
         q = r["meas"] / r["pred"]
         out.append(
-            f"| {r['strategy']} | {r['pred']:.1f} | {r['meas']:.1f} | {q:.2f} | {_spread(r)} | "
+            f"| {r['strategy']} | {r['pred']:.1f} | {r['meas']:.1f} | {q:.2f} | {spread(r)} | "
             f"{'yes' if within(r) else 'no'} | "
             f"{' > '.join(r['order'])} |"
         )
