@@ -83,6 +83,10 @@ def test_split_matches_transformers(models, tmp_path, arch, strategy, world, mon
         assert calls == {f"rank{r}": (3 if r in (0, world - 1) else 4) for r in range(world)}
     else:
         assert calls == {f"rank{r}": 2 * 3 + (r == 0) for r in range(world)}
+        # the plan counts the messages the transport sends: two ranks swap each small all-reduce
+        # whole, one message a call (a plan of the ring's two rounds charged twice the latency)
+        planned = {ln["src"]: ln["messages_per_step"] for ln in doc["plan"]["links"]}
+        assert planned == calls
     sent = {(x["src"], x["dst"]): x["bytes"] for x in doc["links"]}
     if strategy == "pp":  # the prompt's hidden states, each decode step, a header each; ids back
         assert sent[("rank0", "rank1")] == (len(PROMPT) + steps) * h * a + (1 + steps) * 32

@@ -117,8 +117,9 @@ def test_tp_decode_two_all_reduces_per_layer_per_token():
     d = plan("tp", model=m, world=2, mode="infer", dtype="bf16", seq=1024, link_class="10gbe", hosts=[H("m1"), H("m2")])
     # 2 ARs x 32 layers x 2(N-1)/N x h*2 bytes = 64 * 8192, and rank 0 broadcasts the step's 32-byte header
     assert d["bytes_per_token"] == 64 * 4096 * 2 + 32 == 524320
-    # one message per ring round: 2 ARs x 32 layers x 2(N-1) rounds per token (+ the header from m1)
-    assert all(ln["messages_per_step"] == 2 * 32 * 2 + (ln["src"] == "m1") for ln in d["links"])
+    # two ranks swap a small hidden state whole (comm.ring, one message each way, not the ring's
+    # two rounds): 2 ARs x 32 layers messages per token (+ the header from m1)
+    assert all(ln["messages_per_step"] == 2 * 32 + (ln["src"] == "m1") for ln in d["links"])
     # each Mac reads its 4 GB half of the weights per token: memory-bound, not link-bound
     assert d["bottleneck"] == "memory-bandwidth"
     assert all(r["fits"] for r in d["ranks"])
@@ -212,12 +213,13 @@ class GPU:
 
 
 def test_latency_bottleneck_for_tp_decode_on_gbe():
-    # tiny decode on two GPUs: 2 all-reduces x 6 layers x 2 rounds = 24 messages per token,
-    # each waiting 100 us (half the 1 GbE RTT), against microseconds of compute and 384 bytes
+    # tiny decode on two GPUs: 2 all-reduces x 6 layers = 12 swaps of the 384-byte hidden state
+    # per token (two ranks swap it whole, one message each way), each waiting 100 us (half the
+    # 1 GbE RTT), against microseconds of compute
     d = plan("tp", world=2, mode="infer", hosts=[GPU("g1"), GPU("g2")], link_class="1gbe")
     assert d["bottleneck"] == "latency"
     header = 100e-6 + 32 / (941e6 / 8)  # rank 0's step header comes first
-    assert d["comm_s_per_step"] == pytest.approx(24 * 100e-6 + 24 * (96 * 4 / 2) / (941e6 / 8) + header)
+    assert d["comm_s_per_step"] == pytest.approx(12 * 100e-6 + 12 * (96 * 4) / (941e6 / 8) + header)
     assert "messages per step" in d["bottleneck_where"]
 
 

@@ -107,6 +107,15 @@ def all_reduce(world: int, nbytes: float, what: str, overlap: bool = False) -> l
     return [_ring(world, nbytes / world, 2 * (world - 1), what, overlap)]
 
 
+def _repeated(phases: list[Phase], times: int) -> list[Phase]:
+    """`phases` (one all-reduce's) run `times` over: a swap or a ring each time, as the transport
+    schedules each all-reduce (two tp ranks swap a small activation whole, one message each: the
+    plan had charged them the ring's two, 33 latencies a cores-sim tp decode token for 17 sent)."""
+    for ph in phases:
+        ph.repeat *= times
+    return phases
+
+
 def gather_or_scatter(world: int, nbytes: float, what: str) -> list[Phase]:
     """Ring all-gather or reduce-scatter of a full buffer of `nbytes`: N-1 rounds."""
     if world < 2:
@@ -198,15 +207,10 @@ def tensor_allreduce_train(tr: Traffic, s: Step) -> None:
     bwd = s.tuning.backward_enters(L) if s.tuning is not None else 2 * L
     bwd += s.tuning.recompute_leaves(L) if s.tuning is not None else 0  # --checkpoint-activations' reruns
     if N > 1:
-        tr.phases.append(
-            _ring(
-                N,
-                s.batch * s.seq * s.model.hidden * s.a / m / N,
-                (2 * L + bwd) * m * 2 * (N - 1),
-                "all-reduce activations (2 fwd + 2 bwd per layer)"
-                if bwd == 2 * L
-                else f"all-reduce activations (2 fwd per layer, {bwd} bwd)",
-            )
+        what = "2 fwd + 2 bwd per layer" if bwd == 2 * L else f"2 fwd per layer, {bwd} bwd"
+        tr.phases += _repeated(
+            all_reduce(N, s.batch * s.seq * s.model.hidden * s.a / m, f"all-reduce activations ({what})"),
+            (2 * L + bwd) * m,
         )
     if N > 1 and s.lora:  # the uncut factor of each adapter (A column-, B row-parallel) holds partial sums
         if s.tuning.partial():
@@ -275,8 +279,8 @@ def tensor_allreduce_infer(tr: Traffic, s: Step) -> None:
             )
         )
     elif N > 1:
-        tr.phases.append(
-            _ring(N, s.rows * s.act / N, 2 * s.model.layers * 2 * (N - 1), "all-reduce hidden state (2 per layer)")
+        tr.phases += _repeated(
+            all_reduce(N, s.rows * s.act, "all-reduce hidden state (2 per layer)"), 2 * s.model.layers
         )
 
 
