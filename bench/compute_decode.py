@@ -61,8 +61,8 @@ def run_decode(inv: Path, d: Path, model: Path, strategies=DECODE, rounds: int =
             why = ((r.stdout + r.stderr).strip().splitlines() or ["no report"])[-1]
             rows.append({"strategy": s, "error": (why if g is None else "no plan or no decode rate")[:120]})
             continue
-        rounds = g["decode"].get("tokens_per_s_rounds") or [meas]
-        rows.append({"strategy": s, "pred": pred, "meas": meas, "rounds": rounds, "order": g["placement"]["order"]})
+        each = g["decode"].get("tokens_per_s_rounds") or [meas]
+        rows.append({"strategy": s, "pred": pred, "meas": meas, "rounds": each, "order": g["placement"]["order"]})
     return rows
 
 

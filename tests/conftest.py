@@ -61,6 +61,7 @@ TIERS = {
         "test_decode_plan.py",
         "test_plan_builder.py",
         "test_bench_summary.py",
+        "test_bench_decode.py",
         "test_finetune_data.py",
         "test_lora.py",
         "test_sim_random.py",
