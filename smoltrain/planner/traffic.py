@@ -87,8 +87,7 @@ def bucketed_all_reduce(world: int, nbytes: float, what: str, bucket: float = BU
     if world < 2 or nbytes <= 0:
         return []
     n = max(1, math.ceil(nbytes / bucket))
-    phases = all_reduce(world, nbytes / n, what, overlap=True)
-    phases[0].repeat *= n
+    phases = all_reduce(world, nbytes / n, what, overlap=True, times=n)
     phases[0].buckets = n
     return phases
 
@@ -97,23 +96,16 @@ def _ring(world: int, nbytes_per_rank: float, repeat: int, what: str, overlap: b
     return Phase(what, [Transfer(r, (r + 1) % world, nbytes_per_rank) for r in range(world)], repeat, overlap)
 
 
-def all_reduce(world: int, nbytes: float, what: str, overlap: bool = False) -> list[Phase]:
-    """Ring all-reduce of `nbytes`: 2(N-1) rounds, each rank sends a 1/N chunk per round; two ranks
-    and a small buffer swap it whole in one round (the transport's comm.ring, same bytes)."""
+def all_reduce(world: int, nbytes: float, what: str, overlap: bool = False, times: int = 1) -> list[Phase]:
+    """`times` ring all-reduces of `nbytes`: 2(N-1) rounds each, each rank sends a 1/N chunk per
+    round; two ranks and a small buffer swap it whole in one round (the transport's comm.ring, same
+    bytes: a tp pair's activations, which the plan had charged the ring's two rounds, 33 latencies
+    a cores-sim decode token for the 17 messages each rank sent)."""
     if world < 2:
         return []
     if world == 2 and nbytes <= SMALL_BYTES:
-        return [_ring(world, nbytes, 1, what, overlap)]
-    return [_ring(world, nbytes / world, 2 * (world - 1), what, overlap)]
-
-
-def _repeated(phases: list[Phase], times: int) -> list[Phase]:
-    """`phases` (one all-reduce's) run `times` over: a swap or a ring each time, as the transport
-    schedules each all-reduce (two tp ranks swap a small activation whole, one message each: the
-    plan had charged them the ring's two, 33 latencies a cores-sim tp decode token for 17 sent)."""
-    for ph in phases:
-        ph.repeat *= times
-    return phases
+        return [_ring(world, nbytes, times, what, overlap)]
+    return [_ring(world, nbytes / world, 2 * (world - 1) * times, what, overlap)]
 
 
 def gather_or_scatter(world: int, nbytes: float, what: str) -> list[Phase]:
@@ -208,10 +200,8 @@ def tensor_allreduce_train(tr: Traffic, s: Step) -> None:
     bwd += s.tuning.recompute_leaves(L) if s.tuning is not None else 0  # --checkpoint-activations' reruns
     if N > 1:
         what = "2 fwd + 2 bwd per layer" if bwd == 2 * L else f"2 fwd per layer, {bwd} bwd"
-        tr.phases += _repeated(
-            all_reduce(N, s.batch * s.seq * s.model.hidden * s.a / m, f"all-reduce activations ({what})"),
-            (2 * L + bwd) * m,
-        )
+        nbytes = s.batch * s.seq * s.model.hidden * s.a / m
+        tr.phases += all_reduce(N, nbytes, f"all-reduce activations ({what})", times=(2 * L + bwd) * m)
     if N > 1 and s.lora:  # the uncut factor of each adapter (A column-, B row-parallel) holds partial sums
         if s.tuning.partial():
             tr.phases += all_reduce(N, s.tuning.partial() * s.a, "all-reduce the uncut LoRA factors' gradients")
@@ -279,9 +269,7 @@ def tensor_allreduce_infer(tr: Traffic, s: Step) -> None:
             )
         )
     elif N > 1:
-        tr.phases += _repeated(
-            all_reduce(N, s.rows * s.act, "all-reduce hidden state (2 per layer)"), 2 * s.model.layers
-        )
+        tr.phases += all_reduce(N, s.rows * s.act, "all-reduce hidden state (2 per layer)", times=2 * s.model.layers)
 
 
 def expert_all_to_all_infer(tr: Traffic, s: Step) -> None:
