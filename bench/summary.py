@@ -86,6 +86,8 @@ ROWS = [
      bench("mesh-fastpair", "bench_mesh.py", sim=True), ""),
     ("a rank at one thread waiting on a peer spends under 2% of the wait on CPU (socket and gloo)",
      bench("wait-cpu", "bench_wait_cpu.py"), ""),
+    ("beside a busy process, 2 threads at OMP_WAIT_POLICY=passive >= 0.5x the tokens/s of 1 thread (tiny8, --local 1)",
+     bench("busy-threads", "bench_busy_threads.py", "--steps 20 --repeat 2"), ""),
     ("fault matrix: 7 strategies x 5 faults detected within 15 s, right culprit", bench("faults", "bench_faults.py"),
      "35 of 35, detection 0.03-3.1 s"),
     ("damaged checkpoints x 7 strategies: skipped saying why, resumed from the intact one",

@@ -26,6 +26,14 @@ os.environ["SMOL_COMPUTE"] = "/nonexistent/smolcluster-tests/compute.json"
 # folder and environment: tests run from many tmp folders, so each server (~150 MB) leaves after
 # a minute idle rather than ten
 os.environ.setdefault("SMOL_WARM_IDLE", "60")
+# Two pytest-xdist workers share two cores: an OpenMP thread that spins at a barrier holds the
+# core its peer thread needs while the other worker's processes run. A 2-thread tiny8 run beside
+# one busy process ran 222 tokens/s, 7,877 with threads that sleep (bench/results/busy-threads.json);
+# the quick demo's 100-step training took 80 s, then 29 (2026-12-07). Threads sleep here, in this
+# process and its children (the sim's hosts run one thread each: smolnet/sim/inventory.py); the
+# quiet phase runs alone, at the default.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 TIER_NAMES = ("unit", "process", "sim", "provision")
 TIERS = {
