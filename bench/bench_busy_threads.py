@@ -21,8 +21,9 @@ import os
 import statistics
 import subprocess
 import tempfile
+from pathlib import Path
 
-from common import PY, ROOT, exit_code, write_result
+from common import PY, ROOT, exit_code, sh, write_result
 
 BAR = 0.5
 POLICIES = {"default": None, "passive": "PASSIVE"}
@@ -36,8 +37,8 @@ def tokens_s(threads: int, policy: str | None, steps: int) -> float:
         argv = [PY, "-m", "smoltrain", "run", "--strategy", "dp", "--local", "1", "--threads", threads]
         argv += ["--model", "tiny8", "--data", ROOT / "smoltrain/demo/corpus.txt", "--steps", steps]
         argv += ["--batch", 32, "--seq", 32, "--json", f"{d}/run.json", "--out", d]
-        subprocess.run([str(a) for a in argv], cwd=ROOT, env=env, capture_output=True, check=True, timeout=900)
-        return json.loads(open(f"{d}/run.json").read())["tokens_per_s"]
+        sh(argv, env=env)
+        return json.loads(Path(d, "run.json").read_text())["tokens_per_s"]
 
 
 def main() -> int:

@@ -27,9 +27,10 @@ PY = sys.executable
 RESULT_SCHEMA = "smolcluster.bench.result/1"
 
 
-def sh(argv, ok=(0,), timeout=900) -> subprocess.CompletedProcess:
-    """Run a command from the tree's root; stop the bench with its tail when it fails."""
-    r = subprocess.run([str(a) for a in argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def sh(argv, ok=(0,), timeout=900, env=None) -> subprocess.CompletedProcess:
+    """Run a command from the tree's root (in `env`, else this environment); stop the bench with
+    its tail when it fails."""
+    r = subprocess.run([str(a) for a in argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     if r.returncode not in ok:
         raise SystemExit(f"{' '.join(map(str, argv))} failed ({r.returncode}): {(r.stdout + r.stderr)[-800:]}")
     return r
