@@ -28,7 +28,7 @@ def test_unreachable_host_is_reported_and_the_rest_measured():
 
     def probe(h, model, seconds):
         if not first:
-            first.append(probe_host(h, model, seconds))
+            first.append(probe_host(h, model, seconds, quick=True))
         return {**first[0], "name": h.name}
 
     hosts = [_local("a"), dead, _local("b")]
@@ -74,7 +74,7 @@ def test_layer_overhead_never_falls_with_more_rows(monkeypatch):
 
     timed = iter([2.0, 1.0, 8.0] * 2)  # fp32, then bf16
     monkeypatch.setattr(decode_probe, "cpu_seconds_more", lambda fn, than, calls=None: next(timed))
-    got = decode_probe._overhead(torch, pace=2.0)
+    got = decode_probe._overhead(torch, 2.0, decode_probe.OVERHEAD_CALLS)
     per = decode_probe.OVERHEAD_LAYERS
     assert got["fp32"] == pytest.approx({"1": 2 / per * 2, "4": 2 / per * 2, "8": 8 / per * 2})
 
@@ -111,10 +111,11 @@ def test_cli_writes_the_report_and_exits_4_when_a_host_failed(tmp_path, capsys):
       vars: {{smol_python: {sys.executable}}}
 """)
     out = tmp_path / "compute.json"
-    rc = main(["calibrate", "-i", str(inv), "--seconds", "0.05", "--model", "none", "--repeat", "2", "--out", str(out)])
+    argv = ["calibrate", "-i", str(inv), "--seconds", "0.05", "--model", "none", "--repeat", "2", "--quick"]
+    rc = main(argv + ["--out", str(out)])
     assert rc == 4
     doc = json.loads(out.read_text())
-    assert [h["status"] for h in doc["hosts"]] == ["ok", "failed"]
+    assert [h["status"] for h in doc["hosts"]] == ["ok", "failed"] and doc["settings"]["quick"] is True
     assert doc["hosts"][0]["repeats"] == 2 and len(doc["hosts"][0]["fp32_flops_each"]) == 2
     assert "gone" in capsys.readouterr().out
 
@@ -127,9 +128,38 @@ def test_repeat_out_of_range_is_one_line_and_writes_nothing(tmp_path, capsys):
 
 def test_local_writes_a_compute_report(tmp_path):
     out = tmp_path / "c.json"
-    assert main(["calibrate", "--local", "--seconds", "0.05", "--model", "none", "--out", str(out)]) == 0
+    assert main(["calibrate", "--local", "--seconds", "0.05", "--model", "none", "--quick", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["schema"] == COMPUTE_SCHEMA and len(doc["hosts"]) == 1 and doc["hosts"][0]["train_step"] == []
+    assert doc["settings"]["quick"] is True
+
+
+def test_quick_without_a_compute_report_is_one_line_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "c.json"
+    assert main(["calibrate", "--quick", "--out", str(out)]) == 2
+    assert "--quick: only with -i INVENTORY or --local" in capsys.readouterr().err and not out.exists()
+
+
+def test_quick_shortens_every_window_the_probe_and_the_ring_take(monkeypatch):
+    """--quick reaches each host's probe (its argv) and the wire ring (its window), and QUICK
+    is shorter than FULL in every window: one kernel window, the pace and message loops at the
+    shortest window, one window of training steps, fewer layer pairs."""
+    from smoltrain.calibration import cluster, probe, wire_probe
+
+    h = _local("a")
+    assert "--quick" in cluster.probe_argv(h, "tiny", 0.3, quick=True)
+    assert "--quick" not in cluster.probe_argv(h, "tiny", 0.3)
+    assert wire_probe.argv_for(h, 0, ["a", "b"], 9000, wire_probe.QUICK_WINDOW)[-2:] == ["--window", "0.25"]
+    q, f = probe.QUICK, probe.FULL
+    assert q.kernel < f.kernel and q.pace_s < f.pace_s and q.comm_s < f.comm_s and q.train < f.train
+    assert q.pairs < f.pairs and q.pace_s >= probe.WINDOW_MIN and q.comm_s >= probe.WINDOW_MIN
+    windows = []
+    monkeypatch.setattr(wire_probe, "measure", lambda hosts, port=None, window=None: windows.append(window) or {})
+    entry = {"comm_cpu": {"message_s": 1e-4, "bytes_s": 1e9}, "error": None}
+    doc = {"hosts": [{"name": "a", **entry}, {"name": "b", **entry}]}
+    wire_probe.apply([h, _local("b")], doc, quick=True)
+    wire_probe.apply([h, _local("b")], doc)
+    assert windows == [wire_probe.QUICK_WINDOW, wire_probe.WINDOW]
 
 
 def test_kernel_rate_drops_the_warm_up_and_takes_the_median_window(monkeypatch):

@@ -28,9 +28,9 @@ def test_calibration_reads_each_capped_hosts_cap(tmp_path):
         name=NAME, scenario="uniform", hosts=2, subnet=SUBNET, inventory=str(tmp_path / "sim.yml"), cpu_limit="0.3,0.9"
     )
     try:
-        # the shortest window the probe allows: the cap is read, not measured, and each second
-        # of the probe's CPU is 3.3 s on the slow host
-        doc = calibrate_hosts(load_inventory(st["inventory"]).hosts, "tiny", 0.25)
+        # the shortest windows the probe allows (--quick): the cap is read, not measured, and
+        # each second of the probe's CPU is 3.3 s on the slow host
+        doc = calibrate_hosts(load_inventory(st["inventory"]).hosts, "tiny", 0.25, quick=True)
     finally:
         sim.down(NAME)
     slow, fast = doc["hosts"]  # rank order only: on a busy machine an uncapped share shrinks

@@ -48,13 +48,15 @@ def _host_facts(h: Host) -> tuple[str, dict]:
     return mid, facts
 
 
-def probe_argv(h: Host, model: str, seconds: float) -> list[str]:
+def probe_argv(h: Host, model: str, seconds: float, quick: bool = False) -> list[str]:
     """The probe at the host's smol_threads (else the CPUs it may use, read there) on its smol_device,
     one probe per line it reads. Started through the host's warm server of training workers
     (smolnet.warm, the workers' preload list): the probe pays torch's import there once, and the
     runs after it find the server warm instead of paying it again (a 0.15-core host: ~9 s)."""
     warm = ["-m", "smolnet.warm", "--preload", ",".join(WORKER_IMPORTS), "--"]
     argv = [h.python, *warm, "smoltrain.calibration.probe", "--serve", "--model", model, "--seconds", f"{seconds:g}"]
+    if quick:  # every window at its shortest (probe.QUICK)
+        argv.append("--quick")
     if h.threads:
         argv += ["--threads", str(h.threads)]
     if os.environ.get("SMOL_KERNELS", "auto") != "auto":  # calibrate --kernels (models.backends)
@@ -62,9 +64,9 @@ def probe_argv(h: Host, model: str, seconds: float) -> list[str]:
     return argv + ["--device", h.torch_device]
 
 
-def probe_host(h: Host, model: str, seconds: float, timeout: float = PROBE_TIMEOUT) -> dict:
+def probe_host(h: Host, model: str, seconds: float, timeout: float = PROBE_TIMEOUT, quick: bool = False) -> dict:
     """Run the probe on `h` once; its `hosts` entry, or raise RemoteError with the reason."""
-    with ProbeSession(h, probe_argv(h, model, seconds), timeout) as s:
+    with ProbeSession(h, probe_argv(h, model, seconds, quick), timeout) as s:
         return _entry(h, s.probe())
 
 
@@ -76,12 +78,13 @@ class _Sessions:
     """The default probe of calibrate_hosts: each host's session opened at its first round and
     kept until close()."""
 
-    def __init__(self):
+    def __init__(self, quick: bool = False):
         self.open: dict[str, ProbeSession] = {}
+        self.quick = quick
 
     def __call__(self, h: Host, model: str, seconds: float) -> dict:
         if h.name not in self.open:
-            self.open[h.name] = ProbeSession(h, probe_argv(h, model, seconds), PROBE_TIMEOUT)
+            self.open[h.name] = ProbeSession(h, probe_argv(h, model, seconds, self.quick), PROBE_TIMEOUT)
         try:
             return _entry(h, self.open[h.name].probe())
         except RemoteError:
@@ -138,20 +141,23 @@ def calibrate_hosts(
     probe: Callable | None = None,
     repeats: int = 1,
     sequential: bool = False,
+    quick: bool = False,
 ) -> dict:
     """Measure `hosts`; the compute report (failed hosts carry status `failed` and `error`).
     `probe(h, model, seconds)` probes once (default: each host's own session, kept open).
-    `sequential`: hosts that share a machine one after another even where their caps fit."""
-    sessions = _Sessions() if probe is None else None
+    `sequential`: hosts that share a machine one after another even where their caps fit.
+    `quick`: every window of the probe and the wire ring at its shortest (probe.QUICK)."""
+    sessions = _Sessions(quick) if probe is None else None
     try:
         doc = _calibrate(hosts, model, seconds, progress, probe or sessions, repeats, sequential)
     finally:
         if sessions:
             sessions.close()
+    doc["settings"]["quick"] = quick
     if sessions is not None:  # real hosts: what a message costs each over the cluster's own links
         from smoltrain.calibration.wire_probe import apply
 
-        apply(hosts, doc, progress)
+        apply(hosts, doc, progress, quick=quick)
     return doc
 
 
@@ -284,15 +290,24 @@ def local_report(
     repeats: int = 1,
     threads: int | None = None,
     device: str = "cpu",
+    quick: bool = False,
 ) -> dict:
     """This machine alone (`calibrate --local`), probed in-process at `threads` (default: its CPUs)."""
+    from smoltrain.calibration.probe import FULL, QUICK
     from smoltrain.calibration.probe import probe as run_probe
 
-    doc = median_probe([run_probe(model, seconds, threads, None, device) for _ in range(repeats)])
+    windows = QUICK if quick else FULL
+    doc = median_probe([run_probe(model, seconds, threads, None, device, windows) for _ in range(repeats)])
     return {
         "schema": COMPUTE_SCHEMA,
         "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "controller": socket.gethostname(),
-        "settings": {"model": model, "seconds": seconds, "threads": doc.get("threads", 1), "repeats": repeats},
+        "settings": {
+            "model": model,
+            "seconds": seconds,
+            "threads": doc.get("threads", 1),
+            "repeats": repeats,
+            "quick": quick,
+        },
         "hosts": [{"name": name or socket.gethostname(), "status": "ok", "error": None, **doc}],
     }

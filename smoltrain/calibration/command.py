@@ -52,7 +52,9 @@ def run_compute(args, out: str) -> int:
     model = args.model or "tiny"
     if args.local:
         with con.status("measuring this machine: matmul FLOP/s, memory bandwidth, training steps ..."):
-            doc = local_report(model, args.seconds, repeats=args.repeat, threads=args.threads, device=args.device)
+            doc = local_report(
+                model, args.seconds, repeats=args.repeat, threads=args.threads, device=args.device, quick=args.quick
+            )
     else:
         from smolnet.inventory import InventoryError, load_inventory
 
@@ -71,7 +73,9 @@ def run_compute(args, out: str) -> int:
                 if what.startswith(("done", "failed")):
                     prog.update(tasks[name], completed=100, total=100)
 
-            doc = calibrate_hosts(hosts, model, args.seconds, say, repeats=args.repeat, sequential=args.sequential)
+            doc = calibrate_hosts(
+                hosts, model, args.seconds, say, repeats=args.repeat, sequential=args.sequential, quick=args.quick
+            )
         doc["inventory"] = str(args.inventory)
     write_json_atomic(out, doc)
     if args.json and args.json != out:

@@ -132,7 +132,7 @@ OVERHEAD_LAYERS = 5  # layers per timed call: the rest is some hundred microseco
 OVERHEAD_CALLS = 7  # pairs timed, the median difference kept
 
 
-def decode_overhead(torch, pace: float) -> dict:
+def decode_overhead(torch, pace: float, calls: int = OVERHEAD_CALLS) -> dict:
     """Seconds per layer a decode step of 1, 4 and 8 rows spends beyond its matrix products,
     per dtype: a real inference block (models.llama.LlamaDecode) of OVERHEAD_LAYER's shape, each row with
     its own KV cache, as `generate` (1 row) and `serve` (batched) run it, less the same
@@ -144,12 +144,12 @@ def decode_overhead(torch, pace: float) -> dict:
     threads = torch.get_num_threads()
     host.set_threads(1)
     try:
-        return _overhead(torch, pace)
+        return _overhead(torch, pace, calls)
     finally:
         host.set_threads(threads)
 
 
-def _overhead(torch, pace: float) -> dict:
+def _overhead(torch, pace: float, calls: int) -> dict:
     from smoltrain.models.blocks import LlamaBlock
     from smoltrain.models.hf import HFConfig
     from smoltrain.models.llama import LlamaDecode
@@ -183,9 +183,7 @@ def _overhead(torch, pace: float) -> dict:
                         for lin, a in zip(lins, ins):
                             lin(a)
 
-                extra = cpu_seconds_more(
-                    _repeat(layer, OVERHEAD_LAYERS), _repeat(products, OVERHEAD_LAYERS), OVERHEAD_CALLS
-                )
+                extra = cpu_seconds_more(_repeat(layer, OVERHEAD_LAYERS), _repeat(products, OVERHEAD_LAYERS), calls)
                 # more rows never cost a layer less: a noisy pair (a capped host's cold slices)
                 # keeps the fewer rows' figure
                 per[str(rows)] = max([max(0.0, extra) / OVERHEAD_LAYERS * pace] + list(per.values()))

@@ -18,11 +18,12 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from smolnet.facts import machine_id
-from smoltrain.calibration.comm_probe import comm_cpu
-from smoltrain.calibration.decode_probe import burst_wake, decode_bw, decode_overhead
+from smoltrain.calibration.comm_probe import COMM_WINDOW, comm_cpu
+from smoltrain.calibration.decode_probe import OVERHEAD_CALLS, burst_wake, decode_bw, decode_overhead
 from smoltrain.calibration.pace import HELD_BACK, PACE_WINDOW, one_thread
 from smoltrain.calibration.pace import measure as measure_pace
 
@@ -58,6 +59,23 @@ def _window(fn, window: float) -> float:
 KERNEL_WINDOWS = 3
 
 
+@dataclass(frozen=True)
+class Windows:
+    """How long the probe looks at each figure beyond `seconds`: the defaults, or `--quick`'s,
+    every window at its shortest (about 4 s a host instead of 10 here; each figure from one
+    window, so noisier: a first look, or a check that every host answers)."""
+
+    kernel: int = KERNEL_WINDOWS  # timed windows per kernel rate, the median kept
+    pace_s: float = PACE_WINDOW
+    comm_s: float = COMM_WINDOW
+    train: float = 2.0  # a batch's training steps over this many windows
+    pairs: int = OVERHEAD_CALLS  # decode_overhead's timed pairs
+
+
+FULL = Windows()
+QUICK = Windows(kernel=1, pace_s=WINDOW_MIN, comm_s=WINDOW_MIN, train=1.0, pairs=3)
+
+
 def steady_rate(fn, window: float, windows: int = KERNEL_WINDOWS) -> float:
     """Calls per second once warm: a half-window run and dropped, then the median of
     `windows` half-windows (each still dozens of CFS periods)."""
@@ -65,37 +83,37 @@ def steady_rate(fn, window: float, windows: int = KERNEL_WINDOWS) -> float:
     return sorted(_window(fn, window / 2) for _ in range(windows))[windows // 2]
 
 
-def matmul_flops(torch, dtype, n: int, window: float, device: str = "cpu") -> float:
+def matmul_flops(torch, dtype, n: int, window: float, device: str = "cpu", windows: int = KERNEL_WINDOWS) -> float:
     a = torch.randn(n, n).to(device, dtype)
     b = torch.randn(n, n).to(device, dtype)
     if device == "cpu":
-        return 2 * n**3 * steady_rate(lambda: torch.mm(a, b), window)
+        return 2 * n**3 * steady_rate(lambda: torch.mm(a, b), window, windows)
 
     def mm():  # an accelerator queues work: wait for it, or the rate is the queue's
         torch.mm(a, b)
         torch.cuda.synchronize() if device == "cuda" else torch.mps.synchronize()
 
-    return 2 * n**3 * steady_rate(mm, window)
+    return 2 * n**3 * steady_rate(mm, window, windows)
 
 
-def dtype_flops(torch, window: float, device: str = "cpu") -> dict:
+def dtype_flops(torch, window: float, device: str = "cpu", windows: int = KERNEL_WINDOWS) -> dict:
     """Matmul FLOP/s of fp32, bf16 and fp16, each measured on its own at the same size
     (a CPU with bf16 units may have no fast fp16, and the other way round)."""
     t = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     out = {}
     for name in DTYPES:
         try:
-            out[name] = matmul_flops(torch, t[name], MATMUL_N, window, device)
+            out[name] = matmul_flops(torch, t[name], MATMUL_N, window, device, windows)
         except (RuntimeError, TypeError):  # this torch cannot multiply in that dtype here
             out[name] = None
     return out
 
 
-def copy_bw(torch, nbytes: int, window: float) -> float:
+def copy_bw(torch, nbytes: int, window: float, windows: int = KERNEL_WINDOWS) -> float:
     """Bytes/s a copy moves (read + write), at this process's thread count."""
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
-    return 2 * nbytes * steady_rate(lambda: dst.copy_(src), window)  # read + write
+    return 2 * nbytes * steady_rate(lambda: dst.copy_(src), window, windows)  # read + write
 
 
 TRAIN_STEPS_MIN = 3  # timed steps, at least: their median is the figure
@@ -203,10 +221,11 @@ def probe(
     threads: int | None = None,
     seq: int | None = None,
     device: str | None = "cpu",
+    windows: Windows = FULL,
 ) -> dict:
     """This host's figures at the threads a rank runs here (`threads`: the host's smol_threads;
     None: the CPUs it may use) on its smol_device."""
-    w = max(WINDOW_MIN, seconds)
+    w, k = max(WINDOW_MIN, seconds), windows.kernel
     import torch
 
     from smolnet.sim.cgroup import own_quota
@@ -216,16 +235,16 @@ def probe(
     from smoltrain.calibration.engine_probe import engine_step_s
     from smoltrain.models import backends
 
-    pw = max(PACE_WINDOW, w)
+    pw = max(windows.pace_s, w)
     paces = [measure_pace(pw)]  # three windows, at the start, the middle and the end: their median
     if device == "cpu" and torch.get_num_threads() > 1 and one_thread(paces[0].pace, own_quota() is not None):
         host.set_threads(1)  # a cap it cannot read holds it to half a core: its ranks run one (run/threads)
-    flops = dtype_flops(torch, w, device)
-    mem_bw = copy_bw(torch, host.COPY_BYTES, w)
+    flops = dtype_flops(torch, w, device, k)
+    mem_bw = copy_bw(torch, host.COPY_BYTES, w, k)
     paces.append(measure_pace(pw))
     # CPU seconds now, times the pace once it is known (at_pace)
-    comm = comm_cpu(torch, pace=1.0) if hasattr(os, "fork") else None
-    layer = decode_overhead(torch, 1.0) if device == "cpu" else {}
+    comm = comm_cpu(torch, windows.comm_s, pace=1.0) if hasattr(os, "fork") else None
+    layer = decode_overhead(torch, 1.0, windows.pairs) if device == "cpu" else {}
     engine = engine_step_s(torch, 1.0) if device == "cpu" else None
     wake = burst_wake(torch) if device == "cpu" else None
     paced = max(p.pace for p in paces) > HELD_BACK and torch.get_num_threads() == 1 and device == "cpu"
@@ -236,7 +255,7 @@ def probe(
         s = seq or min(64, get_model(model).ctx)
         for b in TRAIN_BATCHES:
             opt: list = []
-            sec = train_seconds(torch, model, b, s, 2 * w, opt, device, paced)
+            sec = train_seconds(torch, model, b, s, windows.train * w, opt, device, paced)
             steps.append({"model": model, "batch": b, "seq": s, "seconds": sec, "optimizer_seconds": opt[0]})
     paces.append(measure_pace(pw))
     held = sorted(paces, key=lambda p: p.pace)[1]
@@ -291,6 +310,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", help="torch device (smol_device: cpu, cuda, mps, auto)")
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--kernels", default=None, help="decode kernels: auto, native, kleidiai, torch (models.backends)")
+    p.add_argument("--quick", action="store_true", help="every window at its shortest (Windows, QUICK)")
     p.add_argument("--serve", action="store_true", help="one probe per line read on stdin, until it ends (session.py)")
     a = p.parse_args(argv)
     try:
@@ -298,7 +318,8 @@ def main(argv=None) -> int:
 
         backends.select(a.kernels)
         for _ in sys.stdin if a.serve else [None]:
-            print(json.dumps(probe(a.model, a.seconds, a.threads, a.seq, a.device)), flush=True)
+            doc = probe(a.model, a.seconds, a.threads, a.seq, a.device, QUICK if a.quick else FULL)
+            print(json.dumps(doc), flush=True)
     except Exception as e:  # one line for the controller, which names the host
         print(f"probe failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

@@ -27,6 +27,7 @@ import time
 
 SMALL = 96  # floats all-reduced: a small model's hidden state, a few hundred bytes
 WINDOW = 0.5  # seconds per timed loop (rank 0 decides); thirty periods of the sim's slowest host
+QUICK_WINDOW = 0.25  # calibrate --quick's
 TIMEOUT = 120.0
 
 
@@ -72,16 +73,23 @@ def rank_main(rank: int, addrs: list[str], port: int, secret: bytes, window: flo
     return {"message_s": max(0.0, cpu - alone) / n / (2 * (len(addrs) - 1)) * pace}
 
 
-def argv_for(h, rank: int, addrs: list[str], port: int) -> list[str]:
-    return [h.python, "-m", "smoltrain.calibration.wire_probe", "--rank", str(rank)] + [
+def argv_for(h, rank: int, addrs: list[str], port: int, window: float = WINDOW) -> list[str]:
+    """The rank, started through the host's warm server (smolnet.warm) that the probe left
+    running: torch is imported there already (about 1.4 s of CPU a host otherwise)."""
+    from smoltrain.run import WORKER_IMPORTS
+
+    warm = ["-m", "smolnet.warm", "--preload", ",".join(WORKER_IMPORTS), "--"]
+    return [h.python, *warm, "smoltrain.calibration.wire_probe", "--rank", str(rank)] + [
         "--addrs",
         ",".join(addrs),
         "--port",
         str(port),
+        "--window",
+        f"{window:g}",
     ]
 
 
-def measure(hosts: list, timeout: float = TIMEOUT, port: int | None = None) -> dict[str, dict]:
+def measure(hosts: list, timeout: float = TIMEOUT, port: int | None = None, window: float = WINDOW) -> dict[str, dict]:
     """{host name: {"message_s": ...}} from one ring over `hosts` (each reached as inventory.Host, over
     its `cluster_ip`); {} when there are fewer than two, and RemoteError/ValueError when a rank
     fails (calibrate then keeps the loopback figures)."""
@@ -97,7 +105,7 @@ def measure(hosts: list, timeout: float = TIMEOUT, port: int | None = None) -> d
     def one(rank: int) -> dict:
         h = hosts[rank]
         with connect(h) as r:
-            res = r.run(argv_for(h, rank, addrs, port), timeout=timeout, stdin=secret)
+            res = r.run(argv_for(h, rank, addrs, port, window), timeout=timeout, stdin=secret)
         if res.rc != 0:
             lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
             raise RemoteError(h.name, lines[-1] if lines else f"wire probe exited {res.rc}")
@@ -108,7 +116,7 @@ def measure(hosts: list, timeout: float = TIMEOUT, port: int | None = None) -> d
     return {h.name: g for h, g in zip(hosts, got)}
 
 
-def apply(hosts: list, doc: dict, say=None, port: int | None = None) -> None:
+def apply(hosts: list, doc: dict, say=None, port: int | None = None, quick: bool = False) -> None:
     """Put the ring's figures in the compute report `doc` as each host's comm_cpu (the loopback
     ones kept as comm_cpu_loopback); a failed ring leaves them, with one line saying why."""
     say = say or (lambda name, what: None)
@@ -117,7 +125,7 @@ def apply(hosts: list, doc: dict, say=None, port: int | None = None) -> None:
     if len(ok) < 2:
         return
     try:
-        got = measure(ok, port=port)
+        got = measure(ok, port=port, window=QUICK_WINDOW if quick else WINDOW)
     except Exception as e:  # the loopback figures still stand
         say(ok[0].name, f"messages between the hosts not measured ({e}); loopback figures kept")
         return

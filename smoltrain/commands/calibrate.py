@@ -34,6 +34,11 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--seconds", type=validate.seconds(60), default=0.3, help="time per measurement (default 0.3)")
     p.add_argument(
+        "--quick",
+        action="store_true",
+        help="with -i or --local: every window at its shortest, about half the time, noisier figures (docs/compute.md)",
+    )
+    p.add_argument(
         "--repeat",
         type=validate.count(20),
         default=1,
@@ -128,6 +133,8 @@ def run(args) -> int:
     elif getattr(args, "kernels", None):
         os.environ["SMOL_KERNELS"] = args.kernels  # each host's probe chooses (calibration.cluster.probe_argv)
 
+    if args.quick and not (getattr(args, "inventory", None) or getattr(args, "local", False)):
+        raise UsageError("--quick: only with -i INVENTORY or --local (the compute report's probe)")
     if args.model and args.model != "none":
         try:
             get_model(args.model)

@@ -169,9 +169,10 @@ class Demo:
     def calibrate(self) -> None:
         self.stages.run(
             f"5. calibrate: every host measured on itself (matmul, memory, timed {MODEL} steps)",
-            # the median of three probes per host (one in quick mode): one probe on a busy machine strays
-            smol(self.py, "smoltrain", "calibrate", "-i", self.inv, "--model", MODEL)
-            + ["--repeat", "1" if self.args.quick else "3", "--out", str(self.compute)],
+            # the median of three probes per host; --quick: one, each window at its shortest (28-34 s
+            # for the four uncapped hosts here, 59 s at the full windows: docs/compute.md)
+            smol(self.py, "smoltrain", "calibrate", "-i", self.inv, "--model", MODEL, "--out", str(self.compute))
+            + (["--repeat", "1", "--quick"] if self.args.quick else ["--repeat", "3"]),
         )
 
     def plan_all(self) -> None:
