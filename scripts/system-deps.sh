@@ -14,7 +14,8 @@ PACKAGES=(openssh-server openssh-client iperf3 iputils-ping ethtool iproute2 kmo
           clang  # a Mac-like build: clang without libomp (tests/test_backends.py)
           python3-venv  # make setup's `python3 -m venv`
           qemu-user-static  # bench/bench_kleidiai.py's emulated arm64 root (scripts/arm64-root.sh)
-          debootstrap nftables  # the fresh-host provisioning test and the firewall role
+          mmdebstrap nftables  # the fresh-host provisioning test and the firewall role
+          debootstrap  # bench/bench_kleidiai.py's arm64 root (scripts/arm64-root.sh)
           python3-apt)  # Ansible's apt module on the sim's hosts (they run this machine's python3)
 
 if [[ "${1:-}" == "--list" ]]; then

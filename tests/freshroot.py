@@ -1,6 +1,6 @@
 """A host whose root is a fresh minimal Debian: what a new Pi or server is before provisioning.
 
-debootstrap (minbase, plus what an OS image ships: python3, openssh-server, sudo, iproute2)
+mmdebstrap (minbase, plus what an OS image ships: python3, openssh-server, sudo, iproute2)
 makes the root once into a cache outside the repository (SMOL_TEST_CACHE, default
 /var/cache/smolcluster-tests); each test run unpacks a fresh copy. sshd runs chrooted into it, in
 a network namespace of its own (a veth to this machine, NAT for apt and pip) and private UTS and
@@ -27,7 +27,7 @@ WHEELS = "/opt/wheels"  # this machine's local torch wheel, bound read-only into
 
 
 def mirror() -> list[str]:
-    """The archive this machine's own apt is set up with, for debootstrap (none found: debootstrap's
+    """The archive this machine's own apt is set up with, for mmdebstrap (none found: mmdebstrap's
     default), so the root is built from where this machine already gets its packages."""
     for f in sorted(Path("/etc/apt/sources.list.d").glob("*.sources")):
         for stanza in f.read_text().split("\n\n"):
@@ -53,28 +53,26 @@ def cache_dir() -> Path:
 
 
 def image() -> Path:
-    """The cached root as a tarball, made by debootstrap on first use (under a lock)."""
+    """The cached root as a tarball, made by mmdebstrap on first use (under a lock). mmdebstrap
+    rather than debootstrap: it writes the tarball itself and took 26 s where debootstrap took 45
+    and its tar a few more (2026-12-07), which a fresh machine's test run pays."""
     d = cache_dir()
     tar = d / f"debian-{SUITE}-minbase.tar"
     with open(d / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if tar.exists():
             return tar
-        work = d / f"root.{os.getpid()}"
-        shutil.rmtree(work, ignore_errors=True)
+        tmp = d / f"root.{os.getpid()}.tar"
         p = subprocess.run(
-            ["debootstrap", "--variant=minbase", f"--include={IMAGE_PACKAGES}", SUITE, str(work), *mirror()],
+            ["mmdebstrap", "--variant=minbase", f"--include={IMAGE_PACKAGES}", SUITE, str(tmp), *mirror()],
             capture_output=True,
             text=True,
             timeout=900,
         )
         if p.returncode != 0:
-            shutil.rmtree(work, ignore_errors=True)
-            raise RuntimeError(f"debootstrap failed: {p.stdout[-2000:]}{p.stderr[-2000:]}")
-        tmp = tar.with_suffix(".tmp")
-        subprocess.run(["tar", "-C", str(work), "-cf", str(tmp), "."], check=True, timeout=300)
+            tmp.unlink(missing_ok=True)
+            raise RuntimeError(f"mmdebstrap failed: {p.stdout[-2000:]}{p.stderr[-2000:]}")
         tmp.rename(tar)
-        shutil.rmtree(work, ignore_errors=True)
         return tar
 
 

@@ -69,7 +69,7 @@ def _inventory(path, fresh: FreshHost, secret, user: str) -> None:
 @pytest.fixture(scope="module")
 def provisioned(tmp_path_factory):
     need_sim()
-    for tool in ("debootstrap", "nft"):
+    for tool in ("mmdebstrap", "nft"):
         need_tool(tool)
     work = tmp_path_factory.mktemp("fresh")
     fresh = FreshHost(work)
