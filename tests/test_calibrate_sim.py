@@ -2,7 +2,9 @@
 
 Whether the measured figures rank the hosts in the order of their caps is a comparison of
 measured times, which a busy machine can reorder: bench/bench_compute.py checks it (its
-calibration check, a row of BENCHMARKS.md's summary), not the tests."""
+calibration check, a row of BENCHMARKS.md's summary), not the tests. What this test holds is read
+from cgroup files, so it runs in `make test`'s parallel phase (the capped probe mostly waits on
+its quota there)."""
 
 from __future__ import annotations
 

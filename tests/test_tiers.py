@@ -7,7 +7,7 @@ from pathlib import Path
 
 import need
 import pytest
-from conftest import FILE_TIER, LOCAL_PLAYBOOKS, QUIET, SIM_FILES, TIER_NAMES, TIERS
+from conftest import FILE_TIER, LOCAL_PLAYBOOKS, NOT_QUIET, QUIET, SIM_FILES, TIER_NAMES, TIERS
 
 HERE = Path(__file__).resolve().parent
 # The only skips allowed outside tests/need.py: a parametrisation that does not apply.
@@ -26,6 +26,9 @@ def test_every_test_file_is_in_exactly_one_tier():
     assert sorted(set(FILE_TIER) - set(files)) == [], "tiers name files that do not exist"
     assert set(TIERS) == set(TIER_NAMES)
     assert sorted(QUIET - set(files)) == [], "QUIET names files that do not exist"
+    for node in NOT_QUIET:  # a test of a QUIET file, defined there
+        f, test = node.split("::")
+        assert f in QUIET and f"\ndef {test}(" in (HERE / f).read_text(), node
 
 
 def test_every_collected_test_has_a_tier(request):
