@@ -26,6 +26,9 @@ os.environ["SMOL_COMPUTE"] = "/nonexistent/smolcluster-tests/compute.json"
 # folder and environment: tests run from many tmp folders, so each server (~150 MB) leaves after
 # a minute idle rather than ten
 os.environ.setdefault("SMOL_WARM_IDLE", "60")
+# `run` draws no loss curve (about 0.6 s of a controller's CPU, ~100 runs in the suite); the test
+# that checks the picture asks for it (test_strategies.test_report_schema_and_png)
+os.environ.setdefault("SMOL_CHARTS", "0")
 # Two pytest-xdist workers share two cores: an OpenMP thread that spins at a barrier holds the
 # core its peer thread needs while the other worker's processes run. A 2-thread tiny8 run beside
 # one busy process ran 222 tokens/s, 7,877 with threads that sleep (bench/results/busy-threads.json);

@@ -328,10 +328,16 @@ def launch(args, early, mesh: str | None) -> int:
     if args.json:
         write_json(args.json, doc)
     png = os.path.join(args.out, f"run-{args.strategy}-{args.backend}-{world}.png")
-    plot_losses(doc, png)
+    # SMOL_CHARTS=0: no picture (scripts, the test suite): matplotlib's import and one drawing
+    # cost a controller about 0.6 s of CPU, most of what it spends
+    drawn = os.environ.get("SMOL_CHARTS", "1") != "0"
+    if drawn:
+        plot_losses(doc, png)
     total = sum(b["bytes"] for b in doc["bytes"])
     console.print(
         f"final loss {doc['final_loss']:.4f}, {doc['tokens_per_s'] or 0:,.0f} tokens/s, "
-        f"{total / 1e6:.2f} MB sent in all; loss curve {png}" + (f"; report {args.json}" if args.json else "")
+        f"{total / 1e6:.2f} MB sent in all"
+        + (f"; loss curve {png}" if drawn else "")
+        + (f"; report {args.json}" if args.json else "")
     )
     return 0
