@@ -63,7 +63,9 @@ class ProcessGroup:
         """`python -m MODULE ARGS` as `python -m smolnet.warm --preload LIST -- MODULE ARGS` when the
         group has a preload list (the client hands its whole environment to the rank); else argv."""
         if self.preload and len(argv) > 2 and argv[1] == "-m":
-            return [argv[0], "-m", "smolnet.warm", "--preload", ",".join(self.preload), "--", *argv[2:]]
+            from smolnet import warm
+
+            return warm.command(argv[0], self.preload, *argv[2:])
         return argv
 
     def _popen(self, argv: list[str], fd: int, env) -> subprocess.Popen:

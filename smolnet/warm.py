@@ -41,6 +41,11 @@ WAIT_S = 180.0  # a server importing torch on a 0.15-core host takes ~10 s; a st
 FORWARD = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
+def command(python: str, preload: list[str], module: str, *args: str) -> list[str]:
+    """The argv that runs `python -m MODULE ARGS` through this host's warm server for `preload`."""
+    return [python, "-m", "smolnet.warm", "--preload", ",".join(preload), "--", module, *args]
+
+
 def folder() -> str:
     """The user's private socket folder (made 0700), or raise OSError when it is not private."""
     d = os.path.expanduser(FOLDER)

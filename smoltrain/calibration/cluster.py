@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable
 from datetime import datetime, timezone
 
+from smolnet import warm
 from smolnet.inventory import Host
 from smolnet.remote import RemoteError, connect
 from smoltrain.calibration import together
@@ -53,8 +54,16 @@ def probe_argv(h: Host, model: str, seconds: float, quick: bool = False) -> list
     one probe per line it reads. Started through the host's warm server of training workers
     (smolnet.warm, the workers' preload list): the probe pays torch's import there once, and the
     runs after it find the server warm instead of paying it again (a 0.15-core host: ~9 s)."""
-    warm = ["-m", "smolnet.warm", "--preload", ",".join(WORKER_IMPORTS), "--"]
-    argv = [h.python, *warm, "smoltrain.calibration.probe", "--serve", "--model", model, "--seconds", f"{seconds:g}"]
+    argv = warm.command(
+        h.python,
+        WORKER_IMPORTS,
+        "smoltrain.calibration.probe",
+        "--serve",
+        "--model",
+        model,
+        "--seconds",
+        f"{seconds:g}",
+    )
     if quick:  # every window at its shortest (probe.QUICK)
         argv.append("--quick")
     if h.threads:

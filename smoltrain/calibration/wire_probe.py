@@ -76,10 +76,10 @@ def rank_main(rank: int, addrs: list[str], port: int, secret: bytes, window: flo
 def argv_for(h, rank: int, addrs: list[str], port: int, window: float = WINDOW) -> list[str]:
     """The rank, started through the host's warm server (smolnet.warm) that the probe left
     running: torch is imported there already (about 1.4 s of CPU a host otherwise)."""
+    from smolnet import warm
     from smoltrain.run import WORKER_IMPORTS
 
-    warm = ["-m", "smolnet.warm", "--preload", ",".join(WORKER_IMPORTS), "--"]
-    return [h.python, *warm, "smoltrain.calibration.wire_probe", "--rank", str(rank)] + [
+    return warm.command(h.python, WORKER_IMPORTS, "smoltrain.calibration.wire_probe", "--rank", str(rank)) + [
         "--addrs",
         ",".join(addrs),
         "--port",
