@@ -140,26 +140,27 @@ def test_quick_without_a_compute_report_is_one_line_and_writes_nothing(tmp_path,
     assert "--quick: only with -i INVENTORY or --local" in capsys.readouterr().err and not out.exists()
 
 
-def test_quick_shortens_every_window_the_probe_and_the_ring_take(monkeypatch):
-    """--quick reaches each host's probe (its argv) and the wire ring (its window), and QUICK
-    is shorter than FULL in every window: one kernel window, the pace and message loops at the
-    shortest window, one window of training steps, fewer layer pairs."""
+def test_quick_shortens_every_window_of_the_probe_and_none_of_the_ring(monkeypatch):
+    """--quick reaches each host's probe (its argv), and QUICK is shorter than FULL in every
+    window: one kernel window, the pace and message loops at the shortest window, one window of
+    training steps, fewer layer pairs. The wire ring keeps its window either way (a shorter one
+    read a higher message cost)."""
     from smoltrain.calibration import cluster, probe, wire_probe
 
     h = _local("a")
     assert "--quick" in cluster.probe_argv(h, "tiny", 0.3, quick=True)
     assert "--quick" not in cluster.probe_argv(h, "tiny", 0.3)
-    assert wire_probe.argv_for(h, 0, ["a", "b"], 9000, wire_probe.QUICK_WINDOW)[-2:] == ["--window", "0.25"]
+    assert wire_probe.argv_for(h, 0, ["a", "b"], 9000)[-2:] == ["--window", f"{wire_probe.WINDOW:g}"]
     q, f = probe.QUICK, probe.FULL
     assert q.kernel < f.kernel and q.pace_s < f.pace_s and q.comm_s < f.comm_s and q.train < f.train
     assert q.pairs < f.pairs and q.pace_s >= probe.WINDOW_MIN and q.comm_s >= probe.WINDOW_MIN
     windows = []
-    monkeypatch.setattr(wire_probe, "measure", lambda hosts, port=None, window=None: windows.append(window) or {})
+    ring = lambda hosts, **kw: windows.append(kw.get("window", wire_probe.WINDOW)) or {}  # noqa: E731
+    monkeypatch.setattr(wire_probe, "measure", ring)
     entry = {"comm_cpu": {"message_s": 1e-4, "bytes_s": 1e9}, "error": None}
     doc = {"hosts": [{"name": "a", **entry}, {"name": "b", **entry}]}
-    wire_probe.apply([h, _local("b")], doc, quick=True)
     wire_probe.apply([h, _local("b")], doc)
-    assert windows == [wire_probe.QUICK_WINDOW, wire_probe.WINDOW]
+    assert windows == [wire_probe.WINDOW]
 
 
 def test_kernel_rate_drops_the_warm_up_and_takes_the_median_window(monkeypatch):

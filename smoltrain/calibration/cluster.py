@@ -155,7 +155,7 @@ def calibrate_hosts(
     """Measure `hosts`; the compute report (failed hosts carry status `failed` and `error`).
     `probe(h, model, seconds)` probes once (default: each host's own session, kept open).
     `sequential`: hosts that share a machine one after another even where their caps fit.
-    `quick`: every window of the probe and the wire ring at its shortest (probe.QUICK)."""
+    `quick`: every window of the probe at its shortest (probe.QUICK); the wire ring keeps its own."""
     sessions = _Sessions(quick) if probe is None else None
     try:
         doc = _calibrate(hosts, model, seconds, progress, probe or sessions, repeats, sequential)
@@ -166,7 +166,7 @@ def calibrate_hosts(
     if sessions is not None:  # real hosts: what a message costs each over the cluster's own links
         from smoltrain.calibration.wire_probe import apply
 
-        apply(hosts, doc, progress, quick=quick)
+        apply(hosts, doc, progress)
     return doc
 
 

@@ -26,8 +26,10 @@ import sys
 import time
 
 SMALL = 96  # floats all-reduced: a small model's hidden state, a few hundred bytes
-WINDOW = 0.5  # seconds per timed loop (rank 0 decides); thirty periods of the sim's slowest host
-QUICK_WINDOW = 0.25  # calibrate --quick's
+# seconds per timed loop (rank 0 decides); thirty periods of the sim's slowest host. --quick keeps it:
+# at 0.25 s the home sim's four hosts read 1.2-1.7x the message cost of 0.5 s in all 8 of 2 runs each
+# (2026-12-07), and one ring a calibrate saves only 0.3 s by it
+WINDOW = 0.5
 TIMEOUT = 120.0
 
 
@@ -116,7 +118,7 @@ def measure(hosts: list, timeout: float = TIMEOUT, port: int | None = None, wind
     return {h.name: g for h, g in zip(hosts, got)}
 
 
-def apply(hosts: list, doc: dict, say=None, port: int | None = None, quick: bool = False) -> None:
+def apply(hosts: list, doc: dict, say=None, port: int | None = None) -> None:
     """Put the ring's figures in the compute report `doc` as each host's comm_cpu (the loopback
     ones kept as comm_cpu_loopback); a failed ring leaves them, with one line saying why."""
     say = say or (lambda name, what: None)
@@ -125,7 +127,7 @@ def apply(hosts: list, doc: dict, say=None, port: int | None = None, quick: bool
     if len(ok) < 2:
         return
     try:
-        got = measure(ok, port=port, window=QUICK_WINDOW if quick else WINDOW)
+        got = measure(ok, port=port)
     except Exception as e:  # the loopback figures still stand
         say(ok[0].name, f"messages between the hosts not measured ({e}); loopback figures kept")
         return

@@ -97,7 +97,7 @@ class Demo:
         inv_dir.mkdir(parents=True)
         self.inv_dir, self.inv = inv_dir, inv_dir / "sim.yml"
         self.links, self.compute = self.out / "links.json", self.out / "compute.json"
-        self.steps = 6 if args.quick else 20
+        self.steps = 6 if args.quick else 12  # plan --compare reads the 9 after the warm-up
         self.skipped: list[str] = []
 
     def common(self) -> list:
@@ -169,10 +169,12 @@ class Demo:
     def calibrate(self) -> None:
         self.stages.run(
             f"5. calibrate: every host measured on itself (matmul, memory, timed {MODEL} steps)",
-            # the median of three probes per host; --quick: one, each window at its shortest (28-34 s
-            # for the four uncapped hosts here, 59 s at the full windows: docs/compute.md)
+            # every window at its shortest (--quick; docs/compute.md), the median of three probes a
+            # host (one for the quick demo): 79-81 s for the four capped hosts here against 125-138 s
+            # at the full windows; a quick and a full calibration of one sim differed by what two full
+            # ones did (median 12% over 12 figures of 4 hosts; 2026-12-07, BENCHMARKS.md's demo section)
             smol(self.py, "smoltrain", "calibrate", "-i", self.inv, "--model", MODEL, "--out", str(self.compute))
-            + (["--repeat", "1", "--quick"] if self.args.quick else ["--repeat", "3"]),
+            + ["--repeat", "1" if self.args.quick else "3", "--quick"],
         )
 
     def plan_all(self) -> None:
