@@ -23,12 +23,9 @@ from smolnet.launcher import ProcessGroup, remote_log
 from smolnet.server import AuthListener
 from smoltrain.infer.config import InferConfig
 from smoltrain.infer.runner import MAX_IDS, RankDied, RequestFailed, Runner, pack_ids, unpack_ids
+from smoltrain.run import WORKER_IMPORTS
 
 MSG = 1
-# what `python -m smoltrain.infer.worker` imports (torch with them): ranks on other hosts start
-# from a warm server there that imported them once (smolnet.warm); local ranks stay direct
-# children of this process (serve watches them as its children)
-INFER_IMPORTS = ["smoltrain.infer.batching", "smoltrain.infer.engine", "smoltrain.infer.runner"]
 log = logging.getLogger("smoltrain.infer")
 __all__ = ["Cluster", "RankDied"]
 
@@ -50,7 +47,10 @@ class Cluster(Runner):
         self.bind, self.control_addr = bind, control_addr
         self.world = cfg.world_size
         remote = all(p.host is not None and not p.host.local for p in placements)
-        self.group = ProcessGroup(secret, log_dir, INFER_IMPORTS if remote else None)  # started by _launch
+        # ranks on other hosts start from the warm server there that the training workers and
+        # calibrate's probes use (smolnet.warm); local ranks stay direct children of this process
+        # (serve watches them as its children)
+        self.group = ProcessGroup(secret, log_dir, WORKER_IMPORTS if remote else None)  # started by _launch
         self.socks: dict[int, socket.socket] = {}
         self.sessions: dict[int, wire.Session] = {}  # every control frame MACed, payload too
         self.messages: queue.Queue = queue.Queue()
