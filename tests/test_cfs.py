@@ -29,9 +29,13 @@ def test_a_period_edge_opens_the_next_period_whatever_the_rounding():
     assert end == pytest.approx(start + 11 * MS)  # 20-21, 21-22, 24-25, 27-28, 30-31
 
 
-def _two(cpu, work, other, wire=1 * MS):
+def _inputs(cpu, work, other, wire=1 * MS):
     stages = [cfs.Stage(work, 0.0, [0.0, 0.0], [0.0, 0.0]), cfs.Stage(other, 0.0, [0.0, 0.0], [0.0, 0.0])]
-    return cfs.chain(stages, [cpu, cfs.Cpu()], [wire], [wire], 1)
+    return stages, [cpu, cfs.Cpu()], [wire], [wire], 1
+
+
+def _two(cpu, work, other, wire=1 * MS):
+    return cfs.chain(*_inputs(cpu, work, other, wire))
 
 
 def test_a_stage_whose_work_fits_its_quota_runs_at_full_speed():
@@ -87,3 +91,23 @@ def test_a_burst_after_the_host_sat_idle_pays_its_wake_and_one_right_after_does_
         1,
     ).compute_s[1]
     assert woken > base
+
+
+def test_a_chain_laid_out_again_is_remembered_by_its_inputs_and_any_change_lays_it_out_anew():
+    """The mesh search asks for the same chain many times: the second answer is the first's
+    (and a caller changing it changes neither), and a change to any input is a new layout."""
+    cfs._MEMO.clear()
+    cpu = cfs.Cpu(pace=4.0, quota_s=2.5 * MS, period_s=10 * MS)
+    first = _two(cpu, 12 * MS, 4 * MS)
+    first.compute_s[0] = -1.0
+    again = _two(cfs.Cpu(pace=4.0, quota_s=2.5 * MS, period_s=10 * MS), 12 * MS, 4 * MS)
+    assert len(cfs._MEMO) == 1 and again.compute_s[0] > 0
+    assert again == cfs._chain(*_inputs(cpu, 12 * MS, 4 * MS))
+    for other in (
+        _two(cfs.Cpu(pace=4.0, quota_s=2.5 * MS, period_s=5 * MS), 12 * MS, 4 * MS),  # the period
+        _two(cfs.Cpu(pace=4.0, quota_s=2.5 * MS, period_s=10 * MS, wake_s=1 * MS), 12 * MS, 4 * MS),  # the wake
+        _two(cpu, 12 * MS, 4 * MS, wire=2 * MS),  # the wire
+        _two(cpu, 13 * MS, 4 * MS),  # the work
+    ):
+        assert other.step_s != again.step_s
+    assert len(cfs._MEMO) == 5
