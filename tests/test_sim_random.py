@@ -117,3 +117,18 @@ def test_sim_up_random_draws_a_fresh_seed_and_shows_it(monkeypatch, capsys, tmp_
     assert isinstance(seen["seed"], int) and 0 <= seen["seed"] <= draw.MAX_SEED
     assert f"scenario random --seed {seen['seed']}" in " ".join(capsys.readouterr().out.split())
     assert main(["sim", "up", "--scenario", "random", "--seed", "77", "--loopback"]) == 0 and seen["seed"] == 77
+
+
+def test_the_model_share_goes_on_the_host_with_the_most_cpu():
+    """Uncapped beats any cap, a larger cap a smaller one, the first of equals wins; the home
+    sim's share is the laptop's (0.65 of a core), not the Pi's (0.15)."""
+    from smolnet.sim.inventory import share_host
+
+    def hosts(*caps):
+        return [{"name": f"h{i}", "cpu_cores": c} for i, c in enumerate(caps)]
+
+    assert share_host(hosts(0.15, 0.25, 0.45, 0.65)) == "h3"
+    assert share_host(hosts(0.5, None, 2.0, None)) == "h1"
+    assert share_host(hosts(0.3, 0.3)) == "h0"
+    home = [s.to_dict() for s in scenario("home")]
+    assert share_host(home) == "laptop"
