@@ -26,9 +26,9 @@ import sys
 import time
 
 SMALL = 96  # floats all-reduced: a small model's hidden state, a few hundred bytes
-# seconds per timed loop (rank 0 decides); thirty periods of the sim's slowest host. --quick keeps it:
-# at 0.25 s the home sim's four hosts read 1.2-1.7x the message cost of 0.5 s in all 8 of 2 runs each
-# (2026-12-07), and one ring a calibrate saves only 0.3 s by it
+# seconds per timed loop (rank 0 decides); thirty periods of the sim's slowest host. The one window,
+# --quick too: at 0.25 s the home sim's four hosts read 1.2-1.7x the message cost of 0.5 s, every
+# host in two calibrations (2026-12-07), for 0.3 s saved a calibrate
 WINDOW = 0.5
 TIMEOUT = 120.0
 
@@ -75,7 +75,7 @@ def rank_main(rank: int, addrs: list[str], port: int, secret: bytes, window: flo
     return {"message_s": max(0.0, cpu - alone) / n / (2 * (len(addrs) - 1)) * pace}
 
 
-def argv_for(h, rank: int, addrs: list[str], port: int, window: float = WINDOW) -> list[str]:
+def argv_for(h, rank: int, addrs: list[str], port: int) -> list[str]:
     """The rank, started through the host's warm server (smolnet.warm) that the probe left
     running: torch is imported there already (about 1.4 s of CPU a host otherwise)."""
     from smolnet import warm
@@ -87,11 +87,11 @@ def argv_for(h, rank: int, addrs: list[str], port: int, window: float = WINDOW) 
         "--port",
         str(port),
         "--window",
-        f"{window:g}",
+        f"{WINDOW:g}",
     ]
 
 
-def measure(hosts: list, timeout: float = TIMEOUT, port: int | None = None, window: float = WINDOW) -> dict[str, dict]:
+def measure(hosts: list, timeout: float = TIMEOUT, port: int | None = None) -> dict[str, dict]:
     """{host name: {"message_s": ...}} from one ring over `hosts` (each reached as inventory.Host, over
     its `cluster_ip`); {} when there are fewer than two, and RemoteError/ValueError when a rank
     fails (calibrate then keeps the loopback figures)."""
@@ -107,7 +107,7 @@ def measure(hosts: list, timeout: float = TIMEOUT, port: int | None = None, wind
     def one(rank: int) -> dict:
         h = hosts[rank]
         with connect(h) as r:
-            res = r.run(argv_for(h, rank, addrs, port, window), timeout=timeout, stdin=secret)
+            res = r.run(argv_for(h, rank, addrs, port), timeout=timeout, stdin=secret)
         if res.rc != 0:
             lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
             raise RemoteError(h.name, lines[-1] if lines else f"wire probe exited {res.rc}")
