@@ -37,6 +37,26 @@ OPS = ("ping", "facts", "echo", "sink_open", "sink_data", "iperf3_server", "thro
 RENEWS = ("ping", "facts", "iperf3_server", "throughput", "rtt", "pmtu", "lease")
 
 
+def _bind_pair(bind: str, port: int, tries: int = 20) -> tuple[socket.socket, socket.socket]:
+    """A TCP and a UDP socket on one port. Port 0 lets the kernel pick TCP's, and another
+    process may hold that number for UDP: pick again rather than fail (a loopback test suite
+    starts hundreds of agents)."""
+    attempts = tries if port == 0 else 1
+    for attempt in range(attempts):
+        tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            tcp.bind((bind, port))
+            udp.bind((bind, tcp.getsockname()[1]))
+            return tcp, udp
+        except OSError:
+            tcp.close()
+            udp.close()
+            if attempt + 1 == attempts:
+                raise
+
+
 class Agent:
     def __init__(
         self,
@@ -66,16 +86,7 @@ class Agent:
         self.started = time.time()
         self.ops: dict[str, int] = {}
         self.stats = {"accepted": 0, "rejected": 0, "errors": 0, "forged": 0, "udp_acked": 0, "udp_dropped": 0}
-        self.tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:
-            self.tcp.bind((bind, port))
-            self.udp.bind((bind, self.tcp.getsockname()[1]))
-        except OSError:
-            self.tcp.close()
-            self.udp.close()
-            raise
+        self.tcp, self.udp = _bind_pair(bind, port)
         self.port = self.tcp.getsockname()[1]
         self.tcp.listen(128)
         self.udp.settimeout(0.5)  # the UDP loop polls `stopping`

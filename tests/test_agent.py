@@ -312,3 +312,34 @@ def test_an_agent_stopped_as_it_starts_stops_cleanly(monkeypatch):
         assert not t.is_alive()
     time.sleep(0.6)  # the UDP thread's poll: 0.5 s
     assert raised == []
+
+
+def test_an_agent_on_port_0_picks_again_when_udp_holds_the_kernels_choice(monkeypatch):
+    """Port 0: the kernel picks TCP's port and the agent wants UDP on the same number, which
+    another process may hold (CI ran 40 agents a test beside a suite full of sockets). Held for
+    real on a named port, the agent refuses; on port 0 it picks again."""
+    import errno
+
+    import smolnet.agent as agent_mod
+
+    port = free_port("127.0.0.21")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as held:
+        held.bind(("127.0.0.21", port))
+        with pytest.raises(OSError):
+            Agent("127.0.0.21", port, SECRET)
+
+    taken = []
+
+    class Busy(socket.socket):  # the first UDP bind finds its number held
+        def bind(self, addr):
+            if self.type == socket.SOCK_DGRAM and not taken:
+                taken.append(addr[1])
+                raise OSError(errno.EADDRINUSE, "Address already in use")
+            return super().bind(addr)
+
+    monkeypatch.setattr(agent_mod.socket, "socket", Busy)
+    a = Agent("127.0.0.21", 0, SECRET)
+    try:
+        assert len(taken) == 1 and a.port == a.udp.getsockname()[1] == a.tcp.getsockname()[1]
+    finally:
+        a.stop()

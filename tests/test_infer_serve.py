@@ -21,6 +21,7 @@ import openai
 import pytest
 import servetools
 from infer_models import make_chat_checkpoint, make_checkpoint, reference
+from ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 KEY = "sk-smol-test"
@@ -342,9 +343,7 @@ def test_serve_command_with_replicas(tmp_path):
     import psutil
 
     path = make_checkpoint(str(tmp_path / "gpt2"), "gpt2", layers=2)
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
+    port = free_port()
     argv = ["serve", "--local", "2", "--replicas", "2", "--max-batch", "2", "--model", path, "--port", str(port)]
     proc = subprocess.Popen([sys.executable, "-m", "smoltrain", *argv], stderr=subprocess.PIPE, text=True)
     lines: list[str] = []

@@ -22,6 +22,7 @@ import openai
 import pytest
 import servetools
 from infer_models import LLAMA3_TEMPLATE, make_chat_checkpoint, make_checkpoint
+from ports import free_port
 
 KEY = "sk-hostile"
 LONG = 12_000  # tokens: with 5-digit ids, ~72 KB of JSON, past the 64 KiB a frame's header may hold
@@ -283,9 +284,7 @@ def test_two_thousand_trickling_connections_are_shed(tmp_path):
         pytest.fail(f"RLIMIT_NOFILE hard limit {hard} < 2300: raise it (ulimit -Hn) to run this test")
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 4096) if hard == resource.RLIM_INFINITY else hard, hard))
     path = make_checkpoint(str(tmp_path / "gpt2"), "gpt2", layers=2)
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
+    port = free_port()
     argv = ["serve", "--strategy", "local", "--model", path, "--port", str(port), "--threads", "1"]
     argv += ["--read-timeout", "30"]  # and the default cap of 256 connections
 
