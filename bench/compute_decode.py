@@ -62,7 +62,15 @@ def run_decode(inv: Path, d: Path, model: Path, strategies=DECODE, rounds: int =
             rows.append({"strategy": s, "error": (why if g is None else "no plan or no decode rate")[:120]})
             continue
         each = g["decode"].get("tokens_per_s_rounds") or [meas]
-        rows.append({"strategy": s, "pred": pred, "meas": meas, "rounds": each, "order": g["placement"]["order"]})
+        row = {"strategy": s, "pred": pred, "meas": meas, "rounds": each, "order": g["placement"]["order"]}
+        terms = g["decode"].get("vs_plan")  # each stage's and the rest's time a token against the plan
+        if terms:
+            row["terms"] = {
+                "stages": {r["name"]: r["ratio"] for r in terms["ranks"]},
+                "rest": terms["rest"]["ratio"],
+                "outside": terms["outside"],
+            }
+        rows.append(row)
     return rows
 
 
@@ -80,17 +88,18 @@ def lines(rows: list[dict]) -> list[str]:
         "",
         f"### decode: {MODEL}, {NEW_TOKENS} new tokens, {ROUNDS} rounds, placement auto",
         "",
-        "| strategy | plan tok/s | measured tok/s | measured/plan | rounds/plan | within 25% | rank order |",
-        "|---|---|---|---|---|---|---|",
+        "| strategy | plan tok/s | measured tok/s | measured/plan | rounds/plan | within 25% | rank order "
+        "| terms outside 25% (measured/plan) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "pred" not in r:
-            out.append(f"| {r['strategy']} | - | - | - | - | - | {r.get('skipped') or r.get('error')} |")
+            out.append(f"| {r['strategy']} | - | - | - | - | - | {r.get('skipped') or r.get('error')} | - |")
             continue
         q = r["meas"] / r["pred"]
         out.append(
             f"| {r['strategy']} | {r['pred']:.1f} | {r['meas']:.1f} | {q:.2f} | {spread(r)} | "
             f"{'yes' if within(r) else 'no'} | "
-            f"{' > '.join(r['order'])} |"
+            f"{' > '.join(r['order'])} | {', '.join((r.get('terms') or {}).get('outside') or []) or '-'} |"
         )
     return out

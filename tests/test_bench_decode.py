@@ -35,6 +35,9 @@ def test_every_strategy_decodes_the_rounds_asked_for(monkeypatch, tmp_path):
             "decode": {"tokens_per_s": sum(rates) / rounds, "tokens_per_s_rounds": rates},
             "placement": {"order": ["a", "b"]},
         }
+        if "pp" in argv:  # generate's terms against the plan: a's stage 2x slow
+            stage = [{"name": n, "ratio": x} for n, x in (("a", 2.0), ("b", 1.1))]
+            doc["decode"]["vs_plan"] = {"ranks": stage, "rest": {"ratio": 0.6}, "outside": ["stage on a x2.00"]}
         Path(argv[argv.index("--json") + 1]).write_text(json.dumps(doc))
         return subprocess.CompletedProcess(argv, 0, "", "")
 
@@ -43,3 +46,7 @@ def test_every_strategy_decodes_the_rounds_asked_for(monkeypatch, tmp_path):
     assert [a[a.index("--strategy") + 1] for a in seen] == ["pp", "tp"]
     assert [a[a.index("--rounds") + 1] for a in seen] == ["3", "3"]  # not the first run's rates
     assert [len(r["rounds"]) for r in rows] == [3, 3] and all("error" not in r for r in rows)
+    assert rows[0]["terms"] == {"stages": {"a": 2.0, "b": 1.1}, "rest": 0.6, "outside": ["stage on a x2.00"]}
+    assert "terms" not in rows[1]
+    table = mod.lines(rows)
+    assert table[-2].endswith("| stage on a x2.00 |") and table[-1].endswith("| - |")

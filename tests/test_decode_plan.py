@@ -118,3 +118,29 @@ def test_repeated_probes_keep_the_median_engine_step():
         for x in (4e-4, 1e-4, 2e-4)
     ]
     assert median_probe(docs)["decode_engine_s"] == 2e-4
+
+
+def test_the_decode_token_is_judged_term_by_term():
+    """generate's vs_plan: a rate on plan can hide a stage twice as slow beside hops twice as
+    fast. A pp chain's stages add up, tp's lockstep waits for its slowest; the rest of the token
+    is messages and hops, each judged as plan --compare judges a training rank's terms."""
+    from smoltrain.infer.report import vs_plan, vs_plan_line
+
+    plan = {"step_s": 0.004, "ranks": [{"name": "a", "compute_s": 0.001}, {"name": "b", "compute_s": 0.001}]}
+    per = {"a": {"work_wall_ms": 2.0}, "b": {"work_wall_ms": 1.0}}
+    decode = {"tokens_per_s": 250.0, "per_rank": per}  # 4 ms a token, as planned
+    pp = vs_plan(plan, decode, "pp")
+    assert [(r["name"], round(r["ratio"], 2), r["verdict"]) for r in pp["ranks"]] == [
+        ("a", 2.0, "outside"),
+        ("b", 1.0, "within"),
+    ]
+    assert pp["rest"]["planned_s"] == pytest.approx(0.002) and pp["rest"]["measured_s"] == pytest.approx(0.001)
+    assert pp["outside"] == ["stage on a x2.00", "messages and hops x0.50"]
+    tp = vs_plan(plan, decode, "tp")  # the slowest stage: 3 ms planned and 2 ms measured for the rest
+    assert tp["rest"]["planned_s"] == pytest.approx(0.003) and tp["rest"]["measured_s"] == pytest.approx(0.002)
+    assert "stage a 2.00 ms (plan 1.00, x2.00)" in vs_plan_line(pp)
+    # nothing to judge: no plan, no timed plan, a rank the plan does not name, a mesh
+    assert vs_plan(None, decode, "pp") is None
+    assert vs_plan({**plan, "step_s": None}, decode, "pp") is None
+    assert vs_plan(plan, {**decode, "per_rank": {"a": per["a"]}}, "pp") is None
+    assert vs_plan(plan, decode, "pp", mesh="pp=2,tp=2") is None

@@ -87,6 +87,13 @@ def test_split_matches_transformers(models, tmp_path, arch, strategy, world, mon
         # whole, one message a call (a plan of the ring's two rounds charged twice the latency)
         planned = {ln["src"]: ln["messages_per_step"] for ln in doc["plan"]["links"]}
         assert planned == calls
+    # the token's terms against the plan's: every rank's stage, and the rest of the token
+    v = doc["decode"]["vs_plan"]
+    assert [r["name"] for r in v["ranks"]] == [f"rank{r}" for r in range(world)]
+    assert v["token"]["measured_s"] == pytest.approx(1 / doc["decode"]["tokens_per_s"])
+    chain = sum if strategy == "pp" else max
+    staged = chain(r["measured_s"] for r in v["ranks"])
+    assert v["rest"]["measured_s"] == pytest.approx(max(0.0, v["token"]["measured_s"] - staged))
     sent = {(x["src"], x["dst"]): x["bytes"] for x in doc["links"]}
     if strategy == "pp":  # the prompt's hidden states, each decode step, a header each; ids back
         assert sent[("rank0", "rank1")] == (len(PROMPT) + steps) * h * a + (1 + steps) * 32

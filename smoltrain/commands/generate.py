@@ -141,6 +141,8 @@ def run(args) -> int:
     elif plan and "bytes_per_token" in plan:
         line += f" (plan: {plan['tokens_per_s']:,.1f} tok/s, {plan['bytes_per_token']:,.0f} B/token)"
     print(line, file=sys.stderr)
+    if d["vs_plan"] and setup.cfg.world_size > 1:
+        print(report.vs_plan_line(d["vs_plan"]), file=sys.stderr)
     if args.json:
         from smolnet.files import write_json_atomic
 

@@ -258,6 +258,11 @@ def generation(demo) -> list[str]:
             f"{d['decode']['bytes_per_token'] or 0:,.0f} ({p.get('bytes_per_token') or 0:,.0f}) | "
             f"{_ms(d['ttft_s'])} | `{text}` |"
         )
+    from smoltrain.infer.report import vs_plan_line
+
+    terms = [f"- {d['strategy']}: {vs_plan_line(v)}" for d in rows if (v := d["decode"].get("vs_plan"))]
+    if terms:  # a rate on plan can hide a stage off it: each term beside its plan
+        lines += ["", "Where each token's time went:", "", *terms]
     return lines + [""]
 
 

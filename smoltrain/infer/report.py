@@ -123,7 +123,7 @@ def build(
     for r, s in enumerate(stats):
         for dst, n in s.get("links", []):
             links.append({"src": cfg.names[r], "dst": cfg.names[int(dst)], "bytes": int(n)})
-    return {
+    doc = {
         "schema": "smoltrain.generate/1",
         "strategy": cfg.strategy,
         "mesh": _mesh(cfg.mesh),
@@ -170,6 +170,43 @@ def build(
         "links": links,
         "plan": plan,
     }
+    doc["decode"]["vs_plan"] = vs_plan(plan, doc["decode"], cfg.strategy, cfg.mesh)
+    return doc
+
+
+def vs_plan(plan: dict | None, decode: dict, strategy: str, mesh=None) -> dict | None:
+    """The decode token's terms against the plan's, per token: each rank's own work (its stage,
+    and what the engine does around it: the step's wall time less its messages') and the rest
+    of the token (messages and hops: the token's time less the stages' work, their sum for a pp
+    chain, the slowest for tp's lockstep), each judged as `plan --compare` judges a training
+    rank's. A rate within its plan can hide a stage 2x slow beside a hop 2x fast (issue 36);
+    None without a timed plan, or for a mesh (its stages run tp groups)."""
+    from smoltrain.planner.compare import term_verdict
+
+    rate, ranks = decode.get("tokens_per_s"), (plan or {}).get("ranks") or []
+    if mesh or not rate or not ranks or not plan.get("step_s") or any(r.get("compute_s") is None for r in ranks):
+        return None
+    got = decode.get("per_rank") or {}
+    if any(r.get("name") not in got for r in ranks):
+        return None
+    token_s, step_s = 1 / rate, plan["step_s"]
+    rows, outside = [], []
+    for r in ranks:
+        measured = got[r["name"]]["work_wall_ms"] / 1e3
+        ratio, verdict = term_verdict(r["compute_s"], measured, step_s)
+        row = {"name": r["name"], "planned_s": r["compute_s"], "measured_s": measured, "ratio": ratio}
+        rows.append({**row, "verdict": verdict})
+    chain = sum if strategy in ("pp", "local") else max
+    planned_rest = max(0.0, step_s - chain(r["planned_s"] for r in rows))
+    measured_rest = max(0.0, token_s - chain(r["measured_s"] for r in rows))
+    ratio, verdict = term_verdict(planned_rest, measured_rest, step_s)
+    rest = {"planned_s": planned_rest, "measured_s": measured_rest, "ratio": ratio, "verdict": verdict}
+    for r in rows:
+        if r["verdict"] == "outside":
+            outside.append(f"stage on {r['name']} x{r['ratio']:.2f}")
+    if verdict == "outside":
+        outside.append(f"messages and hops x{ratio:.2f}")
+    return {"token": {"planned_s": step_s, "measured_s": token_s}, "ranks": rows, "rest": rest, "outside": outside}
 
 
 def per_rank(names: list[str], stats: list[dict], steps: int) -> dict:
@@ -202,3 +239,14 @@ def _mesh(text: str | None) -> dict | None:
     from smoltrain.mesh import parse
 
     return parse(text, None).report() if text else None
+
+
+def vs_plan_line(v: dict) -> str:
+    """vs_plan in one line: each stage's and the rest's time a token, measured against planned."""
+
+    def term(what: str, t: dict) -> str:
+        x = f", x{t['ratio']:.2f}" if t["ratio"] else ""
+        return f"{what} {t['measured_s'] * 1e3:.2f} ms (plan {t['planned_s'] * 1e3:.2f}{x})"
+
+    parts = [term(f"stage {r['name']}", r) for r in v["ranks"]] + [term("messages and hops", v["rest"])]
+    return "per token against the plan: " + ", ".join(parts)
