@@ -252,7 +252,7 @@ def test_a_decode_chain_on_quota_hosts_takes_the_longer_of_its_full_speed_trip_a
     host's work is its 4 ms stage plus 3 messages x 1 ms = 7 ms; the free host's 1 ms + 3 x
     0.1. A token crosses at full speed in 7 x 0.25 + 1.3 ms plus the wire (3 latencies and
     the bytes), under 7: the capped host's pace sets the step. The uncapped sum would be
-    7 + 1.3 + wire. A chain without quota hosts keeps the sum (None here)."""
+    7 + 1.3 + wire, as a chain without quota hosts takes it."""
     from smoltrain.planner.devices import get_device
     from smoltrain.planner.ranks import Rank
     from smoltrain.planner.traffic import traffic
@@ -272,7 +272,10 @@ def test_a_decode_chain_on_quota_hosts_takes_the_longer_of_its_full_speed_trip_a
     fast = Rank("a", gen, 1e9, comm_cpu={"message_s": 1e-3, "bytes_s": 1e12}, cpu_quota=(9e-3, 10e-3))
     trip = busiest * 0.9 + 1e-3 + 3 * 1e-4 + moved / 1e12 / 2 + wire  # at 0.9 cores the trip is longer
     assert cpu_quota.decode_chain([4e-3, 1e-3], [fast, free], tr, names, lm) == pytest.approx(trip)
-    assert cpu_quota.decode_chain([4e-3, 1e-3], [free, free], tr, names, lm) is None
+    free_a = Rank("a", gen, 1e9, comm_cpu={"message_s": 1e-3, "bytes_s": 1e12})  # no quota: the sum
+    uncapped = busiest + 1e-3 + 3 * 1e-4 + moved / 1e12 / 2 + wire
+    assert cpu_quota.decode_chain([4e-3, 1e-3], [free_a, free], tr, names, lm) == pytest.approx(uncapped)
+    assert not cpu_quota.held_back([free_a, free]) and cpu_quota.held_back([held, free])
     # a cap the host cannot read, and no cycle seen: held back at pace 4, it bursts all the same
     hidden = Rank("a", gen, 1e9, comm_cpu={"message_s": 1e-3, "bytes_s": 1e12}, pace=4.0)
     assert cpu_quota.decode_chain([4e-3, 1e-3], [hidden, free], tr, names, lm) == pytest.approx(busiest)

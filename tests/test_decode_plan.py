@@ -14,7 +14,7 @@ import pytest
 from smoltrain.models.spec import get_model
 from smoltrain.planner import capacity, rank_time
 from smoltrain.planner import compute as measured
-from smoltrain.planner.links import Link, from_class
+from smoltrain.planner.links import from_class
 from smoltrain.planner.plan import make_plan
 from smoltrain.planner.ranks import resolve_ranks, share_machine
 
@@ -66,13 +66,14 @@ def test_pp_decode_is_the_sum_of_stages_engines_and_hops(tmp_path):
     """tiny over two stages, 3 layers each: each stage pays its reads, 3 x the layer cost and one
     engine step; the hop carries the hidden state (96 fp32) and the step's 32-byte header as
     two messages, and the sampled token (8 bytes) comes back as one; a message costs the
-    link's one-way latency plus the ends' CPU per message, bytes go at the slower of the wire
-    and the ends' CPU. A token is the sum of all of it: nothing overlaps with one sequence."""
+    wire's one-way latency plus each end's CPU per message, in turn (the receiver slept), and
+    a byte the wire's time plus half a ring step's CPU at each end. A token is the sum of all
+    of it: nothing overlaps with one sequence."""
     ranks = ranks_of(tmp_path)
     assert [rk.device.decode_engine_s for rk in ranks] == [ENGINE_S, ENGINE_S]
     wire = from_class("1gbe").default
-    seen = Link(min(wire.rate_mbit, BYTES_S * 8 / 1e6), wire.rtt_us + 2e6 * MESSAGE_S)
-    hops = seen.seconds(96 * 4 + 32, 2) + seen.seconds(8, 1)
+    moved = 96 * 4 + 32 + 8
+    hops = wire.seconds(96 * 4 + 32, 2) + wire.seconds(8, 1) + 2 * (3 * MESSAGE_S + moved / BYTES_S / 2)
     stages = [reads(rk, "pp", r) + 3 * LAYER_S + ENGINE_S for r, rk in enumerate(ranks)]
     doc = make_plan("pp", get_model("tiny"), 2, mode="infer", seq=64, ranks=ranks, lm=from_class("1gbe"))
     assert doc["compute_s_per_rank"] == pytest.approx(stages, rel=1e-9)
@@ -138,6 +139,8 @@ def test_the_decode_token_is_judged_term_by_term():
     assert pp["outside"] == ["stage on a x2.00", "messages and hops x0.50"]
     tp = vs_plan(plan, decode, "tp")  # the slowest stage: 3 ms planned and 2 ms measured for the rest
     assert tp["rest"]["planned_s"] == pytest.approx(0.003) and tp["rest"]["measured_s"] == pytest.approx(0.002)
+    # the plan's own communication where it gives one (a quota chain's stages burst faster than at pace)
+    assert vs_plan({**plan, "comm_s_per_step": 0.0015}, decode, "pp")["rest"]["planned_s"] == 0.0015
     assert "stage a 2.00 ms (plan 1.00, x2.00)" in vs_plan_line(pp)
     # nothing to judge: no plan, no timed plan, a rank the plan does not name, a mesh
     assert vs_plan(None, decode, "pp") is None

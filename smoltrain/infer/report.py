@@ -178,9 +178,11 @@ def vs_plan(plan: dict | None, decode: dict, strategy: str, mesh=None) -> dict |
     """The decode token's terms against the plan's, per token: each rank's own work (its stage,
     and what the engine does around it: the step's wall time less its messages') and the rest
     of the token (messages and hops: the token's time less the stages' work, their sum for a pp
-    chain, the slowest for tp's lockstep), each judged as `plan --compare` judges a training
-    rank's. A rate within its plan can hide a stage 2x slow beside a hop 2x fast (issue 36);
-    None without a timed plan, or for a mesh (its stages run tp groups)."""
+    chain, the slowest for tp's lockstep; planned: the plan's communication), each judged as
+    `plan --compare` judges a training rank's. The plan's stages are each rank's at its pace; on
+    a quota host the chain runs them in bursts, faster. A rate within its plan can hide a stage
+    2x slow beside a hop 2x fast (issue 36); None without a timed plan, or for a mesh (its
+    stages run tp groups)."""
     from smoltrain.planner.compare import term_verdict
 
     rate, ranks = decode.get("tokens_per_s"), (plan or {}).get("ranks") or []
@@ -197,7 +199,9 @@ def vs_plan(plan: dict | None, decode: dict, strategy: str, mesh=None) -> dict |
         row = {"name": r["name"], "planned_s": r["compute_s"], "measured_s": measured, "ratio": ratio}
         rows.append({**row, "verdict": verdict})
     chain = sum if strategy in ("pp", "local") else max
-    planned_rest = max(0.0, step_s - chain(r["planned_s"] for r in rows))
+    planned_rest = plan.get("comm_s_per_step")  # on quota hosts the stages burst: the plan's own split
+    if planned_rest is None:
+        planned_rest = max(0.0, step_s - chain(r["planned_s"] for r in rows))
     measured_rest = max(0.0, token_s - chain(r["measured_s"] for r in rows))
     ratio, verdict = term_verdict(planned_rest, measured_rest, step_s)
     rest = {"planned_s": planned_rest, "measured_s": measured_rest, "ratio": ratio, "verdict": verdict}

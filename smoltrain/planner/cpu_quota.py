@@ -5,7 +5,9 @@ period it is enforced over (`cpu_limit_cores` and `cpu_period_s`), or whose busy
 a throttle cycle (`cpu_cycle`: a hidden cap), gets `Rank.cpu_quota` (HostCompute.quota()),
 and a comm cost flagged `quota` (a cap below the cores a rank needs for compute plus sends).
 Everything else (an uncapped Pi or Mac, a rank sharing a machine) never reaches these terms,
-and the plan for it is the plain alpha-beta and FLOP model of timing.py and capacity.py.
+and the plan for it is the plain alpha-beta and FLOP model of timing.py and capacity.py, but
+for a batch-1 decode chain, whose one rule (decode_chain) holds capped or not: a quota only
+makes its stages burst.
 
 Behaviours of CFS, measured on the sim and standard Linux semantics:
 
@@ -44,21 +46,24 @@ def _burst_share(rk) -> float | None:
     return 1 / rk.pace if rk.pace > HELD_BACK else None
 
 
-def decode_chain(stage_s: list, ranks: list, tr, names: list[str], wire) -> float | None:
-    """Seconds per token of a batch-1 decode chain (pp) with a host held back among its ranks
-    (a quota, read or hidden); None when none is. Each rank's work per token is its stage plus its
-    messages, all at the rank's pace as measured. A message handled costs a whole ring
-    step's `message_s` (comm_cpu: one sent and one received), not half: in a chain every
-    message wakes a peer that slept a whole trip, and on the home sim a pp rank spent
-    0.109-0.134 ms CPU a message sent or received where a tp rank of the same run spent
-    0.094-0.127 ms a ring step (generate --json decode.per_rank; issue 36). A byte moved
-    costs each end half a ring step's. A token crosses
-    every stage in turn at full speed (a quota host's pace times its cap) plus the wire's
-    latency and bytes; over many tokens a quota host does its own work at no more than its
-    cap: its pace. The longer of the two."""
+def held_back(ranks: list) -> bool:
+    """Whether any rank runs held back (a quota, read or hidden): its chain runs in bursts."""
+    return any(_burst_share(rk) is not None for rk in ranks)
+
+
+def decode_chain(stage_s: list, ranks: list, tr, names: list[str], wire) -> float:
+    """Seconds per token of a batch-1 decode chain (pp). Each rank's work per token is its
+    stage plus its messages, all at the rank's pace as measured. A message handled costs a
+    whole ring step's `message_s` (comm_cpu: one sent and one received) at each end, not half
+    and not the slower end's alone: in a chain every message wakes a peer that slept a whole
+    trip, and sender and receiver pay in turn. On the home sim a pp rank spent 0.109-0.134 ms
+    CPU a message sent or received where a tp rank of the same run spent 0.094-0.127 ms a ring
+    step; on `cores`, uncapped, 0.13-0.15 ms against a calibrated 0.115 (generate --json
+    decode.per_rank; issue 36). A byte moved costs each end half a ring step's. A token
+    crosses every stage in turn at full speed (a quota host's pace times its cap; any other
+    host's pace) plus the wire's latency and bytes; over many tokens a quota host does its own
+    work at no more than its cap: its pace. The longer of the two."""
     full = [_burst_share(rk) for rk in ranks]
-    if all(f is None for f in full):
-        return None
     msgs, nbytes = tr.link_msgs(), tr.link_bytes()
     chain, busiest = 0.0, 0.0
     for i, rk in enumerate(ranks):

@@ -114,15 +114,18 @@ def layers(s: Setting) -> StepTime:
     """A chain of stages. Training: the GPipe schedule over the boundary hops (timing.pipeline),
     plus whatever else crosses (tied embeddings); on CPU-quota hosts the schedule is laid out on
     each host's periods (cfs.py), which gives each stage's compute as it runs in bursts. Decode:
-    the stages one after another (on quota hosts, cpu_quota.decode_chain)."""
+    the stages one after another, each message paid at both ends (cpu_quota.decode_chain; on
+    quota hosts in bursts)."""
     cc = timing.comm_cost(s.tr, s.names, s.lm)
     if s.world == 1:
         return StepTime(max(s.compute_s), cc.total_s, cc)
     stage = list(s.compute_s)
     if not s.train:
-        t = cpu_quota.decode_chain(stage, s.ranks, s.tr, s.names, s.wire)
-        if t is None or not math.isfinite(cc.total_s):
+        if not math.isfinite(cc.total_s):
             return StepTime(sum(stage), cc.total_s, cc)
+        t = cpu_quota.decode_chain(stage, s.ranks, s.tr, s.names, s.wire)
+        if not cpu_quota.held_back(s.ranks):  # the stages as timed; their messages and hops the rest
+            return StepTime(sum(stage), max(0.0, t - sum(stage)), cc)
         f = t / (sum(stage) + cc.total_s)  # the same parts, run in bursts: each in proportion
         return StepTime(sum(stage) * f, cc.total_s * f, cc)
     mb = s.batch * s.seq * s.model.hidden * dtype_bytes(s.dtype) / s.microbatches
