@@ -146,3 +146,32 @@ def test_the_plan_counts_the_transports_all_reduce_rounds_and_bytes(world, numel
         assert planned[0].repeat == len(sends)
         sent = sum(len(v) for _, v, _ in sends)
         assert sum(t.nbytes for t in planned[0].transfers if t.src == r) * planned[0].repeat == pytest.approx(sent)
+
+
+def test_a_serve_pp_group_of_one_row_is_the_infer_plans_chain():
+    """A pp group serving one request is the infer plan's decode chain: the same stages, each
+    message paid at both ends, the same wire (cpu_quota.decode_chain for both)."""
+    from smoltrain.planner import serve
+    from smoltrain.planner.plan import make_plan
+
+    m, ranks, lm = _tp_group()
+    names = [rk.name for rk in ranks]
+    got = serve.group_step(m, ranks, names, lm, "pp", "fp32", 1, 256, pad=1)
+    by = {rk.name: rk for rk in ranks}
+    cut = {"order": got["order"], "layers": got["layers"]}
+    infer = make_plan(
+        "pp",
+        m,
+        3,
+        "fp32",
+        1,
+        256,
+        mode="infer",
+        ranks=[by[n] for n in got["order"]],
+        lm=lm,
+        single=False,
+        placement=cut,
+    )
+    assert got["lanes"] == 1 and got["step_s"] == pytest.approx(infer["step_s"])
+    # five messages a token (two a hop down the chain, the token id back), each paid at both ends
+    assert infer["comm_s_per_step"] > 2 * 5 * 3e-4

@@ -17,7 +17,7 @@ serves its share of the requests batched (at most `max_batch`):
 
 A group is the infer plan of those hosts at n rows: the same placement search (a pp cut, a
 tp ring order), each rank's own KV cache (a tp rank holds its heads' share), and the same
-messages (traffic.py, at the wire dtype) timed on the same CPU-adjusted links.
+messages (traffic.py, at the wire dtype) timed the same way (a pp trip: cpu_quota.decode_chain).
 
 Replicas add up; the router keeps their open requests equal, so each of R groups serves
 C/R. Per-request latency is the round of its group. Time to first token is for C requests
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 
-from smoltrain.planner import capacity, rank_time, timing
+from smoltrain.planner import capacity, cpu_quota, rank_time, timing
 from smoltrain.planner.placement import PlacementError
 from smoltrain.planner.traffic import traffic
 
@@ -98,8 +98,9 @@ def group_step(
     """A group serving `rows` requests at once: round seconds (each request's time per token),
     tokens/s, prefill seconds per prompt token, what bounds it, and whether it fits. The group
     is the infer plan at these rows: its placement (`group_placement`; `placement`: even or
-    auto), each rank's KV cache per sequence, and its messages (traffic, `wire` dtype) timed on
-    the CPU-adjusted links (compute.cpu_links), as `plan --mode infer` times them."""
+    auto), each rank's KV cache per sequence, and its messages (traffic, `wire` dtype) timed as
+    `plan --mode infer` times them: tp's on the CPU-adjusted links (compute.cpu_links), a pp
+    token's trip down the chain by cpu_quota.decode_chain."""
     from smoltrain.planner.compute import cpu_links
 
     k = len(ranks)
@@ -130,11 +131,12 @@ def group_step(
         step = compute + comm
         bound = "link" if comm > compute else max(t)[1]
         pre = max(prefill) + comm
-    else:
-        trip = sum(x for x, _ in t) + comm
-        busy = lanes * max(x for x, _ in t)
+    else:  # a request's token crosses the chain as the infer plan's does (cpu_quota.decode_chain)
+        stages = [x for x, _ in t]
+        trip = cpu_quota.decode_chain(stages, ranks, tr, names, lm) if k > 1 else stages[0]
+        busy = lanes * max(stages)
         step = max(trip, busy)
-        bound = "link" if comm > sum(x for x, _ in t) else max(t)[1]
+        bound = "link" if trip - sum(stages) > sum(stages) else max(t)[1]
         pre = sum(prefill) + comm
     return {
         "step_s": step,
