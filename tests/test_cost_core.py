@@ -81,6 +81,17 @@ def _tp_group():
     return get_model("gpt2-124m"), ranks, LinkModel({"kind": "test"}, links)
 
 
+def _infer_plan(strategy: str, m, ranks, lm, cut: dict, **widths) -> dict:
+    """plan --mode infer of one fp32 sequence at 256 positions over the cut's hosts in its order."""
+    from smoltrain.planner.plan import make_plan
+
+    by = {rk.name: rk for rk in ranks}
+    order = [by[n] for n in cut["order"]]
+    return make_plan(
+        strategy, m, 3, "fp32", 1, 256, mode="infer", ranks=order, lm=lm, single=False, placement=cut, **widths
+    )
+
+
 def test_a_serve_tp_group_is_the_infer_plan_of_that_group():
     """plan --mode serve's tp group and plan --mode infer over the same hosts: the same ring
     order, the same KV cache per rank (a head share's, times the rows), the same messages
@@ -88,7 +99,6 @@ def test_a_serve_tp_group_is_the_infer_plan_of_that_group():
     from smoltrain.planner import serve
     from smoltrain.planner.compute import cpu_links
     from smoltrain.planner.placement_plan import Ask, place_dict, search
-    from smoltrain.planner.plan import make_plan
 
     m, ranks, lm = _tp_group()
     names = [rk.name for rk in ranks]
@@ -96,21 +106,7 @@ def test_a_serve_tp_group_is_the_infer_plan_of_that_group():
     for wire in ("int8", None):
         widths = {"wire_dtype": wire} if wire else {}
         cut = place_dict(search(Ask("tp", "auto", m, ranks, lm, "infer", "fp32", 1, 256, widths=widths or None)))
-        by = {rk.name: rk for rk in ranks}
-        infer = make_plan(
-            "tp",
-            m,
-            3,
-            "fp32",
-            1,
-            256,
-            mode="infer",
-            ranks=[by[n] for n in cut["order"]],
-            lm=lm,
-            single=False,
-            placement=cut,
-            **widths,
-        )
+        infer = _infer_plan("tp", m, ranks, lm, cut, **widths)
         assert cut["order"] != names  # the search turned the ring round; serve must follow it
         got = serve.group_step(m, ranks, names, lm, "tp", "fp32", 1, 256, pad=1, placement="auto", wire=wire)
         assert got["order"] == cut["order"]
@@ -152,26 +148,11 @@ def test_a_serve_pp_group_of_one_row_is_the_infer_plans_chain():
     """A pp group serving one request is the infer plan's decode chain: the same stages, each
     message paid at both ends, the same wire (cpu_quota.decode_chain for both)."""
     from smoltrain.planner import serve
-    from smoltrain.planner.plan import make_plan
 
     m, ranks, lm = _tp_group()
     names = [rk.name for rk in ranks]
     got = serve.group_step(m, ranks, names, lm, "pp", "fp32", 1, 256, pad=1)
-    by = {rk.name: rk for rk in ranks}
-    cut = {"order": got["order"], "layers": got["layers"]}
-    infer = make_plan(
-        "pp",
-        m,
-        3,
-        "fp32",
-        1,
-        256,
-        mode="infer",
-        ranks=[by[n] for n in got["order"]],
-        lm=lm,
-        single=False,
-        placement=cut,
-    )
+    infer = _infer_plan("pp", m, ranks, lm, {"order": got["order"], "layers": got["layers"]})
     assert got["lanes"] == 1 and got["step_s"] == pytest.approx(infer["step_s"])
     # five messages a token (two a hop down the chain, the token id back), each paid at both ends
     assert infer["comm_s_per_step"] > 2 * 5 * 3e-4
