@@ -183,8 +183,6 @@ def vs_plan(plan: dict | None, decode: dict, strategy: str, mesh=None) -> dict |
     a quota host the chain runs them in bursts, faster. A rate within its plan can hide a stage
     2x slow beside a hop 2x fast (issue 36); None without a timed plan, or for a mesh (its
     stages run tp groups)."""
-    from smoltrain.planner.compare import term_verdict
-
     rate, ranks = decode.get("tokens_per_s"), (plan or {}).get("ranks") or []
     if mesh or not rate or not ranks or not plan.get("step_s") or any(r.get("compute_s") is None for r in ranks):
         return None
@@ -192,25 +190,23 @@ def vs_plan(plan: dict | None, decode: dict, strategy: str, mesh=None) -> dict |
     if any(r.get("name") not in got for r in ranks):
         return None
     token_s, step_s = 1 / rate, plan["step_s"]
-    rows, outside = [], []
-    for r in ranks:
-        measured = got[r["name"]]["work_wall_ms"] / 1e3
-        ratio, verdict = term_verdict(r["compute_s"], measured, step_s)
-        row = {"name": r["name"], "planned_s": r["compute_s"], "measured_s": measured, "ratio": ratio}
-        rows.append({**row, "verdict": verdict})
+    rows = [{"name": r["name"], **_term(r["compute_s"], got[r["name"]]["work_wall_ms"] / 1e3, step_s)} for r in ranks]
     chain = sum if strategy in ("pp", "local") else max
     planned_rest = plan.get("comm_s_per_step")  # on quota hosts the stages burst: the plan's own split
     if planned_rest is None:
         planned_rest = max(0.0, step_s - chain(r["planned_s"] for r in rows))
-    measured_rest = max(0.0, token_s - chain(r["measured_s"] for r in rows))
-    ratio, verdict = term_verdict(planned_rest, measured_rest, step_s)
-    rest = {"planned_s": planned_rest, "measured_s": measured_rest, "ratio": ratio, "verdict": verdict}
-    for r in rows:
-        if r["verdict"] == "outside":
-            outside.append(f"stage on {r['name']} x{r['ratio']:.2f}")
-    if verdict == "outside":
-        outside.append(f"messages and hops x{ratio:.2f}")
+    rest = _term(planned_rest, max(0.0, token_s - chain(r["measured_s"] for r in rows)), step_s)
+    outside = [f"stage on {r['name']} x{r['ratio']:.2f}" for r in rows if r["verdict"] == "outside"]
+    if rest["verdict"] == "outside":
+        outside.append(f"messages and hops x{rest['ratio']:.2f}")
     return {"token": {"planned_s": step_s, "measured_s": token_s}, "ranks": rows, "rest": rest, "outside": outside}
+
+
+def _term(planned: float, measured: float, step_s: float) -> dict:
+    from smoltrain.planner.compare import term_verdict
+
+    ratio, verdict = term_verdict(planned, measured, step_s)
+    return {"planned_s": planned, "measured_s": measured, "ratio": ratio, "verdict": verdict}
 
 
 def per_rank(names: list[str], stats: list[dict], steps: int) -> dict:
